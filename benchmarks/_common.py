@@ -1,0 +1,43 @@
+"""Shared plumbing for the benchmark scripts: where results go and what machine measured them.
+
+Each ``bench_*.py`` prints its table and calls :func:`write_result` with a Markdown section;
+``run_all.py`` runs every script and joins the sections into ``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine_description() -> str:
+    """One line naming the CPU/GPU, core count and library versions the figures come from."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    import lightning
+
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {gpu}; torch {torch.__version__}, "
+        f"lightning {lightning.__version__}, Python {platform.python_version()}"
+    )
+
+
+def write_result(name: str, markdown: str) -> Path:
+    """Write one benchmark's Markdown section to ``benchmarks/results/<name>.md``."""
+    RESULTS_DIR.mkdir(exist_ok=True)
+    path = RESULTS_DIR / f"{name}.md"
+    path.write_text(f"{markdown.rstrip()}\n\n_Measured on: {machine_description()}._\n")
+    return path

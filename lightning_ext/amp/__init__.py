@@ -1,0 +1,3 @@
+"""lightning_ext.amp"""
+
+__all__: list[str] = []

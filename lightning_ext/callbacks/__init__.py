@@ -1,0 +1,3 @@
+"""lightning_ext.callbacks"""
+
+__all__: list[str] = []

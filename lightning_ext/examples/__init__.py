@@ -1,0 +1,3 @@
+"""lightning_ext.examples"""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""lightning_ext.kernels"""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""lightning_ext.nn"""
+
+__all__: list[str] = []

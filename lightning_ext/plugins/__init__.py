@@ -1,0 +1,3 @@
+"""lightning_ext.plugins"""
+
+__all__: list[str] = []

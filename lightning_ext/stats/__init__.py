@@ -1,0 +1,3 @@
+"""lightning_ext.stats"""
+
+__all__: list[str] = []
