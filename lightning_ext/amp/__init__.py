@@ -1,3 +1,5 @@
-"""lightning_ext.amp"""
+"""lightning_ext.amp: dynamic loss scaling for fp16 training and NaN/Inf step skipping (torch only)."""
 
-__all__: list[str] = []
+from lightning_ext.amp.dynamic_loss_scaler import DynamicLossScaler
+
+__all__ = ["DynamicLossScaler"]
