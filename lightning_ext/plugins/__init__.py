@@ -1,3 +1,5 @@
 """lightning_ext.plugins"""
 
-__all__: list[str] = []
+from lightning_ext.plugins.loss_scaling_precision import LossScalingPrecision
+
+__all__: list[str] = ["LossScalingPrecision"]
