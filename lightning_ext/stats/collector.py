@@ -1,0 +1,302 @@
+"""``Collector``: reduce the values reported since its last ``update()`` across devices and ranks."""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_ext.stats import reporting as _report
+from lightning_ext.stats.moments import (
+    empty_moments,
+    fingerprint,
+    merge_moments,
+    moments_from_allreduce,
+    shifted_for_allreduce,
+)
+
+__all__ = ["Collector"]
+
+_NAN_VALUES = (0, math.nan, math.nan, math.nan, math.nan)  # (num, mean, std, min, max) of an empty name
+_COMPACT_AFTER = 16  # merge received tables once this many are waiting (bounds memory between updates)
+
+
+class Collector:
+    """Collect the statistics reported with :func:`~lightning_ext.stats.report` whose names match ``regex``.
+
+    ``update()`` takes everything reported since this collector's previous ``update()`` (or its
+    creation) on every device of this process, reduces it across ranks, and publishes, per name,
+    the count, mean, population standard deviation (divide by ``num``, as NVIDIA's
+    ``training_stats``), min and max. Several collectors with different regexes and update periods
+    coexist: each sees every value once.
+
+    Distributed protocol (``update()`` must be called on every rank of the group, in the same order
+    relative to other collectors' updates):
+
+    1. MAX all-reduce of ``[fp, -fp, max_1..max_R, -min_1..-min_R, mean_1..mean_R]`` where ``fp`` is
+       a 48-bit fingerprint of the sorted union of the names this rank knows. All ranks agree on
+       the name set iff ``max(fp) == -max(-fp)``. If they do not (a rank saw a new name), one
+       ``all_gather_object`` of the name lists agrees on the sorted union and the MAX all-reduce is
+       redone with aligned rows. Ranks with no value for a name send ``-inf``.
+    2. SUM all-reduce of ``[count, Σ(x-c), Σ(x-c)²]`` per name around the shared shift ``c`` = the
+       largest rank mean from step 1, which lies inside the data range; the global mean and sum of
+       squared deviations follow without the cancellation of ``E[x²] - E[x]²`` (shifted data,
+       Chan, Golub & LeVeque 1983; per-device partial results are combined with Chan's parallel
+       merge, see :mod:`lightning_ext.stats.moments`).
+
+    So the steady state costs exactly two collectives whatever the number of names, and a change
+    of the name set costs one extra ``all_gather_object`` and MAX all-reduce, only in that update.
+    Without ``torch.distributed`` (or after ``init_multiprocessing(rank, None)``) there are none.
+
+    Args:
+        regex: names to collect (``re.fullmatch``).
+        keep_previous: a name that received no value in an interval keeps its previous statistics
+            (NaN only if it never had values); with ``False`` it becomes NaN.
+
+    Raises:
+        TypeError: ``regex`` is not a str or ``keep_previous`` not a bool.
+        ValueError: ``regex`` does not compile.
+
+    Example::
+
+        >>> from lightning_ext.stats import Collector, report, reset
+        >>> reset(); c = Collector(regex="Loss/.*")
+        >>> _ = report("Loss/total", [1.0, 2.0, 3.0]); _ = report("Other", 5.0)
+        >>> c.update(); c.names(), c.mean("Loss/total"), round(c.std("Loss/total"), 4)
+        (['Loss/total'], 2.0, 0.8165)
+        >>> c.update(); c["Loss/total"]  # keep_previous=True: nothing new, previous values kept
+        2.0
+    """
+
+    def __init__(self, regex: str = ".*", keep_previous: bool = True) -> None:
+        if not isinstance(regex, str):
+            raise TypeError(f"Collector(regex=...) must be a str, got {type(regex).__name__} {regex!r}")
+        if not isinstance(keep_previous, bool):
+            raise TypeError(f"Collector(keep_previous=...) must be a bool, got {keep_previous!r}")
+        try:
+            self._pattern = re.compile(regex)
+        except re.error as err:
+            raise ValueError(
+                f"Collector(regex=...) is not a valid regular expression: {regex!r} ({err})"
+            ) from None
+        self.regex = regex
+        self.keep_previous = keep_previous
+        self._init_state()
+        _report._register(self)
+
+    def _init_state(self) -> None:
+        self._match_cache: dict[str, bool] = {}  # name => regex matches
+        self._tables: list[_report._Table] = []  # drained tables received since the last update
+        self._seen: set[str] = set()  # names this rank has had (matching), ever
+        self._agreed: list[str] = []  # sorted name union agreed across ranks at the last update
+        self._agreed_set: set[str] = set()
+        self._values: dict[
+            str, tuple[int, float, float, float, float]
+        ] = {}  # name => (num, mean, std, min, max)
+
+    # -------------------------------------------------------------------------------- registry hooks
+
+    def _matches(self, name: str) -> bool:
+        match = self._match_cache.get(name)
+        if match is None:
+            match = self._match_cache[name] = self._pattern.fullmatch(name) is not None
+        return match
+
+    def _receive(self, table: _report._Table) -> None:
+        self._tables.append(table)
+        if len(self._tables) >= _COMPACT_AFTER:
+            self._tables = [self._combine()]
+
+    def _detach(self) -> None:
+        self._tables = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_tables"] = []  # pending values stay in the process that reported them
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        _report._register(self)
+
+    # -------------------------------------------------------------------------------- update
+
+    def _combine(self) -> _report._Table:
+        """Merge the received tables into one table restricted to the names this collector matches."""
+        tables = self._tables
+        if len(tables) == 1 and all(self._matches(n) for n in tables[0].names):
+            return tables[0]
+        names = sorted({n for t in tables for n in t.names if self._matches(n)})
+        if not tables:
+            return _report._Table(names, empty_moments(0))
+        device = tables[0].rows.device
+        index = {name: i for i, name in enumerate(names)}
+        rows = empty_moments(len(names), device)
+        for table in tables:
+            pairs = [(index[n], i) for i, n in enumerate(table.names) if self._matches(n)]
+            if not pairs:
+                continue
+            dst = torch.tensor([p[0] for p in pairs], device=device)
+            src = torch.tensor([p[1] for p in pairs], device=table.rows.device)
+            rows[dst] = merge_moments(rows[dst], table.rows[src].to(device))
+        return _report._Table(names, rows)
+
+    @staticmethod
+    def _aligned(names: list[str], local: _report._Table, device: torch.device) -> torch.Tensor:
+        """Local moment rows in the order of ``names`` (empty rows for names without local values)."""
+        rows = empty_moments(len(names), device)
+        pairs = [(i, local.index[n]) for i, n in enumerate(names) if n in local.index]
+        if pairs:
+            dst = torch.tensor([p[0] for p in pairs], device=device)
+            src = torch.tensor([p[1] for p in pairs], device=local.rows.device)
+            rows[dst] = local.rows[src].to(device)
+        return rows
+
+    @staticmethod
+    def _max_payload(names: list[str], rows: torch.Tensor) -> torch.Tensor:
+        fp = fingerprint(names)
+        head = torch.tensor([fp, -fp], dtype=torch.float64, device=rows.device)
+        mean_or_ninf = torch.where(rows[:, 0] > 0, rows[:, 1], torch.full_like(rows[:, 1], -math.inf))
+        return torch.cat([head, rows[:, 4], -rows[:, 3], mean_or_ninf])
+
+    def update(self) -> None:
+        """Reduce everything reported since the last ``update()`` and publish it (see the class doc).
+
+        Must be called on every rank. Synchronizes host and device once (to read the result) and
+        issues two collectives on the sync device (four when the name set changed).
+        """
+        _report._drain()
+        local = self._combine()
+        self._tables = []
+        self._seen.update(local.names)
+        rank, device, group = _report._sync_settings()
+        world_size = _report._world_size(device, group)
+        if self._seen <= self._agreed_set:
+            names = self._agreed
+        else:
+            names = sorted(self._agreed_set | self._seen)
+        device = device if device is not None else local.rows.device
+        rows = self._aligned(names, local, device)
+        if world_size > 1:
+            names, rows = self._reduce(names, rows, local, device, group, world_size)
+        self._agreed = names
+        self._agreed_set = set(names)
+        self._publish(names, rows)
+
+    def _reduce(
+        self,
+        names: list[str],
+        rows: torch.Tensor,
+        local: _report._Table,
+        device: torch.device,
+        group: Any,
+        world_size: int,
+    ) -> tuple[list[str], torch.Tensor]:
+        payload = self._max_payload(names, rows)
+        dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=group)
+        fp_max, neg_fp_min = payload[:2].tolist()
+        if fp_max != -neg_fp_min:  # some rank knows another name set: agree on the union
+            gathered: list[Any] = [None] * world_size
+            dist.all_gather_object(gathered, names, group=group)
+            names = sorted(set().union(*gathered))
+            rows = self._aligned(names, local, device)
+            payload = self._max_payload(names, rows)
+            dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=group)
+        r = len(names)
+        hi, lo, shift = payload[2 : 2 + r], -payload[2 + r : 2 + 2 * r], payload[2 + 2 * r :]
+        sums = shifted_for_allreduce(rows, shift)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        return names, moments_from_allreduce(sums, shift, lo, hi)
+
+    def _publish(self, names: list[str], rows: torch.Tensor) -> None:
+        for name, (n, mean, m2, lo, hi) in zip(names, rows.tolist()):
+            if n > 0:
+                self._values[name] = (round(n), mean, math.sqrt(m2 / n), lo, hi)
+            elif not self.keep_previous or name not in self._values:
+                self._values[name] = _NAN_VALUES
+
+    # -------------------------------------------------------------------------------- queries
+
+    def names(self) -> list[str]:
+        """Sorted names known to any rank at the last ``update()`` (matching ``regex``)."""
+        return list(self._agreed)
+
+    def _get(self, name: str) -> tuple[int, float, float, float, float]:
+        values = self._values.get(name)
+        if values is not None:
+            return values
+        if not isinstance(name, str):
+            raise TypeError(f"statistic name must be a str, got {type(name).__name__} {name!r}")
+        if self._matches(name):
+            return _NAN_VALUES
+        close = difflib.get_close_matches(name, self._agreed, n=5, cutoff=0.5)
+        raise KeyError(
+            f"{name!r} is not collected by Collector(regex={self.regex!r}); close names: {close}. "
+            "HINT: widen the regex or create another Collector for it."
+        )
+
+    def num(self, name: str) -> int:
+        """Number of values of ``name`` in the last interval (over all ranks); 0 if none.
+
+        Raises:
+            KeyError: ``regex`` excludes ``name`` (the message lists close names).
+        """
+        return self._get(name)[0]
+
+    def mean(self, name: str) -> float:
+        """Mean of ``name`` over the last interval and all ranks; NaN if it had no value.
+
+        Raises:
+            KeyError: ``regex`` excludes ``name`` (the message lists close names).
+        """
+        return self._get(name)[1]
+
+    def std(self, name: str) -> float:
+        """Population standard deviation (divide by ``num``) of ``name``; NaN if it had no value.
+
+        Raises:
+            KeyError: ``regex`` excludes ``name`` (the message lists close names).
+        """
+        return self._get(name)[2]
+
+    def min(self, name: str) -> float:
+        """Minimum of ``name`` over the last interval and all ranks; NaN if it had no value.
+
+        Raises:
+            KeyError: ``regex`` excludes ``name`` (the message lists close names).
+        """
+        return self._get(name)[3]
+
+    def max(self, name: str) -> float:
+        """Maximum of ``name`` over the last interval and all ranks; NaN if it had no value.
+
+        Raises:
+            KeyError: ``regex`` excludes ``name`` (the message lists close names).
+        """
+        return self._get(name)[4]
+
+    def __getitem__(self, name: str) -> float:
+        return self.mean(name)
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        """``{name: {"num", "mean", "std", "min", "max"}}`` for every name of :meth:`names`."""
+        keys = ("num", "mean", "std", "min", "max")
+        return {name: dict(zip(keys, self._get(name))) for name in self._agreed}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The published statistics and agreed names (what ``keep_previous`` needs after a resume)."""
+        return {"names": list(self._agreed), "values": {k: list(v) for k, v in self._values.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the same checkpoint must be loaded on every rank)."""
+        self._agreed = sorted(state["names"])
+        self._agreed_set = set(self._agreed)
+        self._seen |= self._agreed_set
+        self._values = {k: (int(v[0]), *map(float, v[1:])) for k, v in state["values"].items()}
+
+    def __repr__(self) -> str:
+        return f"Collector(regex={self.regex!r}, keep_previous={self.keep_previous})"

@@ -1,0 +1,408 @@
+"""Report training statistics from anywhere: ``report()``, ``report0()`` and the module state behind them.
+
+Follows the design of NVIDIA's ``torch_utils/training_stats.py`` (StyleGAN2-ADA/StyleGAN3/EDM):
+code anywhere calls :func:`report` with a name and some values, and every
+:class:`~lightning_ext.stats.Collector` whose regex matches the name receives them at its next
+``update()``, which reduces them across devices and ranks. Fixed weaknesses of the original:
+
+* Python numbers take a fast path (no tensor is created); tensors accumulate on their own device
+  through the kernel backend's ``accumulate_moments_`` with no host-device sync.
+* Values accumulate as float64 shifted sums plus min/max, so ``std`` stays exact when
+  ``|mean| ≫ std`` (see :mod:`lightning_ext.stats.moments`).
+* Ranks may report different name sets in any order and names may appear mid-run (the original
+  required every rank to report every name in the same order or it deadlocked/misaligned).
+* Each collector receives exactly the values reported since *its* previous ``update()`` (or its
+  creation), whatever other collectors do: every ``update()`` first *drains* the pending values
+  into one immutable table that is handed to every live collector.
+
+Only the ``update()`` of a collector issues collectives; ``report``/``report0`` never do.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import weakref
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from lightning_ext import distributed as _dist
+from lightning_ext.stats.moments import EMPTY_ROW, merge_moments, moments_from_shifted
+
+__all__ = ["init_multiprocessing", "report", "report0", "reset"]
+
+T = TypeVar("T")
+
+
+class _Sink(Protocol):
+    """What the module needs from a collector (implemented by ``Collector``)."""
+
+    def _matches(self, name: str) -> bool: ...
+    def _receive(self, table: _Table) -> None: ...
+
+
+# ------------------------------------------------------------------------------------------------
+# Module state (cleared by reset()).
+
+_settings: tuple[int, torch.device | None, Any] | None = (
+    None  # init_multiprocessing: (rank, sync_device, group); None = auto
+)
+_pending: dict[str, _Accumulator] = {}  # name => values reported since the last drain
+_sinks: list[weakref.ref[_Sink]] = []  # live collectors; each receives every drained table
+_wanted: dict[str, bool] = {}  # name => some live collector's regex matches it (cache)
+_backends: dict[torch.device, Any] = {}  # device => kernel backend providing accumulate_moments_
+
+
+class _Accumulator:
+    """Values of one name since the last drain: Python numbers and tensors per device.
+
+    Python part: ``n`` count, ``s1`` = Σ(x - shift), ``s2`` = Σ(x - shift)², ``lo``/``hi`` min/max,
+    ``shift`` = first Python value. Tensor part: device => (float64 (5,) acc, float64 0-dim shift),
+    layout of ``accumulate_moments_``.
+    """
+
+    __slots__ = ("hi", "lo", "n", "s1", "s2", "shift", "tensors")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.s1 = 0.0
+        self.s2 = 0.0
+        self.lo = math.inf
+        self.hi = -math.inf
+        self.shift = 0.0
+        self.tensors: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+class _Table:
+    """An immutable drained snapshot: ``names`` (list) and float64 moment rows ``(len(names), 5)``."""
+
+    __slots__ = ("index", "names", "rows")
+
+    def __init__(self, names: list[str], rows: torch.Tensor) -> None:
+        self.names = names
+        self.rows = rows
+        self.index = {name: i for i, name in enumerate(names)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Multiprocessing settings.
+
+
+def init_multiprocessing(
+    rank: int, sync_device: torch.device | str | None, process_group: Any = None
+) -> None:
+    """Set how collectors synchronize across processes (as NVIDIA's ``init_multiprocessing``).
+
+    Optional: without it, the settings follow ``torch.distributed`` (its rank, and the device
+    collectives of the default group need, see :func:`lightning_ext.distributed.collective_device`).
+    ``TrainingStats`` calls it for Lightning users. :func:`reset` returns to the automatic mode.
+
+    Args:
+        rank: rank of this process in ``process_group`` (decides what :func:`report0` keeps).
+        sync_device: device the collectives run on (``cpu`` for gloo, the local CUDA device for
+            NCCL), or ``None`` for single-process mode (``update()`` issues no collective).
+        process_group: group to reduce over; ``None`` = the default group.
+
+    Raises:
+        TypeError: ``rank`` is not an int or ``sync_device`` is not a device, string or ``None``.
+        ValueError: ``rank`` is negative.
+    """
+    global _settings
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        raise TypeError(f"init_multiprocessing(rank=...) must be an int, got {rank!r}")
+    if rank < 0:
+        raise ValueError(f"init_multiprocessing(rank=...) must be >= 0, got {rank!r}")
+    if sync_device is not None and not isinstance(sync_device, torch.device | str):
+        raise TypeError(
+            f"init_multiprocessing(sync_device=...) must be a torch.device, a string or None, got {sync_device!r}"
+        )
+    device = torch.device(sync_device) if sync_device is not None else None
+    _settings = (rank, device, process_group)
+
+
+def _sync_settings() -> tuple[int, torch.device | None, Any]:
+    """(rank, sync_device or None when single-process, process_group) in effect now."""
+    if _settings is not None:
+        return _settings
+    if _dist.is_distributed():
+        return _dist.get_rank(), _dist.collective_device(), None
+    return 0, None, None
+
+
+def _current_rank() -> int:
+    return _settings[0] if _settings is not None else _dist.get_rank()
+
+
+def _world_size(sync_device: torch.device | None, group: Any) -> int:
+    if sync_device is None or not _dist.is_distributed():
+        return 1
+    return dist.get_world_size(group=group)
+
+
+# ------------------------------------------------------------------------------------------------
+# Collector registry.
+
+
+def _register(sink: _Sink) -> None:
+    """Add a collector: flush pending values to the existing ones first, so it starts empty."""
+    _drain()
+    _sinks.append(weakref.ref(sink, _forget))
+    _wanted.clear()
+
+
+def _forget(_ref: weakref.ref) -> None:
+    """Weakref callback: a collector died; drop it from the registry."""
+    _sinks[:] = [r for r in _sinks if r is not _ref and r() is not None]
+    _wanted.clear()
+
+
+def _live_sinks() -> list[_Sink]:
+    return [s for s in (r() for r in _sinks) if s is not None]
+
+
+def _is_wanted(name: str) -> bool:
+    wanted = _wanted.get(name)
+    if wanted is None:
+        wanted = _wanted[name] = any(s._matches(name) for s in _live_sinks())
+    return wanted
+
+
+# ------------------------------------------------------------------------------------------------
+# Reporting.
+
+
+def _backend(device: torch.device) -> Any:
+    backend = _backends.get(device)
+    if backend is None:
+        try:  # TEMP until the kernels registry lands
+            from lightning_ext.kernels import get_backend
+
+            backend = _backends[device] = get_backend(device=device)
+        except ImportError:
+            import types
+
+            def accumulate_moments_(acc, x, shift):
+                d = x.reshape(-1).to(torch.float64) - shift
+                acc[0] += d.numel()
+                acc[1] += d.sum()
+                acc[2] += d.square().sum()
+                acc[3] = torch.minimum(acc[3], d.min() + shift)
+                acc[4] = torch.maximum(acc[4], d.max() + shift)
+
+            backend = _backends[device] = types.SimpleNamespace(accumulate_moments_=accumulate_moments_)
+    return backend
+
+
+def _add_tensor(acc: _Accumulator, name: str, value: torch.Tensor) -> None:
+    if value.is_complex():
+        raise TypeError(
+            f"report({name!r}, value): complex tensors are not supported, got dtype {value.dtype}"
+        )
+    x = value.detach()
+    if x.numel() == 0:
+        return
+    if not x.is_floating_point():
+        x = x.to(torch.float64)
+    entry = acc.tensors.get(x.device)
+    if entry is None:
+        # Normal (not inference) tensors, so the first report may come from Lightning's validation
+        # loop (inference_mode) and later ones from training.
+        with torch.inference_mode(False):
+            moments = torch.zeros(5, dtype=torch.float64, device=x.device)
+            moments[3] = math.inf
+            moments[4] = -math.inf
+            shift = x.reshape(-1)[0].to(torch.float64, copy=True)  # a data value: keeps the sums small
+        entry = acc.tensors[x.device] = (moments, shift)
+    _backend(x.device).accumulate_moments_(entry[0], x, entry[1])
+
+
+def _add_number(acc: _Accumulator, x: float) -> None:
+    if acc.n == 0:
+        acc.shift = x
+    d = x - acc.shift
+    acc.n += 1
+    acc.s1 += d
+    acc.s2 += d * d
+    if x < acc.lo:
+        acc.lo = x
+    if x > acc.hi:
+        acc.hi = x
+    if x != x:  # NaN propagates to min and max as it does for tensors
+        acc.lo = acc.hi = x
+
+
+def _check_name(name: Any) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"report(name, value): name must be a str, got {type(name).__name__} {name!r}")
+
+
+def report(name: str, value: T) -> T:
+    """Accumulate ``value`` under ``name`` for every collector whose regex matches; return ``value``.
+
+    Callable anywhere (loss code, ``nn.Module.forward``, under autocast or ``torch.no_grad``) on any
+    subset of ranks, in any order. A name nobody collects costs a dict lookup. Python numbers
+    take a fast path without tensors (≈1 µs). Tensors are detached, flattened and accumulated
+    on their own device in float64 (count, shifted sums, min, max) by the kernel backend's
+    ``accumulate_moments_``. An empty value registers the name (it appears in the collectors'
+    ``names()``, NaN until it gets values) and adds nothing.
+
+    Does not synchronize host and device and issues no collective. Not thread-safe.
+
+    Args:
+        name: statistic name, conventionally ``"Group/quantity_unit"`` (e.g. ``"Loss/total"``).
+        value: a Python number (bool/int/float, NumPy scalar), a list/tuple of numbers, a NumPy
+            array of a numeric dtype, or a real tensor of any shape, dtype and device.
+
+    Returns:
+        ``value`` itself, unchanged.
+
+    Raises:
+        TypeError: ``name`` is not a str, or ``value`` is not numeric (str, object, complex, ...).
+
+    Example::
+
+        >>> from lightning_ext.stats import Collector, reset
+        >>> reset(); c = Collector(regex="Loss/.*")
+        >>> report("Loss/total", 2.0), report("Loss/total", torch.tensor([4.0, 6.0]))
+        (2.0, tensor([4., 6.]))
+        >>> c.update(); c.mean("Loss/total"), c.num("Loss/total")
+        (4.0, 3)
+    """
+    try:
+        acc = _pending.get(name)
+    except TypeError:  # unhashable name
+        acc = None
+    if acc is None:
+        _check_name(name)
+        if not _is_wanted(name):
+            _check_value(name, value)
+            return value
+        acc = _pending[name] = _Accumulator()
+    kind = type(value)
+    if kind is float or kind is int:
+        _add_number(acc, float(value))
+    elif isinstance(value, torch.Tensor):
+        _add_tensor(acc, name, value)
+    elif isinstance(value, numbers.Real) and not isinstance(value, np.ndarray):
+        _add_number(acc, float(value))
+    else:
+        array = _as_array(name, value)
+        if array.size:
+            _add_tensor(acc, name, torch.from_numpy(array))
+    return value
+
+
+def _as_array(name: str, value: Any) -> np.ndarray:
+    """Flat float64 array of a list/tuple/ndarray of numbers, else TypeError naming ``name``."""
+    if isinstance(value, list | tuple | np.ndarray | np.generic):
+        try:
+            array = np.asarray(value)
+        except (ValueError, TypeError) as err:
+            raise TypeError(f"report({name!r}, value): cannot read {value!r} as numbers ({err})") from None
+        if array.dtype.kind in "biuf":
+            return np.ascontiguousarray(array, dtype=np.float64).reshape(-1)
+        if array.size == 0:
+            return np.zeros(0)
+    raise TypeError(
+        f"report({name!r}, value): value must be a number, a list/tuple of numbers, a numeric NumPy "
+        f"array or a real tensor, got {type(value).__name__} {value!r:.80}"
+    )
+
+
+def _check_value(name: str, value: Any) -> None:
+    """Validate a value that is not accumulated (nobody collects ``name``), without host sync."""
+    if type(value) is float or type(value) is int or isinstance(value, numbers.Real):
+        return
+    if isinstance(value, torch.Tensor):
+        if value.is_complex():
+            raise TypeError(
+                f"report({name!r}, value): complex tensors are not supported, got dtype {value.dtype}"
+            )
+        return
+    _as_array(name, value)
+
+
+def report0(name: str, value: T) -> T:
+    """Like :func:`report`, but only rank 0's values count; other ranks register ``name`` only.
+
+    Use for values that are identical on every rank (learning rate, loss scale) so they are not
+    counted ``world_size`` times. No sync, no collective.
+
+    Returns:
+        ``value`` itself, unchanged.
+
+    Raises:
+        TypeError: as :func:`report`.
+    """
+    if _current_rank() == 0:
+        return report(name, value)
+    _check_name(name)
+    _check_value(name, value)
+    report(name, [])
+    return value
+
+
+# ------------------------------------------------------------------------------------------------
+# Draining pending values into tables for the collectors.
+
+
+def _to_table(pending: dict[str, _Accumulator], device: torch.device) -> _Table:
+    """Convert accumulators to one table of moment rows on ``device`` (syncs host and device)."""
+    names = sorted(pending)
+    python_rows = []
+    for name in names:
+        acc = pending[name]
+        if acc.n:
+            n = float(acc.n)
+            python_rows.append(
+                (n, acc.shift + acc.s1 / n, max(acc.s2 - acc.s1 * acc.s1 / n, 0.0), acc.lo, acc.hi)
+            )
+        else:
+            python_rows.append(EMPTY_ROW)
+    rows = torch.tensor(python_rows, dtype=torch.float64).reshape(len(names), 5).to(device)
+    by_device: dict[torch.device, tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
+    for i, name in enumerate(names):
+        for dev, (moments, shift) in pending[name].tensors.items():
+            index, accs, shifts = by_device.setdefault(dev, ([], [], []))
+            index.append(i)
+            accs.append(moments)
+            shifts.append(shift)
+    for index, accs, shifts in by_device.values():
+        converted = moments_from_shifted(torch.stack(accs), torch.stack(shifts)).to(device)
+        idx = torch.tensor(index, device=device)
+        rows[idx] = merge_moments(rows[idx], converted)
+    return _Table(names, rows)
+
+
+def _drain() -> None:
+    """Hand the values reported since the last drain to every live collector, then forget them."""
+    global _pending
+    if not _pending:
+        return
+    pending, _pending = _pending, {}
+    sinks = _live_sinks()
+    if not sinks:
+        return
+    sync_device = _sync_settings()[1]
+    table = _to_table(pending, sync_device if sync_device is not None else torch.device("cpu"))
+    for sink in sinks:
+        sink._receive(table)
+
+
+def reset() -> None:
+    """Clear all module state: pending values, the collector registry and the multiprocessing settings.
+
+    Collectors created before ``reset()`` stop receiving values (create new ones). Use between
+    independent runs in one process (e.g. several Trainers in a notebook). Local only: no collective.
+    """
+    global _settings, _pending
+    for sink in _live_sinks():
+        sink._detach()
+    _settings = None
+    _pending = {}
+    _sinks.clear()
+    _wanted.clear()
+    _backends.clear()

@@ -1,0 +1,77 @@
+"""Pure moment helpers against direct float64 computations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_ext.stats.moments import (
+    empty_moments,
+    fingerprint,
+    merge_moments,
+    moments_from_allreduce,
+    moments_from_shifted,
+    moments_of,
+    shifted_for_allreduce,
+)
+
+
+def _shifted(x: torch.Tensor, shift: float) -> torch.Tensor:
+    d = x.to(torch.float64) - shift
+    return torch.stack(
+        [torch.tensor(float(x.numel()), dtype=torch.float64), d.sum(), d.square().sum(), x.min(), x.max()]
+    )
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e6, -1e9])
+def test_shifted_then_merge_matches_direct(offset: float) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = offset + torch.randn(1001, generator=gen, dtype=torch.float64)
+    parts = [x[:1], x[1:400], x[400:401], x[401:]]
+    rows = [
+        moments_from_shifted(_shifted(p, float(p[0])), torch.tensor(float(p[0]), dtype=torch.float64))
+        for p in parts
+    ]
+    merged = empty_moments(1)[0]
+    for row in rows:
+        merged = merge_moments(merged, row)
+    ref = moments_of(x)
+    assert merged[0] == ref[0] and merged[3] == ref[3] and merged[4] == ref[4]
+    torch.testing.assert_close(merged[1], ref[1], rtol=1e-15, atol=1e-15)
+    # Limited by the float64 spacing of the mean (|offset| * 2^-52), not by cancellation.
+    torch.testing.assert_close(merged[2], ref[2], rtol=1e-8, atol=0)
+
+
+def test_merge_with_empty_is_identity_and_empty_with_empty_is_empty() -> None:
+    row = moments_of(torch.tensor([1.0, 2.0, 4.0]))
+    empty = empty_moments(1)[0]
+    torch.testing.assert_close(merge_moments(row, empty), row)
+    torch.testing.assert_close(merge_moments(empty, row), row)
+    both = merge_moments(empty, empty)
+    assert both.tolist() == [0.0, 0.0, 0.0, math.inf, -math.inf]
+
+
+def test_allreduce_formulae_reproduce_global_moments_with_large_offset() -> None:
+    # Three "ranks" with far-apart means around 1e8: the shared shift (largest mean) keeps it exact.
+    gen = torch.Generator().manual_seed(1)
+    shards = [1e8 + torch.randn(n, generator=gen, dtype=torch.float64) + k for k, n in enumerate([5, 0, 300])]
+    rows = torch.stack([moments_of(s) for s in shards])  # (W, 5) for one name
+    means = torch.where(rows[:, 0] > 0, rows[:, 1], torch.full_like(rows[:, 1], -math.inf))
+    shift = means.max().reshape(1)
+    sums = sum(shifted_for_allreduce(rows[w : w + 1], shift) for w in range(3))
+    got = moments_from_allreduce(sums, shift, rows[:, 3].min().reshape(1), rows[:, 4].max().reshape(1))[0]
+    ref = moments_of(torch.cat(shards))
+    torch.testing.assert_close(got, ref, rtol=1e-8, atol=0)
+    # The textbook E[x²] - E[x]² from raw sums loses everything at this offset: the test discriminates.
+    x = torch.cat(shards)
+    naive_m2 = x.square().sum() - x.sum() ** 2 / x.numel()
+    assert abs(float(naive_m2 - ref[2])) > 1e-3 * float(ref[2])
+
+
+def test_fingerprint_is_exact_in_float64_and_order_sensitive() -> None:
+    fp = fingerprint(["a", "b"])
+    assert fp == float(int(fp)) and 0 < fp < 2**53
+    assert fingerprint(["a", "b"]) != fingerprint(["b", "a"])
+    assert fingerprint([]) != fingerprint([""])
