@@ -173,7 +173,7 @@ class Collector:
         local = self._combine()
         self._tables = []
         self._seen.update(local.names)
-        rank, device, group = _report._sync_settings()
+        _rank, device, group = _report._sync_settings()
         world_size = _report._world_size(device, group)
         if self._seen <= self._agreed_set:
             names = self._agreed

@@ -117,7 +117,8 @@ def init_multiprocessing(
         raise ValueError(f"init_multiprocessing(rank=...) must be >= 0, got {rank!r}")
     if sync_device is not None and not isinstance(sync_device, torch.device | str):
         raise TypeError(
-            f"init_multiprocessing(sync_device=...) must be a torch.device, a string or None, got {sync_device!r}"
+            "init_multiprocessing(sync_device=...) must be a torch.device, a string or None, "
+            f"got {sync_device!r}"
         )
     device = torch.device(sync_device) if sync_device is not None else None
     _settings = (rank, device, process_group)
