@@ -1,0 +1,120 @@
+"""``torch.library`` custom ops (namespace ``lightning_ext``) so ``torch.compile`` traces every kernel op.
+
+Eager calls go straight to the backend (no dispatcher overhead); while ``torch.compile`` traces,
+:class:`~lightning_ext.kernels.backend.KernelBackend` calls these ops instead, which appear in the
+graph as single nodes with the fake (meta) implementations below giving output shapes, dtypes and
+strides. The last argument, ``backend``, is the key of the backend instance that runs the op.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_ext.kernels.backend import _LIVE, KernelBackend, _stat_dtype
+
+__all__ = [
+    "accumulate_moments_",
+    "batch_norm_backward_elemt",
+    "batch_norm_backward_reduce",
+    "batch_norm_elemt",
+    "batch_norm_stats",
+    "unscale_and_check_",
+]
+
+
+def _backend(key: str, device: torch.device) -> KernelBackend:
+    backend = _LIVE.get(key)
+    if backend is None:  # e.g. a graph deserialized in a fresh process
+        from lightning_ext.kernels.registry import get_backend
+
+        backend = get_backend(key, device)
+    return backend
+
+
+def _stats_like(x: Tensor) -> Tensor:
+    return x.new_empty((x.shape[1],), dtype=_stat_dtype(x))
+
+
+@torch.library.custom_op("lightning_ext::batch_norm_stats", mutates_args=())
+def batch_norm_stats(x: Tensor, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Custom-op form of :meth:`KernelBackend.batch_norm_stats`."""
+    return _backend(backend, x.device)._batch_norm_stats(x)
+
+
+@batch_norm_stats.register_fake
+def _(x: Tensor, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    return _stats_like(x), _stats_like(x), _stats_like(x)
+
+
+@torch.library.custom_op("lightning_ext::batch_norm_elemt", mutates_args=())
+def batch_norm_elemt(
+    x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None, backend: str
+) -> Tensor:
+    """Custom-op form of :meth:`KernelBackend.batch_norm_elemt`."""
+    return _backend(backend, x.device)._batch_norm_elemt(x, mean, invstd, weight, bias)
+
+
+@batch_norm_elemt.register_fake
+def _(x, mean, invstd, weight, bias, backend):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("lightning_ext::batch_norm_backward_reduce", mutates_args=())
+def batch_norm_backward_reduce(
+    dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, backend: str
+) -> tuple[Tensor, Tensor]:
+    """Custom-op form of :meth:`KernelBackend.batch_norm_backward_reduce`."""
+    return _backend(backend, x.device)._batch_norm_backward_reduce(dy, x, mean, invstd)
+
+
+@batch_norm_backward_reduce.register_fake
+def _(dy, x, mean, invstd, backend):
+    return _stats_like(x), _stats_like(x)
+
+
+@torch.library.custom_op("lightning_ext::batch_norm_backward_elemt", mutates_args=())
+def batch_norm_backward_elemt(
+    dy: Tensor,
+    x: Tensor,
+    mean: Tensor,
+    invstd: Tensor,
+    weight: Tensor | None,
+    sum_dy: Tensor,
+    sum_dy_xmu: Tensor,
+    count: Tensor,
+    backend: str,
+) -> Tensor:
+    """Custom-op form of :meth:`KernelBackend.batch_norm_backward_elemt`."""
+    return _backend(backend, x.device)._batch_norm_backward_elemt(
+        dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count.contiguous()
+    )
+
+
+@batch_norm_backward_elemt.register_fake
+def _(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count, backend):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("lightning_ext::unscale_and_check_", mutates_args=("tensors",))
+def unscale_and_check_(tensors: list[Tensor], inv_scale: Tensor, backend: str) -> Tensor:
+    """Custom-op form of :meth:`KernelBackend.unscale_and_check_` (mutates ``tensors``)."""
+    found = _backend(backend, inv_scale.device)._unscale_and_check_(tensors, inv_scale)
+    return found.clone()
+
+
+@unscale_and_check_.register_fake
+def _(tensors, inv_scale, backend):
+    return inv_scale.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("lightning_ext::accumulate_moments_", mutates_args=("acc",))
+def accumulate_moments_(acc: Tensor, x: Tensor, shift: Tensor, backend: str) -> None:
+    """Custom-op form of :meth:`KernelBackend.accumulate_moments_` (mutates ``acc``)."""
+    if x.numel():
+        _backend(backend, x.device)._accumulate_moments_(acc, x, shift)
+
+
+@accumulate_moments_.register_fake
+def _(acc, x, shift, backend):
+    return None

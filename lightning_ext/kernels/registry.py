@@ -1,0 +1,335 @@
+"""Registry of kernel backends: registration, entry points, selection and the per-process cache.
+
+Selection for a device (after Liger-Kernel's ``ops/backends/registry.py``):
+
+1. an explicit ``name`` argument, else
+2. the ``LIGHTNING_EXT_KERNELS`` environment variable (``""`` or ``"auto"`` mean automatic), else
+3. automatic: the highest-priority registered backend that supports the device type and loads.
+
+An explicitly requested backend that is unknown, does not support the device or fails to load raises
+(``ValueError`` / ``RuntimeError``) naming the registered backends. An automatically selected backend
+that fails to load is skipped — in the end ``reference`` serves — with ONE ``RuntimeWarning`` per
+process. Factories run lazily on first use, once per process; the resolved backend is cached per
+(requested name, device type). Third-party packages add backends through the ``lightning_ext.kernels``
+entry-point group, read once on first use (see the package docstring).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+
+import torch
+
+from lightning_ext.kernels.backend import KernelBackend
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "ENV_VAR",
+    "BackendEntry",
+    "available_backends",
+    "get_backend",
+    "register_backend",
+]
+
+ENV_VAR = "LIGHTNING_EXT_KERNELS"  # environment variable naming the backend to use
+ENTRY_POINT_GROUP = "lightning_ext.kernels"  # entry-point group third-party backends register in
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_\-]*$")
+
+_lock = threading.RLock()
+_entries: dict[str, BackendEntry] = {}  # name -> entry, in registration order
+_instances: dict[str, KernelBackend] = {}  # name -> loaded backend (factory called once per process)
+_failures: dict[str, BaseException] = {}  # name -> exception its factory raised (not retried)
+_cache: dict[tuple[str | None, str], KernelBackend] = {}  # (requested name, device type) -> backend
+_entry_points_loaded = False  # entry-point group read (once per process)
+_fallback_warned = False  # the one auto-fallback warning of this process was issued
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """One registered backend: how to build it, where it runs and how much auto-selection prefers it.
+
+    Attributes:
+        name: lower-case identifier (``[a-z][a-z0-9_-]*``), e.g. ``"triton"``.
+        factory: zero-argument callable returning a :class:`KernelBackend`; may raise when the
+            backend's dependencies or hardware are missing (it runs lazily, once per process).
+        devices: device types the backend supports, e.g. ``("cuda",)``.
+        priority: auto-selection prefers higher values (``reference`` has 0, ``triton`` 10).
+    """
+
+    name: str
+    factory: Callable[[], KernelBackend]
+    devices: tuple[str, ...]
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+            raise ValueError(f"`name` must match {_NAME_RE.pattern!r} (e.g. 'triton'), got {self.name!r}")
+        if not callable(self.factory):
+            raise TypeError(f"`factory` must be callable returning a KernelBackend, got {self.factory!r}")
+        devices = (self.devices,) if isinstance(self.devices, str) else self.devices
+        try:
+            devices = tuple(devices)
+        except TypeError:
+            raise TypeError(
+                f"`devices` must be a tuple of device types like ('cuda',), got {self.devices!r}"
+            ) from None
+        valid = []
+        for d in devices:
+            if not isinstance(d, str) or not d:
+                raise TypeError(f"`devices` must contain device type strings like 'cuda', got {d!r}")
+            try:
+                valid.append(torch.device(d).type)
+            except RuntimeError:
+                raise ValueError(f"`devices` contains {d!r}, which is not a torch device type") from None
+        if not valid:
+            raise ValueError(f"`devices` must name at least one device type, got {self.devices!r}")
+        object.__setattr__(self, "devices", tuple(valid))
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise TypeError(f"`priority` must be an int, got {self.priority!r}")
+
+
+def register_backend(
+    name: str,
+    factory: Callable[[], KernelBackend],
+    devices: tuple[str, ...] | list[str] | str = ("cuda",),
+    priority: int = 0,
+    *,
+    replace: bool = False,
+) -> BackendEntry:
+    """Register a kernel backend under ``name``.
+
+    Args:
+        name: lower-case identifier, e.g. ``"my_cuda"``.
+        factory: zero-argument callable (e.g. the :class:`KernelBackend` subclass) building the backend.
+            It runs lazily on first use; raise from it when dependencies or hardware are missing.
+        devices: device types it supports.
+        priority: auto-selection prefers higher values; ``reference`` has 0, ``triton`` 10.
+        replace: allow replacing an existing registration of ``name``.
+
+    Returns:
+        The validated :class:`BackendEntry`.
+
+    Raises:
+        ValueError: invalid ``name``/``devices``, or ``name`` already registered and ``replace=False``.
+        TypeError: ``factory`` not callable, ``priority`` not an int.
+
+    Example::
+
+        >>> from lightning_ext.kernels import ReferenceBackend
+        >>> _ = register_backend("my_reference", ReferenceBackend, devices=("cpu",), priority=-1)
+        >>> "my_reference" in available_backends()
+        True
+    """
+    entry = BackendEntry(name, factory, devices, priority)
+    with _lock:
+        if name in _entries and not replace:
+            raise ValueError(
+                f"kernel backend {name!r} is already registered; pass replace=True to replace it"
+            )
+        _entries[name] = entry
+        _instances.pop(name, None)
+        _failures.pop(name, None)
+        _cache.clear()
+    return entry
+
+
+def _load_entry_points() -> None:
+    """Read the ``lightning_ext.kernels`` entry-point group once per process.
+
+    An entry point's object is either a :class:`KernelBackend` subclass (registered under the entry
+    point's name with its ``devices`` and ``priority`` class attributes) or a callable taking no
+    argument that calls :func:`register_backend` itself. A broken entry point warns and is skipped.
+    """
+    global _entry_points_loaded
+    with _lock:
+        if _entry_points_loaded:
+            return
+        _entry_points_loaded = True
+        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                obj = ep.load()
+                if isinstance(obj, type) and issubclass(obj, KernelBackend):
+                    if ep.name not in _entries:
+                        register_backend(ep.name, obj, obj.devices, getattr(obj, "priority", 0))
+                elif callable(obj):
+                    obj()
+                else:
+                    raise TypeError(
+                        f"entry point object must be a KernelBackend subclass or callable, got {obj!r}"
+                    )
+            except Exception as exc:  # a broken plugin must not break the others
+                warnings.warn(
+                    f"lightning_ext: kernel backend entry point {ep.name!r} ({ep.value}) "
+                    f"failed to load: {exc!r}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+
+
+def available_backends() -> dict[str, BackendEntry]:
+    """All registered backends (built-in and entry points), by name, highest priority first.
+
+    Listing does not load (build) any backend.
+
+    Example::
+
+        >>> sorted(available_backends())[:2]
+        ['reference', 'triton']
+    """
+    _load_entry_points()
+    with _lock:
+        return dict(sorted(_entries.items(), key=lambda kv: -kv[1].priority))
+
+
+def _instantiate(entry: BackendEntry) -> KernelBackend:
+    """Build ``entry``'s backend once per process; re-raise a cached failure."""
+    if entry.name in _instances:
+        return _instances[entry.name]
+    if entry.name in _failures:
+        raise _failures[entry.name]
+    try:
+        backend = entry.factory()
+        if not isinstance(backend, KernelBackend):
+            raise TypeError(
+                f"factory of kernel backend {entry.name!r} returned {backend!r}, not a KernelBackend"
+            )
+    except Exception as exc:
+        _failures[entry.name] = exc
+        raise
+    _instances[entry.name] = backend
+    return backend
+
+
+def get_backend(name: str | None = None, device: torch.device | str | None = None) -> KernelBackend:
+    """The kernel backend to use for tensors on ``device``.
+
+    Args:
+        name: backend name; ``None`` reads ``LIGHTNING_EXT_KERNELS``, and when that is unset, empty or
+            ``"auto"``, picks the highest-priority backend that supports ``device`` and loads.
+        device: where the tensors live (``x.device``); ``None`` means ``torch.get_default_device()``.
+
+    Returns:
+        The backend, built on first use and cached per (requested name, device type) for the process.
+
+    Raises:
+        ValueError: the requested backend is unknown or does not support ``device``.
+        RuntimeError: the requested backend failed to load (the cause is chained).
+        TypeError: ``name`` not a string or ``device`` not a device.
+
+    Warns:
+        RuntimeWarning: once per process, when an automatically selected backend fails to load and a
+            lower-priority one (in the end ``reference``) is used instead.
+
+    Example::
+
+        >>> get_backend("reference", device="cpu").name
+        'reference'
+    """
+    global _fallback_warned
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"`name` must be a backend name (str) or None, got {name!r}")
+    if device is None:
+        device = torch.get_default_device()
+    elif not isinstance(device, torch.device):
+        if not isinstance(device, str | int):
+            raise TypeError(f"`device` must be a torch.device, str or None, got {device!r}")
+        device = torch.device(device)
+    source = "argument `name`"
+    if name is None:
+        env = os.environ.get(ENV_VAR, "").strip()
+        name = None if env in ("", "auto") else env
+        source = f"environment variable {ENV_VAR}"
+    key = (name, device.type)
+    cached = _cache.get(key)
+    if cached is not None:
+        return cached
+    _load_entry_points()
+    with _lock:
+        registered = sorted(_entries)
+        if name is not None:
+            entry = _entries.get(name)
+            if entry is None:
+                raise ValueError(
+                    f"unknown kernel backend {name!r} (from {source}); registered backends: {registered}"
+                )
+            if device.type not in entry.devices:
+                hint = ""
+                if name == "triton" and device.type == "cpu":
+                    hint = (
+                        " HINT: on CPU, build `TritonBackend(interpret=True)` from "
+                        "lightning_ext.kernels.triton_backend (Triton's interpreter) explicitly."
+                    )
+                raise ValueError(
+                    f"kernel backend {name!r} (from {source}) supports devices {entry.devices}, "
+                    f"not {device.type!r}; registered backends: {registered}.{hint}"
+                )
+            try:
+                backend = _instantiate(entry)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"kernel backend {name!r} (from {source}) failed to load: {exc!r}; "
+                    f"registered backends: {registered}"
+                ) from exc
+        else:
+            candidates = sorted(
+                (e for e in _entries.values() if device.type in e.devices),
+                key=lambda e: (-e.priority, e.name != "reference", e.name),
+            )
+            if "reference" not in [e.name for e in candidates]:
+                candidates.append(_entries["reference"])
+            failed = []
+            backend = None
+            for entry in candidates:
+                try:
+                    backend = _instantiate(entry)
+                    break
+                except Exception as exc:
+                    failed.append(f"{entry.name!r} ({exc!r})")
+            if backend is None:  # pragma: no cover - reference cannot fail to build
+                raise RuntimeError(f"no kernel backend loads for {device.type!r}: {failed}")
+            if failed and not _fallback_warned:
+                _fallback_warned = True
+                warnings.warn(
+                    f"lightning_ext: kernel backend(s) {', '.join(failed)} failed to load for device "
+                    f"{device.type!r}; using {backend.name!r} instead (warned once per process). "
+                    f"HINT: set {ENV_VAR}={backend.name} to silence this.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        _cache[key] = backend
+        return backend
+
+
+def _reset_for_tests() -> None:
+    """Forget loaded backends, failures, the cache and the fallback warning (tests only)."""
+    global _fallback_warned
+    with _lock:
+        _instances.clear()
+        _failures.clear()
+        _cache.clear()
+        _fallback_warned = False
+
+
+def _make_reference() -> KernelBackend:
+    from lightning_ext.kernels.reference import ReferenceBackend
+
+    return ReferenceBackend()
+
+
+def _make_triton() -> KernelBackend:
+    from lightning_ext.kernels.triton_backend import TritonBackend
+
+    return TritonBackend()
+
+
+# Built-in backends. A C++/CUDA extension backend would register here as
+# `register_backend("cuda", _make_cuda, devices=("cuda",), priority=20)` with a factory that
+# JIT-builds / imports the extension (torch.utils.cpp_extension.load) and raises when it cannot.
+register_backend("reference", _make_reference, devices=("cpu", "cuda", "mps", "xpu", "meta"), priority=0)
+register_backend("triton", _make_triton, devices=("cuda",), priority=10)
