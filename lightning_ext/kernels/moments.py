@@ -19,7 +19,8 @@ __all__ = ["accumulate_moments_reference"]
 
 def accumulate_moments_reference(acc: Tensor, x: Tensor, shift: Tensor) -> None:
     """float64 copy, shifted sum and dot product (BLAS), ``aminmax``; five in-place updates of ``acc``."""
-    xd = x.reshape(-1).to(torch.float64).sub_(shift)
+    # Out of place: for float64 ``x``, ``.to(float64)`` aliases ``x`` and ``sub_`` would modify it.
+    xd = x.reshape(-1).to(torch.float64) - shift
     mn, mx = torch.aminmax(x.reshape(-1))
     acc[0].add_(x.numel())
     acc[1:3].add_(torch.stack((xd.sum(), torch.dot(xd, xd))))
