@@ -37,19 +37,22 @@ class Collector:
     Distributed protocol (``update()`` must be called on every rank of the group, in the same order
     relative to other collectors' updates):
 
-    1. MAX all-reduce of ``[fp, -fp, max_1..max_R, -min_1..-min_R, mean_1..mean_R]`` where ``fp`` is
-       a 48-bit fingerprint of the sorted union of the names this rank knows. All ranks agree on
-       the name set iff ``max(fp) == -max(-fp)``. If they do not (a rank saw a new name), one
-       ``all_gather_object`` of the name lists agrees on the sorted union and the MAX all-reduce is
-       redone with aligned rows. Ranks with no value for a name send ``-inf``.
+    1. MAX all-reduce of ``[fp, -fp, max_1..max_R, -min_1..-min_R, mean_1..mean_R]`` over the R
+       names agreed at the previous update (so the length is the same on every rank), where ``fp``
+       is a 48-bit fingerprint of the sorted names this rank knows now. All ranks know the same
+       set iff ``max(fp) == -max(-fp)``. If they do not (some rank saw a new name), one
+       ``all_gather_object`` of the name lists agrees on the sorted union; if they do but the set
+       grew on every rank alike, no gather is needed. In both cases the MAX all-reduce is redone
+       with rows aligned to the new names. Ranks with no value for a name send ``-inf``.
     2. SUM all-reduce of ``[count, Σ(x-c), Σ(x-c)²]`` per name around the shared shift ``c`` = the
        largest rank mean from step 1, which lies inside the data range; the global mean and sum of
        squared deviations follow without the cancellation of ``E[x²] - E[x]²`` (shifted data,
        Chan, Golub & LeVeque 1983; per-device partial results are combined with Chan's parallel
        merge, see :mod:`lightning_ext.stats.moments`).
 
-    So the steady state costs exactly two collectives whatever the number of names, and a change
-    of the name set costs one extra ``all_gather_object`` and MAX all-reduce, only in that update.
+    So the steady state costs exactly two collectives whatever the number of names; an update in
+    which the name set changed costs one more MAX all-reduce, plus one ``all_gather_object`` when
+    the ranks' sets differ.
     Without ``torch.distributed`` (or after ``init_multiprocessing(rank, None)``) there are none.
 
     Args:
@@ -157,8 +160,7 @@ class Collector:
         return rows
 
     @staticmethod
-    def _max_payload(names: list[str], rows: torch.Tensor) -> torch.Tensor:
-        fp = fingerprint(names)
+    def _max_payload(fp: float, rows: torch.Tensor) -> torch.Tensor:
         head = torch.tensor([fp, -fp], dtype=torch.float64, device=rows.device)
         mean_or_ninf = torch.where(rows[:, 0] > 0, rows[:, 1], torch.full_like(rows[:, 1], -math.inf))
         return torch.cat([head, rows[:, 4], -rows[:, 3], mean_or_ninf])
@@ -167,7 +169,7 @@ class Collector:
         """Reduce everything reported since the last ``update()`` and publish it (see the class doc).
 
         Must be called on every rank. Synchronizes host and device once (to read the result) and
-        issues two collectives on the sync device (four when the name set changed).
+        issues two collectives on the sync device (three or four when the name set changed).
         """
         _report._drain()
         local = self._combine()
@@ -176,35 +178,38 @@ class Collector:
         _rank, device, group = _report._sync_settings()
         world_size = _report._world_size(device, group)
         if self._seen <= self._agreed_set:
-            names = self._agreed
+            candidate = self._agreed
         else:
-            names = sorted(self._agreed_set | self._seen)
+            candidate = sorted(self._agreed_set | self._seen)
         device = device if device is not None else local.rows.device
-        rows = self._aligned(names, local, device)
         if world_size > 1:
-            names, rows = self._reduce(names, rows, local, device, group, world_size)
+            names, rows = self._reduce(candidate, local, device, group, world_size)
+        else:
+            names, rows = candidate, self._aligned(candidate, local, device)
         self._agreed = names
         self._agreed_set = set(names)
         self._publish(names, rows)
 
     def _reduce(
-        self,
-        names: list[str],
-        rows: torch.Tensor,
-        local: _report._Table,
-        device: torch.device,
-        group: Any,
-        world_size: int,
+        self, candidate: list[str], local: _report._Table, device: torch.device, group: Any, world_size: int
     ) -> tuple[list[str], torch.Tensor]:
-        payload = self._max_payload(names, rows)
+        """The two-collective protocol of the class docstring; returns (agreed names, global rows)."""
+        # Rows follow the names agreed at the previous update (same length on every rank); the head
+        # carries the fingerprint of the names this rank knows now.
+        names = self._agreed
+        rows = self._aligned(names, local, device)
+        payload = self._max_payload(fingerprint(candidate), rows)
         dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=group)
-        fp_max, neg_fp_min = payload[:2].tolist()
-        if fp_max != -neg_fp_min:  # some rank knows another name set: agree on the union
+        fp_max, neg_fp_min = payload[:2].tolist()  # host sync; identical on every rank
+        if fp_max != -neg_fp_min:  # ranks know different name sets: agree on the sorted union
             gathered: list[Any] = [None] * world_size
-            dist.all_gather_object(gathered, names, group=group)
+            dist.all_gather_object(gathered, candidate, group=group)
             names = sorted(set().union(*gathered))
+        elif candidate != names:  # every rank saw the same new names: no need to gather them
+            names = candidate
+        if names is not self._agreed:  # same decision on every rank (it follows from the reduced head)
             rows = self._aligned(names, local, device)
-            payload = self._max_payload(names, rows)
+            payload = self._max_payload(fingerprint(names), rows)
             dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=group)
         r = len(names)
         hi, lo, shift = payload[2 : 2 + r], -payload[2 + r : 2 + 2 * r], payload[2 + 2 * r :]

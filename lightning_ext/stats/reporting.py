@@ -178,22 +178,9 @@ def _is_wanted(name: str) -> bool:
 def _backend(device: torch.device) -> Any:
     backend = _backends.get(device)
     if backend is None:
-        try:  # TEMP until the kernels registry lands
-            from lightning_ext.kernels import get_backend
+        from lightning_ext.kernels import get_backend
 
-            backend = _backends[device] = get_backend(device=device)
-        except ImportError:
-            import types
-
-            def accumulate_moments_(acc, x, shift):
-                d = x.reshape(-1).to(torch.float64) - shift
-                acc[0] += d.numel()
-                acc[1] += d.sum()
-                acc[2] += d.square().sum()
-                acc[3] = torch.minimum(acc[3], d.min() + shift)
-                acc[4] = torch.maximum(acc[4], d.max() + shift)
-
-            backend = _backends[device] = types.SimpleNamespace(accumulate_moments_=accumulate_moments_)
+        backend = _backends[device] = get_backend(device=device)
     return backend
 
 

@@ -1,0 +1,260 @@
+"""Collector: single-process behaviour and gloo runs compared with a float64 computation over all ranks."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import random
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_ext.stats import Collector, report, report0, reset
+from lightning_ext.stats import collector as collector_module
+from lightning_ext.stats.moments import moments_of
+from tests.helpers.distributed import run_distributed
+
+STATS = ("num", "mean", "std", "min", "max")
+
+
+@pytest.fixture(autouse=True)
+def _clean_state():
+    reset()
+    yield
+    reset()
+
+
+# ------------------------------------------------------------------------------------------------
+# Reference: the schedule of reports every rank makes, and the float64 statistics it implies.
+
+
+def _schedule(rank: int, world_size: int, step: int) -> list[tuple[str, str, object]]:
+    """(function, name, value) reported by ``rank`` at ``step`` (1-based), in a rank-specific order."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{rank}/{step}".encode()))
+    last = world_size - 1
+    items: list[tuple[str, str, object]] = []
+    size = 0 if (rank == last and step == 2) else (rank + 1) * 3 + step  # uneven, one empty shard
+    items.append(("report", "Loss/a", torch.randn(size, generator=gen) * 2 + step))
+    if step <= 2:
+        items += [("report", "Loss/b", rank * 10 + step + 0.5 * k) for k in range(rank + 1)]
+    if step == 1:
+        items.append(("report", "Loss/once", np.array([rank, -rank - 0.5])))
+    items.append(("report", "Big/x", 1e6 + torch.randn(40 + rank, generator=gen, dtype=torch.float64)))
+    items.append(("report", "Zero/empty", []))
+    items.append(("report0", "R0/lr", 0.1 * step))
+    items.append(("report", f"Only/r{rank}", rank + step))  # name sets differ between ranks
+    if step >= 2 and rank == last:  # appears mid-run on one rank
+        items.append(("report", "Late/x", torch.tensor([step, step + 1], dtype=torch.float16)))
+    if step >= 3 and rank == 0:
+        items.append(("report", "Loss/late", torch.tensor([True, False, True])))
+    random.Random(rank * 100 + step).shuffle(items)
+    return items
+
+
+# collector => (regex, keep_previous, steps at which it updates)
+COLLECTORS = {
+    "all": (".*", True, (1, 2, 3, 4)),
+    "loss": ("Loss/.*", False, (2, 4)),
+    "big": ("Big/.*", True, (4,)),
+}
+STEPS = 4
+
+
+def _reference(world_size: int) -> dict[str, list[dict[str, dict[str, float]]]]:
+    """Per collector, the expected as_dict() after each of its updates, from all ranks' data in float64."""
+    import re
+
+    out = {}
+    for key, (regex, keep_previous, updates) in COLLECTORS.items():
+        pattern = re.compile(regex)
+        known: set[str] = set()
+        previous: dict[str, dict[str, float]] = {}
+        snapshots = []
+        start = 1
+        for stop in updates:
+            values: dict[str, list[float]] = {}
+            for step in range(start, stop + 1):
+                for rank in range(world_size):
+                    for fn, name, value in _schedule(rank, world_size, step):
+                        if not pattern.fullmatch(name):
+                            continue
+                        known.add(name)
+                        flat = torch.as_tensor(
+                            np.asarray(value, dtype=np.float64) if not torch.is_tensor(value) else value
+                        )
+                        flat = flat.to(torch.float64).reshape(-1).tolist()
+                        if fn == "report0" and rank != 0:
+                            flat = []
+                        values.setdefault(name, []).extend(flat)
+            snap = {}
+            for name in sorted(known):
+                data = values.get(name, [])
+                if data:
+                    n, mean, m2, lo, hi = moments_of(torch.tensor(data, dtype=torch.float64)).tolist()
+                    snap[name] = {"num": n, "mean": mean, "std": math.sqrt(m2 / n), "min": lo, "max": hi}
+                elif keep_previous and name in previous:
+                    snap[name] = previous[name]
+                else:
+                    snap[name] = dict.fromkeys(STATS, math.nan) | {"num": 0}
+            previous = snap
+            snapshots.append(snap)
+            start = stop + 1
+        out[key] = snapshots
+    return out
+
+
+class _CountingDist:
+    """Stands in for ``torch.distributed`` inside the collector module to count collectives."""
+
+    def __init__(self, real) -> None:
+        self._real = real
+        self.calls: list[str] = []
+
+    def __getattr__(self, attr):
+        value = getattr(self._real, attr)
+        if attr in ("all_reduce", "all_gather_object", "all_gather", "broadcast", "barrier"):
+
+            def counted(*args, **kwargs):
+                self.calls.append(attr)
+                return value(*args, **kwargs)
+
+            return counted
+        return value
+
+
+def _distributed_schedule(rank: int, world_size: int) -> dict:
+    reset()
+    counting = _CountingDist(collector_module.dist)
+    collector_module.dist = counting
+    collectors = {
+        key: Collector(regex=regex, keep_previous=keep) for key, (regex, keep, _) in COLLECTORS.items()
+    }
+    results: dict = {key: [] for key in COLLECTORS}
+    calls: dict = {key: [] for key in COLLECTORS}
+    for step in range(1, STEPS + 1):
+        for fn, name, value in _schedule(rank, world_size, step):
+            returned = (report if fn == "report" else report0)(name, value)
+            assert returned is value
+        for key, (_, _, updates) in COLLECTORS.items():
+            if step in updates:
+                before = len(counting.calls)
+                collectors[key].update()
+                calls[key].append(counting.calls[before:])
+                results[key].append(collectors[key].as_dict())
+    # Steady state: the same names again, one more update each: exactly two all_reduce.
+    for fn, name, value in _schedule(rank, world_size, 4):
+        (report if fn == "report" else report0)(name, value)
+    before = len(counting.calls)
+    collectors["all"].update()
+    steady = counting.calls[before:]
+    return {"results": results, "calls": calls, "steady": steady, "names": collectors["all"].names()}
+
+
+def _assert_snapshot_equal(got: dict, want: dict, where: str) -> None:
+    assert list(got) == list(want), f"{where}: names {list(got)} != {list(want)}"
+    for name, stats in want.items():
+        for stat in STATS:
+            g, w = got[name][stat], stats[stat]
+            if isinstance(w, float) and math.isnan(w):
+                assert math.isnan(g), f"{where} {name}.{stat}: {g} is not NaN"
+            else:
+                rel = 1e-9 if stat == "std" else 1e-12
+                assert g == pytest.approx(w, rel=rel, abs=1e-12), f"{where} {name}.{stat}: {g} != {w}"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_distributed_statistics_match_single_process_float64(world_size: int) -> None:
+    outputs = run_distributed(_distributed_schedule, world_size, timeout=150)
+    reference = _reference(world_size)
+    for rank, out in enumerate(outputs):
+        for key in COLLECTORS:
+            assert len(out["results"][key]) == len(reference[key])
+            for u, (got, want) in enumerate(zip(out["results"][key], reference[key])):
+                _assert_snapshot_equal(got, want, f"rank {rank} collector {key!r} update {u}")
+        # Identical on every rank, bit for bit (repr is exact for floats and makes NaN == NaN).
+        assert repr(out["results"]) == repr(outputs[0]["results"])
+    # Stable std for 1e6 + N(0, 1): checked above against the two-pass float64 std at rel 1e-9.
+    assert reference["big"][0]["Big/x"]["std"] == pytest.approx(1.0, rel=0.1)
+    calls = outputs[0]["calls"]
+    gather = ["all_reduce", "all_gather_object", "all_reduce", "all_reduce"]
+    steady = ["all_reduce", "all_reduce"]
+    grown = ["all_reduce", "all_reduce", "all_reduce"]  # same new names on every rank: no gather
+    # "all": step 1 different name sets (Only/r*), step 2 Late/x appears, step 3 Loss/late appears,
+    # step 4 steady.
+    assert calls["all"] == [gather, gather, gather, steady]
+    # "loss": the first update sees the same Loss/* names on every rank; Loss/late appears later.
+    assert calls["loss"] == [grown, gather]
+    assert calls["big"] == [grown]
+    assert outputs[0]["steady"] == steady
+    assert all(out["calls"] == calls for out in outputs)
+    expected = sorted(
+        {name for r in range(world_size) for s in range(1, 5) for _, name, _ in _schedule(r, world_size, s)}
+    )
+    assert outputs[0]["names"] == expected
+
+
+# ------------------------------------------------------------------------------------------------
+# Single process.
+
+
+def test_several_collectors_each_get_values_since_their_own_last_update() -> None:
+    fast = Collector(regex="A")
+    slow = Collector(regex="A|B", keep_previous=False)
+    everything = []
+    for step in range(40):  # more than the compaction threshold of waiting tables
+        report("A", float(step))
+        report("B", [step, -step])
+        everything.append(float(step))
+        fast.update()
+        assert fast.num("A") == 1 and fast.mean("A") == step
+    slow.update()
+    ref = moments_of(torch.tensor(everything, dtype=torch.float64))
+    assert slow.num("A") == 40 and slow.mean("A") == pytest.approx(float(ref[1]))
+    assert slow.std("A") == pytest.approx(math.sqrt(float(ref[2]) / 40))
+    assert slow.num("B") == 80 and (slow.min("B"), slow.max("B")) == (-39.0, 39.0)
+    slow.update()
+    assert math.isnan(slow.mean("A")) and slow.num("A") == 0  # keep_previous=False
+    fast.update()
+    assert fast.mean("A") == 39.0 and fast.num("A") == 1  # keep_previous=True
+
+
+def test_queries_and_bad_arguments() -> None:
+    c = Collector(regex="Loss/.*")
+    report("Loss/total", torch.tensor([1.0, 3.0]))
+    c.update()
+    assert c["Loss/total"] == 2.0 and c.as_dict() == {
+        "Loss/total": {"num": 2, "mean": 2.0, "std": 1.0, "min": 1.0, "max": 3.0}
+    }
+    assert math.isnan(c.mean("Loss/never"))  # matches the regex, never reported
+    with pytest.raises(
+        KeyError,
+        match=r"'Loss_total' is not collected by Collector\(regex='Loss/\.\*'\); "
+        r"close names: \['Loss/total'\]",
+    ):
+        c.mean("Loss_total")
+    with pytest.raises(TypeError, match=r"statistic name must be a str, got int 3"):
+        c.std(3)
+    with pytest.raises(
+        ValueError, match=r"Collector\(regex=\.\.\.\) is not a valid regular expression: '\(unclosed'"
+    ):
+        Collector(regex="(unclosed")
+    with pytest.raises(TypeError, match=r"Collector\(regex=\.\.\.\) must be a str, got int 5"):
+        Collector(regex=5)
+    with pytest.raises(TypeError, match=r"Collector\(keep_previous=\.\.\.\) must be a bool, got 'yes'"):
+        Collector(keep_previous="yes")
+
+
+def test_state_dict_and_pickle_round_trip() -> None:
+    c = Collector(regex="L.*")
+    report("Loss", [1.0, 2.0])
+    c.update()
+    restored = Collector(regex="L.*")
+    restored.load_state_dict(pickle.loads(pickle.dumps(c.state_dict())))
+    restored.update()  # nothing new: keep_previous keeps the restored values
+    assert restored.as_dict() == c.as_dict()
+    clone = pickle.loads(pickle.dumps(c))  # e.g. a callback sent to ddp_spawn workers
+    report("Loss", 5.0)
+    clone.update()
+    assert clone.mean("Loss") == 5.0 and clone.regex == "L.*"
