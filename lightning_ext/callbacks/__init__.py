@@ -1,3 +1,8 @@
 """lightning_ext.callbacks"""
 
-__all__: list[str] = []
+from lightning_ext.callbacks.hook_base import HookBase
+from lightning_ext.callbacks.iteration_timer import IterationTimer
+from lightning_ext.callbacks.loss_monitor import LossMonitor
+from lightning_ext.callbacks.precise_bn import PreciseBN
+
+__all__: list[str] = ["HookBase", "IterationTimer", "LossMonitor", "PreciseBN"]

@@ -1,0 +1,188 @@
+"""Per-iteration data/step timing and the end-of-training speed summary (detectron2's IterationTimer)."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_ext.callbacks.hook_base import HookBase
+from lightning_ext.stats import report
+
+__all__ = ["IterationTimer"]
+
+log = logging.getLogger(__name__)
+
+
+class IterationTimer(HookBase):
+    """Time every iteration and log the overall training speed at the end of training.
+
+    Every iteration it ``report()``-s (see :mod:`lightning_ext.stats`):
+
+    - ``Timing/data_sec``: seconds spent waiting for data, i.e. from the end of the previous
+      micro-batch (this hook's ``on_train_batch_end``; or the start of the epoch, or the end of a
+      validation run) to the start of the next one, summed over the micro-batches of the
+      iteration; reported for every iteration;
+    - ``Timing/step_sec``: seconds of the iteration itself (forward, backward, optimizer step and
+      the hooks in between), data time excluded; reported after the first ``warmup_iter``
+      iterations. On CPU it is host wall time (``time.perf_counter``). On CUDA it is measured with
+      CUDA events recorded at ``before_step``/``after_step`` and read lazily, when a later
+      iteration finds them completed (``Event.query()``), so there is NO per-step device
+      synchronization; values are therefore reported one or more iterations late.
+
+    At ``after_train`` (also when training failed) it logs on rank zero, through Lightning's
+    ``rank_zero_info`` (Python ``logging``), detectron2's summary::
+
+        Overall training speed: 97 iterations in 0:00:03 (0.0311 s / it)
+        Total training time: 0:00:04 (0:00:00 on hooks)
+
+    where the speed counts the iterations after warm-up and their data + step time, and the
+    total is the wall time since the end of warm-up; the difference is the time spent outside
+    iterations ("hooks": other callbacks' epoch hooks, validation, checkpointing, logging). On CUDA
+    ``after_train`` synchronizes the device once. The summary is also kept in :attr:`summary`.
+    Put this hook first in ``callbacks`` so that the other hooks' batch hooks count as step time
+    consistently.
+
+    Args:
+        warmup_iter: number of first iterations excluded from ``Timing/step_sec`` and the summary.
+
+    Raises:
+        ValueError: ``warmup_iter`` is not a non-negative int.
+
+    Source: detectron2 ``engine/hooks.py`` ``IterationTimer``.
+
+    Example::
+
+        >>> timer = IterationTimer(warmup_iter=2)
+        >>> timer.warmup_iter, timer.summary
+        (2, None)
+    """
+
+    def __init__(self, warmup_iter: int = 3) -> None:
+        super().__init__()
+        if isinstance(warmup_iter, bool) or not isinstance(warmup_iter, int) or warmup_iter < 0:
+            raise ValueError(f"IterationTimer: `warmup_iter` must be a non-negative int, got {warmup_iter!r}")
+        self.warmup_iter = warmup_iter
+        #: the two summary lines logged at the end of the last training run (``None`` before).
+        self.summary: str | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._last_batch_end: float | None = None  # perf_counter at the end of the previous micro-batch
+        self._data_sec = 0.0  # data time of the current iteration
+        self._data_sec_later = 0.0  # ... of its micro-batches after the first (inside the step window)
+        self._step_start = 0.0  # perf_counter at before_step
+        self._timed_start: float | None = None  # perf_counter when warm-up ended
+        self._timed_sec = 0.0  # data + step seconds of the iterations after warm-up
+        self._timed_iters = 0  # number of those iterations
+        self._cuda_start: torch.cuda.Event | None = None
+        self._pending_events: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+
+    @property
+    def timed_iters(self) -> int:
+        """Number of iterations after warm-up of the current/last run."""
+        return self._timed_iters
+
+    @property
+    def timed_seconds(self) -> float:
+        """Data + step seconds of the iterations after warm-up of the current/last run."""
+        return self._timed_sec
+
+    def _use_cuda_events(self) -> bool:
+        return self.pl_module is not None and self.pl_module.device.type == "cuda"
+
+    @override
+    def before_train(self) -> None:
+        self._reset()
+        self._timed_start = time.perf_counter() if self.warmup_iter == 0 else None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        now = time.perf_counter()
+        data_sec = 0.0 if self._last_batch_end is None else now - self._last_batch_end
+        if self._in_step:  # a later micro-batch of the same iteration
+            self._data_sec_later += data_sec
+            self._data_sec += data_sec
+        else:
+            self._data_sec = data_sec
+            self._data_sec_later = 0.0
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    @override
+    def before_step(self) -> None:
+        self._step_start = time.perf_counter()
+        if self._use_cuda_events() and self._iter - self.start_iter >= self.warmup_iter:
+            self._cuda_start = torch.cuda.Event(enable_timing=True)
+            self._cuda_start.record()
+
+    @override
+    def after_step(self) -> None:
+        now = time.perf_counter()
+        step_sec = now - self._step_start - self._data_sec_later
+        report("Timing/data_sec", self._data_sec)
+        iters_done = self._iter - self.start_iter + 1
+        if iters_done > self.warmup_iter:
+            self._timed_sec += step_sec + self._data_sec
+            self._timed_iters += 1
+            if self._cuda_start is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._pending_events.append((self._cuda_start, end))
+                self._cuda_start = None
+                self._report_completed_events()
+            else:
+                report("Timing/step_sec", step_sec)
+        elif iters_done == self.warmup_iter:
+            self._timed_start = now
+
+    def _report_completed_events(self) -> None:
+        while self._pending_events and self._pending_events[0][1].query():
+            start, end = self._pending_events.popleft()
+            report("Timing/step_sec", start.elapsed_time(end) / 1000.0)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_batch_end = time.perf_counter()  # epoch-boundary work is not data time
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_batch_end = time.perf_counter()  # nor is validation run between batches
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self._last_batch_end = time.perf_counter()
+
+    @override
+    def after_train(self) -> None:
+        if self._pending_events:
+            torch.cuda.synchronize()  # once per run, documented
+            self._report_completed_events()
+        now = time.perf_counter()
+        total = 0.0 if self._timed_start is None else now - self._timed_start
+        hooks = max(total - self._timed_sec, 0.0)
+        lines = []
+        if self._timed_iters > 0 and self._timed_sec > 0:
+            lines.append(
+                f"Overall training speed: {self._timed_iters} iterations in "
+                f"{_fmt(self._timed_sec)} ({self._timed_sec / self._timed_iters:.4f} s / it)"
+            )
+        lines.append(f"Total training time: {_fmt(total)} ({_fmt(hooks)} on hooks)")
+        self.summary = "\n".join(lines)
+        for line in lines:
+            rank_zero_info(line)
+
+
+def _fmt(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=int(seconds)))

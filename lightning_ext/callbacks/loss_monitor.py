@@ -1,0 +1,402 @@
+"""Non-finite loss detection agreed across ranks, and periodic loss/data-time writing.
+
+Follows detectron2's ``SimpleTrainer._write_metrics`` (``engine/train_loop.py``: losses averaged
+over ranks, ``data_time`` maxed over ranks, ``FloatingPointError`` on a non-finite total loss) and
+fixes two of its failure modes: there the check runs on rank 0 only after a gather, so the other
+ranks carry on into the next collective and hang until a timeout, and its asynchronous metric
+writer drops exceptions. Here the decision is taken from data every rank has, so every rank
+raises at the same point, and writer exceptions are re-raised in the training loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lightning_ext.callbacks.hook_base import HookBase
+from lightning_ext.distributed import collective_device, get_rank, get_world_size
+
+__all__ = ["LossMonitor"]
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure helpers
+
+
+def extract_losses(outputs: Any, accumulate_grad_batches: int = 1) -> dict[str, torch.Tensor]:
+    """The losses of a ``training_step`` output, as ``{name: 0-dim tensor}`` (detached).
+
+    A tensor is the total loss ``{"loss": outputs}``. A mapping contributes its ``"loss"`` entry
+    (the total that is back-propagated) and every other scalar tensor entry whose key starts
+    with ``"loss"`` (detectron2's ``loss_cls``, ``loss_box_reg``, ...). Lightning divides the
+    ``"loss"`` it passes to ``on_train_batch_end`` by ``accumulate_grad_batches``; that factor is
+    multiplied back so the values are those ``training_step`` returned.
+
+    Raises:
+        ValueError: ``outputs`` holds no loss (``None``, or a mapping without ``"loss"``).
+        TypeError: the loss is not a tensor with one element.
+    """
+    if isinstance(outputs, torch.Tensor):
+        outputs = {"loss": outputs}
+    if not isinstance(outputs, Mapping) or outputs.get("loss") is None:
+        raise ValueError(
+            f"LossMonitor: `training_step` returned {_short(outputs)}, which holds no loss; LossMonitor "
+            "needs the loss tensor or a dict with a 'loss' entry. HINT: return the loss from "
+            "`training_step`, or remove LossMonitor from the callbacks."
+        )
+    losses = {}
+    for key, value in outputs.items():
+        if key != "loss" and not (isinstance(key, str) and key.startswith("loss")):
+            continue
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            if key == "loss":
+                raise TypeError(
+                    f"LossMonitor: the 'loss' returned by `training_step` must be a tensor with one "
+                    f"element, got {_short(value)}"
+                )
+            continue
+        value = value.detach().reshape(())
+        if key == "loss" and accumulate_grad_batches != 1:
+            value = value * accumulate_grad_batches
+        losses[key] = value
+    return {"loss": losses.pop("loss"), **dict(sorted(losses.items()))}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def summarize_gathered(gathered: torch.Tensor, keys: list[str]) -> dict[str, Any]:
+    """Reduce the per-rank rows gathered at an agreement point (host float64 ``(world_size, D)``).
+
+    Row layout (``K = len(keys)``): ``[sums (K), counts (K), bad, first_bad_iter, bad_values (K),
+    data_sec, writer_failed]``. Returns the means over ranks and micro-batches per key, the max over
+    ranks of data time, whether any rank saw a non-finite total loss, the first such iteration,
+    the ranks that saw it then and the loss values of the lowest of them, and the ranks whose
+    writer failed.
+    """
+    k = len(keys)
+    sums, counts = gathered[:, :k].sum(0), gathered[:, k : 2 * k].sum(0)
+    bad = gathered[:, 2 * k]
+    first_bad = gathered[:, 2 * k + 1]
+    result: dict[str, Any] = {
+        "means": {
+            key: (sums[i] / counts[i]).item() if counts[i] > 0 else math.nan for i, key in enumerate(keys)
+        },
+        "data_sec_max": gathered[:, 3 * k + 2].max().item(),
+        "writer_failed_ranks": [r for r in range(gathered.shape[0]) if gathered[r, 3 * k + 3] > 0],
+        "bad": bool((bad > 0).any()),
+    }
+    if result["bad"]:
+        iteration = first_bad.min()
+        ranks = [r for r in range(gathered.shape[0]) if bad[r] > 0 and first_bad[r] == iteration]
+        values = gathered[ranks[0], 2 * k + 2 : 3 * k + 2]
+        result["first_bad_iter"] = int(iteration.item())
+        result["bad_ranks"] = ranks
+        result["bad_loss_dict"] = {key: values[i].item() for i, key in enumerate(keys)}
+    return result
+
+
+class _Agreement:
+    """Outcome of one agreement point, filled by the (possibly asynchronous) writer job."""
+
+    __slots__ = ("error", "summary", "writer_error")
+
+    def __init__(self, writer_error: BaseException | None) -> None:
+        self.summary: dict[str, Any] | None = None  # summarize_gathered() of the gathered table
+        self.error: FloatingPointError | None = None  # the non-finite loss decision
+        self.writer_error = writer_error  # this rank's writer failure that the table reports
+
+
+# ------------------------------------------------------------------------------------------------
+# The hook
+
+
+class LossMonitor(HookBase):
+    """Raise on a non-finite loss on every rank alike; write loss means and data time every period.
+
+    Every micro-batch, the loss returned by ``training_step`` (see :func:`extract_losses`: a
+    tensor, or a dict with ``"loss"`` and optional ``"loss*"`` entries) is folded into small
+    float64 accumulators ON ITS DEVICE: per-loss sums and counts, a non-finite flag of the total
+    loss, the first iteration at which it became non-finite and the loss values then. This costs a
+    few tiny device ops per step, no host–device synchronization and no collective.
+
+    Every ``period`` iterations (and at the end of training) comes an *agreement point*: ONE
+    ``all_gather`` of those accumulators (``3K + 4`` float64 per rank for ``K`` losses) on the
+    training thread, the same on every rank; then, from the gathered data that every rank holds:
+
+    - if any rank's total loss was non-finite and ``raise_on_nonfinite``, EVERY rank raises
+      ``FloatingPointError("Loss became infinite or NaN at iteration=I on rank(s) [...]!\\nloss_dict
+      = {...}")`` where ``I`` is the first iteration (``trainer.global_step`` of that step) at which
+      any rank's loss became non-finite and ``loss_dict`` that rank's losses then. The raise comes
+      at the agreement point, at most ``period`` iterations after the bad step (allowed by
+      DESIGN.md: the iteration named is the first bad one, on every rank; no rank raises while
+      another waits in a collective). With ``raise_on_nonfinite=False`` a warning is logged instead.
+    - rank zero writes to every Lightning logger (and ``trainer.callback_metrics``), at step
+      ``trainer.global_step``: ``LossMonitor/<key>`` the mean of each loss over ranks and
+      micro-batches of the period, and ``Timing/data_sec_max`` the max over ranks of the mean
+      data time per iteration (detectron2's ``data_time``).
+
+    Reading the gathered values is a host–device synchronization, once per period. With
+    ``async_write=True`` that read, the decision and the logger writes run on a single worker
+    thread (one job per agreement point, in order); the collective stays on the training thread.
+    The job's outcome is collected at the ``after_step`` of the NEXT iteration (by then a whole
+    step has run, so the wait is normally free): a non-finite loss then raises on every rank (all
+    ranks computed the same decision), and an exception of the worker (e.g. a logger failing) is
+    re-raised there on a single process; on several processes it is agreed at the next agreement
+    point and raised on every rank (the rank whose writer failed re-raises its exception) so that
+    no rank leaves the others waiting. Loggers must accept writes from that thread (CSV and
+    TensorBoard do).
+
+    A training step that returns no loss raises ``ValueError`` at its first step (on every rank
+    whose step returned none; that is the same step on every rank for a deterministic module).
+
+    Args:
+        period: iterations between agreement points (cross-rank check + writing).
+        raise_on_nonfinite: raise ``FloatingPointError`` (``True``) or only warn (``False``).
+        async_write: read back and write on a worker thread instead of the training thread.
+
+    Raises:
+        ValueError: ``period`` is not a positive int (at construction); ``training_step`` returned no
+            loss (at the first step).
+        TypeError: ``raise_on_nonfinite``/``async_write`` are not bools; the loss is not a
+            one-element tensor.
+        FloatingPointError: a total loss became non-finite (see above).
+
+    Example::
+
+        >>> monitor = LossMonitor(period=10)
+        >>> extract_losses({"loss": torch.tensor(2.0), "loss_box": torch.tensor(0.5), "acc": 0.9})
+        {'loss': tensor(2.), 'loss_box': tensor(0.5000)}
+    """
+
+    def __init__(self, period: int = 20, raise_on_nonfinite: bool = True, async_write: bool = False) -> None:
+        super().__init__()
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+            raise ValueError(f"LossMonitor: `period` must be a positive int, got {period!r}")
+        for name, value in (("raise_on_nonfinite", raise_on_nonfinite), ("async_write", async_write)):
+            if not isinstance(value, bool):
+                raise TypeError(f"LossMonitor: `{name}` must be a bool, got {value!r}")
+        self.period = period
+        self.raise_on_nonfinite = raise_on_nonfinite
+        self.async_write = async_write
+        #: summary dict of the last agreement point (means, data_sec_max, bad, ...); for inspection.
+        self.last_summary: dict[str, Any] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._reset_run()
+
+    def _reset_run(self) -> None:
+        self._keys: list[str] | None = None  # loss names, fixed at the first step
+        self._device: torch.device | None = None
+        self._micro_batches = 0  # folded since the last agreement point (host counter)
+        self._iters = 0  # iterations since the last agreement point
+        self._data_sec = 0.0  # data seconds since the last agreement point
+        self._last_batch_end: float | None = None
+        self._pending: tuple[Future, _Agreement] | None = None  # async job of the last agreement
+        self._writer_error: BaseException | None = None  # local writer failure not yet agreed
+        self._acc: dict[str, torch.Tensor] = {}
+
+    def _new_accumulators(self) -> None:
+        k, dev = len(self._keys), self._device
+        f64 = torch.float64
+        self._acc = {
+            "sums": torch.zeros(k, dtype=f64, device=dev),
+            "counts": torch.zeros(k, dtype=f64, device=dev),
+            "bad": torch.zeros(1, dtype=f64, device=dev),
+            "first_bad": torch.full((1,), math.inf, dtype=f64, device=dev),
+            "bad_values": torch.full((k,), math.nan, dtype=f64, device=dev),
+        }
+        self._micro_batches = 0
+        self._iters = 0
+        self._data_sec = 0.0
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_executor"] = None
+        state["_pending"] = None
+        return state
+
+    # ---------------------------------------------------------------- per step
+
+    @override
+    def before_train(self) -> None:
+        self._reset_run()
+        if self.async_write and self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="LossMonitor-writer")
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_batch_end = time.perf_counter()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_batch_end = time.perf_counter()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._last_batch_end is not None:
+            self._data_sec += time.perf_counter() - self._last_batch_end
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        accumulate = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+        self._fold(extract_losses(outputs, accumulate))
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self._last_batch_end = time.perf_counter()
+
+    def _fold(self, losses: dict[str, torch.Tensor]) -> None:
+        if self._keys is None:
+            self._keys = list(losses)
+            self._device = losses["loss"].device
+            self._new_accumulators()
+        acc, keys = self._acc, self._keys
+        if len(losses) == len(keys) and all(key in losses for key in keys):
+            values = torch.stack([losses[key].to(torch.float64) for key in keys])
+            acc["counts"] += 1.0
+        else:  # a loss absent at this step counts nothing; names new since the first step are ignored
+            zero = acc["sums"].new_zeros(())
+            values = torch.stack([losses[key].to(torch.float64) if key in losses else zero for key in keys])
+            acc["counts"] += torch.tensor([float(key in losses) for key in keys], dtype=torch.float64).to(
+                self._device
+            )
+        acc["sums"] += values
+        bad = (~torch.isfinite(values[:1])).to(torch.float64)  # the total loss decides
+        new_bad = bad * (1.0 - acc["bad"])  # first non-finite micro-batch since the last agreement
+        acc["first_bad"].copy_(torch.where(new_bad > 0, float(self._iter), acc["first_bad"]))
+        acc["bad_values"].copy_(torch.where(new_bad > 0, values, acc["bad_values"]))
+        acc["bad"].copy_(torch.maximum(acc["bad"], bad))
+        self._micro_batches += 1
+
+    @override
+    def after_step(self) -> None:
+        self._iters += 1
+        if self._pending is not None:
+            self._collect()
+        if (self._iter + 1) % self.period == 0:
+            self._agree()
+
+    @override
+    def after_train(self) -> None:
+        try:
+            if self.exception is None:  # success: every rank is here, collectives are safe
+                if self._pending is not None:
+                    self._collect()
+                if self._micro_batches > 0 or self._writer_error is not None:
+                    self._agree(final=True)
+                if self._writer_error is not None:  # the final write itself failed on this rank
+                    raise self._writer_error
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(
+                    wait=self.exception is None, cancel_futures=self.exception is not None
+                )
+                self._executor = None
+            self._pending = None
+
+    # ---------------------------------------------------------------- agreement
+
+    def _agree(self, final: bool = False) -> None:
+        """Gather the accumulators of every rank (one collective), then decide and write."""
+        if self._keys is None:
+            return
+        acc = self._acc
+        data_sec = self._data_sec / max(self._iters, 1)
+        host_tail = torch.tensor([data_sec, float(self._writer_error is not None)], dtype=torch.float64)
+        row = torch.cat(
+            [
+                acc["sums"],
+                acc["counts"],
+                acc["bad"],
+                acc["first_bad"],
+                acc["bad_values"],
+                host_tail.to(self._device),
+            ]
+        )
+        world_size = get_world_size()
+        if world_size > 1:
+            row = row.to(collective_device())
+            gathered = [torch.empty_like(row) for _ in range(world_size)]
+            dist.all_gather(gathered, row)
+            table = torch.stack(gathered)
+        else:
+            table = row.unsqueeze(0)
+        keys, step = list(self._keys), self.trainer.global_step
+        self._new_accumulators()
+        agreement = _Agreement(self._writer_error)
+        self._writer_error = None
+        if self.async_write and not final and self._executor is not None:
+            future = self._executor.submit(self._decide_and_write, table, keys, step, agreement)
+            self._pending = (future, agreement)
+            return
+        try:
+            self._decide_and_write(table, keys, step, agreement)
+        except Exception as exc:
+            if world_size == 1:
+                raise
+            self._writer_error = exc  # agreed at the next agreement point
+        self._raise_agreed(agreement)
+
+    def _decide_and_write(
+        self, table: torch.Tensor, keys: list[str], step: int, agreement: _Agreement
+    ) -> None:
+        """Host read-back, non-finite decision and logger writes (on the worker thread when async)."""
+        summary = summarize_gathered(table.detach().to("cpu", torch.float64), keys)
+        agreement.summary = summary
+        self.last_summary = summary
+        if summary["bad"]:
+            message = (
+                f"Loss became infinite or NaN at iteration={summary['first_bad_iter']} on rank(s) "
+                f"{summary['bad_ranks']}!\nloss_dict = {summary['bad_loss_dict']}"
+            )
+            if self.raise_on_nonfinite:
+                agreement.error = FloatingPointError(message)
+            else:
+                rank_zero_warn(message)
+        if get_rank() == 0:
+            metrics = {f"LossMonitor/{key}": value for key, value in summary["means"].items()}
+            metrics["Timing/data_sec_max"] = summary["data_sec_max"]
+            trainer = self.trainer
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+            trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
+
+    def _collect(self) -> None:
+        """Wait for the last asynchronous job and raise what it found (see the class docstring)."""
+        future, agreement = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except Exception as exc:
+            if get_world_size() == 1:
+                raise
+            self._writer_error = exc  # agreed at the next agreement point
+        self._raise_agreed(agreement)
+
+    @staticmethod
+    def _raise_agreed(agreement: _Agreement) -> None:
+        """Raise what the gathered data decided; identical on every rank."""
+        if agreement.error is not None:
+            raise agreement.error
+        failed = agreement.summary["writer_failed_ranks"] if agreement.summary is not None else []
+        if failed:
+            if agreement.writer_error is not None:
+                raise agreement.writer_error
+            raise RuntimeError(f"LossMonitor: the writer failed on rank(s) {failed}; see that rank's error")

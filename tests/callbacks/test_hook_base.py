@@ -1,0 +1,163 @@
+import weakref
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
+
+from lightning_ext.callbacks import HookBase
+
+
+class TinyModule(L.LightningModule):
+    """A linear regression whose training_step returns the loss tensor."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+        self.lr = lr
+
+    @override
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    @override
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def tiny_loader(n: int = 32, batch_size: int = 2) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=batch_size)
+
+
+def make_trainer(callbacks, **kwargs) -> L.Trainer:
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    defaults.update(kwargs)
+    return L.Trainer(callbacks=callbacks, **defaults)
+
+
+class Recorder(HookBase):
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, int]] = []
+        self.after_train_exceptions: list[BaseException | None] = []
+
+    def before_train(self):
+        assert isinstance(self.trainer, weakref.ProxyType)
+        assert isinstance(self.pl_module, TinyModule)
+        self.events.append(("before_train", self.iter))
+
+    def before_step(self):
+        assert self.trainer.global_step == self.iter
+        self.events.append(("before_step", self.iter))
+
+    def after_backward(self):
+        self.events.append(("after_backward", self.iter))
+
+    def after_step(self):
+        assert self.trainer.global_step == self.iter + 1  # the optimizer stepped
+        self.events.append(("after_step", self.iter))
+
+    def after_train(self):
+        self.events.append(("after_train", self.iter))
+        self.after_train_exceptions.append(self.exception)
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_call_order_and_counts(accumulate):
+    hook = Recorder()
+    make_trainer([hook], max_steps=3, accumulate_grad_batches=accumulate).fit(TinyModule(), tiny_loader())
+    expected = [("before_train", 0)]
+    for it in range(3):
+        expected += [("before_step", it)] + [("after_backward", it)] * accumulate + [("after_step", it)]
+    expected += [("after_train", 2)]
+    assert hook.events == expected
+    assert hook.after_train_exceptions == [None]
+    assert hook.start_iter == 0
+
+
+class FailInAfterStep(HookBase):
+    def after_step(self):
+        if self.iter == 1:
+            raise RuntimeError("boom in after_step")
+
+
+class FailInAfterTrain(Recorder):
+    def after_train(self):
+        super().after_train()
+        raise ValueError("after_train failed too")
+
+
+def test_after_train_runs_once_per_hook_on_exception():
+    first, failing_after_train, last = Recorder(), FailInAfterTrain(), Recorder()
+    trainer = make_trainer([first, FailInAfterStep(), failing_after_train, last], max_steps=5)
+    with pytest.raises(RuntimeError, match="boom in after_step") as info:
+        trainer.fit(TinyModule(), tiny_loader())
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "FailInAfterStep.after_step() at iteration=1" in notes
+    assert "FailInAfterTrain.after_train() also raised ValueError('after_train failed too')" in notes
+    for hook in (first, failing_after_train, last):
+        assert [e for e in hook.events if e[0] == "after_train"] == [("after_train", 1)]
+        assert hook.after_train_exceptions == [info.value]
+    # the failing iteration's after_step of later hooks never ran
+    assert ("after_step", 1) in first.events and ("after_step", 1) not in last.events
+
+
+def test_after_train_raising_on_success_still_runs_the_others():
+    failing, other = FailInAfterTrain(), Recorder()
+    with pytest.raises(ValueError, match="after_train failed too") as info:
+        make_trainer([failing, other], max_steps=2).fit(TinyModule(), tiny_loader())
+    assert "FailInAfterTrain.after_train() at iteration=1" in "\n".join(info.value.__notes__)
+    assert failing.after_train_exceptions == [None]  # ran once, on the success path
+    assert other.after_train_exceptions == [info.value]  # ran once, through on_exception
+
+
+class Counter(HookBase):
+    def __init__(self, increment: int) -> None:
+        super().__init__()
+        self.increment = increment
+        self.count = 0
+
+    def after_step(self):
+        self.count += self.increment
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state_dict):
+        self.count = state_dict["count"]
+
+
+def test_state_round_trip_with_two_instances(tmp_path):
+    a, b = Counter(1), Counter(10)
+    assert a.state_key != b.state_key  # distinct before attachment (Trainer validates this)
+    trainer = make_trainer([a, b], max_steps=3)
+    trainer.fit(TinyModule(), tiny_loader())
+    assert (a.count, b.count) == (3, 30)
+    assert (a.state_key, b.state_key) == ("Counter{'index': 0}", "Counter{'index': 1}")
+    path = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=False)["callbacks"]
+    assert saved["Counter{'index': 0}"] == {"count": 3} and saved["Counter{'index': 1}"] == {"count": 30}
+
+    c, d = Counter(1), Counter(10)
+    make_trainer([c, d], max_steps=5).fit(TinyModule(), tiny_loader(), ckpt_path=path)
+    assert (c.count, d.count) == (5, 50)
+    assert (c.start_iter, d.start_iter) == (3, 3)
+
+
+def test_trainer_before_attachment_raises():
+    with pytest.raises(RuntimeError, match=r"Recorder.trainer is only available once the hook is attached"):
+        Recorder().trainer
