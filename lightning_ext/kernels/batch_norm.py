@@ -15,13 +15,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_ext.kernels._triton import HAS_TRITON, kernel, tl, tl_dtype, triton
 from lightning_ext.kernels.backend import _stat_dtype
 
 __all__ = [
     "batch_norm_backward_elemt_reference",
+    "batch_norm_backward_elemt_triton",
     "batch_norm_backward_reduce_reference",
+    "batch_norm_backward_reduce_triton",
     "batch_norm_elemt_reference",
+    "batch_norm_elemt_triton",
     "batch_norm_stats_reference",
+    "batch_norm_stats_triton",
 ]
 
 
@@ -120,3 +125,287 @@ def batch_norm_backward_elemt_reference(
     ones = torch.ones_like(invstd)
     u = torch.batch_norm(x, -b * c, -a * c, mean.to(dtype), ones, False, 0.0, 0.0, False)
     return u.addcmul_(dy, _channel_view(c, x.dim()))
+
+
+# ---------------------------------------------------------------------------- Triton kernels
+# Every tensor is addressed as (N, C, S) through strides (sn, sc, ss): contiguous NCHW has
+# (C*S, S, 1), channels_last(_3d) (S*C, 1, C), (N, C) input S = 1. Rows m = n*S + s run over
+# M = N*S; a tile is BLOCK_M rows x BLOCK_C channels, masked at both edges (any C, any M).
+
+if HAS_TRITON:
+
+    def _bn_stats_kernel(
+        x_ptr,  # x: (N, C, S) strided, fp16/bf16/fp32/fp64
+        part_ptr,  # partials: (3, SPLIT, C) ACC, [count, mean, m2] of each split
+        M, C, S, sn, sc, ss,
+        rows_per_split,  # rows of one split, a multiple of BLOCK_M
+        ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        pid_c = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        nsplit = tl.num_programs(1)
+        cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        coff = cols.to(tl.int64) * sc
+        start = pid_s * rows_per_split
+        end = tl.minimum(start + rows_per_split, M)
+        count = tl.zeros([BLOCK_C], dtype=ACC)
+        mean = tl.zeros([BLOCK_C], dtype=ACC)
+        m2 = tl.zeros([BLOCK_C], dtype=ACC)
+        for m0 in range(start, end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            rmask = rows < end
+            roff = (rows // S).to(tl.int64) * sn + (rows % S).to(tl.int64) * ss
+            mask = rmask[:, None] & cmask[None, :]
+            v = tl.load(x_ptr + roff[:, None] + coff[None, :], mask=mask, other=0.0).to(ACC)
+            # Welford within the tile (exact two-pass on registers), Chan et al. across tiles.
+            n_b = tl.sum(rmask.to(ACC), axis=0)
+            mean_b = tl.sum(v, axis=0) / n_b
+            d = tl.where(mask, v - mean_b[None, :], 0.0)
+            m2_b = tl.sum(d * d, axis=0)
+            tot = count + n_b
+            delta = mean_b - mean
+            mean = mean + delta * (n_b / tot)
+            m2 = m2 + m2_b + delta * delta * (count * n_b / tot)
+            count = tot
+        out = part_ptr + pid_s * C + cols
+        tl.store(out, count, mask=cmask)
+        tl.store(out + nsplit * C, mean, mask=cmask)
+        tl.store(out + 2 * nsplit * C, m2, mask=cmask)
+
+    def _bn_elemt_kernel(
+        x_ptr,  # x: (N, C, S) strided
+        y_ptr,  # y: (N, C, S) strided (x's layout), x's dtype
+        mean_ptr, invstd_ptr, w_ptr, b_ptr,  # (C,) contiguous; w/b unused without HAS_W/HAS_B
+        M, C, S, sn, sc, ss, yn, yc, ys,
+        ACC: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        rmask = rows < M
+        cmask = cols < C
+        mask = rmask[:, None] & cmask[None, :]
+        n = (rows // S).to(tl.int64)
+        s = (rows % S).to(tl.int64)
+        c64 = cols.to(tl.int64)
+        mean = tl.load(mean_ptr + cols, mask=cmask, other=0.0).to(ACC)
+        scale = tl.load(invstd_ptr + cols, mask=cmask, other=0.0).to(ACC)
+        if HAS_W:
+            scale = scale * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(ACC)
+        x = tl.load(x_ptr + (n * sn + s * ss)[:, None] + (c64 * sc)[None, :], mask=mask, other=0.0)
+        y = (x.to(ACC) - mean[None, :]) * scale[None, :]
+        if HAS_B:
+            y = y + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(ACC)[None, :]
+        tl.store(y_ptr + (n * yn + s * ys)[:, None] + (c64 * yc)[None, :], y.to(x.dtype), mask=mask)
+
+    def _bn_backward_reduce_kernel(
+        dy_ptr,  # dy: (N, C, S) strided
+        x_ptr,  # x: (N, C, S) strided (may differ from dy's layout)
+        mean_ptr,  # (C,) contiguous
+        part_ptr,  # partials: (2, SPLIT, C) ACC, [sum_dy, sum_dy_xmu] of each split
+        M, C, S, dn, dc, ds, sn, sc, ss,
+        rows_per_split,
+        ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        pid_c = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        nsplit = tl.num_programs(1)
+        cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        c64 = cols.to(tl.int64)
+        mean = tl.load(mean_ptr + cols, mask=cmask, other=0.0).to(ACC)
+        start = pid_s * rows_per_split
+        end = tl.minimum(start + rows_per_split, M)
+        acc_dy = tl.zeros([BLOCK_M, BLOCK_C], dtype=ACC)
+        acc_dy_xmu = tl.zeros([BLOCK_M, BLOCK_C], dtype=ACC)
+        for m0 in range(start, end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            rmask = rows < end
+            n = (rows // S).to(tl.int64)
+            s = (rows % S).to(tl.int64)
+            mask = rmask[:, None] & cmask[None, :]
+            dy = tl.load(dy_ptr + (n * dn + s * ds)[:, None] + (c64 * dc)[None, :], mask=mask, other=0.0)
+            x = tl.load(x_ptr + (n * sn + s * ss)[:, None] + (c64 * sc)[None, :], mask=mask, other=0.0)
+            dy = dy.to(ACC)
+            acc_dy += dy
+            acc_dy_xmu += tl.where(mask, dy * (x.to(ACC) - mean[None, :]), 0.0)
+        out = part_ptr + pid_s * C + cols
+        tl.store(out, tl.sum(acc_dy, axis=0), mask=cmask)
+        tl.store(out + nsplit * C, tl.sum(acc_dy_xmu, axis=0), mask=cmask)
+
+    def _bn_backward_elemt_kernel(
+        dy_ptr,  # dy: (N, C, S) strided
+        x_ptr,  # x: (N, C, S) strided
+        dx_ptr,  # dx: (N, C, S) strided (x's layout), x's dtype
+        mean_ptr, invstd_ptr, w_ptr, sum_dy_ptr, sum_dy_xmu_ptr, count_ptr,  # (C,) contiguous
+        M, C, S, dn, dc, ds, sn, sc, ss, on, oc, os,
+        ACC: tl.constexpr, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        rmask = rows < M
+        cmask = cols < C
+        mask = rmask[:, None] & cmask[None, :]
+        n = (rows // S).to(tl.int64)
+        s = (rows % S).to(tl.int64)
+        c64 = cols.to(tl.int64)
+        mean = tl.load(mean_ptr + cols, mask=cmask, other=0.0).to(ACC)
+        invstd = tl.load(invstd_ptr + cols, mask=cmask, other=0.0).to(ACC)
+        count = tl.load(count_ptr + cols, mask=cmask, other=1.0).to(ACC)
+        a = tl.load(sum_dy_ptr + cols, mask=cmask, other=0.0).to(ACC) / count
+        b = tl.load(sum_dy_xmu_ptr + cols, mask=cmask, other=0.0).to(ACC) * invstd * invstd / count
+        c = invstd
+        if HAS_W:
+            c = c * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(ACC)
+        dy = tl.load(dy_ptr + (n * dn + s * ds)[:, None] + (c64 * dc)[None, :], mask=mask, other=0.0)
+        x = tl.load(x_ptr + (n * sn + s * ss)[:, None] + (c64 * sc)[None, :], mask=mask, other=0.0)
+        dx = (dy.to(ACC) - a[None, :] - (x.to(ACC) - mean[None, :]) * b[None, :]) * c[None, :]
+        tl.store(dx_ptr + (n * on + s * os)[:, None] + (c64 * oc)[None, :], dx.to(x.dtype), mask=mask)
+
+
+# ---------------------------------------------------------------------------- launchers
+
+
+def _ncs(x: Tensor) -> tuple[Tensor, int, int, int, int, int]:
+    """View ``x`` (N, C, *) as (N, C, S) by strides: ``(x', S, sn, sc, ss)``; copies only if the
+    spatial dims cannot be collapsed into one stride (e.g. a sliced spatial dim).
+    """
+    sizes, strides = x.shape[2:], x.stride()[2:]
+    dims = [(n, st) for n, st in zip(sizes, strides) if n != 1]
+    ok = all(dims[i][1] == dims[i + 1][1] * dims[i + 1][0] for i in range(len(dims) - 1))
+    if not ok:
+        x = x.contiguous()
+        return _ncs(x)
+    s = 1
+    for n in sizes:
+        s *= n
+    ss = dims[-1][1] if dims else 1
+    return x, s, x.stride(0), x.stride(1), ss
+
+
+def _blocks(c: int, channel_contiguous: bool, interpret: bool) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_C): wide in channels when channels are contiguous in memory, tall otherwise."""
+    block_c = min(triton.next_power_of_2(max(c, 1)), 64 if channel_contiguous else 8)
+    elems = 4096 if interpret else 2048
+    return max(elems // block_c, 16), block_c
+
+
+def _split(m: int, c_blocks: int, block_m: int, interpret: bool) -> tuple[int, int]:
+    """(SPLIT, rows_per_split) so that about enough programs exist to fill the device."""
+    target = 4 if interpret else 1024
+    split = max(1, min(triton.cdiv(m, block_m), target // c_blocks))
+    rows = triton.cdiv(triton.cdiv(m, split), block_m) * block_m
+    return triton.cdiv(m, rows), rows
+
+
+def batch_norm_stats_triton(x: Tensor, interpret: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """Launcher: per-split Welford partials in one kernel, Chan's combination of the splits in torch."""
+    c = x.shape[1]
+    dtype = _stat_dtype(x)
+    if x.numel() == 0:
+        n = float(x.numel() // c) if c else 0.0
+        zeros = torch.zeros(2, c, dtype=dtype, device=x.device)
+        return torch.full((c,), n, dtype=dtype, device=x.device), zeros[0], zeros[1]
+    x, s, sn, sc, ss = _ncs(x)
+    m = x.shape[0] * s
+    block_m, block_c = _blocks(c, sc == 1, interpret)
+    c_blocks = triton.cdiv(c, block_c)
+    split, rows = _split(m, c_blocks, block_m, interpret)
+    part = torch.empty(3, split, c, dtype=dtype, device=x.device)
+    acc = tl_dtype(dtype == torch.float64)
+    kernel(_bn_stats_kernel, interpret)[(c_blocks, split)](
+        x, part, m, c, s, sn, sc, ss, rows, ACC=acc, BLOCK_M=block_m, BLOCK_C=block_c
+    )
+    counts, means, m2s = part.unbind(0)
+    if split == 1:
+        return counts[0], means[0], m2s[0]
+    count = counts.sum(0)
+    mean = (counts * means).sum(0) / count
+    m2 = (m2s + counts * (means - mean).square()).sum(0)
+    return count, mean, m2
+
+
+def batch_norm_elemt_triton(
+    x: Tensor,
+    mean: Tensor,
+    invstd: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    interpret: bool = False,
+) -> Tensor:
+    """Launcher: one elementwise kernel writing ``y`` in ``x``'s memory format."""
+    if x.numel() == 0:
+        return torch.empty_like(x)
+    x, s, sn, sc, ss = _ncs(x)
+    y = torch.empty_like(x)
+    _, _, yn, yc, ys = _ncs(y)
+    m, c = x.shape[0] * s, x.shape[1]
+    block_m, block_c = _blocks(c, sc == 1, interpret)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(c, block_c))
+    w = weight.contiguous() if weight is not None else mean
+    b = bias.contiguous() if bias is not None else mean
+    kernel(_bn_elemt_kernel, interpret)[grid](
+        x, y, mean.contiguous(), invstd.contiguous(), w, b,
+        m, c, s, sn, sc, ss, yn, yc, ys,
+        ACC=tl_dtype(x.dtype == torch.float64), HAS_W=weight is not None, HAS_B=bias is not None,
+        BLOCK_M=block_m, BLOCK_C=block_c,
+    )  # fmt: skip
+    return y
+
+
+def batch_norm_backward_reduce_triton(
+    dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, interpret: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Launcher: per-split partial sums in one kernel, summed over the splits in torch."""
+    c = x.shape[1]
+    dtype = _stat_dtype(x)
+    if x.numel() == 0:
+        return torch.zeros(c, dtype=dtype, device=x.device), torch.zeros(c, dtype=dtype, device=x.device)
+    x, s, sn, sc, ss = _ncs(x)
+    dy, _, dn, dc, ds = _ncs(dy)
+    m = x.shape[0] * s
+    block_m, block_c = _blocks(c, sc == 1, interpret)
+    block_m = max(block_m // 2, 16)  # two (BLOCK_M, BLOCK_C) accumulators live in registers
+    c_blocks = triton.cdiv(c, block_c)
+    split, rows = _split(m, c_blocks, block_m, interpret)
+    part = torch.empty(2, split, c, dtype=dtype, device=x.device)
+    kernel(_bn_backward_reduce_kernel, interpret)[(c_blocks, split)](
+        dy, x, mean.contiguous(), part, m, c, s, dn, dc, ds, sn, sc, ss, rows,
+        ACC=tl_dtype(dtype == torch.float64), BLOCK_M=block_m, BLOCK_C=block_c,
+    )  # fmt: skip
+    if split == 1:
+        return part[0, 0], part[1, 0]
+    sums = part.sum(1)
+    return sums[0], sums[1]
+
+
+def batch_norm_backward_elemt_triton(
+    dy: Tensor,
+    x: Tensor,
+    mean: Tensor,
+    invstd: Tensor,
+    weight: Tensor | None,
+    sum_dy: Tensor,
+    sum_dy_xmu: Tensor,
+    count: Tensor,
+    interpret: bool = False,
+) -> Tensor:
+    """Launcher: one elementwise kernel reading ``dy`` and ``x``, writing ``dx`` in ``x``'s layout."""
+    if x.numel() == 0:
+        return torch.empty_like(x)
+    x, s, sn, sc, ss = _ncs(x)
+    dy, _, dn, dc, ds = _ncs(dy)
+    dx = torch.empty_like(x)
+    _, _, on, oc, os = _ncs(dx)
+    m, c = x.shape[0] * s, x.shape[1]
+    block_m, block_c = _blocks(c, sc == 1, interpret)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(c, block_c))
+    kernel(_bn_backward_elemt_kernel, interpret)[grid](
+        dy, x, dx, mean.contiguous(), invstd.contiguous(),
+        weight.contiguous() if weight is not None else mean,
+        sum_dy.contiguous(), sum_dy_xmu.contiguous(), count.contiguous(),
+        m, c, s, dn, dc, ds, sn, sc, ss, on, oc, os,
+        ACC=tl_dtype(x.dtype == torch.float64), HAS_W=weight is not None, BLOCK_M=block_m, BLOCK_C=block_c,
+    )  # fmt: skip
+    return dx

@@ -12,7 +12,14 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
-__all__ = ["bucket_by_device_and_dtype", "combine_found_inf", "unscale_and_check_reference"]
+from lightning_ext.kernels._triton import HAS_TRITON, kernel, tl, tl_dtype, triton
+
+__all__ = [
+    "bucket_by_device_and_dtype",
+    "combine_found_inf",
+    "unscale_and_check_reference",
+    "unscale_and_check_triton",
+]
 
 
 def bucket_by_device_and_dtype(tensors: list[Tensor]) -> dict[torch.device, dict[torch.dtype, list[Tensor]]]:
@@ -44,5 +51,66 @@ def unscale_and_check_reference(tensors: list[Tensor], inv_scale: Tensor) -> Ten
         inv = inv_scale if inv_scale.device == device else inv_scale.to(device, non_blocking=True)
         for group in by_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
+        flags.append(found)
+    return combine_found_inf(flags, inv_scale.device)
+
+
+# ---------------------------------------------------------------------------- Triton kernel
+
+if HAS_TRITON:
+
+    def _unscale_kernel(
+        g_ptr,  # g: (numel,) dense storage of one tensor, updated in place
+        inv_ptr,  # inv_scale: () fp32
+        found_ptr,  # found_inf: () fp32, raised to 1.0 by any program that sees inf/NaN
+        numel,
+        ACC: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+        v = g.to(ACC)
+        bad = tl.max(((v != v) | (tl.abs(v) == float("inf"))).to(tl.float32), axis=0)
+        if bad > 0:
+            tl.atomic_max(found_ptr, bad)
+        tl.store(g_ptr + offs, (v * tl.load(inv_ptr).to(ACC)).to(g.dtype), mask=mask)
+
+
+# ---------------------------------------------------------------------------- launcher
+
+
+def _is_dense(t: Tensor) -> bool:
+    """Whether ``t``'s elements fill a gap-free block of ``t.numel()`` storage elements (any order)."""
+    expected = 1
+    for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda p: p[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def unscale_and_check_triton(tensors: list[Tensor], inv_scale: Tensor, interpret: bool = False) -> Tensor:
+    """Launcher: one kernel per dense tensor (read once, written once); non-dense tensors (rare for
+    gradients) go through the reference op. One found-inf flag per device, combined without sync.
+    """
+    flags = []
+    block = 4096 if interpret else 2048
+    for device, by_dtype in bucket_by_device_and_dtype(tensors).items():
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        inv = inv_scale if inv_scale.device == device else inv_scale.to(device, non_blocking=True)
+        for dtype, group in by_dtype.items():
+            acc = tl_dtype(dtype == torch.float64)
+            strided = []
+            for t in group:
+                if t.numel() == 0:
+                    continue
+                if not _is_dense(t):
+                    strided.append(t)
+                    continue
+                kernel(_unscale_kernel, interpret)[(triton.cdiv(t.numel(), block),)](
+                    t, inv, found, t.numel(), ACC=acc, BLOCK=block
+                )
+            if strided:
+                torch._amp_foreach_non_finite_check_and_unscale_(strided, found, inv)
         flags.append(found)
     return combine_found_inf(flags, inv_scale.device)
