@@ -1,0 +1,122 @@
+import re
+import time
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
+
+from lightning_ext.callbacks import IterationTimer
+from lightning_ext.stats import Collector
+
+DATA_SEC = 0.03  # sleep per batch in the data loader
+STEP_SEC = 0.02  # sleep per training_step
+
+
+class SlowDataset(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        time.sleep(DATA_SEC / 2)  # batch_size 2 -> DATA_SEC per batch
+        return torch.full((4,), float(index))
+
+
+class SlowModule(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+
+    @override
+    def training_step(self, batch, batch_idx):
+        time.sleep(STEP_SEC)
+        return self.net(batch).square().mean()
+
+    @override
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_timer_against_slow_loader_and_step(accumulate):
+    collector = Collector(regex="Timing/.*")
+    timer = IterationTimer(warmup_iter=2)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=8,
+        accumulate_grad_batches=accumulate,
+        callbacks=[timer],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(SlowModule(), DataLoader(SlowDataset(), batch_size=2))
+    collector.update()
+    assert collector.num("Timing/data_sec") == 8
+    assert collector.num("Timing/step_sec") == 6  # warm-up excluded
+    # Lower bounds are exact (sleeps); upper bounds leave room for a busy 2-core machine.
+    data_per_iter = DATA_SEC * accumulate
+    assert data_per_iter * 0.95 <= collector.mean("Timing/data_sec") <= data_per_iter + 0.06
+    step_per_iter = STEP_SEC * accumulate
+    assert step_per_iter * 0.95 <= collector.mean("Timing/step_sec") <= step_per_iter + 0.06
+    assert collector.min("Timing/step_sec") >= step_per_iter * 0.95
+    assert timer.timed_iters == 6
+    per_iter = timer.timed_seconds / timer.timed_iters
+    assert (data_per_iter + step_per_iter) * 0.95 <= per_iter <= data_per_iter + step_per_iter + 0.1
+    lines = timer.summary.splitlines()
+    assert re.fullmatch(r"Overall training speed: 6 iterations in 0:00:0\d \((\d\.\d{4}) s / it\)", lines[0])
+    assert float(re.search(r"\((\d\.\d{4}) s / it\)", lines[0]).group(1)) == pytest.approx(per_iter, abs=1e-4)
+    assert re.fullmatch(r"Total training time: 0:00:0\d \(0:00:0\d on hooks\)", lines[1])
+
+
+def test_summary_logged_when_training_fails(caplog):
+    class Boom(SlowModule):
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 4:
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    timer = IterationTimer(warmup_iter=1)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=10,
+        callbacks=[timer],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    with caplog.at_level("INFO"), pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(Boom(), DataLoader(SlowDataset(), batch_size=2))
+    assert timer.summary.startswith("Overall training speed: 3 iterations in")
+    assert "Overall training speed: 3 iterations" in caplog.text
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
+def test_bad_warmup(bad):
+    with pytest.raises(ValueError, match=r"IterationTimer: `warmup_iter` must be a non-negative int, got "):
+        IterationTimer(warmup_iter=bad)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for event timing")
+def test_cuda_events_reported_lazily():
+    collector = Collector(regex="Timing/step_sec")
+    timer = IterationTimer(warmup_iter=1)
+    trainer = L.Trainer(
+        accelerator="cuda",
+        devices=1,
+        max_steps=5,
+        callbacks=[timer],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(SlowModule(), DataLoader(SlowDataset(), batch_size=2))
+    collector.update()
+    assert collector.num("Timing/step_sec") == 4  # the rest flushed at after_train
+    assert collector.min("Timing/step_sec") > 0
