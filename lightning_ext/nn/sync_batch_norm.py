@@ -1,0 +1,434 @@
+"""Synchronized batch normalization that works wherever ``torch.distributed`` does (gloo, NCCL, ...).
+
+``torch.nn.SyncBatchNorm`` only runs on CUDA, all-gathers ``W * (2C + 1)`` floats per layer and
+combines the gathered (mean, invstd) pairs by reconstructing the variance from ``1 / invstd**2 - eps``.
+This module keeps torch's interface (same arguments, buffers, ``_version`` and state-dict migration,
+so checkpoints move freely between torch BatchNorm, torch SyncBatchNorm and this one) and changes
+the communication:
+
+Forward (training): each rank computes its per-channel (count, mean, M2) with the kernel backend,
+then ONE ``all_reduce`` (SUM) of a float64 payload of ``2C + 1`` numbers per layer::
+
+    [ n_r,  n_r * (mean_r - c),  M2_r + n_r * (mean_r - c)**2 ]
+
+about a shift ``c`` identical on every rank: the ``running_mean`` buffer (zero without running
+statistics). Summed over ranks this gives ``N``, ``S1 = N * (mean - c)`` and
+``S2 = sum (x - c)**2``, from which ``mean = c + S1 / N`` and ``M2 = S2 - S1**2 / N``. Sums are
+exact for any split of the batch (uneven or empty shards), and since ``c`` tracks the data mean,
+``S1`` is small and the subtraction does not cancel; float64 keeps it exact even when ``c`` is far
+from the mean (|mean| / std up to ~1e5 loses < 1e-6 relative). Identical buffers on every rank are
+guaranteed because every rank updates them from the same all-reduced values (and DDP broadcasts
+buffers); if they ever differed the result would be wrong, so load the same checkpoint everywhere.
+
+Backward: ONE ``all_reduce`` of the float32 ``(sum_dy, sum_dy_xmu)`` (``2C`` numbers), then ``dx``
+with the GLOBAL count; ``grad_weight``/``grad_bias`` stay local (DDP averages them), as in torch.
+
+Checkpointing: ``torch.utils.checkpoint`` re-runs the forward during backward. A forward that runs
+while an autograd graph task is executing (``torch._C._current_graph_task_id() != -1``, which is the
+case for both reentrant and non-reentrant checkpointing) is a recomputation: it still joins the
+collective (every rank recomputes alike) but does not touch ``running_mean``, ``running_var`` or
+``num_batches_tracked``. Under ``torch.compile`` this check is skipped (compiled regions are not
+recomputed by ``torch.utils.checkpoint``'s eager path).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_ext.distributed import collective_device, get_world_size, is_distributed
+
+__all__ = ["SyncBatchNorm", "sync_batch_norm_stats"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _get_backend(name: str | None, device: torch.device):
+    # Imported lazily so that importing ``lightning_ext.nn`` never compiles a kernel.
+    from lightning_ext.kernels import get_backend
+
+    return get_backend(name, device=device)
+
+
+def _warm_backend(name: str | None, device: torch.device | str | None) -> None:
+    """Resolve (and cache) the kernel backend for ``device`` now, eagerly.
+
+    ``get_backend`` caches per (name, device type); a cached lookup traces cleanly under
+    ``torch.compile``, a first lookup (entry-point loading) does not. Resolving at construction and
+    at every eager forward keeps compiled forwards on the cached path. Also surfaces an unknown
+    ``backend`` name at construction.
+    """
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    if device.type != "meta":
+        _get_backend(name, device)
+
+
+def _is_recomputing() -> bool:
+    """True when this forward runs inside a backward pass (``torch.utils.checkpoint`` recomputation)."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
+
+
+def _pack_moments(count: int, mean: Tensor, m2: Tensor, shift: Tensor) -> Tensor:
+    """Per-rank float64 payload ``[n, n * (mean - c), M2 + n * (mean - c)**2]`` of shape ``(2C + 1,)``.
+
+    Args:
+        count: elements per channel on this rank (host integer, exact).
+        mean: float32 ``(C,)`` local mean; ignored when ``count == 0``.
+        m2: float32 ``(C,)`` local sum of squared deviations from ``mean``.
+        shift: float64 ``(C,)`` shift ``c``, identical on every rank.
+    """
+    n = torch.full((1,), float(count), dtype=torch.float64, device=mean.device)
+    if count == 0:
+        return torch.cat([n, torch.zeros(2 * mean.numel(), dtype=torch.float64, device=mean.device)])
+    dev = mean.to(torch.float64) - shift
+    s1 = dev * count
+    s2 = m2.to(torch.float64) + s1 * dev
+    return torch.cat([n, s1, s2])
+
+
+def _unpack_moments(payload: Tensor, shift: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Global ``(count, mean, m2)`` in float64 from the summed payload of :func:`_pack_moments`.
+
+    ``count`` is 0-dim; ``mean`` and ``m2`` are ``(C,)``. With ``count == 0`` they are NaN.
+    """
+    c = shift.numel()
+    n = payload[0]
+    s1 = payload[1 : c + 1]
+    s2 = payload[c + 1 :]
+    mean = shift + s1 / n
+    m2 = (s2 - s1 * s1 / n).clamp_min(0.0)
+    return n, mean, m2
+
+
+def sync_batch_norm_stats(
+    x: Tensor,
+    shift: Tensor | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    backend: str | None = None,
+    sync: bool = True,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Global per-channel (count, mean, M2) of ``x`` over the ranks of ``process_group``.
+
+    One ``all_reduce`` of ``2C + 1`` float64 numbers (see the module docstring for the form and
+    why it is exact with uneven counts and free of catastrophic cancellation). Every rank of the
+    group must call it, also ranks whose ``x`` is empty.
+
+    Args:
+        x: float16/bfloat16/float32 tensor of shape ``(N, C, *)``, any memory format.
+        shift: float64 ``(C,)`` shift identical on every rank (e.g. the running mean); zeros if ``None``.
+        process_group: group to reduce over (default: WORLD).
+        backend: kernel backend name for the local statistics (default: auto).
+        sync: ``False`` computes the same quantities locally, without a collective.
+
+    Returns:
+        ``(count, mean, m2)``: float64 0-dim global count of elements per channel, float64 ``(C,)``
+        mean and float64 ``(C,)`` sum of squared deviations. NaN mean/m2 when the global count is 0.
+
+    Synchronizes host and device only when the group's collective device differs from ``x``'s
+    (e.g. gloo with CUDA tensors: the payload is copied to CPU).
+    """
+    channels = x.shape[1]
+    count = x.numel() // channels if channels else 0
+    if shift is None:
+        shift = torch.zeros(channels, dtype=torch.float64, device=x.device)
+    if count > 0:
+        _, mean, m2 = _get_backend(backend, x.device).batch_norm_stats(x)
+    else:
+        mean = m2 = torch.zeros(channels, dtype=torch.float32, device=x.device)
+    payload = _pack_moments(count, mean, m2, shift)
+    if sync:
+        comm_device = collective_device(process_group)
+        if comm_device != payload.device:
+            moved = payload.to(comm_device)
+            dist.all_reduce(moved, group=process_group)
+            payload = moved.to(x.device)
+        else:
+            dist.all_reduce(payload, group=process_group)
+    return _unpack_moments(payload, shift)
+
+
+def _update_running_stats(
+    running_mean: Tensor,
+    running_var: Tensor,
+    num_batches_tracked: Tensor | None,
+    momentum: float | None,
+    count: Tensor,
+    mean: Tensor,
+    m2: Tensor,
+) -> None:
+    """In-place exponential (or cumulative, ``momentum=None``) update; no host sync.
+
+    Uses the unbiased variance ``m2 / (count - 1)``; leaves the buffers untouched when the global
+    count is 0 (as ATen does for an empty batch).
+    """
+    if momentum is None:
+        assert num_batches_tracked is not None
+        factor = 1.0 / num_batches_tracked.to(torch.float64)
+    else:
+        factor = torch.tensor(momentum, dtype=torch.float64, device=mean.device)
+    valid = count > 0
+    unbiased = m2 / (count - 1)
+    new_mean = running_mean.to(torch.float64) * (1 - factor) + mean * factor
+    new_var = running_var.to(torch.float64) * (1 - factor) + unbiased * factor
+    running_mean.copy_(torch.where(valid, new_mean, running_mean.to(torch.float64)))
+    running_var.copy_(torch.where(valid, new_var, running_var.to(torch.float64)))
+
+
+def _memory_format(x: Tensor) -> torch.memory_format:
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if x.dim() == 5 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+class _SyncBatchNormFunction(torch.autograd.Function):
+    """Normalization with a backward that all-reduces ``(sum_dy, sum_dy_xmu)`` once.
+
+    ``mean``/``invstd`` are the global statistics computed (without autograd) by the caller; the
+    backward accounts for their dependence on ``x`` in closed form (Ioffe & Szegedy 2015, and the
+    ``batch_norm_backward_elemt`` of ``torch.nn.SyncBatchNorm``).
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        mean: Tensor,
+        invstd: Tensor,
+        count: Tensor,
+        process_group: dist.ProcessGroup | None,
+        sync: bool,
+        backend: str | None,
+    ) -> Tensor:
+        ops = _get_backend(backend, x.device)
+        y = ops.batch_norm_elemt(x, mean, invstd, weight, bias)
+        ctx.save_for_backward(x, weight, mean, invstd, count)
+        ctx.process_group = process_group
+        ctx.sync = sync
+        ctx.backend = backend
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        x, weight, mean, invstd, count = ctx.saved_tensors
+        ops = _get_backend(ctx.backend, x.device)
+        fmt = _memory_format(x)
+        dy = (
+            grad_output
+            if grad_output.is_contiguous(memory_format=fmt)
+            else grad_output.contiguous(memory_format=fmt)
+        )
+        channels = x.shape[1]
+        if x.numel() > 0:
+            sum_dy, sum_dy_xmu = ops.batch_norm_backward_reduce(dy, x, mean, invstd)
+        else:
+            sum_dy = torch.zeros(channels, dtype=torch.float32, device=x.device)
+            sum_dy_xmu = torch.zeros(channels, dtype=torch.float32, device=x.device)
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_bias = sum_dy.to(weight.dtype if weight is not None else torch.float32)
+        if ctx.needs_input_grad[0]:
+            packed = torch.cat([sum_dy, sum_dy_xmu])
+            if ctx.sync:
+                comm_device = collective_device(ctx.process_group)
+                if comm_device != packed.device:
+                    moved = packed.to(comm_device)
+                    dist.all_reduce(moved, group=ctx.process_group)
+                    packed = moved.to(x.device)
+                else:
+                    dist.all_reduce(packed, group=ctx.process_group)
+            if x.numel() > 0:
+                w = weight if weight is not None else torch.ones_like(mean)
+                grad_x = ops.batch_norm_backward_elemt(
+                    dy, x, mean, invstd, w, packed[:channels], packed[channels:], count
+                )
+            else:
+                grad_x = torch.zeros_like(x)
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+class SyncBatchNorm(_BatchNorm):
+    r"""Batch normalization whose batch statistics span all ranks of a process group, on any backend.
+
+    A drop-in for ``torch.nn.SyncBatchNorm`` (same arguments, parameters, buffers, ``_version``
+    and ``_load_from_state_dict`` migration) that also runs on CPU/gloo, sends ``2C + 1`` float64
+    numbers per layer in ONE ``all_reduce`` instead of all-gathering ``W * (2C + 1)`` floats, and is
+    exact for uneven and empty per-rank batches. See the module docstring for the algorithm
+    (parallel-variance combination about a shared shift, after Chan, Golub & LeVeque 1979).
+
+    Training forward: local (count, mean, M2) by the kernel backend, one ``all_reduce``, global
+    mean/biased variance for normalization, running statistics from the unbiased variance of the
+    GLOBAL count (``momentum=None``: cumulative average, no host sync). Backward: one ``all_reduce``
+    of ``(sum_dy, sum_dy_xmu)``; ``dx`` with the global count; ``grad_weight``/``grad_bias`` local.
+
+    Plain local batch norm (ATen, no collective) is used when ``torch.distributed`` is not
+    initialized, the group has one rank, or in eval mode with running statistics;
+    ``track_running_stats=False`` synchronizes in eval mode too. Every rank of the group must run
+    the layer the same number of times (ranks with an empty batch included).
+
+    Args:
+        num_features: ``C``, the number of channels.
+        eps: added to the variance for numerical stability, ``> 0``.
+        momentum: factor of the running-statistics update in ``[0, 1]``, or ``None`` for a
+            cumulative moving average.
+        affine: learn a per-channel scale ``weight`` and shift ``bias``.
+        track_running_stats: keep ``running_mean``/``running_var``/``num_batches_tracked`` buffers.
+        process_group: group whose ranks share statistics (default: WORLD); see
+            :func:`lightning_ext.nn.create_process_groups`.
+        device: device of parameters and buffers.
+        dtype: dtype of parameters and buffers (float32 recommended; statistics are float32/64 anyway).
+        backend: kernel backend name for the local statistics and elementwise ops (``None``: the
+            ``LIGHTNING_EXT_KERNELS`` environment variable, else the best for the input's device).
+
+    Shape:
+        - Input: float16/bfloat16/float32 ``(N, C)``, ``(N, C, L)``, ``(N, C, H, W)`` or
+          ``(N, C, D, H, W)``, contiguous or channels_last(_3d); also under autocast.
+        - Output: same shape, dtype and memory format as the input.
+
+    Raises:
+        ValueError: ``eps <= 0``, ``momentum`` outside ``[0, 1]``, ``num_features < 1``; at forward,
+            an input that is not 2d-5d or whose ``C`` differs from ``num_features``, or a training
+            batch with a single value per channel over the whole group.
+        TypeError: an integer (or otherwise non-floating) input, or a ``backend`` that is not a string.
+
+    Host-device synchronization: none in the common case. A rank whose local batch has at most one
+    value per channel reads the global count back to the host (``.item()``) to decide whether to
+    raise; all ranks see the same global count after the ``all_reduce``, so they all raise together
+    and nobody hangs.
+
+    Example::
+
+        >>> import torch
+        >>> bn = SyncBatchNorm(3)
+        >>> y = bn(torch.randn(4, 3, 5, 5))  # not distributed: plain local batch norm
+        >>> y.shape, int(bn.num_batches_tracked)
+        (torch.Size([4, 3, 5, 5]), 1)
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        backend: str | None = None,
+    ) -> None:
+        if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features < 1:
+            raise ValueError(f"`num_features` must be a positive int, got {num_features!r}")
+        if not eps > 0:
+            raise ValueError(f"`eps` must be > 0, got {eps!r}")
+        if momentum is not None and not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"`momentum` must be in [0, 1] or None (cumulative average), got {momentum!r}")
+        if backend is not None and not isinstance(backend, str):
+            raise TypeError(f"`backend` must be a kernel backend name (str) or None, got {backend!r}")
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        self.process_group = process_group
+        self.backend = backend
+        _warm_backend(backend, device)
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() not in (2, 3, 4, 5):
+            raise ValueError(
+                f"expected a 2D, 3D, 4D or 5D input of shape (N, {self.num_features}, *), "
+                f"got {input.dim()}D input of shape {tuple(input.shape)}"
+            )
+        if input.shape[1] != self.num_features:
+            raise ValueError(
+                f"expected input of shape (N, {self.num_features}, *) (num_features={self.num_features}), "
+                f"got shape {tuple(input.shape)}"
+            )
+        if not input.is_floating_point():
+            raise TypeError(
+                f"expected a float16, bfloat16 or float32 input, got dtype {input.dtype!r}. "
+                "HINT: convert integer data with `.float()`."
+            )
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        recomputing = _is_recomputing()
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        update_stats = self.training and self.track_running_stats and not recomputing
+        if update_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+
+        process_group = self.process_group
+        sync = bn_training and is_distributed() and get_world_size(process_group) > 1
+        cumulative = self.training and self.track_running_stats and self.momentum is None
+        if not sync and not cumulative:
+            # Plain local batch norm (ATen): no collective, running stats updated by ATen if needed.
+            running_mean, running_var = self.running_mean, self.running_var
+            if bn_training and not update_stats and running_mean is not None:
+                # Checkpoint recomputation: ATen updates throw-away copies, so that the op (and the
+                # tensors it saves for backward) is the same as in the original forward.
+                running_mean, running_var = running_mean.clone(), running_var.clone()
+            return F.batch_norm(
+                input,
+                running_mean,
+                running_var,
+                self.weight,
+                self.bias,
+                bn_training,
+                0.0 if self.momentum is None else self.momentum,
+                self.eps,
+            )
+        return self._forward_synced(input, sync, update_stats)
+
+    def _forward_synced(self, input: Tensor, sync: bool, update_stats: bool) -> Tensor:
+        """Global statistics (one all_reduce when ``sync``), running update, normalization."""
+        channels = self.num_features
+        local_count = input.numel() // channels
+        with torch.no_grad():
+            shift = (
+                self.running_mean.detach().to(torch.float64)
+                if self.running_mean is not None
+                else torch.zeros(channels, dtype=torch.float64, device=input.device)
+            )
+            count, mean, m2 = sync_batch_norm_stats(
+                input.detach(), shift, self.process_group, self.backend, sync=sync
+            )
+            if local_count <= 1:
+                # Host sync, only on ranks that cannot know the global count is > 1. All ranks see
+                # the same all-reduced count, so if it is 1 every rank has local_count <= 1 and raises.
+                global_count = int(count.item())
+                if global_count == 1:
+                    raise ValueError(
+                        "Expected more than 1 value per channel when training, got input size "
+                        f"{tuple(input.shape)} on this rank and 1 value per channel over the process group"
+                    )
+            if update_stats:
+                _update_running_stats(
+                    self.running_mean,
+                    self.running_var,
+                    self.num_batches_tracked,
+                    self.momentum,
+                    count,
+                    mean,
+                    m2,
+                )
+            invstd = torch.rsqrt(m2 / count + self.eps).to(torch.float32)
+            mean32 = mean.to(torch.float32)
+            count32 = count.to(torch.float32)
+        weight = self.weight
+        bias = self.bias
+        if input.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(input.device.type):
+            with torch.autocast(device_type=input.device.type, enabled=False):
+                return _SyncBatchNormFunction.apply(
+                    input, weight, bias, mean32, invstd, count32, self.process_group, sync, self.backend
+                )
+        return _SyncBatchNormFunction.apply(
+            input, weight, bias, mean32, invstd, count32, self.process_group, sync, self.backend
+        )

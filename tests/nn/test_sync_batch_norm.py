@@ -1,0 +1,466 @@
+"""SyncBatchNorm: sharded multi-process runs vs ONE process running torch BatchNorm in float64.
+
+The distributed checks are packed into few spawned runs (each spawn costs seconds): every worker
+runs a table of cases (input rank, memory format, dtype, momentum, affine, uneven/empty shards) for
+two training steps and an eval step, and the parent compares the gathered shards with the reference.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_ext.nn import SyncBatchNorm, create_process_groups, sync_batch_norm_stats
+from lightning_ext.nn.sync_batch_norm import _pack_moments, _unpack_moments
+from tests.helpers.distributed import run_distributed
+
+C = 3
+SPATIAL = {2: (), 3: (5,), 4: (3, 4), 5: (2, 3, 2)}
+FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+# (input rank, channels_last, dtype, momentum, affine); shard sizes are drawn per case.
+CASES = [
+    (2, False, torch.float32, 0.1, True),
+    (3, False, torch.float32, None, True),
+    (4, False, torch.float32, 0.1, False),
+    (4, True, torch.float32, 0.3, True),
+    (5, False, torch.float32, None, True),
+    (5, True, torch.float32, 0.1, True),
+    (4, True, torch.bfloat16, 0.1, True),
+    (3, False, torch.bfloat16, None, True),
+]
+
+
+def _shards(world_size: int, case_index: int) -> list[int]:
+    """Uneven per-rank batch sizes, including 0 and 1, fixed per case."""
+    g = torch.Generator().manual_seed(100 + case_index)
+    sizes = torch.randint(0, 6, (world_size,), generator=g).tolist()
+    sizes = [1 + s for s in sizes]
+    if case_index % 2 == 0:
+        sizes[case_index % world_size] = 0  # every other case has an empty rank
+    if case_index % 4 == 1:
+        sizes[(case_index + 1) % world_size] = 1  # and some a rank with a single sample
+    if sum(sizes) - max(sizes) == 0:
+        sizes[(case_index + 1) % world_size] = 3  # never all data on one rank
+    return sizes
+
+
+def _data(case_index: int, step: int, n: int, ndim: int, large_mean: bool = False):
+    """Full batch ``x`` and upstream gradient ``dy`` (float64), identical in every process."""
+    g = torch.Generator().manual_seed(1000 * case_index + step)
+    shape = (n, C, *SPATIAL[ndim])
+    offset = 1e4 if large_mean else 3.0
+    x = offset + 2.0 * torch.randn(shape, generator=g, dtype=torch.float64)
+    dy = torch.randn(shape, generator=g, dtype=torch.float64)
+    return x, dy
+
+
+def _params(case_index: int):
+    g = torch.Generator().manual_seed(case_index)
+    return 1.0 + 0.5 * torch.randn(C, generator=g), 0.5 * torch.randn(C, generator=g)
+
+
+def _to_input(x: torch.Tensor, dtype: torch.dtype, channels_last: bool) -> torch.Tensor:
+    x = x.to(dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=FORMATS[x.dim()])
+    return x
+
+
+def _run_case(rank, world_size, case_index, case, group=None, ranks=None, large_mean=False):
+    ndim, channels_last, dtype, momentum, affine = case
+    ranks = list(range(world_size)) if ranks is None else ranks
+    sizes = _shards(len(ranks), case_index)
+    me = ranks.index(rank)
+    lo, hi = sum(sizes[:me]), sum(sizes[: me + 1])
+    bn = SyncBatchNorm(C, momentum=momentum, affine=affine, process_group=group)
+    if affine:
+        weight, bias = _params(case_index)
+        with torch.no_grad():
+            bn.weight.copy_(weight)
+            bn.bias.copy_(bias)
+    out = {"sizes": sizes, "steps": []}
+    for step in range(2):
+        x, dy = _data(case_index, step, sum(sizes), ndim, large_mean)
+        xs = _to_input(x[lo:hi], dtype, channels_last).requires_grad_(True)
+        y = bn(xs)
+        y.backward(dy[lo:hi].to(dtype))
+        fmt = FORMATS.get(ndim) if channels_last else torch.contiguous_format
+        out["steps"].append(
+            {
+                "y": y.detach(),
+                "dx": xs.grad,
+                "gw": bn.weight.grad.clone() if affine else None,
+                "gb": bn.bias.grad.clone() if affine else None,
+                "keeps_format": y.is_contiguous(memory_format=fmt)
+                and xs.grad.is_contiguous(memory_format=fmt)
+                and y.dtype == dtype,
+            }
+        )
+        if affine:
+            bn.weight.grad = None
+            bn.bias.grad = None
+    out["running_mean"] = bn.running_mean.clone()
+    out["running_var"] = bn.running_var.clone()
+    out["num_batches_tracked"] = bn.num_batches_tracked.clone()
+    # Eval with running stats is local; eval without running stats syncs.
+    bn.eval()
+    x, _ = _data(case_index, 7, sum(sizes), ndim, large_mean)
+    out["eval_y"] = bn(_to_input(x[lo:hi], dtype, channels_last)).detach()
+    free = SyncBatchNorm(C, affine=False, track_running_stats=False, process_group=group).eval()
+    out["eval_free_y"] = free(_to_input(x[lo:hi], dtype, channels_last)).detach()
+    return out
+
+
+def _reference(case_index, case, sizes, large_mean=False):
+    """One process, torch BatchNorm on the concatenated batch, in float64 (and in the case dtype)."""
+    ndim, _, dtype, momentum, affine = case
+    cls = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}[ndim]
+    n = sum(sizes)
+    results = {}
+    for run_dtype in {torch.float64, dtype}:
+        bn = cls(C, momentum=momentum, affine=affine).to(
+            torch.float64 if run_dtype == torch.float64 else torch.float32
+        )
+        if affine:
+            weight, bias = _params(case_index)
+            with torch.no_grad():
+                bn.weight.copy_(weight)
+                bn.bias.copy_(bias)
+        steps = []
+        for step in range(2):
+            x, dy = _data(case_index, step, n, ndim, large_mean)
+            x = x.to(dtype).to(run_dtype).requires_grad_(True)
+            y = bn(x)
+            y.backward(dy.to(dtype).to(run_dtype))
+            steps.append(
+                {
+                    "y": y.detach(),
+                    "dx": x.grad,
+                    "gw": bn.weight.grad.clone() if affine else None,
+                    "gb": bn.bias.grad.clone() if affine else None,
+                }
+            )
+            if affine:
+                bn.weight.grad = None
+                bn.bias.grad = None
+        bn.eval()
+        x, _ = _data(case_index, 7, n, ndim, large_mean)
+        x = x.to(dtype).to(run_dtype)
+        free = cls(C, affine=False, track_running_stats=False).to(x.dtype)
+        results[run_dtype] = {
+            "steps": steps,
+            "running_mean": bn.running_mean,
+            "running_var": bn.running_var,
+            "num_batches_tracked": bn.num_batches_tracked,
+            "eval_y": bn(x).detach(),
+            "eval_free_y": free(x).detach(),
+        }
+    return results
+
+
+def _close(actual, expected64, expected_low, dtype, what, scale_tol=1.0):
+    """fp32: within 1e-5 relative of float64. Low precision: error <= 2x torch's own error in that dtype."""
+    actual = actual.to(torch.float64)
+    if dtype == torch.float32:
+        tol = 1e-5 * scale_tol * max(1.0, expected64.abs().max().item() if expected64.numel() else 1.0)
+        err = (actual - expected64).abs().max().item() if actual.numel() else 0.0
+        assert err <= tol, f"{what}: max error {err:.3g} > {tol:.3g}"
+    else:
+        err = (actual - expected64).abs().max().item() if actual.numel() else 0.0
+        ref_err = (expected_low.to(torch.float64) - expected64).abs().max().item() if actual.numel() else 0.0
+        bound = (
+            2.0 * ref_err
+            + 1e-2 * max(1.0, expected64.abs().max().item() if expected64.numel() else 1.0) * 0.1
+        )
+        assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g} (torch {dtype} error {ref_err:.3g})"
+
+
+def _check_case(case_index, case, outs, large_mean=False):
+    sizes = outs[0]["sizes"]
+    ref = _reference(case_index, case, sizes, large_mean)
+    dtype = case[2]
+    r64, rlow = ref[torch.float64], ref[dtype]
+    tag = f"case {case_index} {case} shards {sizes}"
+    scale = 300.0 if large_mean else 1.0  # inputs at 1e4 carry fp32 rounding of ~1e-3 std
+    for step in range(2):
+        for key in ("y", "dx"):
+            got = torch.cat([o["steps"][step][key].to(torch.float64) for o in outs])
+            _close(
+                got,
+                r64["steps"][step][key],
+                rlow["steps"][step][key],
+                dtype,
+                f"{tag} step {step} {key}",
+                scale,
+            )
+        assert all(o["steps"][step]["keeps_format"] for o in outs), f"{tag}: memory format or dtype not kept"
+        if case[4]:
+            for key in ("gw", "gb"):
+                got = sum(o["steps"][step][key].to(torch.float64) for o in outs)
+                _close(got, r64["steps"][step][key], rlow["steps"][step][key], dtype, f"{tag} {key}", scale)
+    for o in outs:
+        for key in ("running_mean", "running_var"):
+            tol = 1e-5 * scale if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(o[key].double(), r64[key], rtol=tol, atol=tol, msg=f"{tag} {key}")
+        assert int(o["num_batches_tracked"]) == int(r64["num_batches_tracked"]) == 2
+        # Every rank holds bitwise identical running stats (they come from the same all_reduce).
+        assert torch.equal(o["running_mean"], outs[0]["running_mean"])
+        assert torch.equal(o["running_var"], outs[0]["running_var"])
+    for key in ("eval_y", "eval_free_y"):
+        got = torch.cat([o[key].to(torch.float64) for o in outs])
+        _close(got, r64[key], rlow[key], dtype, f"{tag} {key}", scale * (10 if dtype == torch.float32 else 1))
+
+
+# ------------------------------------------------------------------------------------------ workers
+
+
+def _equivalence_worker(rank, world_size):
+    results = {"cases": [_run_case(rank, world_size, i, case) for i, case in enumerate(CASES)]}
+    results["large_mean"] = _run_case(
+        rank, world_size, 99, (4, False, torch.float32, 0.1, True), large_mean=True
+    )
+
+    # A global batch with one value per channel raises on EVERY rank (no hang), like torch.
+    bn = SyncBatchNorm(C)
+    x = torch.randn(1 if rank == 0 else 0, C)
+    try:
+        bn(x)
+        results["one_value_error"] = None
+    except ValueError as err:
+        results["one_value_error"] = str(err)
+    assert int(bn.num_batches_tracked) == 1
+
+    # Subgroups: consecutive blocks of one rank are plain local batch norm; a block of all ranks is WORLD.
+    singles = create_process_groups(1)
+    whole = create_process_groups(world_size)
+    x = torch.randn(4 + rank, C, 3, generator=torch.Generator().manual_seed(rank))
+    local = nn.BatchNorm1d(C)(x)
+    results["singles_equal_local"] = torch.allclose(
+        SyncBatchNorm(C, process_group=singles)(x), local, atol=1e-6
+    )
+    results["whole_y"] = SyncBatchNorm(C, process_group=whole)(x).detach()
+    results["whole_x"] = x
+    if world_size == 3:
+        # Every rank creates the subgroup; only its members use it.
+        pair = dist.new_group([0, 2])
+        if rank != 1:
+            results["pair"] = _run_case(
+                rank, world_size, 43, (4, True, torch.float32, 0.1, True), pair, [0, 2]
+            )
+        try:
+            create_process_groups(2)
+        except ValueError as err:
+            results["bad_group_size"] = str(err)
+    # The collectives are still aligned after all that.
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    results["final_sum"] = t
+    return results
+
+
+def _checkpoint_worker(rank, world_size):
+    """Checkpoint recomputation joins the collective but does not update running stats twice."""
+    from torch.utils.checkpoint import checkpoint
+
+    out = {}
+    for reentrant in (False, True):
+        torch.manual_seed(0)
+        block = nn.Sequential(nn.Conv2d(2, C, 3, padding=1), SyncBatchNorm(C, momentum=None))
+        plain = nn.Sequential(nn.Conv2d(2, C, 3, padding=1), SyncBatchNorm(C, momentum=None))
+        plain.load_state_dict(block.state_dict())
+        x = torch.randn(2 + rank, 2, 4, 4, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+        y = checkpoint(block, x, use_reentrant=reentrant)
+        y.square().sum().backward()
+        x2 = x.detach().clone().requires_grad_(True)
+        plain(x2).square().sum().backward()
+        bn, ref = block[1], plain[1]
+        out[reentrant] = {
+            "nbt": int(bn.num_batches_tracked),
+            "stats_equal": torch.allclose(bn.running_mean, ref.running_mean, atol=1e-6)
+            and torch.allclose(bn.running_var, ref.running_var, atol=1e-6),
+            "grad_equal": torch.allclose(x.grad, x2.grad, atol=1e-5)
+            and torch.allclose(block[0].weight.grad, plain[0].weight.grad, atol=1e-5),
+        }
+    return out
+
+
+# ------------------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_matches_one_process_batch_norm_on_concatenation(world_size):
+    outs = run_distributed(_equivalence_worker, world_size, timeout=180)
+    for i, case in enumerate(CASES):
+        _check_case(i, case, [o["cases"][i] for o in outs])
+    _check_case(99, (4, False, torch.float32, 0.1, True), [o["large_mean"] for o in outs], large_mean=True)
+    for o in outs:
+        assert o["one_value_error"] is not None
+        assert "Expected more than 1 value per channel" in o["one_value_error"]
+        assert o["singles_equal_local"]
+        assert float(o["final_sum"]) == world_size
+    x = torch.cat([o["whole_x"] for o in outs]).double()
+    expected = nn.BatchNorm1d(C).double()(x).detach()
+    torch.testing.assert_close(
+        torch.cat([o["whole_y"] for o in outs]).double(), expected, rtol=1e-5, atol=1e-5
+    )
+    if world_size == 3:
+        _check_case(43, (4, True, torch.float32, 0.1, True), [outs[0]["pair"], outs[2]["pair"]])
+        for o in outs:
+            assert "must divide the world size 3" in o["bad_group_size"]
+
+
+@pytest.mark.timeout(180)
+def test_checkpoint_recomputation_updates_running_stats_once():
+    outs = run_distributed(_checkpoint_worker, 2, timeout=120)
+    for o in outs:
+        for reentrant in (False, True):
+            assert o[reentrant] == {"nbt": 1, "stats_equal": True, "grad_equal": True}, (reentrant, o)
+
+
+def test_checkpoint_recomputation_single_process():
+    from torch.utils.checkpoint import checkpoint
+
+    for momentum in (0.1, None):
+        bn = SyncBatchNorm(C, momentum=momentum)
+        x = torch.randn(4, C, 5, requires_grad=True)
+        checkpoint(bn, x, use_reentrant=False).sum().backward()
+        ref = nn.BatchNorm1d(C, momentum=momentum)
+        ref(x.detach())
+        assert int(bn.num_batches_tracked) == 1
+        torch.testing.assert_close(bn.running_mean, ref.running_mean)
+        torch.testing.assert_close(bn.running_var, ref.running_var)
+
+
+def test_combination_is_exact_far_from_zero():
+    """|mean| / std = 1e8 in float64: the shifted form stays exact where raw sums cancel completely."""
+    g = torch.Generator().manual_seed(0)
+    shards = [1e8 + torch.randn(n, C, generator=g, dtype=torch.float64) for n in (7, 0, 30, 1)]
+    full = torch.cat(shards)
+    shift = full[:1].mean(0)  # any value identical on every rank near the data, e.g. running_mean
+    payload = sum(
+        _pack_moments(
+            s.shape[0],
+            s.mean(0) if len(s) else torch.zeros(C, dtype=torch.float64),
+            ((s - s.mean(0)) ** 2).sum(0) if len(s) else torch.zeros(C, dtype=torch.float64),
+            shift,
+        )
+        for s in shards
+    )
+    n, mean, m2 = _unpack_moments(payload, shift)
+    assert float(n) == full.shape[0]
+    torch.testing.assert_close(mean, full.mean(0), rtol=1e-15, atol=1e-7)
+    torch.testing.assert_close(m2 / n, full.var(0, unbiased=False), rtol=1e-6, atol=0)
+    # The raw E[x^2] - E[x]^2 form (what an all_reduce of (sum, sum of squares) gives) is useless here.
+    raw = (full**2).mean(0) - full.mean(0) ** 2
+    assert ((raw - full.var(0, unbiased=False)).abs() > 0.1).any()
+
+
+def test_single_process_fallback_matches_torch():
+    torch.manual_seed(0)
+    for momentum in (0.1, None):
+        ours, ref = SyncBatchNorm(C, momentum=momentum), nn.BatchNorm2d(C, momentum=momentum)
+        for _ in range(3):
+            x = torch.randn(4, C, 3, 3).contiguous(memory_format=torch.channels_last)
+            xr = x.clone().requires_grad_(True)
+            x.requires_grad_(True)
+            y = ours(x)
+            assert y.is_contiguous(memory_format=torch.channels_last)
+            torch.testing.assert_close(y, ref(xr))
+            y.sum().backward()
+        torch.testing.assert_close(ours.running_mean, ref.running_mean)
+        torch.testing.assert_close(ours.running_var, ref.running_var)
+        assert int(ours.num_batches_tracked) == 3
+    stats = sync_batch_norm_stats(torch.ones(3, C) * 2, sync=False)
+    assert float(stats[0]) == 3 and torch.equal(stats[1], torch.full((C,), 2.0, dtype=torch.float64))
+
+
+def test_autocast_keeps_float32_statistics():
+    bn = SyncBatchNorm(C, momentum=None)
+    conv = nn.Conv2d(2, C, 1)
+    x = torch.randn(4, 2, 3, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = conv(x)
+        y = bn(h)
+    assert h.dtype == y.dtype == torch.bfloat16
+    assert bn.running_mean.dtype == bn.weight.dtype == torch.float32
+    torch.testing.assert_close(bn.running_mean, h.float().mean((0, 2, 3)).detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_state_dict_interchange_with_torch_modules():
+    torch.manual_seed(0)
+    src = nn.BatchNorm2d(C)
+    src(torch.randn(4, C, 2, 2))
+    with torch.no_grad():
+        src.weight.uniform_()
+    ours = SyncBatchNorm(C)
+    ours.load_state_dict(src.state_dict())
+    torch_sync = nn.SyncBatchNorm(C)
+    torch_sync.load_state_dict(ours.state_dict())
+    back = nn.BatchNorm2d(C)
+    back.load_state_dict(torch_sync.state_dict())
+    for key, value in src.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value), key
+    assert list(ours.state_dict()) == list(src.state_dict()) and ours._version == src._version == 2
+    # Version-1 checkpoints (before num_batches_tracked) migrate as in torch.
+    from collections import OrderedDict
+
+    old = OrderedDict((k, v) for k, v in src.state_dict().items() if k != "num_batches_tracked")
+    old._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]
+    torch_old = nn.BatchNorm2d(C)
+    torch_old.num_batches_tracked.fill_(5)
+    ours.num_batches_tracked.fill_(5)
+    torch_old.load_state_dict(old)
+    ours.load_state_dict(old)
+    # torch keeps the module's current count when the checkpoint predates it; so do we.
+    assert int(ours.num_batches_tracked) == int(torch_old.num_batches_tracked) == 5
+    torch.testing.assert_close(ours.running_var, src.running_var)
+
+
+def test_bad_inputs():
+    bn = SyncBatchNorm(C)
+    with pytest.raises(ValueError, match=r"expected a 2D, 3D, 4D or 5D input of shape \(N, 3, \*\), got 1D"):
+        bn(torch.randn(C))
+    with pytest.raises(ValueError, match=r"got 6D input of shape \(1, 3, 1, 1, 1, 1\)"):
+        bn(torch.randn(1, C, 1, 1, 1, 1))
+    with pytest.raises(ValueError, match=r"expected input of shape \(N, 3, \*\).*got shape \(2, 4, 5\)"):
+        bn(torch.randn(2, 4, 5))
+    with pytest.raises(
+        TypeError, match=r"expected a float16, bfloat16 or float32 input, got dtype torch.int64"
+    ):
+        bn(torch.ones(2, C, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"`eps` must be > 0, got 0.0"):
+        SyncBatchNorm(C, eps=0.0)
+    with pytest.raises(ValueError, match=r"`momentum` must be in \[0, 1\] or None.*got 1.5"):
+        SyncBatchNorm(C, momentum=1.5)
+    with pytest.raises(ValueError, match=r"`momentum` must be in \[0, 1\].*got -0.1"):
+        SyncBatchNorm(C, momentum=-0.1)
+    with pytest.raises(ValueError, match=r"`num_features` must be a positive int, got 0"):
+        SyncBatchNorm(0)
+    with pytest.raises(TypeError, match=r"`backend` must be a kernel backend name \(str\) or None, got 3"):
+        SyncBatchNorm(C, backend=3)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        SyncBatchNorm(C, momentum=None)(torch.randn(1, C))
+    with pytest.raises(TypeError, match=r"`group_size` must be an int, got 2.0"):
+        create_process_groups(2.0)
+    with pytest.raises(ValueError, match=r"`group_size` must be >= 1, got 0"):
+        create_process_groups(0)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_torch_compile_without_graph_breaks(momentum):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, C, 3), SyncBatchNorm(C, momentum=momentum), nn.ReLU())
+    reference = nn.Sequential(nn.Conv2d(2, C, 3), nn.BatchNorm2d(C, momentum=momentum), nn.ReLU())
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(4, 2, 6, 6)
+    explanation = torch._dynamo.explain(copy.deepcopy(model))(x)  # explain runs the model: use a copy
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x), reference(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model[1].running_var, reference[1].running_var, rtol=1e-5, atol=1e-6)
