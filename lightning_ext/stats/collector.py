@@ -117,6 +117,11 @@ class Collector:
     def _detach(self) -> None:
         self._tables = []
 
+    def _discard(self) -> None:
+        """Drop what was reported since the last update, locally (no collective; e.g. sanity checks)."""
+        _report._drain()
+        self._tables = []
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_tables"] = []  # pending values stay in the process that reported them

@@ -1,0 +1,193 @@
+"""TrainingStats in real Trainer runs: 2-process ddp_spawn vs a float64 computation, checkpoints, periods."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ext.callbacks import TrainingStats
+from lightning_ext.stats import report, report0, reset
+from lightning_ext.stats.moments import moments_of
+
+SAMPLES = 48  # 24 per rank: 8 micro-batches of 3, i.e. 4 optimizer steps with accumulate_grad_batches=2
+BATCH = 3
+ACCUMULATE = 2
+EVERY = 2  # flush at global_step 2 and 4 (every 4 micro-batches)
+
+
+def _dataset() -> TensorDataset:
+    gen = torch.Generator().manual_seed(0)
+    x = 1e4 + torch.randn(SAMPLES, 2, generator=gen, dtype=torch.float64)  # large mean: stable std matters
+    return TensorDataset(x.float(), torch.randn(SAMPLES, 1, generator=gen))
+
+
+class ReportingModule(pl.LightningModule):
+    """Reports its inputs and loss; records what each rank reported so the test can recompute."""
+
+    def __init__(self, record_dir: str) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 1)
+        self.record_dir = record_dir
+        self.seen: list[tuple[int, list[float], float]] = []  # (batch_idx, x values, loss)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.lin(x - 1e4), y)
+        report("Data/x", x)
+        report("Loss/train", loss)
+        report0("Opt/lr", 0.01)
+        if self.global_rank == 1:
+            report("Rank1/only", [1.0, 2.0])  # a name only one rank reports
+        self.seen.append((batch_idx, x.double().reshape(-1).tolist(), loss.item()))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(_dataset(), batch_size=BATCH, shuffle=False)
+
+    def on_train_end(self) -> None:
+        cb = next(c for c in self.trainer.callbacks if isinstance(c, TrainingStats))
+        keys = sorted(
+            k for k in self.trainer.callback_metrics if k.startswith(("Data/", "Loss/", "Opt/", "Rank1/"))
+        )
+        torch.save(
+            {
+                "seen": self.seen,
+                "callback_metrics": {k: float(self.trainer.callback_metrics[k]) for k in keys},
+                "flush_steps": cb.last_flush_step,
+            },
+            Path(self.record_dir) / f"rank{self.global_rank}.pt",
+        )
+
+
+def _read_csv(log_dir: str) -> list[dict[str, str]]:
+    with open(Path(log_dir) / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    n, mean, m2, lo, hi = moments_of(torch.tensor(values, dtype=torch.float64)).tolist()
+    return {"": mean, "/std": math.sqrt(m2 / n), "/min": lo, "/max": hi, "/num": n}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
+def test_ddp_spawn_logs_match_float64_and_checkpoint_round_trips(tmp_path: Path) -> None:
+    reset()
+    stats = TrainingStats(every_n_train_steps=EVERY, stats=("mean", "std", "min", "max", "num"))
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="Data/x", mode="max", save_top_k=1)
+    logger = CSVLogger(tmp_path, name="csv", version=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_epochs=1,
+        accumulate_grad_batches=ACCUMULATE,
+        callbacks=[stats, checkpoint],
+        logger=logger,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(ReportingModule(str(tmp_path)))
+    records = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+
+    # Single-process float64 reference over both ranks' data, per flush interval (4 micro-batches).
+    micro_per_flush = EVERY * ACCUMULATE
+    expected: dict[int, dict[str, dict[str, float]]] = {}
+    for step in (2, 4):
+        interval = range((step // EVERY - 1) * micro_per_flush, step // EVERY * micro_per_flush)
+        xs = [v for rec in records for b, x, _ in rec["seen"] if b in interval for v in x]
+        losses = [loss for rec in records for b, _, loss in rec["seen"] if b in interval]
+        expected[step] = {"Data/x": _stats(xs), "Loss/train": _stats(losses), "Opt/lr": _stats([0.01] * 4)}
+        expected[step]["Rank1/only"] = _stats([1.0, 2.0] * 4)
+        assert expected[step]["Data/x"]["/num"] == 2 * micro_per_flush * BATCH * 2
+    rows = _read_csv(logger.log_dir)
+    by_step: dict[int, list[dict[str, str]]] = {}
+    for row in rows:
+        if row.get("Data/x"):
+            by_step.setdefault(int(row["step"]), []).append(row)
+    # Flushes at optimizer steps 2 and 4 (not at micro-batches), plus the epoch end at step 4.
+    assert sorted(by_step) == [2, 4] and len(by_step[2]) == 1 and len(by_step[4]) == 2
+    for step, want in expected.items():
+        for row in by_step[step]:
+            for name, stats_ in want.items():
+                for suffix, value in stats_.items():
+                    got = float(row[name + suffix])
+                    assert got == pytest.approx(value, rel=1e-6, abs=1e-7), (step, name + suffix, got, value)
+    assert float(by_step[4][0]["Timing/stats_flush_sec"]) > 0  # the flush at step 2 timed itself
+
+    # callback_metrics: identical on both ranks, equal to the last flush.
+    assert records[0]["callback_metrics"] == records[1]["callback_metrics"]
+    cm = records[0]["callback_metrics"]
+    assert cm["Data/x"] == pytest.approx(expected[4]["Data/x"][""], rel=1e-6)
+    assert cm["Data/x/std"] == pytest.approx(expected[4]["Data/x"]["/std"], rel=1e-5)
+    assert records[0]["flush_steps"] == records[1]["flush_steps"] == 4
+
+    # ModelCheckpoint monitored a statistic; the checkpoint holds TrainingStats' state under its key.
+    (ckpt_path,) = list((tmp_path / "ckpt").glob("*.ckpt"))
+    ckpt = torch.load(ckpt_path, weights_only=False)
+    (mc_state,) = [v for k, v in ckpt["callbacks"].items() if k.startswith("ModelCheckpoint")]
+    assert float(mc_state["best_model_score"]) == pytest.approx(expected[4]["Data/x"][""], rel=1e-6)
+    saved = ckpt["callbacks"][stats.state_key]
+    assert saved["last_flush_step"] == 4
+    assert saved["collector"]["values"]["Data/x"][1] == pytest.approx(expected[4]["Data/x"][""], rel=1e-12)
+
+    # Resume in this process: the restored statistics are visible before any new flush.
+    reset()
+    resumed = TrainingStats(every_n_train_steps=EVERY, stats=("mean", "std", "min", "max", "num"))
+    probe = _Probe()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        accumulate_grad_batches=ACCUMULATE,
+        callbacks=[resumed, probe],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        limit_train_batches=4,
+    )
+    (tmp_path / "resume").mkdir()
+    trainer.fit(ReportingModule(str(tmp_path / "resume")), ckpt_path=ckpt_path)
+    assert probe.at_start is not None
+    assert probe.at_start["last_flush_step"] == 4
+    assert probe.at_start["collector"]["values"] == saved["collector"]["values"]
+    assert resumed.last_flush_step == 6  # 2 more optimizer steps, flushed once at step 6
+
+
+class _Probe(Callback):
+    at_start: dict | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        cb = next(c for c in trainer.callbacks if isinstance(c, TrainingStats))
+        self.at_start = cb.state_dict()
+
+
+def test_bad_arguments_and_state_keys() -> None:
+    with pytest.raises(ValueError, match=r"every_n_train_steps=\.\.\.\) must be an int >= 1, got 0"):
+        TrainingStats(every_n_train_steps=0)
+    with pytest.raises(
+        ValueError, match=r"stats=\.\.\.\) must be a non-empty subset of .*got \('mean', 'median'\)"
+    ):
+        TrainingStats(stats=("mean", "median"))
+    with pytest.raises(TypeError, match=r"stats=\.\.\.\) must be a sequence of names, not the str 'mean'"):
+        TrainingStats(stats="mean")
+    with pytest.raises(ValueError, match=r"regex=\.\.\.\) is not a valid regular expression: '\['"):
+        TrainingStats(regex="[")
+    with pytest.raises(TypeError, match=r"prefix=\.\.\.\) must be a str, got 3"):
+        TrainingStats(prefix=3)
+    a, b = TrainingStats(regex="Loss/.*"), TrainingStats(regex="AMP/.*")
+    assert a.state_key != b.state_key and a.state_key.startswith("TrainingStats{")
