@@ -1,5 +1,6 @@
 """lightning_ext.plugins"""
 
 from lightning_ext.plugins.loss_scaling_precision import LossScalingPrecision
+from lightning_ext.plugins.sync_batch_norm_plugin import SyncBatchNormPlugin
 
-__all__: list[str] = ["LossScalingPrecision"]
+__all__: list[str] = ["LossScalingPrecision", "SyncBatchNormPlugin"]
