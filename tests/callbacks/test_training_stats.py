@@ -191,3 +191,50 @@ def test_bad_arguments_and_state_keys() -> None:
         TrainingStats(prefix=3)
     a, b = TrainingStats(regex="Loss/.*"), TrainingStats(regex="AMP/.*")
     assert a.state_key != b.state_key and a.state_key.startswith("TrainingStats{")
+
+
+class ValidatingModule(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.lin(x - 1e4), y)
+
+    def validation_step(self, batch, batch_idx):
+        # The sanity check's values must be dropped, not mixed into the first epoch.
+        report("Loss/val", 1e9 if self.trainer.sanity_checking else float(self.current_epoch + 1))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(_dataset(), batch_size=8)
+
+    def val_dataloader(self):
+        return DataLoader(_dataset(), batch_size=8)
+
+
+def test_validation_epoch_flush_feeds_model_checkpoint_and_drops_sanity_check(tmp_path: Path) -> None:
+    reset()
+    stats = TrainingStats(every_n_train_steps=1000, regex="Loss/.*", prefix="stats/")
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="stats/Loss/val", mode="min", save_top_k=1)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        callbacks=[stats, checkpoint],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_train_batches=2,
+        limit_val_batches=2,
+        num_sanity_val_steps=1,
+    )
+    trainer.fit(ValidatingModule())
+    assert float(trainer.callback_metrics["stats/Loss/val"]) == 2.0  # epoch 2's value, sanity 1e9 dropped
+    assert float(checkpoint.best_model_score) == 1.0 and "epoch=0" in checkpoint.best_model_path
+    # The train-epoch-end flush after validation got no Loss/val: keep_previous kept epoch 2's values.
+    assert stats.collector is not None and stats.collector.num("Loss/val") == 2
+    assert stats.collector.mean("Loss/val") == 2.0
