@@ -52,9 +52,9 @@ def extract_losses(outputs: Any, accumulate_grad_batches: int = 1) -> dict[str, 
         outputs = {"loss": outputs}
     if not isinstance(outputs, Mapping) or outputs.get("loss") is None:
         raise ValueError(
-            f"LossMonitor: `training_step` returned {_short(outputs)}, which holds no loss; LossMonitor "
-            "needs the loss tensor or a dict with a 'loss' entry. HINT: return the loss from "
-            "`training_step`, or remove LossMonitor from the callbacks."
+            f"LossMonitor: `training_step` returned no loss (its output reached `on_train_batch_end` as "
+            f"{_short(outputs)}); LossMonitor needs the loss tensor or a dict with a 'loss' entry. "
+            "HINT: return the loss from `training_step`, or remove LossMonitor from the callbacks."
         )
     losses = {}
     for key, value in outputs.items():
@@ -154,12 +154,20 @@ class LossMonitor(HookBase):
     ``async_write=True`` that read, the decision and the logger writes run on a single worker
     thread (one job per agreement point, in order); the collective stays on the training thread.
     The job's outcome is collected at the ``after_step`` of the NEXT iteration (by then a whole
-    step has run, so the wait is normally free): a non-finite loss then raises on every rank (all
-    ranks computed the same decision), and an exception of the worker (e.g. a logger failing) is
-    re-raised there on a single process; on several processes it is agreed at the next agreement
-    point and raised on every rank (the rank whose writer failed re-raises its exception) so that
-    no rank leaves the others waiting. Loggers must accept writes from that thread (CSV and
+    step has run, so the wait is normally free), where a non-finite loss raises on every rank (all
+    ranks computed the same decision from the same gathered data).
+
+    Writer failures (a logger raising): on a single process the exception is re-raised at once
+    (``async_write=False``) or at the next iteration's ``after_step`` (``async_write=True``). On
+    several processes a rank raising alone would leave the others waiting in a collective, so
+    the failure is flagged in the next agreement point's gather and raised on every rank when
+    that point is decided (the failing rank re-raises its own exception, the others a
+    ``RuntimeError`` naming it). Loggers must accept writes from the worker thread (CSV and
     TensorBoard do).
+
+    Loss scaling: there is no separate ``LossScaleMonitor`` hook. ``LossScalingPrecision``
+    ``report()``-s ``AMP/loss_scale_log2``, ``AMP/overflow`` and ``AMP/skipped_steps`` itself; add
+    ``TrainingStats`` (or call ``Collector(regex="AMP/.*").update()`` on every rank) to see them.
 
     A training step that returns no loss raises ``ValueError`` at its first step (on every rank
     whose step returned none; that is the same step on every rank for a deterministic module).
