@@ -35,6 +35,15 @@ def _channel_view(t: Tensor, ndim: int) -> Tensor:
     return t.view(-1, *([1] * (ndim - 2)))
 
 
+def _memory_format(x: Tensor) -> torch.memory_format:
+    """The memory format ``x`` is dense in (``contiguous_format`` when none is)."""
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if x.dim() == 5 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
 # ---------------------------------------------------------------------------- reference (pure torch)
 
 
@@ -67,13 +76,17 @@ def batch_norm_elemt_reference(
 ) -> Tensor:
     """``(x - mean) * invstd * weight + bias`` with ATen's fused inference batch norm.
 
-    ``torch.batch_norm`` in eval mode with ``running_var = invstd^-2`` and ``eps = 0`` computes exactly
-    ``(x - mean) * invstd`` (up to rounding of the reciprocal), in one pass, keeping the memory format.
+    ``torch.batch_norm`` in eval mode with ``running_var = invstd^-2``, ``eps = 0`` and the sign of
+    ``invstd`` folded into ``weight`` computes ``(x - mean) * invstd`` (up to rounding of the
+    reciprocal), in one pass, keeping the memory format.
     """
     dtype = _stat_dtype(x)
-    var = invstd.to(dtype).pow(-2)
+    invstd = invstd.to(dtype)
+    var = invstd.pow(-2)
     mean = mean.to(dtype)
-    weight = weight.to(dtype) if weight is not None else None
+    # 1/sqrt(var) is |invstd|: the sign (negative in gradients) goes into the weight.
+    sign = invstd.sign()
+    weight = weight.to(dtype) * sign if weight is not None else sign
     bias = bias.to(dtype) if bias is not None else None
     if x.numel() == 0:
         return torch.empty_like(x)
@@ -93,6 +106,9 @@ def batch_norm_backward_reduce_reference(
         zero = torch.zeros(c, dtype=dtype, device=x.device)
         return zero, zero.clone()
     ones = torch.ones(c, dtype=dtype, device=x.device)
+    # ATen's CPU kernel loses the float32 accumulation unless dy and x are dense in one layout.
+    fmt = _memory_format(x)
+    x, dy = x.contiguous(memory_format=fmt), dy.contiguous(memory_format=fmt)
     _, sum_dy_xmu, sum_dy = torch.ops.aten.native_batch_norm_backward(
         dy, x, None, None, None, mean.to(dtype), ones, True, 0.0, [False, True, True]
     )
@@ -112,7 +128,8 @@ def batch_norm_backward_elemt_reference(
     """``dx = (dy - a - (x - mean) * b) * c`` with ``a = sum_dy/count``, ``b = invstd^2 sum_dy_xmu/count``.
 
     Two fused ATen passes: an inference batch norm gives ``u = (x - mean) * (-b c) - a c`` in ``x``'s
-    memory format, then ``u += dy * c`` in place (``addcmul_``).
+    memory format, then ``u += dy * c`` in place (``addcmul_``). Low-precision input is upcast to
+    float32 first (two more passes) because ``u`` and ``dy * c`` can nearly cancel.
     """
     dtype = _stat_dtype(x)
     if x.numel() == 0:
@@ -123,8 +140,11 @@ def batch_norm_backward_elemt_reference(
     a = sum_dy.to(dtype) / count
     b = invstd * invstd * sum_dy_xmu.to(dtype) / count
     ones = torch.ones_like(invstd)
-    u = torch.batch_norm(x, -b * c, -a * c, mean.to(dtype), ones, False, 0.0, 0.0, False)
-    return u.addcmul_(dy, _channel_view(c, x.dim()))
+    # u and dy*c nearly cancel when dx is small: keep u in float32 for low-precision input.
+    xs = x if x.dtype == dtype else x.to(dtype)
+    u = torch.batch_norm(xs, -b * c, -a * c, mean.to(dtype), ones, False, 0.0, 0.0, False)
+    u.addcmul_(dy, _channel_view(c, x.dim()))
+    return u if u.dtype == x.dtype else u.to(x.dtype)
 
 
 # ---------------------------------------------------------------------------- Triton kernels

@@ -1,0 +1,239 @@
+"""Batch-norm ops of every backend against float64 maths and against ``reference`` (STYLE.md rule 8)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_ext.kernels import KernelBackend
+
+# (dtype, atol, rtol) of an op's result in that dtype, relative to the scale of its terms.
+DTYPES = [
+    (torch.float64, 1e-12, 1e-12),
+    (torch.float32, 1e-5, 1e-5),
+    (torch.float16, 2e-3, 2e-3),
+    (torch.bfloat16, 1.6e-2, 1.6e-2),
+]
+# (shape, memory format, slice) — C in {1, 7, 33}, odd N*S, several tiles, empty tensors.
+CASES = [
+    ((5, 7), torch.contiguous_format, False),
+    ((3, 33, 5, 3), torch.contiguous_format, False),
+    ((3, 33, 5, 3), torch.channels_last, False),
+    ((3, 1, 5, 7), torch.channels_last, False),
+    ((1, 7, 3, 5, 3), torch.channels_last_3d, False),
+    ((2, 7, 3, 5, 3), torch.contiguous_format, False),
+    ((2101, 7), torch.contiguous_format, False),
+    ((3, 7, 9, 5), torch.contiguous_format, True),  # x[..., ::2]: spatial dims not collapsible
+    ((0, 7, 5, 3), torch.contiguous_format, False),
+    ((3, 7, 0), torch.contiguous_format, False),
+]
+
+
+def _make(shape, fmt, sliced, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 1.5 + 0.7
+    x = x.to(dtype).contiguous(memory_format=fmt)
+    if sliced:
+        x = x[..., ::2]
+    return x
+
+
+def _vec(c, gen, lo=-1.0, hi=1.0, dtype=torch.float32):
+    return (torch.rand(c, generator=gen, dtype=torch.float64) * (hi - lo) + lo).to(dtype)
+
+
+def _bc(t, ndim):
+    return t.view(-1, *([1] * (ndim - 2)))
+
+
+def _err(actual, truth):
+    return (actual.double() - truth).abs()
+
+
+def assert_close_scaled(actual, truth, scale, atol, rtol, what):
+    """|actual - truth| <= atol + rtol * scale elementwise; the message says where and by how much."""
+    assert actual.shape == truth.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(truth.shape)}"
+    if truth.numel() == 0:
+        return
+    err = _err(actual, truth)
+    bad = err > atol + rtol * scale
+    if bad.any():
+        idx = tuple(int(i) for i in torch.nonzero(bad)[0])
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {bad.numel()} values differ; first at {idx}: "
+            f"got {actual[idx].item()!r}, expected {truth[idx].item()!r}, max error {err.max().item():.3g}"
+        )
+
+
+def _truths(x, dy, mean, invstd, weight, bias, sum_dy, sum_dy_xmu, count, dtype=torch.float64):
+    """Ground truth of every op computed in ``dtype`` (float64: the truth; the input dtype: the
+    "reference run in that dtype" of the low-precision rule), with the scale of the summed terms.
+    """
+    nd = x.dim()
+    dims = [0, *range(2, nd)]
+    xd, dyd = x.to(dtype), dy.to(dtype)
+    mu, inv, w, b = (_bc(t.to(dtype), nd) for t in (mean, invstd, weight, bias))
+    sum_dy, sum_dy_xmu, count = sum_dy.to(dtype), sum_dy_xmu.to(dtype), count.to(dtype)
+    n = xd.numel() // xd.shape[1]
+    t_mean = xd.mean(dims) if n else torch.zeros(x.shape[1], dtype=dtype)
+    xm = xd - _bc(t_mean, nd)
+    a = _bc(sum_dy, nd) / count
+    bb = _bc(sum_dy_xmu, nd) * inv * inv / count
+    c = inv * w
+    return {
+        "mean": (t_mean, xd.abs().sum(dims) / max(n, 1)),
+        "m2": ((xm * xm).sum(dims), (xd * xd).sum(dims)),
+        "y": ((xd - mu) * inv * w + b, (xd - mu).abs() * (inv * w).abs() + b.abs()),
+        "sum_dy": (dyd.sum(dims), dyd.abs().sum(dims)),
+        "sum_dy_xmu": ((dyd * (xd - mu)).sum(dims), (dyd * (xd - mu)).abs().sum(dims)),
+        "dx": ((dyd - a - (xd - mu) * bb) * c, (dyd.abs() + a.abs() + (xd - mu).abs() * bb.abs()) * c.abs()),
+    }
+
+
+def _run(be: KernelBackend, x, dy, mean, invstd, weight, bias, sum_dy, sum_dy_xmu, count):
+    cnt, m, m2 = be.batch_norm_stats(x)
+    y = be.batch_norm_elemt(x, mean, invstd, weight, bias)
+    s1, s2 = be.batch_norm_backward_reduce(dy, x, mean, invstd)
+    dx = be.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count)
+    return {"count": cnt, "mean": m, "m2": m2, "y": y, "sum_dy": s1, "sum_dy_xmu": s2, "dx": dx}
+
+
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES, ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize(("shape", "fmt", "sliced"), CASES, ids=lambda v: str(v).replace("torch.", ""))
+def test_batch_norm_ops(backend, reference, shape, fmt, sliced, dtype, atol, rtol):
+    x = _make(shape, fmt, sliced, dtype, seed=1)
+    # dy in another layout than x for the 4-d cases: the kernels take both strides.
+    dy = _make(shape, torch.contiguous_format, sliced, dtype, seed=2)
+    c = x.shape[1]
+    gen = torch.Generator().manual_seed(3)
+    sdt = torch.float64 if dtype == torch.float64 else torch.float32
+    mean, invstd = _vec(c, gen, -0.5, 0.5, sdt), _vec(c, gen, 0.5, 2.0, sdt)
+    weight, bias = _vec(c, gen, dtype=sdt), _vec(c, gen, dtype=sdt)
+    sum_dy, sum_dy_xmu = _vec(c, gen, -30, 30, sdt), _vec(c, gen, -30, 30, sdt)
+    n = x.numel() // c
+    count = torch.tensor(float(n + 5), dtype=sdt)  # global count: this shard and others
+    args = (x, dy, mean, invstd, weight, bias, sum_dy, sum_dy_xmu, count)
+
+    out = _run(backend, *args)
+    truth = _truths(*args)
+
+    # Contract: dtypes, shapes, memory format.
+    for k in ("count", "mean", "m2", "sum_dy", "sum_dy_xmu"):
+        assert out[k].dtype == sdt and out[k].shape == (c,), k
+    for k in ("y", "dx"):
+        assert out[k].dtype == dtype and out[k].shape == x.shape, k
+        if x.numel() and not sliced:
+            assert out[k].stride() == x.stride(), f"{k} lost the memory format of x"
+    assert torch.equal(out["count"], torch.full((c,), float(n), dtype=sdt))
+    if x.numel() == 0:
+        for k in ("mean", "m2", "sum_dy", "sum_dy_xmu"):
+            assert torch.equal(out[k], torch.zeros(c, dtype=sdt)), k
+        return
+
+    # Statistics are float32 whatever the input dtype: fp32 tolerances (inputs are exact).
+    s_atol, s_rtol = (atol, rtol) if dtype == torch.float64 else (1e-5, 1e-5)
+    for k in ("mean", "m2", "sum_dy", "sum_dy_xmu"):
+        assert_close_scaled(out[k], *truth[k], s_atol, s_rtol, f"{backend.key} {k}")
+    for k in ("y", "dx"):
+        assert_close_scaled(out[k], *truth[k], atol, rtol, f"{backend.key} {k}")
+
+    if backend.key != "reference":
+        # Close to the reference backend.
+        ref = _run(reference, *args)
+        for k, v in ref.items():
+            if k in truth:
+                assert_close_scaled(out[k], v.double(), 2 * truth[k][1], 4 * s_atol, 4 * s_rtol + 2 * rtol, k)
+    if dtype in (torch.float16, torch.bfloat16):
+        # Low precision: error vs float64 at most 2x that of the maths run in the input dtype.
+        lowp = _truths(*args, dtype=dtype)
+        for k, (t, scale) in truth.items():
+            err_k, err_l = _err(out[k], t).max().item(), _err(lowp[k][0], t).max().item()
+            tiny = 1e-6 * scale.max().item()
+            assert err_k <= 2 * err_l + tiny, (
+                f"{backend.key} {k}: error {err_k:.3g} > 2x {dtype} maths {err_l:.3g}"
+            )
+
+
+def test_weight_bias_none_and_vector_count(backend):
+    x = _make((4, 7, 3, 3), torch.channels_last, False, torch.float32, seed=4)
+    dy = _make((4, 7, 3, 3), torch.channels_last, False, torch.float32, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    mean, invstd = _vec(7, gen), _vec(7, gen, 0.5, 2.0)
+    y = backend.batch_norm_elemt(x, mean, invstd, None, None)
+    torch.testing.assert_close(y, (x - mean.view(-1, 1, 1)) * invstd.view(-1, 1, 1), atol=1e-5, rtol=1e-5)
+    s1, s2 = backend.batch_norm_backward_reduce(dy, x, mean, invstd)
+    count = torch.full((7,), 36.0)
+    dx_vec = backend.batch_norm_backward_elemt(dy, x, mean, invstd, None, s1, s2, count)
+    dx_0d = backend.batch_norm_backward_elemt(dy, x, mean, invstd, None, s1, s2, torch.tensor(36.0))
+    torch.testing.assert_close(dx_vec, dx_0d)
+    # Local training-mode batch norm: with the batch's own statistics this is ATen's input gradient.
+    _, bmean, m2 = backend.batch_norm_stats(x)
+    binv = (m2 / 36 + 1e-5).rsqrt()
+    xr = x.detach().clone().requires_grad_()
+    torch.nn.functional.batch_norm(xr, None, None, training=True, eps=1e-5).backward(dy)
+    s1, s2 = backend.batch_norm_backward_reduce(dy, x, bmean, binv)
+    dx = backend.batch_norm_backward_elemt(dy, x, bmean, binv, None, s1, s2, count)
+    torch.testing.assert_close(dx, xr.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_gradcheck_float64(backend):
+    """Autograd of batch_norm_stats and batch_norm_elemt (built from the backend's own ops)."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 4, 2, 3, generator=gen, dtype=torch.float64).to(memory_format=torch.channels_last)
+    x.requires_grad_()
+    mean = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
+    invstd = (torch.rand(4, generator=gen, dtype=torch.float64) + 0.5).requires_grad_()
+    weight = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *a: backend.batch_norm_elemt(*a), (x, mean, invstd, weight, bias))
+    assert torch.autograd.gradcheck(
+        lambda *a: backend.batch_norm_elemt(a[0], a[1], a[2], None, None), (x, mean, invstd)
+    )
+    assert torch.autograd.gradcheck(lambda t: backend.batch_norm_stats(t)[1:], (x,))
+    cnt, _, _ = backend.batch_norm_stats(x)
+    assert not cnt.requires_grad
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (
+            lambda b: b.batch_norm_stats(torch.zeros(3)),
+            ValueError,
+            r"`x` must have shape \(N, C, \*\).*\(3,\)",
+        ),
+        (lambda b: b.batch_norm_stats([1.0]), TypeError, r"`x` must be a torch.Tensor.*list"),
+        (
+            lambda b: b.batch_norm_stats(torch.zeros(2, 3, dtype=torch.int64)),
+            TypeError,
+            r"`x` must be.*int64",
+        ),
+        (
+            lambda b: b.batch_norm_elemt(torch.zeros(2, 3), torch.zeros(4), torch.ones(3), None, None),
+            ValueError,
+            r"`mean` must have shape \(C,\)=\(3,\), got shape \(4,\)",
+        ),
+        (
+            lambda b: b.batch_norm_elemt(torch.zeros(2, 3), torch.zeros(3), torch.ones(3), 1.0, None),
+            TypeError,
+            r"`weight` must be a torch.Tensor or None",
+        ),
+        (
+            lambda b: b.batch_norm_backward_reduce(
+                torch.zeros(2, 4), torch.zeros(2, 3), torch.zeros(3), torch.ones(3)
+            ),
+            ValueError,
+            r"`dy` must have the shape of `x` \(2, 3\), got shape \(2, 4\)",
+        ),
+        (
+            lambda b: b.batch_norm_backward_elemt(
+                *[torch.zeros(2, 3)] * 2, *[torch.ones(3)] * 2, None, *[torch.ones(3)] * 2, torch.ones(2)
+            ),
+            ValueError,
+            r"`count` must be a tensor of shape \(\) or \(C,\)=\(3,\), got \(2,\)",
+        ),
+    ],
+)
+def test_bad_input_raises(reference, call, error, match):
+    with pytest.raises(error, match=match):
+        call(reference)
