@@ -48,6 +48,18 @@ _SCHEDULES = ("exponential", "log2")
 _MIN_SCALE_POLICIES = ("warn", "raise", "clamp")
 # Keys that only our state dicts carry; their absence marks a ``torch.amp.GradScaler`` state dict.
 _OWN_KEY = "schedule"
+# The scaler's device state, all 0-dim: scale (float32), log2 of it (float64), growth and hysteresis
+# trackers (int32), step/skip/consecutive-overflow counters (float64), last-step-skipped flag (bool).
+_STATE_TENSORS = (
+    "_scale",
+    "_log2_scale",
+    "_growth_tracker",
+    "_hysteresis_tracker",
+    "_steps",
+    "_skipped_steps",
+    "_consecutive_overflows",
+    "_last_step_skipped",
+)
 
 
 class _Stage(Enum):
@@ -318,6 +330,24 @@ class DynamicLossScaler:
         return f"{type(self).__name__}(enabled={self._enabled}, {config})"
 
     # -------------------------------------------------------------------------------- state on device
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickle the state as Python numbers: tensors sent to spawned workers (ddp_spawn) would
+        # otherwise travel through shared memory and every rank would update the same scale.
+        state = self.__dict__.copy()
+        for name in _STATE_TENSORS:
+            tensor = state[name]
+            state[name] = (tensor.item(), tensor.dtype)
+        state["_device"], state["_placed"] = torch.device("cpu"), False
+        state["_per_optimizer_states"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name in _STATE_TENSORS:
+            value, dtype = state[name]
+            state[name] = torch.tensor(value, dtype=dtype)
+        state["_per_optimizer_states"] = defaultdict(_new_optimizer_state)
+        self.__dict__.update(state)
+
     def _place(self, device: torch.device) -> None:
         """At first use, move the state to ``device`` (of the first loss or gradient seen); later no-op."""
         if self._placed:
@@ -325,16 +355,7 @@ class DynamicLossScaler:
         self._placed = True
         if device == self._device:
             return
-        for name in (
-            "_scale",
-            "_log2_scale",
-            "_growth_tracker",
-            "_hysteresis_tracker",
-            "_steps",
-            "_skipped_steps",
-            "_consecutive_overflows",
-            "_last_step_skipped",
-        ):
+        for name in _STATE_TENSORS:
             setattr(self, name, getattr(self, name).to(device))
         self._device = device
 

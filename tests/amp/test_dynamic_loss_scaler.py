@@ -377,3 +377,14 @@ def test_process_group_makes_every_rank_skip_when_one_shard_overflows():
     # Without the group each rank decides alone: proof the agreement came from the all_reduce.
     assert results[0][False] == (False, False, 8.0)
     assert results[1][False] == (True, True, 4.0)
+
+
+def test_pickled_copy_is_independent_and_keeps_state():
+    import pickle
+
+    scaler = DynamicLossScaler(init_scale=2.0**6, hysteresis=2, telemetry=False)
+    _train(scaler, lambda p: torch.optim.SGD(p, lr=0.05), poison_steps={0, 1}, steps=3)
+    clone = pickle.loads(pickle.dumps(scaler))
+    assert clone.state_dict() == scaler.state_dict()
+    _train(clone, lambda p: torch.optim.SGD(p, lr=0.05), poison_steps={0}, steps=1)
+    assert scaler.steps == 3 and clone.steps == 4

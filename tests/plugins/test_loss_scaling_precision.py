@@ -1,0 +1,323 @@
+"""LossScalingPrecision in Trainer runs: fault injection, accumulation, manual optimization, resume, DDP."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
+
+from lightning_ext.amp import DynamicLossScaler
+from lightning_ext.plugins import LossScalingPrecision
+from lightning_ext.stats import Collector
+
+
+def _data(n=96, batch_size=16):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=g)
+    y = x @ torch.linspace(-1, 1, 8).unsqueeze(1) + 0.1 * torch.randn(n, 1, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+
+
+class _Regression(LightningModule):
+    """Tiny MLP; ``poison`` maps global_step -> value injected into this rank's local gradient of net[0]."""
+
+    def __init__(self, poison: dict[int, float] | None = None, poison_rank: int | None = None, lr=0.05):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+        self.poison = poison or {}
+        self.poison_rank = poison_rank
+        self.lr = lr
+        self.losses: list[float] = []
+        self.output_dtypes: set[torch.dtype] = set()
+
+    @override
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.net[0](x)
+        value = self.poison.get(self.global_step)
+        if value is not None and (self.poison_rank is None or self.global_rank == self.poison_rank):
+            # Poisons this rank's local gradient before DDP reduces it.
+            h.register_hook(lambda g: g.index_fill(1, torch.tensor([0]), value))
+        out = self.net[2](self.net[1](h))
+        self.output_dtypes.add(out.dtype)
+        loss = nn.functional.mse_loss(out.float(), y)
+        self.losses.append(loss.item())
+        return loss
+
+    @override
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.97)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class _Recorder(Callback):
+    """Per batch: were params / optimizer state / LR left untouched, and the scale after the step."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    @override
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        opt = trainer.optimizers[0]
+        self._params = [p.detach().clone() for p in pl_module.parameters()]
+        self._state = copy.deepcopy(opt.state_dict()["state"])
+        self._lr = opt.param_groups[0]["lr"]
+
+    @override
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        # Unscaled already: the gradient norm is the true one (finite unless poisoned).
+        self._grad_norm = torch.linalg.vector_norm(
+            torch.cat([p.grad.flatten() for p in pl_module.parameters()])
+        )
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        opt = trainer.optimizers[0]
+        state = opt.state_dict()["state"]
+        scaler = trainer.precision_plugin.scaler
+        self.rows.append(
+            {
+                "skipped": scaler.last_step_skipped,
+                "params_same": all(torch.equal(p, q) for p, q in zip(pl_module.parameters(), self._params)),
+                "state_same": all(
+                    torch.equal(state[k]["momentum_buffer"], v["momentum_buffer"])
+                    for k, v in self._state.items()
+                )
+                and len(state) == len(self._state),
+                "lr_before": self._lr,
+                "lr_after": opt.param_groups[0]["lr"],
+                "scale": scaler.get_scale(),
+                "grad_norm": float(self._grad_norm),
+            }
+        )
+
+
+def _trainer(plugin, callbacks=(), **kwargs):
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=12,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    defaults.update(kwargs)
+    return Trainer(plugins=[plugin], callbacks=list(callbacks), **defaults)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def test_fault_injection_skips_holds_lr_backs_off_and_converges():
+    poison = {0: float("inf"), 7: float("nan"), 8: float("inf"), 15: float("nan")}
+    model = _Regression(poison=poison)
+    recorder = _Recorder()
+    scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=4)
+    plugin = LossScalingPrecision("16-mixed", scaler=scaler)
+    collector = Collector(regex="AMP/.*")
+    steps = 30
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(plugin, [recorder], max_steps=steps).fit(model, _data())
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+    assert model.output_dtypes == {torch.float16}  # real fp16 autocast on CPU
+
+    rows = recorder.rows
+    assert len(rows) == steps
+    for step, row in enumerate(rows):
+        skipped = step in poison
+        assert row["skipped"] == skipped, step
+        assert row["params_same"] == skipped, step
+        assert row["state_same"] == skipped, step
+        expected_lr = row["lr_before"] if skipped else row["lr_before"] * 0.97
+        assert row["lr_after"] == pytest.approx(expected_lr, rel=1e-12), step
+        assert math.isfinite(row["grad_norm"]) != skipped
+        if skipped:
+            before = rows[step - 1]["scale"] if step else 2.0**10
+            assert row["scale"] == before / 2, step
+    sched = model.trainer.lr_scheduler_configs[0].scheduler
+    assert sched.last_epoch == steps - len(poison)
+    assert scaler.steps == steps and scaler.skipped_steps == len(poison)
+    assert model.trainer.global_step == steps  # skipped steps count toward global_step
+    assert sum(model.losses[-6:]) / 6 < 0.3 * sum(model.losses[:6]) / 6
+
+    collector.update()
+    assert collector.num("AMP/overflow") == steps
+    assert collector.mean("AMP/overflow") == pytest.approx(len(poison) / steps)
+    assert collector.max("AMP/skipped_steps") == len(poison)
+    assert collector.max("AMP/loss_scale_log2") <= 10 + 2 and collector.min("AMP/loss_scale_log2") >= 8
+
+
+class _ScaleAtBatchStart(Callback):
+    def __init__(self):
+        self.scales: list[float] = []
+
+    @override
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.scales.append(trainer.precision_plugin.scaler.get_scale())
+
+
+def test_gradient_accumulation_changes_scale_only_at_boundary():
+    rec = _ScaleAtBatchStart()
+    scaler = DynamicLossScaler(init_scale=4.0, growth_interval=1, telemetry=False)
+    _trainer(
+        LossScalingPrecision("16-mixed", scaler=scaler), [rec], max_steps=3, accumulate_grad_batches=2
+    ).fit(_Regression(), _data())
+    assert rec.scales == [4.0, 4.0, 8.0, 8.0, 16.0, 16.0]
+    assert scaler.steps == 3 and scaler.get_scale() == 32.0
+
+
+class _TwoOptimizers(LightningModule):
+    def __init__(self, poison_step: int | None = None):
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 1), nn.Linear(8, 1)
+        self.poison_step = poison_step
+        self.weights_a: list[torch.Tensor] = []
+
+    @override
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt_a, opt_b = self.optimizers()
+        loss = nn.functional.mse_loss((self.a(x) + self.b(x)).float(), y)
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        self.manual_backward(loss)
+        if self.global_step // 2 == self.poison_step:
+            self.a.weight.grad[0, 0] = float("inf")
+        opt_a.step()
+        opt_b.step()
+        self.weights_a.append(self.a.weight.detach().clone())
+
+    @override
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.a.parameters(), lr=0.05), torch.optim.SGD(self.b.parameters(), lr=0.05)
+
+
+def test_manual_optimization_with_two_optimizers_updates_once_per_training_step():
+    scaler = DynamicLossScaler(init_scale=4.0, growth_interval=1, telemetry=False)
+    model = _TwoOptimizers(poison_step=2)
+    _trainer(LossScalingPrecision("16-mixed", scaler=scaler), max_steps=8).fit(model, _data())
+    # 4 training steps (global_step counts both optimizers): grow, grow, back off, grow.
+    assert scaler.steps == 4 and scaler.skipped_steps == 1
+    assert scaler.get_scale() == 4.0 * 2 * 2 / 2 * 2
+    assert torch.equal(model.weights_a[2], model.weights_a[1])  # a's step skipped
+    assert not torch.equal(model.weights_a[3], model.weights_a[2])
+
+
+def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path: Path):
+    poison = {2: float("inf"), 7: float("nan")}
+
+    def plugin():
+        return LossScalingPrecision(
+            "16-mixed", scaler=DynamicLossScaler(init_scale=2.0**8, growth_interval=3)
+        )
+
+    # One batch per epoch, so the data of a step does not depend on how Lightning re-enters the
+    # epoch on resume (it restarts a non-stateful loader); the checkpoint is the end of step 6.
+    full = _Regression(poison=poison)
+    checkpoint = ModelCheckpoint(
+        dirpath=tmp_path, every_n_epochs=1, save_on_train_epoch_end=True, save_top_k=-1
+    )
+    full_trainer = _trainer(plugin(), [checkpoint], max_steps=12, enable_checkpointing=True)
+    full_trainer.fit(full, _data(n=16))
+    ckpt = tmp_path / "epoch=5-step=6.ckpt"
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["LossScalingPrecision"]["steps"] == 6 and saved["LossScalingPrecision"]["skipped_steps"] == 1
+
+    resumed = _Regression(poison=poison)
+    resumed_plugin = plugin()
+    _trainer(resumed_plugin, max_steps=12).fit(resumed, _data(n=16), ckpt_path=ckpt)
+    for p, q in zip(resumed.parameters(), full.parameters()):
+        assert torch.equal(p, q)
+    assert resumed_plugin.scaler.state_dict() == full_trainer.precision_plugin.scaler.state_dict()
+    assert resumed_plugin.scaler.skipped_steps == 2
+
+
+def test_bf16_and_fp32_skip_nonfinite_steps_without_scaling():
+    for precision, dtype in (("bf16-mixed", torch.bfloat16), ("32-true", torch.float32)):
+        model = _Regression(poison={1: float("nan")})
+        plugin = LossScalingPrecision(precision)
+        recorder = _Recorder()
+        _trainer(plugin, [recorder], max_steps=3).fit(model, _data())
+        assert model.output_dtypes == {dtype}
+        assert [r["skipped"] for r in recorder.rows] == [False, True, False]
+        assert all(r["scale"] == 1.0 for r in recorder.rows)
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match=r"`precision` must be one of .*got '16-true'"):
+        LossScalingPrecision("16-true")
+    with pytest.raises(ValueError, match="needs an enabled scaler"):
+        LossScalingPrecision("16-mixed", scaler=DynamicLossScaler(enabled=False))
+    with pytest.raises(ValueError, match="does not scale the loss"):
+        LossScalingPrecision("bf16-mixed", scaler=DynamicLossScaler())
+    with pytest.raises(
+        TypeError, match=r"`scaler` must be a lightning_ext\.amp\.DynamicLossScaler, got GradScaler"
+    ):
+        LossScalingPrecision("16-mixed", scaler=torch.amp.GradScaler("cpu"))
+    assert LossScalingPrecision("32-true", skip_nonfinite=False).scaler is None
+
+
+def test_clipping_with_fused_optimizer_is_refused():
+    plugin = LossScalingPrecision("16-mixed")
+    opt = torch.optim.Adam(nn.Linear(2, 2).parameters(), fused=True)
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        plugin.clip_gradients(opt, clip_val=1.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# DDP: one rank's local gradient poisoned before reduction
+# ------------------------------------------------------------------------------------------------
+
+
+class _RankResults(Callback):
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+        self.skipped: list[bool] = []
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.skipped.append(trainer.precision_plugin.scaler.last_step_skipped)
+
+    @override
+    def on_train_end(self, trainer, pl_module):
+        torch.save(
+            {
+                "skipped": self.skipped,
+                "scaler": trainer.precision_plugin.scaler.state_dict(),
+                "weights": [p.detach().clone() for p in pl_module.parameters()],
+                "lr": trainer.optimizers[0].param_groups[0]["lr"],
+            },
+            Path(self.out_dir) / f"rank{trainer.global_rank}.pt",
+        )
+
+
+@pytest.mark.timeout(240)
+def test_ddp_spawn_one_poisoned_rank_skips_on_both(tmp_path: Path):
+    model = _Regression(poison={1: float("inf"), 2: float("nan")}, poison_rank=1)
+    plugin = LossScalingPrecision("16-mixed", scaler=DynamicLossScaler(init_scale=2.0**8))
+    trainer = _trainer(
+        plugin, [_RankResults(str(tmp_path))], max_steps=4, strategy="ddp_spawn", devices=2, num_nodes=1
+    )
+    trainer.fit(model, _data(n=64))
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    assert r0["skipped"] == r1["skipped"] == [False, True, True, False]
+    assert r0["scaler"] == r1["scaler"] and r0["scaler"]["scale"] == 2.0**6
+    assert r0["lr"] == r1["lr"] == pytest.approx(0.05 * 0.97**2)
+    for p, q in zip(r0["weights"], r1["weights"]):
+        assert torch.equal(p, q) and torch.isfinite(p).all()
