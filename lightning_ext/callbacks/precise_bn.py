@@ -91,7 +91,9 @@ def update_bn_stats(
     (and ``torch.nn.SyncBatchNorm``) the per-batch statistics are global over its process group and
     so are the element counts (one all_reduce at the end).
 
-    Updated layers: ``_BatchNorm`` modules in training mode with ``track_running_stats``. Afterwards
+    Updated layers: ``_BatchNorm`` modules in training mode with ``track_running_stats``; BatchNorm
+    layers in eval mode are left untouched (fvcore's ``model.train()`` would silently update them
+    with their own momentum), every other module runs in training mode as in fvcore. Afterwards
     every module's ``training`` flag, every layer's ``momentum`` and ``num_batches_tracked`` are
     restored. When distributed, every rank runs the same number of batches: before each batch the
     ranks agree (one all_reduce) that all of them have one, so synchronized layers never hang on
@@ -131,6 +133,9 @@ def update_bn_stats(
         for layer in layers:
             layer.momentum = 1.0
         model.train()
+        for module, flag in flags.items():  # frozen (eval-mode) BatchNorm stays frozen
+            if isinstance(module, _BatchNorm) and not flag:
+                module.eval()
         iterator = iter(batches)
         while used < num_iter:
             batch = next(iterator, _END)
