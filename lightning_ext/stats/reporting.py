@@ -54,6 +54,7 @@ _pending: dict[str, _Accumulator] = {}  # name => values reported since the last
 _sinks: list[weakref.ref[_Sink]] = []  # live collectors; each receives every drained table
 _wanted: dict[str, bool] = {}  # name => some live collector's regex matches it (cache)
 _backends: dict[torch.device, Any] = {}  # device => kernel backend providing accumulate_moments_
+_HOST_PATH_MAX_NUMEL = 16  # CPU tensors up to this many elements take the Python number path
 
 
 class _Accumulator:
@@ -190,7 +191,14 @@ def _add_tensor(acc: _Accumulator, name: str, value: torch.Tensor) -> None:
             f"report({name!r}, value): complex tensors are not supported, got dtype {value.dtype}"
         )
     x = value.detach()
-    if x.numel() == 0:
+    numel = x.numel()
+    if numel == 0:
+        return
+    if numel <= _HOST_PATH_MAX_NUMEL and x.device.type == "cpu":
+        # A small CPU tensor (typically a 0-dim loss) lives in host memory: reading it involves no
+        # device, so no sync; the Python path is ~50x cheaper than launching the moment ops.
+        for v in x.reshape(-1).tolist():
+            _add_number(acc, float(v))
         return
     if not x.is_floating_point():
         x = x.to(torch.float64)
@@ -232,10 +240,12 @@ def report(name: str, value: T) -> T:
 
     Callable anywhere (loss code, ``nn.Module.forward``, under autocast or ``torch.no_grad``) on any
     subset of ranks, in any order. A name nobody collects costs a dict lookup. Python numbers
-    take a fast path without tensors (≈1 µs). Tensors are detached, flattened and accumulated
-    on their own device in float64 (count, shifted sums, min, max) by the kernel backend's
-    ``accumulate_moments_``. An empty value registers the name (it appears in the collectors'
-    ``names()``, NaN until it gets values) and adds nothing.
+    take a fast path without tensors (≈1 µs), and so do CPU tensors of at most 16 elements (read
+    from host memory with ``tolist()``: no device is involved, so this is no host-device sync).
+    Other tensors are detached, flattened and accumulated on their own device in float64 (count,
+    shifted sums, min, max) by the kernel backend's ``accumulate_moments_`` (no sync). An empty
+    value registers the name (it appears in the collectors' ``names()``, NaN until it gets values)
+    and adds nothing.
 
     Does not synchronize host and device and issues no collective. Not thread-safe.
 

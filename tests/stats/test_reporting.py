@@ -49,9 +49,27 @@ def test_every_value_kind_accumulates_in_float64() -> None:
     report("V", torch.tensor([1, 2, 3], dtype=torch.int32))
     report("V", torch.tensor([True, False]))
     report("V", torch.tensor([-1e3, 1e3], dtype=torch.bfloat16))
+    # Larger tensors take the kernel backend's accumulate_moments_ (small CPU ones the host path).
+    big_half = torch.linspace(-3, 7, 101, dtype=torch.float16).reshape(1, 101)
+    big_int = torch.arange(-20, 20, dtype=torch.int64)
+    report("V", big_half)
+    report("V", big_int)
     c.update()
     half = torch.tensor([0.1, 0.2], dtype=torch.float16).double().tolist()
-    _check(c, "V", [1.5, 3, 1, 2.5, 1, 2, 4, 5, 0, 1, 2, 3, 4, 5, *half, 1, 2, 3, 1, 0, -1e3, 1e3])
+    values = [1.5, 3, 1, 2.5, 1, 2, 4, 5, 0, 1, 2, 3, 4, 5, *half, 1, 2, 3, 1, 0, -1e3, 1e3]
+    _check(c, "V", values + big_half.double().reshape(-1).tolist() + big_int.double().tolist())
+
+
+def test_host_path_and_kernel_path_agree() -> None:
+    c = Collector()
+    gen = torch.Generator().manual_seed(3)
+    x = 5e5 + torch.randn(64, generator=gen, dtype=torch.float64)
+    for chunk in x.split(4):  # 4 elements: host path
+        report("Host", chunk)
+    report("Kernel", x)  # 64 elements: kernel path
+    c.update()
+    for stat in ("num", "mean", "std", "min", "max"):
+        assert getattr(c, stat)("Host") == pytest.approx(getattr(c, stat)("Kernel"), rel=1e-12)
 
 
 def test_empty_value_registers_name_and_adds_nothing() -> None:
@@ -70,7 +88,7 @@ def test_report_inside_forward_under_no_grad_autocast_and_inference_mode() -> No
     class Net(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.lin = torch.nn.Linear(4, 3)
+            self.lin = torch.nn.Linear(4, 16)  # 80 outputs: the kernel path
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             y = self.lin(x)
