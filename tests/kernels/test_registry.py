@@ -1,0 +1,178 @@
+"""Registry: resolution order, explicit failures, one-warning auto fallback, entry points, validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+from lightning_ext.kernels import (
+    ENV_VAR,
+    BackendEntry,
+    KernelBackend,
+    ReferenceBackend,
+    available_backends,
+    get_backend,
+    register_backend,
+    registry,
+)
+
+
+@pytest.fixture(autouse=True)
+def clean_registry(monkeypatch):
+    """Each test sees the built-in registry, no cache, no warning issued yet; restored afterwards."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    saved = dict(registry._entries)
+    saved_ep = registry._entry_points_loaded
+    registry._reset_for_tests()
+    yield
+    registry._entries.clear()
+    registry._entries.update(saved)
+    registry._entry_points_loaded = saved_ep
+    registry._reset_for_tests()
+
+
+def _broken():
+    raise ImportError("libfancy.so: cannot open shared object file")
+
+
+class _CpuReference(ReferenceBackend):
+    name = "cpu_ref"
+
+
+def test_builtin_backends_and_resolution(monkeypatch):
+    entries = available_backends()
+    assert list(entries)[:2] == ["triton", "reference"]  # highest priority first
+    assert entries["triton"].devices == ("cuda",) and entries["triton"].priority == 10
+    # Auto on CPU: triton does not support it, reference does. Cached per process and device type.
+    backend = get_backend(device=torch.device("cpu"))
+    assert isinstance(backend, ReferenceBackend)
+    assert get_backend(device="cpu") is backend is get_backend("reference", "cpu")
+    # The environment variable beats auto; the explicit argument beats the environment variable.
+    register_backend("cpu_ref", _CpuReference, devices=("cpu",), priority=-1)
+    monkeypatch.setenv(ENV_VAR, "cpu_ref")
+    assert isinstance(get_backend(device="cpu"), _CpuReference)
+    assert type(get_backend("reference", device="cpu")) is ReferenceBackend
+    monkeypatch.setenv(ENV_VAR, "auto")
+    assert type(get_backend(device="cpu")) is ReferenceBackend
+
+
+def test_explicit_failures_raise(monkeypatch):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown kernel backend 'nope' \(from argument `name`\); "
+        r"registered backends: \[.*'reference', 'triton'\]",
+    ):
+        get_backend("nope", "cpu")
+    monkeypatch.setenv(ENV_VAR, "nope")
+    with pytest.raises(
+        ValueError, match=r"unknown kernel backend 'nope' \(from environment variable LIGHTNING_EXT_KERNELS\)"
+    ):
+        get_backend(device="cpu")
+    monkeypatch.delenv(ENV_VAR)
+    with pytest.raises(
+        ValueError,
+        match=r"kernel backend 'triton' .* supports devices \('cuda',\), not 'cpu'.*HINT: .*interpret=True",
+    ):
+        get_backend("triton", "cpu")
+    register_backend("broken", _broken, devices=("cpu",), priority=100)
+    with pytest.raises(
+        RuntimeError,
+        match=r"kernel backend 'broken' \(from argument `name`\) failed to load: "
+        r"ImportError\('libfancy.so.*registered backends: \['broken'",
+    ) as info:
+        get_backend("broken", "cpu")
+    assert isinstance(info.value.__cause__, ImportError)
+    register_backend("not_a_backend", lambda: object(), devices=("cpu",))
+    with pytest.raises(
+        RuntimeError, match=r"factory of kernel backend 'not_a_backend' returned <object.*not a KernelBackend"
+    ):
+        get_backend("not_a_backend", "cpu")
+    with pytest.raises(TypeError, match=r"`name` must be a backend name \(str\) or None, got 3"):
+        get_backend(3, "cpu")
+
+
+def test_auto_fallback_warns_once_per_process():
+    register_backend("broken", _broken, devices=("cpu", "meta"), priority=100)
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"kernel backend\(s\) 'broken' \(ImportError.*\) failed to load for device 'cpu'; "
+        r"using 'reference'",
+    ):
+        assert type(get_backend(device="cpu")) is ReferenceBackend
+    registry._cache.clear()  # even when resolution runs again, or for another device: no second warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert type(get_backend(device="cpu")) is ReferenceBackend
+        assert type(get_backend(device="meta")) is ReferenceBackend
+
+
+def test_register_and_validate_entries():
+    entry = register_backend("cpu_ref", _CpuReference, devices=["cpu"], priority=3)
+    assert entry == BackendEntry("cpu_ref", _CpuReference, ("cpu",), 3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        entry.priority = 4
+    with pytest.raises(
+        ValueError, match=r"kernel backend 'cpu_ref' is already registered; pass replace=True"
+    ):
+        register_backend("cpu_ref", _CpuReference, devices=("cpu",))
+    register_backend("cpu_ref", _CpuReference, devices=("cpu",), priority=7, replace=True)
+    assert available_backends()["cpu_ref"].priority == 7
+    with pytest.raises(ValueError, match=r"`name` must match .* got 'Bad Name'"):
+        register_backend("Bad Name", _CpuReference, devices=("cpu",))
+    with pytest.raises(TypeError, match=r"`factory` must be callable returning a KernelBackend, got 42"):
+        register_backend("x", 42, devices=("cpu",))
+    with pytest.raises(ValueError, match=r"`devices` must name at least one device type, got \(\)"):
+        register_backend("x", _CpuReference, devices=())
+    with pytest.raises(ValueError, match=r"`devices` contains 'warp', which is not a torch device type"):
+        register_backend("x", _CpuReference, devices=("warp",))
+    with pytest.raises(TypeError, match=r"`priority` must be an int, got 'high'"):
+        register_backend("x", _CpuReference, devices=("cpu",), priority="high")
+    assert "x" not in available_backends()
+
+
+def test_entry_point_backends(tmp_path, monkeypatch):
+    """A package installed with entry points in group `lightning_ext.kernels` is found lazily."""
+    pkg = tmp_path / "lx_plugin_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        textwrap.dedent(
+            """
+            from lightning_ext.kernels import ReferenceBackend, register_backend
+
+            class PluginBackend(ReferenceBackend):
+                name = "plugin"
+                devices = ("cpu",)
+                priority = -5
+
+            def register():
+                register_backend("plugin_hook", PluginBackend, devices=("cpu",), priority=-6)
+            """
+        )
+    )
+    dist = tmp_path / "lx_plugin_pkg-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: lx-plugin-pkg\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(
+        "[lightning_ext.kernels]\n"
+        "plugin = lx_plugin_pkg:PluginBackend\n"
+        "plugin_hook = lx_plugin_pkg:register\n"
+        "plugin_broken = lx_plugin_pkg:does_not_exist\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    registry._entry_points_loaded = False
+    with pytest.warns(
+        RuntimeWarning, match=r"entry point 'plugin_broken' \(lx_plugin_pkg:does_not_exist\) failed to load"
+    ):
+        names = available_backends()
+    assert names["plugin"].priority == -5 and names["plugin"].devices == ("cpu",)
+    assert "plugin_hook" in names and "plugin_broken" not in names
+    backend = get_backend("plugin", device="cpu")
+    assert isinstance(backend, KernelBackend) and type(backend).__name__ == "PluginBackend"
+    count, mean, m2 = backend.batch_norm_stats(torch.tensor([[1.0], [3.0]]))
+    assert (count.item(), mean.item(), m2.item()) == (2.0, 2.0, 2.0)

@@ -1,0 +1,74 @@
+"""``unscale_and_check_`` of every backend against float64 maths and GradScaler's ATen op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def _grads(seed):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64) * 100 + 3
+    return [
+        r(1023).float(),  # odd size, several blocks in the compiled kernel
+        r(7, 33).half(),
+        r(5, 3).bfloat16().t(),  # transposed: dense, not contiguous
+        r(9, 6).float()[:, ::2],  # sliced: not dense (reference path)
+        r(0).float(),  # empty
+        r(4, 3, 5, 2).float().to(memory_format=torch.channels_last),
+        r(3).double(),
+        r(1).float(),
+    ]
+
+
+POISONS = [(None, 0)] + [(p, w) for p in ("inf", "-inf", "nan") for w in (0, 1, 2, 3, 6)]
+
+
+@pytest.mark.parametrize(("poison", "where"), POISONS)
+def test_unscale_and_check(backend, poison, where):
+    grads = _grads(seed=where)
+    if poison is not None:
+        g = grads[where]
+        g[tuple(int(i) for i in torch.unravel_index(torch.tensor(g.numel() // 2), g.shape))] = float(poison)
+    expected_grads = [g.clone() for g in grads]
+    strides = [g.stride() for g in grads]
+    originals = [g.double().clone() for g in grads]
+    inv_scale = torch.tensor(1.0 / 3.0)
+
+    found = backend.unscale_and_check_(grads, inv_scale)
+
+    assert found.dtype == torch.float32 and found.shape == () and found.device == inv_scale.device
+    assert found.item() == (0.0 if poison is None else 1.0)
+    # The same product as GradScaler's op, element by element, incl. inf/NaN propagation.
+    flag = torch.zeros(())
+    for g in expected_grads:
+        torch._amp_foreach_non_finite_check_and_unscale_([g], flag, inv_scale)
+    assert flag.item() == found.item()
+    for i, (g, e, o) in enumerate(zip(grads, expected_grads, originals)):
+        assert g.dtype == e.dtype and g.stride() == strides[i], i
+        # Triton's interpreter converts float32 -> bfloat16 by truncation (numpy has no bfloat16; GPUs
+        # round to nearest even): there, one bfloat16 ulp apart from ATen is the expected result.
+        rtol = (
+            torch.finfo(g.dtype).eps if g.dtype == torch.bfloat16 and backend.key == "triton-interpret" else 0
+        )
+        torch.testing.assert_close(
+            g, e, atol=0, rtol=rtol, equal_nan=True, msg=lambda m, i=i: f"tensor {i}: {m}"
+        )
+        finite = o.isfinite()
+        ulp = torch.finfo(g.dtype).eps
+        truth = o * inv_scale.double()
+        err = (g.double() - truth)[finite].abs()
+        assert bool((err <= ulp * truth[finite].abs()).all()), f"tensor {i}: error {err.max()}"
+
+
+def test_unscale_empty_list_and_bad_input(backend):
+    found = backend.unscale_and_check_([], torch.tensor(0.5))
+    assert found.item() == 0.0 and found.dtype == torch.float32
+    with pytest.raises(TypeError, match=r"`tensors` must be a list of tensors, got Tensor"):
+        backend.unscale_and_check_(torch.zeros(3), torch.tensor(0.5))
+    with pytest.raises(TypeError, match=r"`tensors\[1\]` must be a floating point tensor, got torch.int64"):
+        backend.unscale_and_check_([torch.zeros(3), torch.zeros(3, dtype=torch.long)], torch.tensor(0.5))
+    with pytest.raises(TypeError, match=r"`inv_scale` must be a float32 tensor, got torch.float64"):
+        backend.unscale_and_check_([torch.zeros(3)], torch.tensor(0.5, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"`inv_scale` must have one element, got shape \(2,\)"):
+        backend.unscale_and_check_([torch.zeros(3)], torch.ones(2))
