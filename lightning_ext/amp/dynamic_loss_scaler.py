@@ -113,6 +113,16 @@ def _update_scale_(
         bool 0-dim tensor on the same device: ``True`` iff this step backed off and the backed-off
         scale would have fallen below ``min_scale`` (the floor was hit). No host sync.
     """
+    if schedule == "exponential" and hysteresis == 1:
+        # GradScaler's own fused update (one kernel), then the [min, max] clamp. The hysteresis
+        # tracker is not needed (every overflow backs off) and stays at 1.
+        before = scale.clone()
+        torch._amp_update_scale_(
+            scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval
+        )
+        scale.clamp_(min_scale, max_scale)
+        log2_scale.copy_(torch.log2(scale))
+        return (found_inf > 0) & (before * backoff_factor < min_scale)
     overflow = found_inf > 0
     hyst_after = torch.where(overflow, hysteresis_tracker - 1, hysteresis_tracker)
     back_off = overflow & (hyst_after <= 0)
@@ -458,13 +468,16 @@ class DynamicLossScaler:
         per_device: dict[torch.device, list[Tensor]] = defaultdict(list)
         for grad in grads:
             per_device[grad.device].append(grad)
-        found_inf = torch.zeros((), dtype=torch.float32, device=self._device)
+        flags = []
         with torch.no_grad():
             for device, tensors in per_device.items():
                 backend = get_backend(device=device)
-                device_inv_scale = inv_scale.to(device, non_blocking=True)
-                flag = backend.unscale_and_check_(tensors, device_inv_scale)
-                found_inf = torch.maximum(found_inf, flag.to(self._device, non_blocking=True))
+                device_inv_scale = inv_scale if inv_scale.device == device else inv_scale.to(device)
+                flags.append(backend.unscale_and_check_(tensors, device_inv_scale).to(self._device))
+        if not flags:
+            found_inf = torch.zeros((), dtype=torch.float32, device=self._device)
+        else:
+            found_inf = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
         if self.process_group is not None and is_distributed():
             comm_device = collective_device(self.process_group)
             flag = found_inf.to(comm_device)
@@ -525,9 +538,10 @@ class DynamicLossScaler:
             raise RuntimeError("step() has already been called since the last update().")
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             if state["stage"] is _Stage.READY:
-                ones = torch.ones((), dtype=torch.float32, device=self._device)
-                state["found_inf"] = self._unscale_and_check(optimizer, ones, allow_fp16=True)
-                optimizer.grad_scale = self._scale * getattr(optimizer, "grad_scale", 1)  # type: ignore[attr-defined]
+                one = torch.ones((), dtype=torch.float32, device=self._device)
+                state["found_inf"] = self._unscale_and_check(optimizer, one, allow_fp16=True)
+                previous = getattr(optimizer, "grad_scale", None)
+                optimizer.grad_scale = self._scale if previous is None else self._scale * previous  # type: ignore[attr-defined]
             else:
                 optimizer.grad_scale = getattr(optimizer, "grad_scale", None)  # type: ignore[attr-defined]
             optimizer.found_inf = state["found_inf"]  # type: ignore[attr-defined]
@@ -574,9 +588,11 @@ class DynamicLossScaler:
                 "update() was called but no optimizer called step() since the last update(). "
                 "HINT: call scaler.step(optimizer) for every optimizer first, then update() once."
             )
-        found_inf = states[0]["found_inf"]
-        for s in states[1:]:
-            found_inf = torch.maximum(found_inf, s["found_inf"])
+        found_inf = (
+            states[0]["found_inf"]
+            if len(states) == 1
+            else torch.stack([s["found_inf"] for s in states]).amax()
+        )
         host_flags = [s.get("host_skipped") for s in states]
         host_skipped = None if any(f is None for f in host_flags) else any(host_flags)
         self._per_optimizer_states = defaultdict(_new_optimizer_state)
