@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -178,18 +180,17 @@ def test_weight_bias_none_and_vector_count(backend):
 
 def test_gradcheck_float64(backend):
     """Autograd of batch_norm_stats and batch_norm_elemt (built from the backend's own ops)."""
+    gradcheck = functools.partial(torch.autograd.gradcheck, fast_mode=True)
     gen = torch.Generator().manual_seed(7)
-    x = torch.randn(3, 4, 2, 3, generator=gen, dtype=torch.float64).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 4, 2, 3, generator=gen, dtype=torch.float64).to(memory_format=torch.channels_last)
     x.requires_grad_()
     mean = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
     invstd = (torch.rand(4, generator=gen, dtype=torch.float64) + 0.5).requires_grad_()
     weight = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda *a: backend.batch_norm_elemt(*a), (x, mean, invstd, weight, bias))
-    assert torch.autograd.gradcheck(
-        lambda *a: backend.batch_norm_elemt(a[0], a[1], a[2], None, None), (x, mean, invstd)
-    )
-    assert torch.autograd.gradcheck(lambda t: backend.batch_norm_stats(t)[1:], (x,))
+    assert gradcheck(lambda *a: backend.batch_norm_elemt(*a), (x, mean, invstd, weight, bias))
+    assert gradcheck(lambda *a: backend.batch_norm_elemt(a[0], a[1], a[2], None, None), (x, mean, invstd))
+    assert gradcheck(lambda t: backend.batch_norm_stats(t)[1:], (x,))
     cnt, _, _ = backend.batch_norm_stats(x)
     assert not cnt.requires_grad
 
