@@ -79,6 +79,49 @@ def _short(value: Any) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
+def local_row(
+    rows: torch.Tensor,
+    counts: list[int],
+    iterations: list[int],
+    accumulate: int,
+    data_sec: float,
+    writer_failed: bool,
+) -> torch.Tensor:
+    """One rank's row for the agreement gather, from the losses buffered since the last agreement.
+
+    Args:
+        rows: float64 ``(M, K)`` on the loss device: the ``K`` losses of the ``M`` micro-batches
+            (total loss first; absent losses as 0).
+        counts: host ``(K,)`` number of micro-batches that had each loss.
+        iterations: host ``(M,)`` iteration of each micro-batch.
+        accumulate: factor Lightning divided the total loss by (multiplied back here).
+        data_sec: mean data seconds per iteration; ``writer_failed``: this rank's writer failed.
+
+    Returns:
+        float64 ``(3K + 4,)`` on ``rows.device``: ``[sums (K), counts (K), bad, first_bad_iter,
+        bad_values (K), data_sec, writer_failed]``, where ``bad`` is 1 iff some total loss is
+        non-finite, ``first_bad_iter`` the iteration of the first such micro-batch (``inf`` if
+        none) and ``bad_values`` its losses (NaN if none). No host–device synchronization.
+    """
+    k, device = rows.shape[1], rows.device
+    if accumulate != 1:
+        rows = torch.cat([rows[:, :1] * accumulate, rows[:, 1:]], dim=1)
+    nonfinite = ~torch.isfinite(rows[:, 0])
+    if rows.shape[0] == 0:
+        bad = torch.zeros(1, dtype=torch.float64, device=device)
+        first_bad = torch.full((1,), math.inf, dtype=torch.float64, device=device)
+        bad_values = torch.full((k,), math.nan, dtype=torch.float64, device=device)
+    else:
+        first = nonfinite.to(torch.uint8).argmax().reshape(1)  # first non-finite micro-batch (0 if none)
+        bad = nonfinite.any().reshape(1).to(torch.float64)
+        iters = torch.tensor(iterations, dtype=torch.float64).to(device, non_blocking=True)
+        first_bad = torch.where(bad > 0, iters[first], math.inf)
+        bad_values = torch.where(bad > 0, rows[first[0]], math.nan)
+    host = torch.tensor([*counts], dtype=torch.float64)
+    tail = torch.tensor([data_sec, float(writer_failed)], dtype=torch.float64)
+    return torch.cat([rows.sum(0), host.to(device), bad, first_bad, bad_values, tail.to(device)])
+
+
 def summarize_gathered(gathered: torch.Tensor, keys: list[str]) -> dict[str, Any]:
     """Reduce the per-rank rows gathered at an agreement point (host float64 ``(world_size, D)``).
 
@@ -128,11 +171,12 @@ class _Agreement:
 class LossMonitor(HookBase):
     """Raise on a non-finite loss on every rank alike; write loss means and data time every period.
 
-    Every micro-batch, the loss returned by ``training_step`` (see :func:`extract_losses`: a
-    tensor, or a dict with ``"loss"`` and optional ``"loss*"`` entries) is folded into small
-    float64 accumulators ON ITS DEVICE: per-loss sums and counts, a non-finite flag of the total
-    loss, the first iteration at which it became non-finite and the loss values then. This costs a
-    few tiny device ops per step, no host–device synchronization and no collective.
+    Every micro-batch, the losses returned by ``training_step`` (see :func:`extract_losses`: a
+    tensor, or a dict with ``"loss"`` and optional ``"loss*"`` entries) are copied into a float64
+    buffer ON THEIR DEVICE, one row per micro-batch (one ``stack`` and one ``copy_``): no
+    host–device synchronization and no collective on the step. At the agreement point
+    :func:`local_row` turns the buffer into per-loss sums, a non-finite flag of the total loss,
+    the first iteration at which it became non-finite and the losses then.
 
     Every ``period`` iterations (and at the end of training) comes an *agreement point*: ONE
     ``all_gather`` of those accumulators (``3K + 4`` float64 per rank for ``K`` losses) on the
@@ -208,26 +252,21 @@ class LossMonitor(HookBase):
 
     def _reset_run(self) -> None:
         self._keys: list[str] | None = None  # loss names, fixed at the first step
-        self._device: torch.device | None = None
-        self._micro_batches = 0  # folded since the last agreement point (host counter)
+        self._buffer: torch.Tensor | None = (
+            None  # (rows, K) float64 on the loss device, one row per micro-batch
+        )
+        self._counts: list[int] = []  # micro-batches that had each key, since the last agreement point
+        self._micro_iters: list[int] = []  # iteration of each buffered micro-batch
         self._iters = 0  # iterations since the last agreement point
         self._data_sec = 0.0  # data seconds since the last agreement point
+        self._accumulate = 1  # factor Lightning divided the returned "loss" by
         self._last_batch_end: float | None = None
         self._pending: tuple[Future, _Agreement] | None = None  # async job of the last agreement
         self._writer_error: BaseException | None = None  # local writer failure not yet agreed
-        self._acc: dict[str, torch.Tensor] = {}
 
     def _new_accumulators(self) -> None:
-        k, dev = len(self._keys), self._device
-        f64 = torch.float64
-        self._acc = {
-            "sums": torch.zeros(k, dtype=f64, device=dev),
-            "counts": torch.zeros(k, dtype=f64, device=dev),
-            "bad": torch.zeros(1, dtype=f64, device=dev),
-            "first_bad": torch.full((1,), math.inf, dtype=f64, device=dev),
-            "bad_values": torch.full((k,), math.nan, dtype=f64, device=dev),
-        }
-        self._micro_batches = 0
+        self._counts = [0] * len(self._keys)
+        self._micro_iters = []
         self._iters = 0
         self._data_sec = 0.0
 
@@ -265,33 +304,35 @@ class LossMonitor(HookBase):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        accumulate = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-        self._fold(extract_losses(outputs, accumulate))
+        self._accumulate = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+        self._fold(extract_losses(outputs))
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         self._last_batch_end = time.perf_counter()
 
     def _fold(self, losses: dict[str, torch.Tensor]) -> None:
+        """Store this micro-batch's losses in the device buffer: one stack and one copy, no sync."""
         if self._keys is None:
             self._keys = list(losses)
-            self._device = losses["loss"].device
             self._new_accumulators()
-        acc, keys = self._acc, self._keys
-        if len(losses) == len(keys) and all(key in losses for key in keys):
-            values = torch.stack([losses[key].to(torch.float64) for key in keys])
-            acc["counts"] += 1.0
-        else:  # a loss absent at this step counts nothing; names new since the first step are ignored
-            zero = acc["sums"].new_zeros(())
-            values = torch.stack([losses[key].to(torch.float64) if key in losses else zero for key in keys])
-            acc["counts"] += torch.tensor([float(key in losses) for key in keys], dtype=torch.float64).to(
-                self._device
+        keys, row = self._keys, len(self._micro_iters)
+        if self._buffer is None or row == self._buffer.shape[0]:
+            grown = torch.zeros(
+                max(2 * row, self.period * self._accumulate),
+                len(keys),
+                dtype=torch.float64,
+                device=losses["loss"].device,
             )
-        acc["sums"] += values
-        bad = (~torch.isfinite(values[:1])).to(torch.float64)  # the total loss decides
-        new_bad = bad * (1.0 - acc["bad"])  # first non-finite micro-batch since the last agreement
-        acc["first_bad"].copy_(torch.where(new_bad > 0, float(self._iter), acc["first_bad"]))
-        acc["bad_values"].copy_(torch.where(new_bad > 0, values, acc["bad_values"]))
-        acc["bad"].copy_(torch.maximum(acc["bad"], bad))
-        self._micro_batches += 1
+            if self._buffer is not None:
+                grown[:row].copy_(self._buffer)
+            self._buffer = grown
+        if len(losses) == len(keys) and all(key in losses for key in keys):
+            self._buffer[row].copy_(torch.stack(list(losses.values())))
+            self._counts = [c + 1 for c in self._counts]
+        else:  # a loss absent at this step counts nothing; names new since the first step are ignored
+            zero = losses["loss"].new_zeros(())
+            self._buffer[row].copy_(torch.stack([losses.get(key, zero) for key in keys]))
+            self._counts = [c + (key in losses) for c, key in zip(self._counts, keys)]
+        self._micro_iters.append(self._iter)
 
     @override
     def after_step(self) -> None:
@@ -307,7 +348,7 @@ class LossMonitor(HookBase):
             if self.exception is None:  # success: every rank is here, collectives are safe
                 if self._pending is not None:
                     self._collect()
-                if self._micro_batches > 0 or self._writer_error is not None:
+                if self._micro_iters or self._writer_error is not None:
                     self._agree(final=True)
                 if self._writer_error is not None:  # the final write itself failed on this rank
                     raise self._writer_error
@@ -325,18 +366,14 @@ class LossMonitor(HookBase):
         """Gather the accumulators of every rank (one collective), then decide and write."""
         if self._keys is None:
             return
-        acc = self._acc
         data_sec = self._data_sec / max(self._iters, 1)
-        host_tail = torch.tensor([data_sec, float(self._writer_error is not None)], dtype=torch.float64)
-        row = torch.cat(
-            [
-                acc["sums"],
-                acc["counts"],
-                acc["bad"],
-                acc["first_bad"],
-                acc["bad_values"],
-                host_tail.to(self._device),
-            ]
+        row = local_row(
+            self._buffer[: len(self._micro_iters)],
+            self._counts,
+            self._micro_iters,
+            self._accumulate,
+            data_sec,
+            self._writer_error is not None,
         )
         world_size = get_world_size()
         if world_size > 1:
