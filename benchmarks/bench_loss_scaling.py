@@ -4,7 +4,8 @@ Same 11M-parameter MLP (4 x Linear(1664, 1664) with PyTorch's default init, grad
 magnitude, 1e-3 x N(0, 1) times the scale, so no denormals), same optimizer configuration, same
 timed region per iteration: ``unscale_`` (one fused inf/NaN check + multiply) + ``step`` (including
 the skip decision) + ``update``. Gradients are refilled outside the timed region. Median of
-``--iters`` iterations after warm-up; ratio = ours / GradScaler (< 1 means ours is faster).
+``--iters`` iterations after warm-up, the scalers alternating step by step; ratio = ours /
+GradScaler (< 1 means ours is faster).
 
 Usage: ``python benchmarks/bench_loss_scaling.py [--iters 30]``.
 """
@@ -33,30 +34,41 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
 
 
-def _time(scaler_fn: Callable[[], object], optimizer_fn: Callable, iters: int, warmup: int = 3) -> float:
+def _setup(scaler_fn: Callable[[], object], optimizer_fn: Callable) -> tuple:
     model = _model()
     params = list(model.parameters())
     grads = [torch.randn_like(p) * (1e-3 * SCALE) for p in params]
-    opt = optimizer_fn(params)
     scaler = scaler_fn()
     scaler.scale(torch.ones(()))  # GradScaler creates its scale tensor lazily here
-    times = []
+    return params, grads, optimizer_fn(params), scaler
+
+
+def _one_step(params, grads, opt, scaler) -> float:
+    for p, g in zip(params, grads):
+        if p.grad is None:
+            p.grad = g.clone()
+        else:
+            p.grad.copy_(g)
+    start = time.perf_counter()
+    if not getattr(opt, "_step_supports_amp_scaling", False):
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    return time.perf_counter() - start
+
+
+def _time(scaler_fns: dict[str, Callable], optimizer_fn: Callable, iters: int, warmup: int = 3) -> dict:
+    """Median ms per scaler; the scalers alternate step by step so machine noise hits them alike."""
+    setups = {name: _setup(fn, optimizer_fn) for name, fn in scaler_fns.items()}
+    times: dict[str, list[float]] = {name: [] for name in setups}
     for i in range(warmup + iters):
-        for p, g in zip(params, grads):
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
-        start = time.perf_counter()
-        if not getattr(opt, "_step_supports_amp_scaling", False):
-            scaler.unscale_(opt)
-        scaler.step(opt)
-        scaler.update()
-        elapsed = time.perf_counter() - start
-        if i >= warmup:
-            times.append(elapsed)
-    assert scaler.get_scale() == SCALE, "no step may overflow in this benchmark"
-    return statistics.median(times) * 1e3
+        for name, setup in setups.items():
+            elapsed = _one_step(*setup)
+            if i >= warmup:
+                times[name].append(elapsed)
+    for name, (_, _, _, scaler) in setups.items():
+        assert scaler.get_scale() == SCALE, f"{name}: no step may overflow in this benchmark"
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def main() -> None:
@@ -79,7 +91,7 @@ def main() -> None:
     }
     rows = []
     for opt_name, opt_fn in optimizers.items():
-        ms = {name: _time(fn, opt_fn, args.iters) for name, fn in scalers.items()}
+        ms = _time(scalers, opt_fn, args.iters)
         rows.append((opt_name, ms))
         print(
             f"{opt_name:24s} GradScaler {ms['GradScaler']:7.2f} ms  ours {ms['ours']:7.2f} ms "
