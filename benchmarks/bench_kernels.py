@@ -1,0 +1,276 @@
+"""Kernel backends: time, effective bandwidth and ratios to ATen and to a copy, per op and backend.
+
+CPU (always): the ``reference`` backend at a BatchNorm2d shape against ATen's fused BatchNorm (the
+building blocks ``torch.batch_norm_stats`` & co. are CUDA-only), ``unscale_and_check_`` against
+``torch.amp.GradScaler("cpu").unscale_`` on 11M parameters, ``accumulate_moments_`` against ATen's
+reductions. Triton's interpreter is not timed (it is a debugging tool).
+GPU (only with CUDA): ``triton`` and ``reference`` at ResNet-50 shapes against ATen's CUDA building
+blocks (``torch.batch_norm_stats``, ``batch_norm_elemt``, ``batch_norm_backward_reduce``,
+``batch_norm_backward_elemt``, ``_amp_foreach_non_finite_check_and_unscale_``) with
+``triton.testing.do_bench``; targets: >= 80% of copy bandwidth and <= 1.0x ATen's time.
+
+Usage: ``python benchmarks/bench_kernels.py [--quick]``.
+"""
+
+# ruff: noqa: B023  (every lambda is timed at once, inside the iteration that defines it)
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.utils.benchmark as tb
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import write_result
+
+from lightning_ext.kernels import get_backend
+
+ROWS: list[tuple] = []  # (section, op, backend, case, ms, GB/s, vs ATen, vs copy)
+
+
+def cpu_time(fn, min_run_time=0.5) -> float:
+    """Median seconds per call (torch.utils.benchmark, warm-up included)."""
+    return (
+        tb.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+        .blocked_autorange(min_run_time=min_run_time)
+        .median
+    )
+
+
+def gpu_time(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100) * 1e-3
+
+
+def nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def add(section, op, backend, case, seconds, bytes_moved, aten_seconds, copy_gbs):
+    gbs = bytes_moved / seconds / 1e9
+    vs_aten = seconds / aten_seconds if aten_seconds else math.nan
+    ROWS.append((section, op, backend, case, seconds * 1e3, gbs, vs_aten, gbs / copy_gbs))
+    print(f"{section:4} {op:28} {backend:10} {case:34} {seconds * 1e3:9.3f} ms {gbs:8.1f} GB/s "
+          f"x{vs_aten:5.2f} ATen {gbs / copy_gbs:5.2f} of copy", flush=True)  # fmt: skip
+
+
+def copy_bandwidth(device, timer) -> float:
+    src = torch.randn(64 * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes(src) / timer(lambda: dst.copy_(src)) / 1e9
+
+
+# ---------------------------------------------------------------------------- CPU
+
+
+def bench_cpu(quick: bool) -> None:
+    ref = get_backend("reference", "cpu")
+    copy_gbs = copy_bandwidth("cpu", cpu_time)
+    print(f"CPU copy bandwidth: {copy_gbs:.1f} GB/s")
+    shape = (32, 64, 32, 32)
+    for dtype in (torch.float32, torch.bfloat16):
+        for fmt in (torch.contiguous_format, torch.channels_last):
+            x = (torch.randn(shape) * 2 + 1).to(dtype).contiguous(memory_format=fmt)
+            dy = torch.randn(shape).to(dtype).contiguous(memory_format=fmt)
+            c = shape[1]
+            case = f"{tuple(shape)} {str(dtype)[6:]} {'CL' if fmt == torch.channels_last else 'NCHW'}"
+            count, mean, m2 = ref.batch_norm_stats(x)
+            invstd = (m2 / count + 1e-5).rsqrt()
+            w, b = torch.randn(c), torch.randn(c)
+            s1, s2 = ref.batch_norm_backward_reduce(dy, x, mean, invstd)
+            # ATen's fused BatchNorm pieces: training forward (stats + normalize), eval forward
+            # (normalize), full backward (reduce + elementwise).
+            t_fwd = cpu_time(lambda: torch.batch_norm(x, w, b, None, None, True, 0.0, 1e-5, False))
+            rv = invstd.pow(-2)
+            t_eval = cpu_time(lambda: torch.batch_norm(x, w, b, mean, rv, False, 0.0, 0.0, False))
+            t_bwd = cpu_time(
+                lambda: torch.ops.aten.native_batch_norm_backward(
+                    dy, x, w, None, None, mean, invstd, True, 1e-5, [True, True, True]
+                )
+            )
+            t_stats = cpu_time(lambda: ref.batch_norm_stats(x))
+            t_elemt = cpu_time(lambda: ref.batch_norm_elemt(x, mean, invstd, w, b))
+            t_red = cpu_time(lambda: ref.batch_norm_backward_reduce(dy, x, mean, invstd))
+            t_bel = cpu_time(lambda: ref.batch_norm_backward_elemt(dy, x, mean, invstd, w, s1, s2, count))
+            add("cpu", "batch_norm_stats", "reference", case, t_stats, nbytes(x), None, copy_gbs)
+            add("cpu", "batch_norm_elemt", "reference", case, t_elemt, 2 * nbytes(x), t_eval, copy_gbs)
+            add(
+                "cpu",
+                "stats+elemt (fwd)",
+                "reference",
+                case,
+                t_stats + t_elemt,
+                3 * nbytes(x),
+                t_fwd,
+                copy_gbs,
+            )
+            add("cpu", "batch_norm_backward_reduce", "reference", case, t_red, 2 * nbytes(x), None, copy_gbs)
+            add("cpu", "batch_norm_backward_elemt", "reference", case, t_bel, 3 * nbytes(x), None, copy_gbs)
+            add("cpu", "reduce+elemt (bwd)", "reference", case, t_red + t_bel, 5 * nbytes(x), t_bwd, copy_gbs)
+            if quick:
+                break
+
+    # unscale_and_check_ vs GradScaler("cpu").unscale_ on 11M parameters with realistic gradients
+    # (N(0, 1e-3), as after a few steps; no denormals). Scale 1.0 so repeated unscaling is stable.
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(512, 512, 3, 3)] * 4 + [(2048, 1024)] * 1 + [(1000, 512)] * 1 + [(512,)] * 40
+    params = [torch.nn.Parameter(torch.empty(s)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+    n_params = sum(p.numel() for p in params)
+    case = f"{n_params / 1e6:.1f}M fp32 params, {len(params)} tensors"
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    scaler.scale(torch.ones(()))  # creates the scale tensor, as in a training step
+
+    def gradscaler_unscale():
+        scaler._per_optimizer_states = defaultdict(torch.amp.grad_scaler._refresh_per_optimizer_state)
+        scaler.unscale_(opt)
+
+    grads = [p.grad for p in params]
+    inv = torch.tensor(1.0)
+    t_gs = cpu_time(gradscaler_unscale)
+    t_us = cpu_time(lambda: ref.unscale_and_check_(grads, inv))
+    t_read = cpu_time(lambda: torch._foreach_norm(grads, 1))
+    add("cpu", "unscale_and_check_", "reference", case, t_us, 2 * nbytes(*grads), t_gs, copy_gbs)
+    add("cpu", "GradScaler.unscale_ (anchor)", "aten", case, t_gs, 2 * nbytes(*grads), t_gs, copy_gbs)
+    add("cpu", "read grads once (foreach_norm)", "aten", case, t_read, nbytes(*grads), None, copy_gbs)
+
+    # accumulate_moments_ (report()) vs the ATen reductions it needs, on a 1M-element activation.
+    x = torch.randn(2**20) + 3
+    acc = torch.tensor([0, 0, 0, math.inf, -math.inf], dtype=torch.float64)
+    shift = torch.tensor(3.0, dtype=torch.float64)
+    t_m = cpu_time(lambda: ref.accumulate_moments_(acc, x, shift))
+    t_a = cpu_time(lambda: (x.sum(), (x * x).sum(), torch.aminmax(x)))
+    add("cpu", "accumulate_moments_", "reference", "1M fp32 (float64 sums)", t_m, nbytes(x), t_a, copy_gbs)
+    t_small = cpu_time(lambda: ref.accumulate_moments_(acc, torch.ones(()), shift))
+    add(
+        "cpu",
+        "accumulate_moments_",
+        "reference",
+        "scalar loss (per-call overhead)",
+        t_small,
+        4,
+        None,
+        copy_gbs,
+    )
+
+
+# ---------------------------------------------------------------------------- GPU
+
+
+def bench_gpu(quick: bool) -> None:
+    ref = get_backend("reference", "cuda")
+    tri = get_backend("triton", "cuda")
+    copy_gbs = copy_bandwidth("cuda", gpu_time)
+    print(f"GPU copy bandwidth: {copy_gbs:.1f} GB/s")
+    shapes = [(64, c, h, h) for c, h in ((64, 56), (256, 56), (256, 14), (1024, 14))]
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    for shape in shapes[:2] if quick else shapes:
+        for dtype in dtypes[:1] if quick else dtypes:
+            for fmt in (torch.contiguous_format, torch.channels_last):
+                x = torch.randn(shape, device="cuda").to(dtype).contiguous(memory_format=fmt)
+                dy = torch.randn(shape, device="cuda").to(dtype).contiguous(memory_format=fmt)
+                c = shape[1]
+                case = f"{tuple(shape)} {str(dtype)[6:]} {'CL' if fmt == torch.channels_last else 'NCHW'}"
+                mean_a, invstd_a = torch.batch_norm_stats(x, 1e-5)
+                w, b = torch.randn(c, device="cuda"), torch.randn(c, device="cuda")
+                cnt = torch.full((c,), x.numel() // c, device="cuda", dtype=torch.int32)
+                s1, s2, _, _ = torch.batch_norm_backward_reduce(
+                    dy, x, mean_a, invstd_a, w, True, False, False
+                )
+                aten = {
+                    "batch_norm_stats": gpu_time(lambda: torch.batch_norm_stats(x, 1e-5)),
+                    "batch_norm_elemt": gpu_time(
+                        lambda: torch.batch_norm_elemt(x, w, b, mean_a, invstd_a, 1e-5)
+                    ),
+                    "batch_norm_backward_reduce": gpu_time(
+                        lambda: torch.batch_norm_backward_reduce(
+                            dy, x, mean_a, invstd_a, w, True, False, False
+                        )
+                    ),
+                    "batch_norm_backward_elemt": gpu_time(
+                        lambda: torch.batch_norm_backward_elemt(dy, x, mean_a, invstd_a, w, s1, s2, cnt)
+                    ),
+                }
+                count = cnt.float()
+                moved = {
+                    "batch_norm_stats": nbytes(x),
+                    "batch_norm_elemt": 2 * nbytes(x),
+                    "batch_norm_backward_reduce": 2 * nbytes(x),
+                    "batch_norm_backward_elemt": 3 * nbytes(x),
+                }
+                for be in (tri, ref):
+                    calls = {
+                        "batch_norm_stats": lambda be=be: be.batch_norm_stats(x),
+                        "batch_norm_elemt": lambda be=be: be.batch_norm_elemt(x, mean_a, invstd_a, w, b),
+                        "batch_norm_backward_reduce": lambda be=be: be.batch_norm_backward_reduce(
+                            dy, x, mean_a, invstd_a
+                        ),
+                        "batch_norm_backward_elemt": lambda be=be: be.batch_norm_backward_elemt(
+                            dy, x, mean_a, invstd_a, w, s1, s2, count
+                        ),
+                    }
+                    for op, fn in calls.items():
+                        add("gpu", op, be.name, case, gpu_time(fn), moved[op], aten[op], copy_gbs)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for dtype in (torch.float32, torch.float16):
+        grads = [
+            torch.randn(s, device="cuda", generator=gen).to(dtype) * 1e-3
+            for s in [(2048, 1024)] * 5 + [(512,)] * 40
+        ]
+        found = torch.zeros((), device="cuda")
+        inv = torch.tensor(1.0, device="cuda")
+        case = f"{sum(g.numel() for g in grads) / 1e6:.1f}M {str(dtype)[6:]}, {len(grads)} tensors"
+        t_a = gpu_time(lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv))
+        for be in (tri, ref):
+            t = gpu_time(lambda be=be: be.unscale_and_check_(grads, inv))
+            add("gpu", "unscale_and_check_", be.name, case, t, 2 * nbytes(*grads), t_a, copy_gbs)
+    x = torch.randn(2**24, device="cuda")
+    acc = torch.tensor([0, 0, 0, math.inf, -math.inf], device="cuda", dtype=torch.float64)
+    shift = torch.tensor(0.0, device="cuda", dtype=torch.float64)
+    t_a = gpu_time(lambda: (x.sum(), (x * x).sum(), torch.aminmax(x)))
+    for be in (tri, ref):
+        t = gpu_time(lambda be=be: be.accumulate_moments_(acc, x, shift))
+        add("gpu", "accumulate_moments_", be.name, "16M fp32", t, nbytes(x), t_a, copy_gbs)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer cases (smoke run)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    bench_cpu(args.quick)
+    gpu_note = (
+        "No GPU was available to this run: the GPU section (Triton vs ATen at ResNet-50 shapes) is absent."
+    )
+    if torch.cuda.is_available():
+        bench_gpu(args.quick)
+        gpu_note = "GPU rows: `triton.testing.do_bench`; targets >= 0.80 of copy and <= 1.00x ATen."
+    lines = [
+        "## Kernel backends (`bench_kernels.py`)",
+        "",
+        "Time per call (median), effective bandwidth (bytes read + written / time), time relative to the",
+        "ATen op doing the same work (< 1 is faster; on CPU: fused BatchNorm forward/backward, eval",
+        "BatchNorm for `elemt`, `GradScaler.unscale_` for `unscale_and_check_`) and bandwidth relative to",
+        f"a 64 MiB device copy. {gpu_note}",
+        "",
+        "| dev | op | backend | case | ms | GB/s | vs ATen | of copy |",
+        "|---|---|---|---|---:|---:|---:|---:|",
+    ]
+    for sec, op, be, case, ms, gbs, va, vc in ROWS:
+        va_s = "" if math.isnan(va) else f"{va:.2f}x"
+        lines.append(f"| {sec} | {op} | {be} | {case} | {ms:.3f} | {gbs:.1f} | {va_s} | {vc:.2f} |")
+    write_result("kernels", "\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
