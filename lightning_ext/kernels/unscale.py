@@ -89,10 +89,18 @@ def _is_dense(t: Tensor) -> bool:
     return True
 
 
-def unscale_and_check_triton(tensors: list[Tensor], inv_scale: Tensor, interpret: bool = False) -> Tensor:
-    """Launcher: one kernel per dense tensor (read once, written once); non-dense tensors (rare for
-    gradients) go through the reference op. One found-inf flag per device, combined without sync.
+def unscale_and_check_triton(
+    tensors: list[Tensor], inv_scale: Tensor, interpret: bool = False, small_numel: int | None = None
+) -> Tensor:
+    """Launcher: one kernel per large dense tensor (read once, written once).
+
+    Tensors with fewer than ``small_numel`` elements (default 65536 compiled, 0 interpreted) and
+    non-dense ones go, per (device, dtype) bucket, through ATen's multi-tensor op, which handles many
+    small tensors in one launch better than one launch each. One found-inf flag per device,
+    combined without host sync.
     """
+    if small_numel is None:
+        small_numel = 0 if interpret else 1 << 16
     flags = []
     block = 4096 if interpret else 2048
     for device, by_dtype in bucket_by_device_and_dtype(tensors).items():
@@ -100,17 +108,17 @@ def unscale_and_check_triton(tensors: list[Tensor], inv_scale: Tensor, interpret
         inv = inv_scale if inv_scale.device == device else inv_scale.to(device, non_blocking=True)
         for dtype, group in by_dtype.items():
             acc = tl_dtype(dtype == torch.float64)
-            strided = []
+            others = []
             for t in group:
                 if t.numel() == 0:
                     continue
-                if not _is_dense(t):
-                    strided.append(t)
+                if t.numel() < small_numel or not _is_dense(t):
+                    others.append(t)
                     continue
                 kernel(_unscale_kernel, interpret)[(triton.cdiv(t.numel(), block),)](
                     t, inv, found, t.numel(), ACC=acc, BLOCK=block
                 )
-            if strided:
-                torch._amp_foreach_non_finite_check_and_unscale_(strided, found, inv)
+            if others:
+                torch._amp_foreach_non_finite_check_and_unscale_(others, found, inv)
         flags.append(found)
     return combine_found_inf(flags, inv_scale.device)

@@ -72,3 +72,17 @@ def test_unscale_empty_list_and_bad_input(backend):
         backend.unscale_and_check_([torch.zeros(3)], torch.tensor(0.5, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"`inv_scale` must have one element, got shape \(2,\)"):
         backend.unscale_and_check_([torch.zeros(3)], torch.ones(2))
+
+
+def test_triton_launcher_sends_small_tensors_to_aten():
+    """The compiled default routes tensors below `small_numel` through ATen's multi-tensor op."""
+    pytest.importorskip("triton")
+    from lightning_ext.kernels.unscale import unscale_and_check_reference, unscale_and_check_triton
+
+    grads, expected = _grads(seed=9), _grads(seed=9)
+    grads[1][2, 3] = expected[1][2, 3] = float("inf")  # in a small tensor
+    inv = torch.tensor(0.5)
+    found = unscale_and_check_triton(grads, inv, interpret=True, small_numel=100)
+    assert found.item() == unscale_and_check_reference(expected, inv).item() == 1.0
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, atol=0, rtol=0)
