@@ -46,8 +46,8 @@ if HAS_TRITON:
         mask = offs < numel
         v = tl.load(x_ptr + offs, mask=mask, other=0).to(tl.float64)
         d = tl.where(mask, v - tl.load(shift_ptr), 0.0)
-        if pid == 0:
-            tl.atomic_add(acc_ptr, numel.to(tl.float64))
+        # Each program adds its own count (exact in float64; no special case when numel is a constexpr).
+        tl.atomic_add(acc_ptr, tl.sum(mask.to(tl.float64), axis=0))
         tl.atomic_add(acc_ptr + 1, tl.sum(d, axis=0))
         tl.atomic_add(acc_ptr + 2, tl.sum(d * d, axis=0))
         tl.atomic_min(acc_ptr + 3, tl.min(tl.where(mask, v, float("inf")), axis=0))

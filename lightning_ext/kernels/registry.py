@@ -179,8 +179,8 @@ def available_backends() -> dict[str, BackendEntry]:
 
     Example::
 
-        >>> sorted(available_backends())[:2]
-        ['reference', 'triton']
+        >>> {"reference", "triton"} <= set(available_backends())
+        True
     """
     _load_entry_points()
     with _lock:
