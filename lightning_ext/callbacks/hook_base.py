@@ -62,7 +62,11 @@ class HookBase(Callback):
     method (``PEP 678`` notes appear in the traceback). On failure Lightning calls ``on_exception``
     on every callback; ``after_train`` of each hook that started runs exactly once; an exception
     from it there is logged and attached as a note to the original exception, which keeps
-    propagating, so the remaining hooks' ``after_train`` still run.
+    propagating, so the remaining hooks' ``after_train`` still run. Caveat: with
+    ``strategy="ddp_spawn"``/``"ddp_notebook"`` Lightning calls ``on_exception`` only in the
+    launching process (on its own copies of the callbacks), not in the worker processes, so there
+    ``after_train`` does not run in the workers when training fails; with ``strategy="ddp"``
+    (subprocess launcher or ``torchrun``) it does.
 
     Checkpoints: the state of each hook is stored under its :attr:`state_key`, made distinct per
     instance as ``ClassName{'index': i}`` where ``i`` counts the instances of the same class in
