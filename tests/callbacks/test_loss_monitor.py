@@ -221,6 +221,23 @@ def _fit_with_nan_on_rank1(rank: int, world_size: int) -> list[tuple[str, int]]:
             outcomes.append(("no exception", trainer.global_step))
         except FloatingPointError as exc:
             outcomes.append((str(exc).splitlines()[0], trainer.global_step))
+    for async_write in (False, True):  # rank 0's logger fails at the first write (iteration 3)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=world_size,
+            strategy="ddp",
+            max_steps=16,
+            callbacks=[LossMonitor(period=4, async_write=async_write)],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            logger=RecordingLogger(fail_with=OSError("disk full")),
+            enable_checkpointing=False,
+        )
+        try:
+            trainer.fit(NanModule(), loader())
+            outcomes.append(("no exception", trainer.global_step))
+        except (OSError, RuntimeError) as exc:
+            outcomes.append((f"{type(exc).__name__}: {exc}", trainer.global_step))
     return outcomes
 
 
@@ -229,5 +246,9 @@ def test_nan_on_rank1_raises_on_every_rank_at_the_same_step():
     results = run_distributed(_fit_with_nan_on_rank1, 2, timeout=150)
     message = "Loss became infinite or NaN at iteration=5 on rank(s) [1]!"
     # sync: raised after iteration 7 (global_step 8); async: collected one iteration later
-    expected = [(message, 8), (message, 9)]
-    assert results == [expected, expected]
+    assert results[0][:2] == results[1][:2] == [(message, 8), (message, 9)]
+    # a writer failure on rank 0 is agreed at the next agreement point (iteration 7) and raised on
+    # both ranks: rank 0 re-raises its own error, rank 1 names it; async one iteration later
+    assert results[0][2:] == [("OSError: disk full", 8), ("OSError: disk full", 9)]
+    failed = "RuntimeError: LossMonitor: the writer failed on rank(s) [0]; see that rank's error"
+    assert results[1][2:] == [(failed, 8), (failed, 9)]
