@@ -147,15 +147,17 @@ def _run_method(method: str, k: int, steps: int, flush_every: int, rank: int) ->
     step, flush = _FACTORIES[method](k)
     gen = torch.Generator().manual_seed(rank)
     values = [[torch.rand((), generator=gen) for _ in range(k)] for _ in range(flush_every)]
-    # Warm-up flush period (first update agrees on the names; allocations; lazy imports).
-    for s in range(flush_every):
+    # Lightning syncs inside every step, identically: a few steps suffice to warm up and count.
+    probe = 2 if method == "lightning" else flush_every
+    # Warm-up period (the first update agrees on the names; allocations; lazy imports).
+    for s in range(probe):
         step(values[s])
     flush()
-    # Count the collectives of one steady-state flush period.
+    # Count the collectives of one steady-state period.
     with _Counter() as counter:
-        for s in range(flush_every):
+        for s in range(probe):
             step(values[s])
-        per_step_calls = counter.count / flush_every
+        per_step_calls = counter.count / probe
         before = counter.count
         flush()
         flush_calls = counter.count - before
@@ -189,7 +191,7 @@ def _worker(rank: int, world_size: int, init_file: str, config: dict, out_file: 
             for method in METHODS:
                 steps = config["steps"]
                 if method == "lightning":  # 2k collectives per step: fewer steps, same per-step figure
-                    steps = max(config["flush_every"], steps * 10 // max(k, 10))
+                    steps = config["lightning_steps"] or max(config["flush_every"], steps * 10 // max(k, 10))
                 stats = _run_method(method, k, steps, config["flush_every"], rank)
                 # Both ranks did the same work; report the slower rank's timings.
                 t = torch.tensor([stats["step_us"], stats["flush_ms"]], dtype=torch.float64)
@@ -203,16 +205,28 @@ def _worker(rank: int, world_size: int, init_file: str, config: dict, out_file: 
 
 
 def run_benchmark(
-    ks: tuple[int, ...] = (1, 10, 100), steps: int = 200, flush_every: int = 50, world_size: int = 2
+    ks: tuple[int, ...] = (1, 10, 100),
+    steps: int = 200,
+    flush_every: int = 50,
+    world_size: int = 2,
+    lightning_steps: int | None = None,
 ) -> dict[str, dict[int, dict[str, float]]]:
     """Spawn ``world_size`` gloo ranks and time the three methods; returns ``{method: {K: figures}}``.
+
+    ``lightning_steps`` (default: ``max(flush_every, steps * 10 // K)``) is the number of timed
+    steps of the Lightning path, whose per-step cost does not depend on the flush period.
 
     Figures: ``step_us`` (per-step cost amortised over flushes), ``flush_ms`` (one flush),
     ``collectives_per_period`` (per ``flush_every`` steps, flush included), ``collectives_per_flush``.
     """
     with tempfile.TemporaryDirectory(prefix="bench_stats_") as tmp:
         init_file, out_file = os.path.join(tmp, "store"), os.path.join(tmp, "out.pt")
-        config = {"ks": tuple(ks), "steps": steps, "flush_every": flush_every}
+        config = {
+            "ks": tuple(ks),
+            "steps": steps,
+            "flush_every": flush_every,
+            "lightning_steps": lightning_steps,
+        }
         env = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"
         try:
@@ -260,7 +274,7 @@ def format_markdown(results: dict, report_us: dict[str, float], flush_every: int
         "`compute()` + `reset()` per flush. Step cost is amortised (flushes included); the slower rank "
         "counts; an untimed barrier precedes each flush so rank skew is not counted as flush time.",
         "",
-        "| K | method | µs / step | flush ms | collectives / 50 steps | collectives / flush |",
+        f"| K | method | µs / step | flush ms | collectives / {flush_every} steps | collectives / flush |",
         "|---:|---|---:|---:|---:|---:|",
     ]
     for k in sorted(results["ours"]):
