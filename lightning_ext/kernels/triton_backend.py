@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from functools import partial
 from typing import ClassVar
 
@@ -27,7 +28,10 @@ class TritonBackend(KernelBackend):
 
     Args:
         interpret: run the kernels in Triton's interpreter on CPU tensors (slow; for tests and
-            debugging). ``False`` (the registry's choice) compiles them for CUDA on first launch.
+            debugging). ``False`` compiles them for CUDA on first launch. ``None`` (default, the
+            registry's choice) means ``True`` exactly when the environment sets ``TRITON_INTERPRET=1``.
+            The registry still lists ``triton`` for CUDA only, so automatic selection on CPU never
+            picks the interpreter.
 
     Raises:
         RuntimeError: Triton is not installed, or ``interpret=False`` and CUDA is not available.
@@ -43,7 +47,9 @@ class TritonBackend(KernelBackend):
     name: ClassVar[str] = "triton"
     devices: ClassVar[tuple[str, ...]] = ("cuda",)
 
-    def __init__(self, interpret: bool = False) -> None:
+    def __init__(self, interpret: bool | None = None) -> None:
+        if interpret is None:
+            interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
         if not HAS_TRITON:
             raise RuntimeError(
                 "the 'triton' kernel backend needs Triton: pip install 'lightning-ext[triton]'"

@@ -176,3 +176,25 @@ def test_entry_point_backends(tmp_path, monkeypatch):
     assert isinstance(backend, KernelBackend) and type(backend).__name__ == "PluginBackend"
     count, mean, m2 = backend.batch_norm_stats(torch.tensor([[1.0], [3.0]]))
     assert (count.item(), mean.item(), m2.item()) == (2.0, 2.0, 2.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
+def test_triton_without_gpu_raises_explicitly_and_falls_back_automatically(monkeypatch):
+    with pytest.raises(
+        RuntimeError, match=r"kernel backend 'triton' \(from argument `name`\) failed to load: .*needs"
+    ):
+        get_backend("triton", "cuda")
+    registry._reset_for_tests()
+    with pytest.warns(
+        RuntimeWarning, match=r"'triton' .* failed to load for device 'cuda'; using 'reference'"
+    ):
+        assert type(get_backend(device="cuda")) is ReferenceBackend
+    pytest.importorskip("triton")
+    from lightning_ext.kernels.triton_backend import TritonBackend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match=r"needs a CUDA device .* HINT: TritonBackend\(interpret=True\)"):
+        TritonBackend()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    backend = TritonBackend()
+    assert backend.interpret and backend.key == "triton-interpret" and backend.supports("cpu")
