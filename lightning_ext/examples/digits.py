@@ -1,0 +1,432 @@
+"""The main job: DDP training on scikit-learn's handwritten digits with every lightning_ext feature on.
+
+Run it with ``python -m lightning_ext.examples.digits`` (or ``make demo``). By default it trains a
+small CNN with BatchNorm on the 1,797 real 8×8 images of ``sklearn.datasets.load_digits`` (bundled,
+no download) with ``Trainer(accelerator="cpu", devices=2, strategy="ddp")`` and:
+
+- :class:`~lightning_ext.plugins.SyncBatchNormPlugin` — BatchNorm statistics synchronized across
+  the two CPU processes (Lightning's own ``sync_batchnorm=True`` fails on CPU);
+- :class:`~lightning_ext.plugins.LossScalingPrecision` ``("16-mixed")`` with the log2 schedule —
+  real fp16 autocast with dynamic loss scaling on CPU (Lightning's ``16-mixed`` silently becomes
+  ``bf16-mixed`` on CPU);
+- :class:`~lightning_ext.callbacks.TrainingStats` — losses, accuracy, an activation statistic,
+  timing and AMP telemetry ``report()``-ed from anywhere and reduced across ranks every N steps;
+- :class:`~lightning_ext.callbacks.IterationTimer`, :class:`~lightning_ext.callbacks.LossMonitor`
+  and :class:`~lightning_ext.callbacks.PreciseBN` (detectron2-style hooks).
+
+It writes CSV (and TensorBoard) logs and checkpoints under ``runs/<name>/``, draws
+``runs/<name>/summary.png`` (loss, accuracy, loss scale and overflow events over steps), prints a
+table of the collected statistics, and exits with status 1 when the validation accuracy is below
+``--min-accuracy`` (0.95).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
+
+from lightning_ext.stats import report
+
+__all__ = ["ConvNet", "DigitsDataModule", "DigitsModule", "main", "parse_args"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+
+
+def load_digits_tensors(val_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    """Scikit-learn's bundled digits as standardized ``(N, 1, 8, 8)`` float32 images and int64 labels.
+
+    The split is stratified and deterministic for a given ``seed``; the standardization uses the
+    training split's mean and standard deviation only.
+
+    Raises:
+        ValueError: ``val_fraction`` is not in (0, 1).
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"`val_fraction` must be in (0, 1), got {val_fraction!r}")
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    data = load_digits()
+    x_train, x_val, y_train, y_val = train_test_split(
+        data.data, data.target, test_size=val_fraction, random_state=seed, stratify=data.target
+    )
+    mean, std = x_train.mean(), x_train.std()
+
+    def to_dataset(x: Any, y: Any) -> TensorDataset:
+        images = torch.as_tensor((x - mean) / std, dtype=torch.float32).reshape(-1, 1, 8, 8)
+        return TensorDataset(images, torch.as_tensor(y, dtype=torch.int64))
+
+    return to_dataset(x_train, y_train), to_dataset(x_val, y_val)
+
+
+class DigitsDataModule(L.LightningDataModule):
+    """The 8×8 digits as a LightningDataModule (1,437 training and 360 validation images).
+
+    Args:
+        batch_size: images per batch on EACH rank.
+        val_fraction: share of the 1,797 images held out for validation.
+        seed: seed of the stratified split.
+
+    Example::
+
+        >>> dm = DigitsDataModule(batch_size=16)
+        >>> dm.setup("fit")
+        >>> x, y = next(iter(dm.train_dataloader()))
+        >>> tuple(x.shape), x.dtype, tuple(y.shape), len(dm.train_set), len(dm.val_set)
+        ((16, 1, 8, 8), torch.float32, (16,), 1437, 360)
+    """
+
+    def __init__(self, batch_size: int = 32, val_fraction: float = 0.2, seed: int = 0) -> None:
+        super().__init__()
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}")
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.seed = seed
+        self.train_set: TensorDataset | None = None
+        self.val_set: TensorDataset | None = None
+
+    @override
+    def setup(self, stage: str) -> None:
+        if self.train_set is None:
+            self.train_set, self.val_set = load_digits_tensors(self.val_fraction, self.seed)
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------
+
+
+class ConvNet(nn.Module):
+    """A small CNN with BatchNorm for ``(N, 1, 8, 8)`` images and 10 classes.
+
+    Three 3×3 conv–BatchNorm–ReLU blocks (``width``, ``2·width``, ``2·width`` channels, a 2×2 max
+    pool after the second), global average pooling and a linear classifier. ``forward`` reports
+    the root-mean-square of the pooled features per sample as ``Activation/features_rms`` — an
+    example of ``report()`` called from inside an ``nn.Module``.
+
+    Example::
+
+        >>> net = ConvNet(width=8)
+        >>> tuple(net(torch.randn(4, 1, 8, 8)).shape)
+        (4, 10)
+    """
+
+    def __init__(self, width: int = 32, num_classes: int = 10) -> None:
+        super().__init__()
+
+        def block(c_in: int, c_out: int) -> nn.Sequential:
+            return nn.Sequential(
+                nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU()
+            )
+
+        self.features = nn.Sequential(
+            block(1, width), block(width, 2 * width), nn.MaxPool2d(2), block(2 * width, 2 * width)
+        )
+        self.classifier = nn.Linear(2 * width, num_classes)
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = self.features(x).mean(dim=(2, 3))
+        report("Activation/features_rms", features.detach().float().pow(2).mean(dim=1).sqrt())
+        return self.classifier(features)
+
+
+class DigitsModule(L.LightningModule):
+    """Classifies the digits with :class:`ConvNet`; AdamW with warm-up + cosine LR schedule per step.
+
+    ``training_step`` returns ``{"loss": loss}`` and reports ``Loss/train`` and ``Accuracy/train``;
+    ``validation_step`` reports per-sample ``Loss/val`` and ``Accuracy/val``, so the collected
+    means are exact over all ranks' samples.
+
+    Args:
+        lr: peak learning rate of the schedule.
+        width: channel width of the first conv block.
+        weight_decay: AdamW weight decay.
+    """
+
+    def __init__(self, lr: float = 1e-2, width: int = 32, weight_decay: float = 1e-4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = ConvNet(width=width)
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    @override
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> dict[str, torch.Tensor]:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.float(), y)
+        report("Loss/train", loss.detach())
+        report("Accuracy/train", (logits.argmax(dim=1) == y).float())
+        return {"loss": loss}
+
+    @override
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x).float()
+        report("Loss/val", F.cross_entropy(logits, y, reduction="none"))
+        report("Accuracy/val", (logits.argmax(dim=1) == y).float())
+
+    @override
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(
+            self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
+        )
+        # Linear warm-up then cosine decay over the planned optimizer steps. The schedule is a
+        # function of the step only (LambdaLR does not checkpoint plain functions), so a run
+        # resumed with a larger --max-epochs stretches the schedule instead of failing.
+        total_steps = max(int(self.trainer.estimated_stepping_batches), 1)
+        warmup_steps = max(total_steps // 10, 1)
+
+        def lr_factor(step: int) -> float:
+            if step < warmup_steps:
+                return (step + 1) / warmup_steps
+            progress = min((step - warmup_steps) / max(total_steps - warmup_steps, 1), 1.0)
+            return 0.02 + 0.98 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the command line of the main job (see ``python -m lightning_ext.examples.digits -h``)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_ext.examples.digits",
+        description="DDP training on scikit-learn's digits with every lightning_ext feature on.",
+    )
+    parser.add_argument("--accelerator", default="cpu", help="cpu | gpu | auto (default: cpu)")
+    parser.add_argument("--devices", type=int, default=2, help="processes/GPUs (default: 2)")
+    parser.add_argument("--strategy", default=None, help="default: ddp when devices > 1, else auto")
+    parser.add_argument("--max-epochs", type=int, default=12)
+    parser.add_argument(
+        "--precision",
+        default="16-mixed",
+        choices=["16-mixed", "bf16-mixed", "32-true"],
+        help="LossScalingPrecision mode (default: 16-mixed, real fp16 with loss scaling)",
+    )
+    parser.add_argument("--batch-size", type=int, default=32, help="images per batch per rank")
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stats-every", type=int, default=5, help="TrainingStats period in steps")
+    parser.add_argument("--no-sync-batchnorm", action="store_true", help="plain per-rank BatchNorm")
+    parser.add_argument("--precise-bn-iters", type=int, default=20, help="PreciseBN batches (0: off)")
+    parser.add_argument("--root", default="runs", help="directory for runs (default: runs)")
+    parser.add_argument("--name", default="digits", help="run name: logs in <root>/<name>/")
+    parser.add_argument("--resume", default=None, metavar="PATH", help="checkpoint to resume from")
+    parser.add_argument("--min-accuracy", type=float, default=0.95, help="exit 1 below this")
+    parser.add_argument("--no-plot", action="store_true", help="skip summary.png")
+    args = parser.parse_args(argv)
+    if args.devices < 1:
+        parser.error(f"--devices must be >= 1, got {args.devices}")
+    if args.max_epochs < 1:
+        parser.error(f"--max-epochs must be >= 1, got {args.max_epochs}")
+    if args.resume is not None and not Path(args.resume).is_file():
+        parser.error(f"--resume: no checkpoint file at {args.resume!r}")
+    return args
+
+
+def _loggers(run_dir: Path) -> list[Any]:
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    loggers: list[Any] = [CSVLogger(run_dir, name="", version="")]
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        loggers.append(TensorBoardLogger(run_dir, name="", version="tensorboard"))
+    return loggers
+
+
+def read_metrics_csv(path: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """Read a Lightning ``metrics.csv`` into ``{column: [(step, value), ...]}`` (empty cells skipped)."""
+    import csv
+
+    series: dict[str, list[tuple[int, float]]] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            step = int(float(row.get("step") or 0))
+            for key, value in row.items():
+                if key in ("step", "epoch") or value in (None, ""):
+                    continue
+                series.setdefault(key, []).append((step, float(value)))
+    return series
+
+
+def plot_summary(metrics_csv: str | Path, out_png: str | Path) -> Path:
+    """Draw loss, accuracy, loss scale and overflow events over optimizer steps into ``out_png``.
+
+    Reads the CSV written by Lightning's ``CSVLogger`` (``metrics.csv``). Uses matplotlib's
+    non-interactive Agg backend.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = read_metrics_csv(metrics_csv)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+
+    def draw(ax: Any, keys: Sequence[str], title: str, **kwargs: Any) -> None:
+        for key in keys:
+            if series.get(key):
+                steps, values = zip(*series[key])
+                ax.plot(steps, values, label=key, **kwargs)
+        ax.set_title(title)
+        ax.set_xlabel("optimizer step")
+        if ax.lines:
+            ax.legend(fontsize=8)
+
+    draw(axes[0, 0], ["Loss/train", "Loss/val"], "Loss (mean over ranks)")
+    axes[0, 0].set_yscale("log")
+    draw(axes[0, 1], ["Accuracy/train", "Accuracy/val"], "Accuracy", marker=".")
+    draw(axes[1, 0], ["AMP/loss_scale_log2"], "Loss scale (log2)")
+    draw(axes[1, 1], ["AMP/overflow"], "Overflow frequency per flush", drawstyle="steps-post")
+    overflow = [(s, v) for s, v in series.get("AMP/overflow", []) if v > 0]
+    if overflow:
+        for ax in (axes[1, 0], axes[1, 1]):
+            for step, _ in overflow:
+                ax.axvline(step, color="tab:red", alpha=0.3, linewidth=1)
+    fig.suptitle("lightning_ext digits run")
+    out_png = Path(out_png)
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png
+
+
+def build_trainer(args: argparse.Namespace, run_dir: Path) -> tuple[L.Trainer, dict[str, Any]]:
+    """The Trainer of the main job with every feature configured from ``args``.
+
+    Returns the Trainer and the feature objects by name (``"stats"``, ``"timer"``,
+    ``"loss_monitor"``, ``"precise_bn"``, ``"precision"``) so callers can read them after ``fit``.
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_ext.amp import DynamicLossScaler
+    from lightning_ext.callbacks import IterationTimer, LossMonitor, PreciseBN, TrainingStats
+    from lightning_ext.plugins import LossScalingPrecision, SyncBatchNormPlugin
+
+    # StyleGAN2-ADA's log2 schedule: start high (the first steps overflow and back off), then probe
+    # upwards by 0.02 per clean step so the scale tracks the largest value fp16 can hold.
+    # bf16-mixed and 32-true need no loss scaling: the plugin's default scaler then only skips
+    # non-finite steps.
+    scaler = (
+        DynamicLossScaler(init_scale=2.0**20, schedule="log2", log2_increment=0.02, log2_decrement=1.0)
+        if args.precision == "16-mixed"
+        else None
+    )
+    features: dict[str, Any] = {
+        "stats": TrainingStats(
+            every_n_train_steps=args.stats_every, stats=("mean", "std", "min", "max", "num")
+        ),
+        "timer": IterationTimer(warmup_iter=3),
+        "loss_monitor": LossMonitor(period=20),
+        "precision": LossScalingPrecision(args.precision, scaler=scaler),
+    }
+    callbacks: list[Any] = [features["stats"], features["timer"], features["loss_monitor"]]
+    if args.precise_bn_iters > 0:
+        features["precise_bn"] = PreciseBN(num_iter=args.precise_bn_iters)
+        callbacks.append(features["precise_bn"])
+    callbacks.append(
+        ModelCheckpoint(dirpath=run_dir / "checkpoints", monitor="Accuracy/val", mode="max", save_last=True)
+    )
+    plugins: list[Any] = [features["precision"]]
+    if not args.no_sync_batchnorm and args.devices > 1:
+        plugins.append(SyncBatchNormPlugin())
+    strategy = args.strategy or ("ddp" if args.devices > 1 else "auto")
+    trainer = L.Trainer(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy=strategy,
+        max_epochs=args.max_epochs,
+        plugins=plugins,
+        callbacks=callbacks,
+        logger=_loggers(run_dir),
+        log_every_n_steps=args.stats_every,
+        default_root_dir=run_dir,
+        deterministic=True,
+    )
+    return trainer, features
+
+
+def _print_table(stats: Any, accuracy: float, console: Any) -> None:
+    from rich.table import Table
+
+    table = Table(title="Collected statistics (all ranks, last interval)")
+    for column in ("name", "num", "mean", "std", "min", "max"):
+        table.add_column(column, justify="left" if column == "name" else "right")
+    for name, values in sorted(stats.collector.as_dict().items()):
+        table.add_row(
+            name,
+            f"{values['num']:.0f}",
+            *(f"{values[key]:.4g}" for key in ("mean", "std", "min", "max")),
+        )
+    console.print(table)
+    console.print(f"Validation accuracy: [bold]{accuracy:.4f}[/bold]")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the main job; returns the process exit status (0, or 1 when accuracy < ``--min-accuracy``)."""
+    args = parse_args(argv)
+    L.seed_everything(args.seed, workers=True)
+    run_dir = Path(args.root) / args.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    datamodule = DigitsDataModule(batch_size=args.batch_size, seed=args.seed)
+    model = DigitsModule(lr=args.lr, width=args.width)
+    trainer, features = build_trainer(args, run_dir)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=args.resume)
+    # PreciseBN recomputed the BatchNorm statistics at the end of training: validate once more
+    # so the reported accuracy is that of the final model.
+    trainer.validate(model, datamodule=datamodule, verbose=False)
+    accuracy = float(trainer.callback_metrics["Accuracy/val"])
+    if trainer.is_global_zero:
+        from rich.console import Console
+
+        console = Console()
+        _print_table(features["stats"], accuracy, console)
+        if features["timer"].summary:
+            console.print(features["timer"].summary)
+        if not args.no_plot:
+            png = plot_summary(run_dir / "metrics.csv", run_dir / "summary.png")
+            console.print(f"Summary figure: {png}")
+        console.print(f"Logs and checkpoints: {run_dir}/")
+        if accuracy < args.min_accuracy:
+            console.print(f"[red]accuracy {accuracy:.4f} < --min-accuracy {args.min_accuracy}[/red]")
+    return 0 if accuracy >= args.min_accuracy else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
