@@ -41,6 +41,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_ext.distributed import collective_device, is_distributed
+from lightning_ext.kernels import get_backend
+from lightning_ext.stats import report
 
 __all__ = ["DynamicLossScaler"]
 
@@ -460,8 +462,6 @@ class DynamicLossScaler:
         Returns float32 0-dim ``found_inf`` on the scale's device (1.0 iff any inf/NaN), MAX-reduced over
         ``process_group`` when one is set. No host sync.
         """
-        from lightning_ext.kernels import get_backend
-
         grads = self._params_with_grads(optimizer, allow_fp16)
         if grads:
             self._place(grads[0].device)
@@ -625,8 +625,6 @@ class DynamicLossScaler:
                 if cfg["on_min_scale"] != "clamp" and host_skipped is not False:
                     self._check_floor(hit_floor)
         if self.telemetry:
-            from lightning_ext.stats import report
-
             # Clones: the state tensors change in place at the next update.
             report("AMP/loss_scale_log2", self._log2_scale.clone())
             report("AMP/overflow", found_inf)

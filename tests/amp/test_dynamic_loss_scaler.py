@@ -388,3 +388,32 @@ def test_pickled_copy_is_independent_and_keeps_state():
     assert clone.state_dict() == scaler.state_dict()
     _train(clone, lambda p: torch.optim.SGD(p, lr=0.05), poison_steps={0}, steps=1)
     assert scaler.steps == 3 and clone.steps == 4
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_state_lives_on_the_device_and_matches_grad_scaler():
+    poison = {1, 2}
+    cfg = dict(init_scale=2.0**4, growth_interval=2)
+
+    def train(scaler):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(6, 2).cuda()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+        x = torch.randn(8, 6, device="cuda")
+        for step in range(5):
+            opt.zero_grad()
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(x).float().square().mean()
+            scaler.scale(loss).backward()
+            if step in poison:
+                model.weight.grad[0, 0] = float("nan")
+            scaler.step(opt)
+            scaler.update()
+        return model, scaler
+
+    ref_model, ref = train(torch.amp.GradScaler("cuda", **cfg))
+    model, ours = train(DynamicLossScaler(**cfg, telemetry=False))
+    assert ours.scale_tensor.device.type == "cuda" and ours.last_step_skipped_tensor.device.type == "cuda"
+    assert ours.get_scale() == ref.get_scale() and ours.skipped_steps == 2
+    torch.testing.assert_close(model.weight, ref_model.weight, rtol=0, atol=0)

@@ -321,3 +321,13 @@ def test_ddp_spawn_one_poisoned_rank_skips_on_both(tmp_path: Path):
     assert r0["lr"] == r1["lr"] == pytest.approx(0.05 * 0.97**2)
     for p, q in zip(r0["weights"], r1["weights"]):
         assert torch.equal(p, q) and torch.isfinite(p).all()
+
+
+def test_scaler_drops_into_lightnings_own_mixed_precision_plugin():
+    from lightning.pytorch.plugins import MixedPrecision
+
+    scaler = DynamicLossScaler(init_scale=2.0**8, telemetry=False)
+    model = _Regression(poison={1: float("inf")})
+    _trainer(MixedPrecision("16-mixed", "cpu", scaler=scaler), max_steps=3).fit(model, _data())
+    assert model.output_dtypes == {torch.float16}
+    assert scaler.steps == 3 and scaler.skipped_steps == 1 and scaler.get_scale() == 2.0**7
