@@ -207,9 +207,10 @@ class DynamicLossScaler:
         max_scale: ceiling of ``S``; ``>= min_scale``.
         on_min_scale: what an overflow at the floor does: ``"clamp"`` (stay at the floor silently),
             ``"warn"`` (stay and warn), ``"raise"`` (``FloatingPointError``). The last two read a
-            flag back to the host on steps that overflowed.
+            flag back to the host on steps that overflowed (on every step with fused optimizers,
+            whose skip decision stays on the device); ``"clamp"`` never syncs.
         enabled: ``False`` fixes ``S = 1`` (bf16/fp32 training); non-finite steps are still skipped
-            when ``skip_nonfinite``.
+            when ``skip_nonfinite`` (the check is the same fused pass, multiplying by 1).
         skip_nonfinite: only for ``enabled=False``: check gradients and skip non-finite steps
             (default). ``enabled=False, skip_nonfinite=False`` passes every call through.
         process_group: when gradients are sharded (FSDP, ZeRO), the group whose ranks must agree;
