@@ -211,3 +211,24 @@ def test_reset_detaches_collectors_and_clears_pending() -> None:
     fresh.update()
     c.update()
     assert fresh.mean("A") == 3.0 and c.names() == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_report_of_cuda_tensors_never_syncs_host_and_device() -> None:
+    c = Collector()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = 1e3 + torch.randn(1000, device="cuda", generator=gen, dtype=torch.float32)  # fp16-representable
+    report("G", x[:1])  # first call creates the device accumulators and picks the backend
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing call below raises
+    try:
+        for _ in range(3):
+            report("G", x)
+            report("G", x[:1])  # small CUDA tensors stay on the device too
+            with torch.autocast("cuda", dtype=torch.float16):
+                report("G", x.half())
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    c.update()
+    values = torch.cat([x[:1], *[torch.cat([x, x[:1], x.half().float()]) for _ in range(3)]])
+    _check(c, "G", values.double().cpu())
