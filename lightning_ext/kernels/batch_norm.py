@@ -156,14 +156,13 @@ if HAS_TRITON:
 
     def _bn_stats_kernel(
         x_ptr,  # x: (N, C, S) strided, fp16/bf16/fp32/fp64
-        part_ptr,  # partials: (3, SPLIT, C) ACC, [count, mean, m2] of each split
+        count_ptr, mean_ptr, m2_ptr,  # partials: (SPLIT, C) ACC each, of each split of the rows
         M, C, S, sn, sc, ss,
         rows_per_split,  # rows of one split, a multiple of BLOCK_M
         ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
         pid_c = tl.program_id(0)
         pid_s = tl.program_id(1)
-        nsplit = tl.num_programs(1)
         cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < C
         coff = cols.to(tl.int64) * sc
@@ -188,10 +187,35 @@ if HAS_TRITON:
             mean = mean + delta * (n_b / tot)
             m2 = m2 + m2_b + delta * delta * (count * n_b / tot)
             count = tot
-        out = part_ptr + pid_s * C + cols
-        tl.store(out, count, mask=cmask)
-        tl.store(out + nsplit * C, mean, mask=cmask)
-        tl.store(out + 2 * nsplit * C, m2, mask=cmask)
+        out = pid_s * C + cols
+        tl.store(count_ptr + out, count, mask=cmask)
+        tl.store(mean_ptr + out, mean, mask=cmask)
+        tl.store(m2_ptr + out, m2, mask=cmask)
+
+    def _bn_stats_combine_kernel(
+        pcount_ptr, pmean_ptr, pm2_ptr,  # partials: (SPLIT, C) ACC each
+        count_ptr, mean_ptr, m2_ptr,  # results: (C,) ACC each
+        C, SPLIT,
+        BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        count = tl.load(pcount_ptr + cols, mask=cmask, other=0.0)
+        mean = tl.load(pmean_ptr + cols, mask=cmask, other=0.0)
+        m2 = tl.load(pm2_ptr + cols, mask=cmask, other=0.0)
+        for i in range(1, SPLIT):  # Chan et al.'s pairwise combination, split by split
+            n_b = tl.load(pcount_ptr + i * C + cols, mask=cmask, other=0.0)
+            mean_b = tl.load(pmean_ptr + i * C + cols, mask=cmask, other=0.0)
+            m2_b = tl.load(pm2_ptr + i * C + cols, mask=cmask, other=0.0)
+            tot = count + n_b
+            safe = tl.where(tot > 0, tot, 1.0)
+            delta = mean_b - mean
+            mean = mean + delta * (n_b / safe)
+            m2 = m2 + m2_b + delta * delta * (count * n_b / safe)
+            count = tot
+        tl.store(count_ptr + cols, count, mask=cmask)
+        tl.store(mean_ptr + cols, mean, mask=cmask)
+        tl.store(m2_ptr + cols, m2, mask=cmask)
 
     def _bn_elemt_kernel(
         x_ptr,  # x: (N, C, S) strided
@@ -223,14 +247,13 @@ if HAS_TRITON:
         dy_ptr,  # dy: (N, C, S) strided
         x_ptr,  # x: (N, C, S) strided (may differ from dy's layout)
         mean_ptr,  # (C,) contiguous
-        part_ptr,  # partials: (2, SPLIT, C) ACC, [sum_dy, sum_dy_xmu] of each split
+        sum_dy_ptr, sum_dy_xmu_ptr,  # partials: (SPLIT, C) ACC each, of each split of the rows
         M, C, S, dn, dc, ds, sn, sc, ss,
         rows_per_split,
         ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
         pid_c = tl.program_id(0)
         pid_s = tl.program_id(1)
-        nsplit = tl.num_programs(1)
         cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < C
         c64 = cols.to(tl.int64)
@@ -250,9 +273,8 @@ if HAS_TRITON:
             dy = dy.to(ACC)
             acc_dy += dy
             acc_dy_xmu += tl.where(mask, dy * (x.to(ACC) - mean[None, :]), 0.0)
-        out = part_ptr + pid_s * C + cols
-        tl.store(out, tl.sum(acc_dy, axis=0), mask=cmask)
-        tl.store(out + nsplit * C, tl.sum(acc_dy_xmu, axis=0), mask=cmask)
+        tl.store(sum_dy_ptr + pid_s * C + cols, tl.sum(acc_dy, axis=0), mask=cmask)
+        tl.store(sum_dy_xmu_ptr + pid_s * C + cols, tl.sum(acc_dy_xmu, axis=0), mask=cmask)
 
     def _bn_backward_elemt_kernel(
         dy_ptr,  # dy: (N, C, S) strided
@@ -320,30 +342,36 @@ def _split(m: int, c_blocks: int, block_m: int, interpret: bool) -> tuple[int, i
 
 
 def batch_norm_stats_triton(x: Tensor, interpret: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """Launcher: per-split Welford partials in one kernel, Chan's combination of the splits in torch."""
+    """Launcher: per-split Welford partials in one kernel; with several splits, a second small kernel
+    combines them (Chan et al.). Two launches at most; three separate output tensors (no aliasing).
+    """
     c = x.shape[1]
     dtype = _stat_dtype(x)
     if x.numel() == 0:
         n = float(x.numel() // c) if c else 0.0
-        zeros = torch.zeros(2, c, dtype=dtype, device=x.device)
-        return torch.full((c,), n, dtype=dtype, device=x.device), zeros[0], zeros[1]
+        full = torch.full((c,), n, dtype=dtype, device=x.device)
+        return (
+            full,
+            torch.zeros(c, dtype=dtype, device=x.device),
+            torch.zeros(c, dtype=dtype, device=x.device),
+        )
     x, s, sn, sc, ss = _ncs(x)
     m = x.shape[0] * s
     block_m, block_c = _blocks(c, sc == 1, interpret)
     c_blocks = triton.cdiv(c, block_c)
     split, rows = _split(m, c_blocks, block_m, interpret)
-    part = torch.empty(3, split, c, dtype=dtype, device=x.device)
-    acc = tl_dtype(dtype == torch.float64)
+    outs = [torch.empty(c, dtype=dtype, device=x.device) for _ in range(3)]
+    parts = outs if split == 1 else [torch.empty(split, c, dtype=dtype, device=x.device) for _ in range(3)]
     kernel(_bn_stats_kernel, interpret)[(c_blocks, split)](
-        x, part, m, c, s, sn, sc, ss, rows, ACC=acc, BLOCK_M=block_m, BLOCK_C=block_c
-    )
-    counts, means, m2s = part.unbind(0)
-    if split == 1:
-        return counts[0], means[0], m2s[0]
-    count = counts.sum(0)
-    mean = (counts * means).sum(0) / count
-    m2 = (m2s + counts * (means - mean).square()).sum(0)
-    return count, mean, m2
+        x, *parts, m, c, s, sn, sc, ss, rows,
+        ACC=tl_dtype(dtype == torch.float64), BLOCK_M=block_m, BLOCK_C=block_c,
+    )  # fmt: skip
+    if split > 1:
+        block = min(triton.next_power_of_2(c), 1024)
+        kernel(_bn_stats_combine_kernel, interpret)[(triton.cdiv(c, block),)](
+            *parts, *outs, c, split, BLOCK_C=block
+        )
+    return outs[0], outs[1], outs[2]
 
 
 def batch_norm_elemt_triton(
@@ -377,7 +405,7 @@ def batch_norm_elemt_triton(
 def batch_norm_backward_reduce_triton(
     dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, interpret: bool = False
 ) -> tuple[Tensor, Tensor]:
-    """Launcher: per-split partial sums in one kernel, summed over the splits in torch."""
+    """Launcher: per-split partial sums in one kernel, summed over the splits in torch (two ``sum``)."""
     c = x.shape[1]
     dtype = _stat_dtype(x)
     if x.numel() == 0:
@@ -389,15 +417,15 @@ def batch_norm_backward_reduce_triton(
     block_m = max(block_m // 2, 16)  # two (BLOCK_M, BLOCK_C) accumulators live in registers
     c_blocks = triton.cdiv(c, block_c)
     split, rows = _split(m, c_blocks, block_m, interpret)
-    part = torch.empty(2, split, c, dtype=dtype, device=x.device)
+    shape = (c,) if split == 1 else (split, c)
+    sum_dy, sum_dy_xmu = (torch.empty(shape, dtype=dtype, device=x.device) for _ in range(2))
     kernel(_bn_backward_reduce_kernel, interpret)[(c_blocks, split)](
-        dy, x, mean.contiguous(), part, m, c, s, dn, dc, ds, sn, sc, ss, rows,
+        dy, x, mean.contiguous(), sum_dy, sum_dy_xmu, m, c, s, dn, dc, ds, sn, sc, ss, rows,
         ACC=tl_dtype(dtype == torch.float64), BLOCK_M=block_m, BLOCK_C=block_c,
     )  # fmt: skip
     if split == 1:
-        return part[0, 0], part[1, 0]
-    sums = part.sum(1)
-    return sums[0], sums[1]
+        return sum_dy, sum_dy_xmu
+    return sum_dy.sum(0), sum_dy_xmu.sum(0)
 
 
 def batch_norm_backward_elemt_triton(
