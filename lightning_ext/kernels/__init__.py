@@ -59,6 +59,7 @@ from lightning_ext.kernels.registry import (
     get_backend,
     register_backend,
 )
+from lightning_ext.kernels.triton_backend import TritonBackend
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -66,6 +67,7 @@ __all__ = [
     "BackendEntry",
     "KernelBackend",
     "ReferenceBackend",
+    "TritonBackend",
     "available_backends",
     "get_backend",
     "register_backend",
