@@ -78,17 +78,20 @@ def _pack_moments(count: int, mean: Tensor, m2: Tensor, shift: Tensor) -> Tensor
 
     Args:
         count: elements per channel on this rank (host integer, exact).
-        mean: float32 ``(C,)`` local mean; ignored when ``count == 0``.
-        m2: float32 ``(C,)`` local sum of squared deviations from ``mean``.
+        mean: float32/float64 ``(C,)`` local mean; ignored when ``count == 0``.
+        m2: float32/float64 ``(C,)`` local sum of squared deviations from ``mean``.
         shift: float64 ``(C,)`` shift ``c``, identical on every rank.
     """
-    n = torch.full((1,), float(count), dtype=torch.float64, device=mean.device)
+    channels = shift.numel()
+    payload = torch.empty(2 * channels + 1, dtype=torch.float64, device=shift.device)
+    payload[:1].fill_(float(count))
     if count == 0:
-        return torch.cat([n, torch.zeros(2 * mean.numel(), dtype=torch.float64, device=mean.device)])
-    dev = mean.to(torch.float64) - shift
-    s1 = dev * count
-    s2 = m2.to(torch.float64) + s1 * dev
-    return torch.cat([n, s1, s2])
+        payload[1:].zero_()
+        return payload
+    dev = torch.sub(mean, shift)  # promoted to float64
+    s1 = torch.mul(dev, count, out=payload[1 : channels + 1])
+    torch.addcmul(m2, s1, dev, out=payload[channels + 1 :])
+    return payload
 
 
 def _unpack_moments(payload: Tensor, shift: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -96,12 +99,13 @@ def _unpack_moments(payload: Tensor, shift: Tensor) -> tuple[Tensor, Tensor, Ten
 
     ``count`` is 0-dim; ``mean`` and ``m2`` are ``(C,)``. With ``count == 0`` they are NaN.
     """
-    c = shift.numel()
+    channels = shift.numel()
     n = payload[0]
-    s1 = payload[1 : c + 1]
-    s2 = payload[c + 1 :]
-    mean = shift + s1 / n
-    m2 = (s2 - s1 * s1 / n).clamp_min(0.0)
+    s1 = payload[1 : channels + 1]
+    s2 = payload[channels + 1 :]
+    dev = s1 / n
+    mean = shift + dev
+    m2 = torch.addcmul(s2, s1, dev, value=-1.0).clamp_min_(0.0)
     return n, mean, m2
 
 
@@ -161,22 +165,21 @@ def _update_running_stats(
     mean: Tensor,
     m2: Tensor,
 ) -> None:
-    """In-place exponential (or cumulative, ``momentum=None``) update; no host sync.
+    """In-place exponential (or cumulative, ``momentum=None``) update from the unbiased variance.
 
-    Uses the unbiased variance ``m2 / (count - 1)``; leaves the buffers untouched when the global
-    count is 0 (as ATen does for an empty batch).
+    ``m2 / (count - 1)`` uses the GLOBAL count. The caller skips the update when the global count
+    is 0 (as ATen does for an empty batch). No host sync: the cumulative factor
+    ``1 / num_batches_tracked`` stays a device tensor.
     """
+    unbiased = m2 / (count - 1)
     if momentum is None:
         assert num_batches_tracked is not None
-        factor = 1.0 / num_batches_tracked.to(torch.float64)
+        factor = num_batches_tracked.to(torch.float64).reciprocal_()
+        running_mean.mul_(1.0 - factor).add_(mean * factor)
+        running_var.mul_(1.0 - factor).add_(unbiased * factor)
     else:
-        factor = torch.tensor(momentum, dtype=torch.float64, device=mean.device)
-    valid = count > 0
-    unbiased = m2 / (count - 1)
-    new_mean = running_mean.to(torch.float64) * (1 - factor) + mean * factor
-    new_var = running_var.to(torch.float64) * (1 - factor) + unbiased * factor
-    running_mean.copy_(torch.where(valid, new_mean, running_mean.to(torch.float64)))
-    running_var.copy_(torch.where(valid, new_var, running_var.to(torch.float64)))
+        running_mean.mul_(1.0 - momentum).add_(mean, alpha=momentum)
+        running_var.mul_(1.0 - momentum).add_(unbiased, alpha=momentum)
 
 
 def _memory_format(x: Tensor) -> torch.memory_format:
@@ -400,16 +403,18 @@ class SyncBatchNorm(_BatchNorm):
             count, mean, m2 = sync_batch_norm_stats(
                 input.detach(), shift, self.process_group, self.backend, sync=sync
             )
+            nonempty = True  # a rank with >= 2 values per channel knows the global count is >= 2
             if local_count <= 1:
                 # Host sync, only on ranks that cannot know the global count is > 1. All ranks see
                 # the same all-reduced count, so if it is 1 every rank has local_count <= 1 and raises.
                 global_count = int(count.item())
+                nonempty = global_count > 0
                 if global_count == 1:
                     raise ValueError(
                         "Expected more than 1 value per channel when training, got input size "
                         f"{tuple(input.shape)} on this rank and 1 value per channel over the process group"
                     )
-            if update_stats:
+            if update_stats and nonempty:
                 _update_running_stats(
                     self.running_mean,
                     self.running_var,
@@ -419,7 +424,7 @@ class SyncBatchNorm(_BatchNorm):
                     mean,
                     m2,
                 )
-            invstd = torch.rsqrt(m2 / count + self.eps).to(torch.float32)
+            invstd = (m2 / count).add_(self.eps).rsqrt_().to(torch.float32)
             mean32 = mean.to(torch.float32)
             count32 = count.to(torch.float32)
         weight = self.weight
