@@ -74,6 +74,17 @@ def _count_collectives(bn: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> list
     return calls
 
 
+class _ComputeOnly(nn.Module):
+    """Our layer's synchronized code path with the collectives left out: the cost of the maths alone."""
+
+    def __init__(self, bn: SyncBatchNorm) -> None:
+        super().__init__()
+        self.bn = bn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn._forward_synced(x, sync=False, update_stats=True)
+
+
 def _worker(rank: int, world_size: int, iters: int) -> list[dict]:
     rows = []
     for shape in SHAPES:
@@ -84,9 +95,10 @@ def _worker(rank: int, world_size: int, iters: int) -> list[dict]:
             ours = SyncBatchNorm(shape[1])
             local = nn.BatchNorm2d(shape[1])
             calls = _count_collectives(ours, x, dy)
-            times = {"ours": [], "local": []}
+            compute_only = _ComputeOnly(SyncBatchNorm(shape[1]))
+            times = {"ours": [], "local": [], "compute": []}
             for i in range(iters + 3):
-                for name, bn in (("ours", ours), ("local", local)):
+                for name, bn in (("ours", ours), ("local", local), ("compute", compute_only)):
                     dist.barrier()
                     start = time.perf_counter()
                     _step(bn, x, dy)
@@ -100,6 +112,7 @@ def _worker(rank: int, world_size: int, iters: int) -> list[dict]:
                     "format": fmt_name,
                     "ours_ms": 1e3 * statistics.median(times["ours"]),
                     "local_ms": 1e3 * statistics.median(times["local"]),
+                    "compute_ms": 1e3 * statistics.median(times["compute"]),
                     "calls": calls,
                 }
             )
@@ -176,9 +189,10 @@ def main() -> None:
         "step (forward + backward), median of "
         f"{iters} interleaved steps on rank 0. Target: ours <= 1.5x local ATen BatchNorm2d.",
         "",
-        "| shape (N, C, H, W) | format | ours ms | local BatchNorm2d ms | ratio | ours collectives/step "
-        "| ours bytes/layer | torch all_gather scheme bytes/layer |",
-        "|---|---|---:|---:|---:|---|---:|---:|",
+        "| shape (N, C, H, W) | format | ours ms | local BatchNorm2d ms | ratio "
+        "| ours without collectives ms | ours collectives/step | ours bytes/layer "
+        "| torch all_gather scheme bytes/layer |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|",
     ]
     for row in results[0]:
         channels = row["shape"][1]
@@ -188,9 +202,14 @@ def main() -> None:
         names = ", ".join(f"{name} {b} B" for name, b in row["calls"])
         lines.append(
             f"| {row['shape']} | {row['format']} | {row['ours_ms']:.2f} | {row['local_ms']:.2f} | "
-            f"{row['ours_ms'] / row['local_ms']:.2f}x | {names} | {ours_bytes} | {torch_bytes} |"
+            f"{row['ours_ms'] / row['local_ms']:.2f}x | {row['compute_ms']:.2f} | {names} | {ours_bytes} | "
+            f"{torch_bytes} |"
         )
     lines += [
+        "",
+        "'ours without collectives' runs the same synchronized code path with the two all_reduces left out",
+        "(the kernel-backend maths alone); the difference to 'ours' is the cost of the two small gloo",
+        "all_reduces. Figures from a loaded machine are noisy; compare within one run.",
         "",
         "Bytes are the buffers handed to the collectives per layer and step. Ours: 8(2C+1) forward (float64,",
         "for exactness with uneven shards) + 4·2C backward, independent of the world size W; torch's",
