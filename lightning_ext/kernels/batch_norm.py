@@ -327,8 +327,13 @@ def _ncs(x: Tensor) -> tuple[Tensor, int, int, int, int, int]:
 
 
 def _blocks(c: int, channel_contiguous: bool, interpret: bool) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_C): wide in channels when channels are contiguous in memory, tall otherwise."""
-    block_c = min(triton.next_power_of_2(max(c, 1)), 64 if channel_contiguous else 8)
+    """(BLOCK_M, BLOCK_C): wide in channels when channels are contiguous in memory (channels_last,
+    (N, C)); one channel per tile otherwise (NCHW), so that the threads of a warp walk the contiguous
+    spatial dim and loads coalesce (the row offsets ``n*sn + s*ss`` are not provably contiguous, which
+    would leave Triton's default thread order along the strided channel dim).
+    """
+    # The interpreter has no warps: it prefers few large tiles (BLOCK_C = 1 is still covered, by C = 1).
+    block_c = min(triton.next_power_of_2(max(c, 1)), 64 if channel_contiguous else 8 if interpret else 1)
     elems = 4096 if interpret else 2048
     return max(elems // block_c, 16), block_c
 
