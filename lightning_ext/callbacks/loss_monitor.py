@@ -156,12 +156,13 @@ def summarize_gathered(gathered: torch.Tensor, keys: list[str]) -> dict[str, Any
 class _Agreement:
     """Outcome of one agreement point, filled by the (possibly asynchronous) writer job."""
 
-    __slots__ = ("error", "summary", "writer_error")
+    __slots__ = ("error", "metrics", "summary", "writer_error")
 
     def __init__(self, writer_error: BaseException | None) -> None:
         self.summary: dict[str, Any] | None = None  # summarize_gathered() of the gathered table
         self.error: FloatingPointError | None = None  # the non-finite loss decision
         self.writer_error = writer_error  # this rank's writer failure that the table reports
+        self.metrics: dict[str, float] | None = None  # what rank zero wrote to the loggers
 
 
 # ------------------------------------------------------------------------------------------------
@@ -189,7 +190,8 @@ class LossMonitor(HookBase):
       at the agreement point, at most ``period`` iterations after the bad step (allowed by
       DESIGN.md: the iteration named is the first bad one, on every rank; no rank raises while
       another waits in a collective). With ``raise_on_nonfinite=False`` a warning is logged instead.
-    - rank zero writes to every Lightning logger (and ``trainer.callback_metrics``), at step
+    - rank zero writes to every Lightning logger, and every rank to ``trainer.callback_metrics``
+      (from the training thread, so ``ModelCheckpoint`` can monitor them), at step
       ``trainer.global_step``: ``LossMonitor/<key>`` the mean of each loss over ranks and
       micro-batches of the period, and ``Timing/data_sec_max`` the max over ranks of the mean
       data time per iteration (detectron2's ``data_time``).
@@ -206,8 +208,10 @@ class LossMonitor(HookBase):
     several processes a rank raising alone would leave the others waiting in a collective, so
     the failure is flagged in the next agreement point's gather and raised on every rank when
     that point is decided (the failing rank re-raises its own exception, the others a
-    ``RuntimeError`` naming it). Loggers must accept writes from the worker thread (CSV and
-    TensorBoard do).
+    ``RuntimeError`` naming it). With ``async_write=True`` the loggers receive writes from the
+    worker thread while Lightning may write from the training thread: use loggers that tolerate
+    that (TensorBoard's ``SummaryWriter`` queues events; ``CSVLogger`` is not documented as
+    thread-safe and could drop a row written while it flushes).
 
     Loss scaling: there is no separate ``LossScaleMonitor`` hook. ``LossScalingPrecision``
     ``report()``-s ``AMP/loss_scale_log2``, ``AMP/overflow`` and ``AMP/skipped_steps`` itself; add
@@ -397,7 +401,7 @@ class LossMonitor(HookBase):
             if world_size == 1:
                 raise
             self._writer_error = exc  # agreed at the next agreement point
-        self._raise_agreed(agreement)
+        self._apply(agreement)
 
     def _decide_and_write(
         self, table: torch.Tensor, keys: list[str], step: int, agreement: _Agreement
@@ -415,13 +419,12 @@ class LossMonitor(HookBase):
                 agreement.error = FloatingPointError(message)
             else:
                 rank_zero_warn(message)
+        metrics = {f"LossMonitor/{key}": value for key, value in summary["means"].items()}
+        metrics["Timing/data_sec_max"] = summary["data_sec_max"]
+        agreement.metrics = metrics  # identical on every rank
         if get_rank() == 0:
-            metrics = {f"LossMonitor/{key}": value for key, value in summary["means"].items()}
-            metrics["Timing/data_sec_max"] = summary["data_sec_max"]
-            trainer = self.trainer
-            for logger in trainer.loggers:
+            for logger in self.trainer.loggers:
                 logger.log_metrics(metrics, step=step)
-            trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
 
     def _collect(self) -> None:
         """Wait for the last asynchronous job and raise what it found (see the class docstring)."""
@@ -433,11 +436,12 @@ class LossMonitor(HookBase):
             if get_world_size() == 1:
                 raise
             self._writer_error = exc  # agreed at the next agreement point
-        self._raise_agreed(agreement)
+        self._apply(agreement)
 
-    @staticmethod
-    def _raise_agreed(agreement: _Agreement) -> None:
-        """Raise what the gathered data decided; identical on every rank."""
+    def _apply(self, agreement: _Agreement) -> None:
+        """On the training thread: publish the metrics, then raise what the gathered data decided."""
+        if agreement.metrics is not None:  # not from the worker: Lightning reads this dict meanwhile
+            self.trainer.callback_metrics.update({k: torch.tensor(v) for k, v in agreement.metrics.items()})
         if agreement.error is not None:
             raise agreement.error
         failed = agreement.summary["writer_failed_ranks"] if agreement.summary is not None else []
