@@ -47,9 +47,8 @@ class _Sink(Protocol):
 # ------------------------------------------------------------------------------------------------
 # Module state (cleared by reset()).
 
-_settings: tuple[int, torch.device | None, Any] | None = (
-    None  # init_multiprocessing: (rank, sync_device, group); None = auto
-)
+# init_multiprocessing() arguments (rank, sync_device, process_group); None = follow torch.distributed
+_settings: tuple[int, torch.device | None, Any] | None = None
 _pending: dict[str, _Accumulator] = {}  # name => values reported since the last drain
 _sinks: list[weakref.ref[_Sink]] = []  # live collectors; each receives every drained table
 _wanted: dict[str, bool] = {}  # name => some live collector's regex matches it (cache)
@@ -191,14 +190,7 @@ def _add_tensor(acc: _Accumulator, name: str, value: torch.Tensor) -> None:
             f"report({name!r}, value): complex tensors are not supported, got dtype {value.dtype}"
         )
     x = value.detach()
-    numel = x.numel()
-    if numel == 0:
-        return
-    if numel <= _HOST_PATH_MAX_NUMEL and x.device.type == "cpu":
-        # A small CPU tensor (typically a 0-dim loss) lives in host memory: reading it involves no
-        # device, so no sync; the Python path is ~50x cheaper than launching the moment ops.
-        for v in x.reshape(-1).tolist():
-            _add_number(acc, float(v))
+    if x.numel() == 0:
         return
     if not x.is_floating_point():
         x = x.to(torch.float64)
@@ -283,7 +275,16 @@ def report(name: str, value: T) -> T:
     if kind is float or kind is int:
         _add_number(acc, float(value))
     elif isinstance(value, torch.Tensor):
-        _add_tensor(acc, name, value)
+        if value.is_cpu and value.numel() <= _HOST_PATH_MAX_NUMEL and not value.is_complex():
+            # A small CPU tensor (typically a 0-dim loss) lives in host memory: reading it involves
+            # no device, so no sync; the Python path is ~50x cheaper than launching the moment ops.
+            if value.dim() == 0:
+                _add_number(acc, float(value.item()))
+            else:
+                for v in value.tolist() if value.dim() == 1 else value.detach().reshape(-1).tolist():
+                    _add_number(acc, float(v))
+        else:
+            _add_tensor(acc, name, value)
     elif isinstance(value, numbers.Real) and not isinstance(value, np.ndarray):
         _add_number(acc, float(value))
     else:
