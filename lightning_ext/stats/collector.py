@@ -156,6 +156,8 @@ class Collector:
     @staticmethod
     def _aligned(names: list[str], local: _report._Table, device: torch.device) -> torch.Tensor:
         """Local moment rows in the order of ``names`` (empty rows for names without local values)."""
+        if local.names == names:  # steady state: every name had values here
+            return local.rows.to(device)
         rows = empty_moments(len(names), device)
         pairs = [(i, local.index[n]) for i, n in enumerate(names) if n in local.index]
         if pairs:
