@@ -52,8 +52,9 @@ class Collector:
 
     So the steady state costs exactly two collectives whatever the number of names; an update in
     which the name set changed costs one more MAX all-reduce, plus one ``all_gather_object`` when
-    the ranks' sets differ.
-    Without ``torch.distributed`` (or after ``init_multiprocessing(rank, None)``) there are none.
+    the ranks' sets differ. Every rank computes the same numbers from the same reduced tensors,
+    so the published statistics are identical on all ranks. Without ``torch.distributed`` (or
+    after ``init_multiprocessing(rank, None)``) there are no collectives.
 
     Args:
         regex: names to collect (``re.fullmatch``).
@@ -175,8 +176,9 @@ class Collector:
     def update(self) -> None:
         """Reduce everything reported since the last ``update()`` and publish it (see the class doc).
 
-        Must be called on every rank. Synchronizes host and device once (to read the result) and
-        issues two collectives on the sync device (three or four when the name set changed).
+        Must be called on every rank. Synchronizes host and device (it reads the fingerprint head
+        of the MAX all-reduce and the final statistics) and issues two collectives on the sync
+        device (three or four when the name set changed).
         """
         _report._drain()
         local = self._combine()
