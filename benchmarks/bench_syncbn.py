@@ -133,8 +133,8 @@ def _torch_forced_step(ref: nn.BatchNorm2d, group, x: torch.Tensor, dy: torch.Te
 
 def _gpu_section(iters: int) -> str:
     """World size 1 on CUDA: ours vs torch.nn.SyncBatchNorm's function, both forced to synchronize."""
-    store = tempfile.NamedTemporaryFile(delete=False)
-    dist.init_process_group("nccl", init_method=f"file://{store.name}", rank=0, world_size=1)
+    store = Path(tempfile.mkdtemp(prefix="bench_syncbn_")) / "store"
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1)
     group = dist.group.WORLD
     lines = [
         "",
