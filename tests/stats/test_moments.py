@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lightning_ext.stats.moments import (
     empty_moments,
@@ -75,3 +78,22 @@ def test_fingerprint_is_exact_in_float64_and_order_sensitive() -> None:
     assert fp == float(int(fp)) and 0 < fp < 2**53
     assert fingerprint(["a", "b"]) != fingerprint(["b", "a"])
     assert fingerprint([]) != fingerprint([""])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(st.floats(-1e3, 1e3, allow_nan=False), min_size=0, max_size=40),
+    cuts=st.lists(st.integers(0, 40), max_size=4),
+    offset=st.sampled_from([0.0, 1e6, -3e7]),
+)
+def test_any_split_merges_to_the_direct_moments(values, cuts, offset) -> None:
+    x = torch.tensor(values, dtype=torch.float64) + offset
+    bounds = sorted({0, len(values), *(min(c, len(values)) for c in cuts)})
+    merged = empty_moments(1)[0]
+    for lo, hi in itertools.pairwise(bounds):
+        merged = merge_moments(merged, moments_of(x[lo:hi]))
+    ref = moments_of(x)
+    assert merged[0] == ref[0] and merged[3] == ref[3] and merged[4] == ref[4]
+    scale = max(abs(offset), 1e3)
+    assert abs(float(merged[1] - ref[1])) <= 1e-12 * scale
+    assert abs(float(merged[2] - ref[2])) <= 1e-9 * max(float(ref[2]), 1.0) + 1e-16 * scale**2 * len(values)
