@@ -165,9 +165,15 @@ class TrainingStats(Callback):
     def flush(self, trainer: pl.Trainer) -> dict[str, float]:
         """Update the collector on every rank and write the statistics; returns what was written.
 
-        Must be called on every rank (it runs collectives). Synchronizes host and device once.
+        Must be called on every rank (it runs collectives). Synchronizes host and device.
+
+        Raises:
+            RuntimeError: called before the Trainer ran ``setup`` (no collector yet).
         """
-        assert self.collector is not None, "TrainingStats.flush() before setup()"
+        if self.collector is None:
+            raise RuntimeError(
+                "TrainingStats.flush() needs a Trainer that ran setup(); call trainer.fit/validate first"
+            )
         start = time.perf_counter()
         self.collector.update()
         metrics: dict[str, float] = {}

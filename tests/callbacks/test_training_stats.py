@@ -189,6 +189,8 @@ def test_bad_arguments_and_state_keys() -> None:
         TrainingStats(regex="[")
     with pytest.raises(TypeError, match=r"prefix=\.\.\.\) must be a str, got 3"):
         TrainingStats(prefix=3)
+    with pytest.raises(RuntimeError, match=r"TrainingStats.flush\(\) needs a Trainer that ran setup\(\)"):
+        TrainingStats().flush(None)
     a, b = TrainingStats(regex="Loss/.*"), TrainingStats(regex="AMP/.*")
     assert a.state_key != b.state_key and a.state_key.startswith("TrainingStats{")
 
