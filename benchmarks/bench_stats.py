@@ -206,7 +206,7 @@ def _worker(rank: int, world_size: int, init_file: str, config: dict, out_file: 
 
 def run_benchmark(
     ks: tuple[int, ...] = (1, 10, 100),
-    steps: int = 300,
+    steps: int = 500,
     flush_every: int = 50,
     world_size: int = 2,
     lightning_steps: int | None = None,
@@ -313,7 +313,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps (smoke test)")
     args = parser.parse_args()
-    steps = 100 if args.quick else 300
+    steps = 100 if args.quick else 500
     report_us = measure_report_cost(50_000 if args.quick else 200_000)
     results = run_benchmark(steps=steps)
     markdown = format_markdown(results, report_us)
