@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_ext.stats import Collector, report, report0, reset
+from lightning_ext.stats import Collector, init_multiprocessing, report, report0, reset
 from lightning_ext.stats import collector as collector_module
 from lightning_ext.stats.moments import moments_of
 from tests.helpers.distributed import run_distributed
@@ -149,7 +149,21 @@ def _distributed_schedule(rank: int, world_size: int) -> dict:
     before = len(counting.calls)
     collectors["all"].update()
     steady = counting.calls[before:]
-    return {"results": results, "calls": calls, "steady": steady, "names": collectors["all"].names()}
+    out = {"results": results, "calls": calls, "steady": steady, "names": collectors["all"].names()}
+    if world_size == 3:  # a subgroup {0, 2} reduces on its own; rank 1 stays out of its collectives
+        import torch.distributed as dist
+
+        group = dist.new_group([0, 2])  # called by every rank, as torch requires
+        reset()
+        if rank != 1:
+            init_multiprocessing(rank=rank // 2, sync_device="cpu", process_group=group)
+            sub = Collector(regex="Sub/.*")
+            report("Sub/x", torch.arange(rank + 2, dtype=torch.float64) * (rank + 1))
+            report0("Sub/r0", float(rank + 10))  # rank 0 of the subgroup (global rank 0) only
+            sub.update()
+            out["subgroup"] = sub.as_dict()
+        dist.barrier()
+    return out
 
 
 def _assert_snapshot_equal(got: dict, want: dict, where: str) -> None:
@@ -193,6 +207,16 @@ def test_distributed_statistics_match_single_process_float64(world_size: int) ->
         {name for r in range(world_size) for s in range(1, 5) for _, name, _ in _schedule(r, world_size, s)}
     )
     assert outputs[0]["names"] == expected
+    if world_size == 3:
+        x = [v * (r + 1) for r in (0, 2) for v in range(r + 2)]  # ranks 0 and 2 only
+        n, mean, m2, lo, hi = moments_of(torch.tensor(x, dtype=torch.float64)).tolist()
+        for rank in (0, 2):
+            sub = outputs[rank]["subgroup"]
+            assert sub["Sub/x"] == pytest.approx(
+                {"num": n, "mean": mean, "std": math.sqrt(m2 / n), "min": lo, "max": hi}
+            )
+            assert sub["Sub/r0"] == {"num": 1, "mean": 10.0, "std": 0.0, "min": 10.0, "max": 10.0}
+        assert "subgroup" not in outputs[1]
 
 
 # ------------------------------------------------------------------------------------------------
