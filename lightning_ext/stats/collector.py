@@ -16,6 +16,7 @@ from lightning_ext.stats.moments import (
     fingerprint,
     merge_moments,
     moments_from_allreduce,
+    needs_recentering,
     shifted_for_allreduce,
 )
 
@@ -35,26 +36,29 @@ class Collector:
     coexist: each sees every value once.
 
     Distributed protocol (``update()`` must be called on every rank of the group, in the same order
-    relative to other collectors' updates):
+    relative to other collectors' updates). Two all-reduces are launched together (async) over the
+    R names agreed at the previous update, so their lengths match on every rank:
 
-    1. MAX all-reduce of ``[fp, -fp, max_1..max_R, -min_1..-min_R, mean_1..mean_R]`` over the R
-       names agreed at the previous update (so the length is the same on every rank), where ``fp``
-       is a 48-bit fingerprint of the sorted names this rank knows now. All ranks know the same
-       set iff ``max(fp) == -max(-fp)``. If they do not (some rank saw a new name), one
-       ``all_gather_object`` of the name lists agrees on the sorted union; if they do but the set
-       grew on every rank alike, no gather is needed. In both cases the MAX all-reduce is redone
-       with rows aligned to the new names. Ranks with no value for a name send ``-inf``.
-    2. SUM all-reduce of ``[count, Σ(x-c), Σ(x-c)²]`` per name around the shared shift ``c`` = the
-       largest rank mean from step 1, which lies inside the data range; the global mean and sum of
-       squared deviations follow without the cancellation of ``E[x²] - E[x]²`` (shifted data,
-       Chan, Golub & LeVeque 1983; per-device partial results are combined with Chan's parallel
-       merge, see :mod:`lightning_ext.stats.moments`).
+    * MAX of ``[fp, -fp, max_1..max_R, -min_1..-min_R, mean_1..mean_R, -mean_1..-mean_R]`` where
+      ``fp`` is a 48-bit fingerprint of the sorted names this rank knows now (ranks without values
+      for a name send ``-inf``). All ranks know the same set iff ``max(fp) == -max(-fp)``.
+    * SUM of ``[count, m2, count·d, count·d²]`` per name, ``d = mean - c``, around the shift ``c`` =
+      the global mean published by the previous update (identical on every rank). The global
+      ``m2`` is Chan's merge ``Σ m2_i + Σ n_i d_i² - (Σ n_i d_i)² / n`` (Chan, Golub & LeVeque
+      1979/1983): the within-rank part never cancels; the between-rank part is exactly 0 when all
+      rank means are equal (e.g. one rank had values), and its rounding error is bounded by
+      ``eps · n · d_max²``. In the rare interval where that bound exceeds 1e-10 of ``m2`` (a mean
+      jumped by ~1e3 standard deviations since the previous update) the SUM is redone around the
+      largest rank mean from the MAX, which lies inside the data range.
 
-    So the steady state costs exactly two collectives whatever the number of names; an update in
-    which the name set changed costs one more MAX all-reduce, plus one ``all_gather_object`` when
-    the ranks' sets differ. Every rank computes the same numbers from the same reduced tensors,
-    so the published statistics are identical on all ranks. Without ``torch.distributed`` (or
-    after ``init_multiprocessing(rank, None)``) there are no collectives.
+    If the name sets differ (some rank saw a new name), one ``all_gather_object`` agrees on the
+    sorted union (not needed when every rank saw the same new names), and the MAX then SUM are
+    redone with aligned rows, the SUM around the largest rank mean. So the steady state costs two
+    all-reduces (one round trip, as they overlap) whatever the number of names. Per-device partial
+    results are merged locally first (see :mod:`lightning_ext.stats.moments`). Every rank computes
+    the same numbers from the same reduced tensors, so the published statistics are identical on all
+    ranks. Without ``torch.distributed`` (or after ``init_multiprocessing(rank, None)``) there are no
+    collectives.
 
     Args:
         regex: names to collect (``re.fullmatch``).
@@ -98,9 +102,9 @@ class Collector:
         self._seen: set[str] = set()  # names this rank has had (matching), ever
         self._agreed: list[str] = []  # sorted name union agreed across ranks at the last update
         self._agreed_set: set[str] = set()
-        self._values: dict[
-            str, tuple[int, float, float, float, float]
-        ] = {}  # name => (num, mean, std, min, max)
+        # name => (num, mean, std, min, max) published by the last update
+        self._values: dict[str, tuple[int, float, float, float, float]] = {}
+        self._shift: dict[str, float] = {}  # name => last published global mean (shift of the next SUM)
 
     # -------------------------------------------------------------------------------- registry hooks
 
@@ -170,15 +174,17 @@ class Collector:
     @staticmethod
     def _max_payload(fp: float, rows: torch.Tensor) -> torch.Tensor:
         head = torch.tensor([fp, -fp], dtype=torch.float64, device=rows.device)
-        mean_or_ninf = torch.where(rows[:, 0] > 0, rows[:, 1], torch.full_like(rows[:, 1], -math.inf))
-        return torch.cat([head, rows[:, 4], -rows[:, 3], mean_or_ninf])
+        has = rows[:, 0] > 0
+        ninf = torch.full_like(rows[:, 1], -math.inf)
+        mean, neg_mean = torch.where(has, rows[:, 1], ninf), torch.where(has, -rows[:, 1], ninf)
+        return torch.cat([head, rows[:, 4], -rows[:, 3], mean, neg_mean])
 
     def update(self) -> None:
         """Reduce everything reported since the last ``update()`` and publish it (see the class doc).
 
         Must be called on every rank. Synchronizes host and device (it reads the fingerprint head
         of the MAX all-reduce and the final statistics) and issues two collectives on the sync
-        device (three or four when the name set changed).
+        device (three to five when the name set changed, see the class docstring).
         """
         _report._drain()
         local = self._combine()
@@ -199,16 +205,27 @@ class Collector:
         self._agreed_set = set(names)
         self._publish(names, rows)
 
+    def _shifts(self, names: list[str], device: torch.device) -> torch.Tensor:
+        """Per name, the last published global mean (identical on every rank), 0 if none yet."""
+        return torch.tensor([self._shift.get(n, 0.0) for n in names], dtype=torch.float64, device=device)
+
     def _reduce(
         self, candidate: list[str], local: _report._Table, device: torch.device, group: Any, world_size: int
     ) -> tuple[list[str], torch.Tensor]:
-        """The two-collective protocol of the class docstring; returns (agreed names, global rows)."""
+        """The protocol of the class docstring; returns (agreed names, global moment rows)."""
         # Rows follow the names agreed at the previous update (same length on every rank); the head
-        # carries the fingerprint of the names this rank knows now.
+        # carries the fingerprint of the names this rank knows now. The SUM uses the previous
+        # global means as shifts, so both all-reduces are in flight at once.
         names = self._agreed
         rows = self._aligned(names, local, device)
         payload = self._max_payload(fingerprint(candidate), rows)
-        dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=group)
+        works = [dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=group, async_op=True)]
+        shift = self._shifts(names, device)
+        sums = shifted_for_allreduce(rows, shift)
+        if names:
+            works.append(dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group, async_op=True))
+        for work in works:
+            work.wait()
         fp_max, neg_fp_min = payload[:2].tolist()  # host sync; identical on every rank
         if fp_max != -neg_fp_min:  # ranks know different name sets: agree on the sorted union
             gathered: list[Any] = [None] * world_size
@@ -216,20 +233,34 @@ class Collector:
             names = sorted(set().union(*gathered))
         elif candidate != names:  # every rank saw the same new names: no need to gather them
             names = candidate
+        if not names:
+            return names, empty_moments(0, device)
+        r = len(names)
         if names is not self._agreed:  # same decision on every rank (it follows from the reduced head)
             rows = self._aligned(names, local, device)
             payload = self._max_payload(fingerprint(names), rows)
             dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=group)
-        r = len(names)
-        hi, lo, shift = payload[2 : 2 + r], -payload[2 + r : 2 + 2 * r], payload[2 + 2 * r :]
-        sums = shifted_for_allreduce(rows, shift)
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-        return names, moments_from_allreduce(sums, shift, lo, hi)
+            shift = payload[2 + 2 * r : 2 + 3 * r]  # the largest rank mean: inside the data range
+            sums = shifted_for_allreduce(rows, shift)
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        hi, lo = payload[2 : 2 + r], -payload[2 + r : 2 + 2 * r]
+        mean_max, neg_mean_min = payload[2 + 2 * r : 2 + 3 * r], payload[2 + 3 * r :]
+        spread = mean_max + neg_mean_min
+        result = moments_from_allreduce(sums, shift, lo, hi, spread)
+        c = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+        distance = torch.maximum(mean_max - c, neg_mean_min + c)
+        if bool(needs_recentering(result, spread, distance).any()):  # rare; same on every rank
+            shift = mean_max
+            sums = shifted_for_allreduce(rows, shift)
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+            result = moments_from_allreduce(sums, shift, lo, hi, spread)
+        return names, result
 
     def _publish(self, names: list[str], rows: torch.Tensor) -> None:
         for name, (n, mean, m2, lo, hi) in zip(names, rows.tolist()):
             if n > 0:
                 self._values[name] = (round(n), mean, math.sqrt(m2 / n), lo, hi)
+                self._shift[name] = mean
             elif not self.keep_previous or name not in self._values:
                 self._values[name] = _NAN_VALUES
 

@@ -14,11 +14,14 @@ Algorithms:
 * Rows from different devices / drains are combined with Chan's parallel update
   (:func:`merge_moments`; Chan, Golub & LeVeque 1979, "Updating formulae and a pairwise
   algorithm for computing sample variances").
-* Across ranks, :func:`shifted_for_allreduce` re-expresses every rank's row around a shift all
-  ranks agree on (the largest rank mean, obtained in the MAX all-reduce), so that one SUM
-  all-reduce of ``[count, Σ(x-c), Σ(x-c)²]`` followed by :func:`moments_from_allreduce` gives
-  the exact global moments without the cancellation of ``E[x²] - E[x]²``: ``c`` lies inside the
-  data range, so ``Σ(x-c)²`` is at most ``count · range²``.
+* Across ranks, :func:`shifted_for_allreduce` re-expresses every rank's row around a shift ``c``
+  all ranks agree on, so that one SUM all-reduce of ``[count, m2, count·d, count·d²]``
+  (``d = mean - c``) followed by :func:`moments_from_allreduce` gives the global moments by Chan's
+  merge: the within-rank ``m2`` never cancels, and the between-rank term is exact when ``c`` is
+  near the rank means. ``c`` is the previous update's global mean (known to every rank, so the
+  SUM can run concurrently with the MAX all-reduce); :func:`needs_recentering` flags the rare rows
+  whose mean moved so far from it that cancellation could cost more than ~1e-10 of ``m2``, which
+  are then reduced again around the largest rank mean (inside the data range).
 
 None of these functions synchronizes host and device.
 """
@@ -37,6 +40,7 @@ __all__ = [
     "moments_from_allreduce",
     "moments_from_shifted",
     "moments_of",
+    "needs_recentering",
     "shifted_for_allreduce",
 ]
 
@@ -123,28 +127,67 @@ def shifted_for_allreduce(rows: torch.Tensor, shift: torch.Tensor) -> torch.Tens
         shift: float64 ``(R,)``, identical on every rank (non-finite entries are treated as 0).
 
     Returns:
-        float64 ``(R, 3)``: ``[count, Σ(x-c), Σ(x-c)²]`` with ``c = shift``.
+        float64 ``(R, 4)``: ``[count, m2, count·d, count·d²]`` with ``d = mean - shift``; the
+        within-rank ``m2`` travels on its own so that only the between-rank part can cancel.
     """
     c = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
     n = rows[:, 0]
     d = torch.where(n > 0, rows[:, 1] - c, torch.zeros_like(c))
-    return torch.stack([n, n * d, rows[:, 2] + n * d * d], dim=-1)
+    return torch.stack([n, rows[:, 2], n * d, n * d * d], dim=-1)
 
 
-def moments_from_allreduce(sums: torch.Tensor, shift: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
+def moments_from_allreduce(
+    sums: torch.Tensor,
+    shift: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    spread: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Global moment rows from the SUM of :func:`shifted_for_allreduce` and the MAX-reduced extremes.
 
+    ``m2 = Σ m2_i + (Σ n_i d_i² - (Σ n_i d_i)² / n)`` (Chan's merge of the rank rows around the
+    shift). The between-rank term is exactly 0 when ``spread`` (largest minus smallest rank mean)
+    is 0, e.g. when a single rank had values.
+
     Args:
-        sums: float64 ``(R, 3)`` summed over ranks.
+        sums: float64 ``(R, 4)`` summed over ranks.
         shift: float64 ``(R,)`` the shared shift used by every rank.
         lo: float64 ``(R,)`` global minimum; hi: float64 ``(R,)`` global maximum.
+        spread: float64 ``(R,)`` largest minus smallest rank mean (``-inf``/NaN where no rank had data).
 
     Returns:
         float64 ``(R, 5)`` moment rows.
     """
     c = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-    acc = torch.stack([sums[:, 0], sums[:, 1], sums[:, 2], lo, hi], dim=-1)
-    return moments_from_shifted(acc, c)
+    n, m2_within, s1, s2 = sums.unbind(-1)
+    has = n > 0
+    safe_n = torch.where(has, n, torch.ones_like(n))
+    between = (s2 - s1 * s1 / safe_n).clamp_min(0.0)
+    if spread is not None:
+        between = torch.where(spread > 0, between, torch.zeros_like(between))
+    mean = torch.where(has, c + s1 / safe_n, torch.zeros_like(n))
+    m2 = torch.where(has, m2_within + between, torch.zeros_like(n))
+    return torch.stack([n, mean, m2, lo, hi], dim=-1)
+
+
+def needs_recentering(rows: torch.Tensor, spread: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
+    """Rows whose between-rank term may have lost more than ~1e-10 of ``m2`` to cancellation.
+
+    The rounding error of ``Σ n_i d_i² - (Σ n_i d_i)² / n`` is at most a few ``eps · n · d_max²``
+    where ``d_max`` (``distance``) is the largest distance of a rank mean from the shift. Such rows
+    must be reduced again around a shift inside the data (e.g. the largest rank mean).
+
+    Args:
+        rows: float64 ``(R, 5)`` moment rows from :func:`moments_from_allreduce`.
+        spread: float64 ``(R,)`` largest minus smallest rank mean.
+        distance: float64 ``(R,)`` largest ``|mean_i - shift|`` over ranks with data.
+
+    Returns:
+        bool ``(R,)``.
+    """
+    n, m2 = rows[:, 0], rows[:, 2]
+    bound = 8 * torch.finfo(torch.float64).eps * n * distance * distance
+    return (n > 0) & (spread > 0) & (bound > 1e-10 * m2)
 
 
 def fingerprint(names: list[str] | tuple[str, ...]) -> float:

@@ -49,6 +49,14 @@ def _schedule(rank: int, world_size: int, step: int) -> list[tuple[str, str, obj
         items.append(("report", "Late/x", torch.tensor([step, step + 1], dtype=torch.float16)))
     if step >= 3 and rank == 0:
         items.append(("report", "Loss/late", torch.tensor([True, False, True])))
+    # Jumps by 1e9 (~1e9 standard deviations) at step 5: the SUM is redone around a rank mean.
+    items.append(
+        (
+            "report",
+            "Jump/x",
+            (1e9 if step == 5 else 0.0) + torch.randn(20, generator=gen, dtype=torch.float64),
+        )
+    )
     random.Random(rank * 100 + step).shuffle(items)
     return items
 
@@ -149,7 +157,18 @@ def _distributed_schedule(rank: int, world_size: int) -> dict:
     before = len(counting.calls)
     collectors["all"].update()
     steady = counting.calls[before:]
-    out = {"results": results, "calls": calls, "steady": steady, "names": collectors["all"].names()}
+    for fn, name, value in _schedule(rank, world_size, 5):
+        (report if fn == "report" else report0)(name, value)
+    before = len(counting.calls)
+    collectors["all"].update()
+    jump = {"calls": counting.calls[before:], "stats": collectors["all"].as_dict()}
+    out = {
+        "results": results,
+        "calls": calls,
+        "steady": steady,
+        "names": collectors["all"].names(),
+        "jump": jump,
+    }
     if world_size == 3:  # a subgroup {0, 2} reduces on its own; rank 1 stays out of its collectives
         import torch.distributed as dist
 
@@ -192,14 +211,34 @@ def test_distributed_statistics_match_single_process_float64(world_size: int) ->
     # Stable std for 1e6 + N(0, 1): checked above against the two-pass float64 std at rel 1e-9.
     assert reference["big"][0]["Big/x"]["std"] == pytest.approx(1.0, rel=0.1)
     calls = outputs[0]["calls"]
-    gather = ["all_reduce", "all_gather_object", "all_reduce", "all_reduce"]
-    steady = ["all_reduce", "all_reduce"]
+    # First update (no agreed names yet): MAX alone; then gather, MAX, SUM.
+    first = ["all_reduce", "all_gather_object", "all_reduce", "all_reduce"]
+    # Later name changes: the concurrent MAX + SUM, then gather, MAX, SUM.
+    gather = ["all_reduce", "all_reduce", "all_gather_object", "all_reduce", "all_reduce"]
+    steady = ["all_reduce", "all_reduce"]  # MAX + SUM in flight together
     grown = ["all_reduce", "all_reduce", "all_reduce"]  # same new names on every rank: no gather
     # "all": step 1 different name sets (Only/r*), step 2 Late/x appears, step 3 Loss/late appears,
     # step 4 steady.
-    assert calls["all"] == [gather, gather, gather, steady]
+    assert calls["all"] == [first, gather, gather, steady]
     # "loss": the first update sees the same Loss/* names on every rank; Loss/late appears later.
     assert calls["loss"] == [grown, gather]
+    # The 1e9 jump: one more SUM around a rank mean, and the statistics stay float64-exact.
+    assert outputs[0]["jump"]["calls"] == ["all_reduce", "all_reduce", "all_reduce"]
+    jump = [
+        v
+        for r in range(world_size)
+        for fn, name, value in _schedule(r, world_size, 5)
+        if name == "Jump/x"
+        for v in value.tolist()
+    ]
+    n, mean, m2, lo, hi = moments_of(torch.tensor(jump, dtype=torch.float64)).tolist()
+    for out in outputs:
+        got = out["jump"]["stats"]["Jump/x"]
+        assert got["num"] == n and got["mean"] == pytest.approx(mean, rel=1e-15)
+        assert got["std"] == pytest.approx(math.sqrt(m2 / n), rel=1e-6) and (got["min"], got["max"]) == (
+            lo,
+            hi,
+        )
     assert calls["big"] == [grown]
     assert outputs[0]["steady"] == steady
     assert all(out["calls"] == calls for out in outputs)

@@ -17,6 +17,7 @@ from lightning_ext.stats.moments import (
     moments_from_allreduce,
     moments_from_shifted,
     moments_of,
+    needs_recentering,
     shifted_for_allreduce,
 )
 
@@ -63,10 +64,23 @@ def test_allreduce_formulae_reproduce_global_moments_with_large_offset() -> None
     rows = torch.stack([moments_of(s) for s in shards])  # (W, 5) for one name
     means = torch.where(rows[:, 0] > 0, rows[:, 1], torch.full_like(rows[:, 1], -math.inf))
     shift = means.max().reshape(1)
+    spread = (means.max() - rows[rows[:, 0] > 0, 1].min()).reshape(1)
+    lo, hi = rows[:, 3].min().reshape(1), rows[:, 4].max().reshape(1)
     sums = sum(shifted_for_allreduce(rows[w : w + 1], shift) for w in range(3))
-    got = moments_from_allreduce(sums, shift, rows[:, 3].min().reshape(1), rows[:, 4].max().reshape(1))[0]
+    got = moments_from_allreduce(sums, shift, lo, hi, spread)[0]
     ref = moments_of(torch.cat(shards))
     torch.testing.assert_close(got, ref, rtol=1e-8, atol=0)
+    distance = (means.max() - rows[rows[:, 0] > 0, 1].min()).reshape(1)
+    assert not needs_recentering(got.reshape(1, 5), spread, distance).any()
+    # Around a shift far outside the data (0 instead of ~1e8) the bound flags the row.
+    far = torch.zeros(1, dtype=torch.float64)
+    sums_far = sum(shifted_for_allreduce(rows[w : w + 1], far) for w in range(3))
+    got_far = moments_from_allreduce(sums_far, far, lo, hi, spread)
+    assert needs_recentering(got_far, spread, means.max().reshape(1)).all()
+    # One rank with values (spread 0): the between-rank term is exactly 0 whatever the shift.
+    single = moments_of(torch.tensor([5.0, 5.0], dtype=torch.float64)).reshape(1, 5)
+    one = moments_from_allreduce(shifted_for_allreduce(single, far + 3.0), far + 3.0, lo, hi, far)
+    assert one[0, 2] == 0.0 and one[0, 1] == 5.0
     # The textbook E[x²] - E[x]² from raw sums loses everything at this offset: the test discriminates.
     x = torch.cat(shards)
     naive_m2 = x.square().sum() - x.sum() ** 2 / x.numel()
