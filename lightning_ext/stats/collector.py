@@ -342,6 +342,7 @@ class Collector:
         self._agreed_set = set(self._agreed)
         self._seen |= self._agreed_set
         self._values = {k: (int(v[0]), *map(float, v[1:])) for k, v in state["values"].items()}
+        self._shift = {k: v[1] for k, v in self._values.items() if v[0] > 0 and math.isfinite(v[1])}
 
     def __repr__(self) -> str:
         return f"Collector(regex={self.regex!r}, keep_previous={self.keep_previous})"
