@@ -242,7 +242,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stats-every", type=int, default=5, help="TrainingStats period in steps")
     parser.add_argument("--no-sync-batchnorm", action="store_true", help="plain per-rank BatchNorm")
-    parser.add_argument("--precise-bn-iters", type=int, default=20, help="PreciseBN batches (0: off)")
+    parser.add_argument(
+        "--precise-bn-iters", type=int, default=10, help="PreciseBN batches per rank (0: off)"
+    )
     parser.add_argument("--root", default="runs", help="directory for runs (default: runs)")
     parser.add_argument("--name", default="digits", help="run name: logs in <root>/<name>/")
     parser.add_argument("--resume", default=None, metavar="PATH", help="checkpoint to resume from")
@@ -356,7 +358,8 @@ def build_trainer(args: argparse.Namespace, run_dir: Path) -> tuple[L.Trainer, d
         "loss_monitor": LossMonitor(period=20),
         "precision": LossScalingPrecision(args.precision, scaler=scaler),
     }
-    callbacks: list[Any] = [features["stats"], features["timer"], features["loss_monitor"]]
+    # IterationTimer first: its before_step/after_step bracket the work of the other callbacks.
+    callbacks: list[Any] = [features["timer"], features["stats"], features["loss_monitor"]]
     if args.precise_bn_iters > 0:
         features["precise_bn"] = PreciseBN(num_iter=args.precise_bn_iters)
         callbacks.append(features["precise_bn"])

@@ -182,13 +182,6 @@ def _update_running_stats(
         running_var.mul_(1.0 - momentum).add_(unbiased, alpha=momentum)
 
 
-def _memory_format(x: Tensor) -> torch.memory_format:
-    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    if x.dim() == 5 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d):
-        return torch.channels_last_3d
-    return torch.contiguous_format
-
 
 class _SyncBatchNormFunction(torch.autograd.Function):
     """Normalization with a backward that all-reduces ``(sum_dy, sum_dy_xmu)`` once.
@@ -223,6 +216,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor):
         x, weight, mean, invstd, count = ctx.saved_tensors
         ops = _get_backend(ctx.backend, x.device)
+        from lightning_ext.kernels.batch_norm import _memory_format  # loaded by _get_backend
+
         fmt = _memory_format(x)
         dy = (
             grad_output

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ext.amp import DynamicLossScaler
-from lightning_ext.amp.dynamic_loss_scaler import _update_scale_
+from lightning_ext.amp.dynamic_loss_scaler import _update_scale_, _update_scale_on_host_
 from lightning_ext.stats import Collector
 from tests.helpers.distributed import run_distributed
 
@@ -21,6 +21,10 @@ from tests.helpers.distributed import run_distributed
 
 
 def _run_schedule(found_infs, init, **cfg):
+    """Scales and floor hits along ``found_infs``, from the device path AND the CPU host path.
+
+    Both paths must leave every state tensor bit-identical after every step.
+    """
     defaults = dict(
         schedule="exponential",
         growth_factor=2.0,
@@ -33,17 +37,50 @@ def _run_schedule(found_infs, init, **cfg):
         max_scale=1024.0,
     )
     defaults.update(cfg)
-    scale = torch.tensor(float(init))
-    log2 = torch.tensor(math.log2(init), dtype=torch.float64)
-    growth = torch.tensor(0, dtype=torch.int32)
-    hyst = torch.tensor(defaults["hysteresis"], dtype=torch.int32)
+
+    def state():
+        return [
+            torch.tensor(float(init)),
+            torch.tensor(math.log2(init), dtype=torch.float64),
+            torch.tensor(0, dtype=torch.int32),
+            torch.tensor(defaults["hysteresis"], dtype=torch.int32),
+        ]
+
+    device, host = state(), state()
     scales, floors = [], []
-    for f in found_infs:
-        hit = _update_scale_(scale, log2, growth, hyst, torch.tensor(float(f)), **defaults)
+    for step, f in enumerate(found_infs):
+        hit = _update_scale_(*device, torch.tensor(float(f)), **defaults)
+        host_hit = _update_scale_on_host_(*host, bool(f), **defaults)
+        for name, a, b in zip(("scale", "log2_scale", "growth_tracker", "hysteresis_tracker"), device, host):
+            assert a.dtype == b.dtype and torch.equal(a, b), (step, name, a, b)
+        assert bool(hit) == host_hit, step
+        scale, log2 = device[0], device[1]
         scales.append(scale.item())
         floors.append(bool(hit))
         assert log2.item() == pytest.approx(math.log2(scale.item()), abs=1e-6)
     return scales, floors
+
+
+@pytest.mark.parametrize("schedule", ["exponential", "log2"])
+@pytest.mark.parametrize("hysteresis", [1, 3])
+def test_host_update_path_equals_device_path_on_random_sequences(schedule, hysteresis):
+    """The CPU fast path of update() mirrors the tensor path bit for bit, also with odd factors."""
+    g = torch.Generator().manual_seed(hysteresis)
+    for trial in range(4):
+        found = (torch.rand(300, generator=g) < 0.15 * (trial + 1)).tolist()
+        _run_schedule(
+            found,
+            init=3.7e3,
+            schedule=schedule,
+            growth_factor=1.0 + 0.37 * (trial + 1),
+            backoff_factor=0.3 + 0.13 * trial,
+            growth_interval=1 + 3 * trial,
+            log2_increment=0.013 * (trial + 1),
+            log2_decrement=0.71,
+            hysteresis=hysteresis,
+            min_scale=1.5,
+            max_scale=2.0**20 if trial < 3 else float("inf"),
+        )
 
 
 def test_exponential_schedule_matches_hand_computed_sequence():

@@ -259,11 +259,28 @@ def _equivalence_worker(rank, world_size):
             results["bad_group_size"] = str(err)
     if world_size == 2:
         results["checkpoint"] = _checkpoint_worker(rank, world_size)
+        results["torch_errors"] = _torch_sync_batch_norm_errors()
     # The collectives are still aligned after all that.
     t = torch.ones(1)
     dist.all_reduce(t)
     results["final_sum"] = t
     return results
+
+
+def _torch_sync_batch_norm_errors():
+    """The anchor on gloo/CPU: torch's SyncBatchNorm and DDP's check (what sync_batchnorm=True hits)."""
+    errors = {}
+    try:
+        nn.SyncBatchNorm(C)(torch.randn(4, C))
+    except ValueError as err:
+        errors["forward"] = str(err)
+    try:
+        nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(C, C), nn.SyncBatchNorm(C)))
+    except ValueError as err:
+        errors["ddp"] = str(err)
+    ours = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(C, C), SyncBatchNorm(C)))
+    ours(torch.randn(4, C)).sum().backward()
+    return errors
 
 
 def _checkpoint_worker(rank, world_size):
@@ -317,6 +334,9 @@ def test_matches_one_process_batch_norm_on_concatenation(world_size):
         for o in outs:
             for reentrant in (False, True):
                 assert o["checkpoint"][reentrant] == {"nbt": 1, "stats_equal": True, "grad_equal": True}
+            # torch's SyncBatchNorm fails on gloo/CPU where ours trains under DDP.
+            assert "expected input tensor to be on GPU" in o["torch_errors"]["forward"]
+            assert "SyncBatchNorm layers only work with GPU modules" in o["torch_errors"]["ddp"]
     if world_size == 3:
         _check_case(43, (4, True, torch.float32, 0.1, True), [outs[0]["pair"], outs[2]["pair"]])
         for o in outs:

@@ -328,6 +328,16 @@ def test_scaler_drops_into_lightnings_own_mixed_precision_plugin():
 
     scaler = DynamicLossScaler(init_scale=2.0**8, telemetry=False)
     model = _Regression(poison={1: float("inf")})
-    _trainer(MixedPrecision("16-mixed", "cpu", scaler=scaler), max_steps=3).fit(model, _data())
+    recorder = _Recorder()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*lr_scheduler.step\\(\\)")
+        _trainer(MixedPrecision("16-mixed", "cpu", scaler=scaler), [recorder], max_steps=3).fit(
+            model, _data()
+        )
     assert model.output_dtypes == {torch.float16}
     assert scaler.steps == 3 and scaler.skipped_steps == 1 and scaler.get_scale() == 2.0**7
+    # The anchor's weakness that LossScalingPrecision fixes: Lightning's MixedPrecision still
+    # advances the step-interval LR scheduler on the skipped step (Lightning #5558, #16228).
+    skipped = recorder.rows[1]
+    assert skipped["skipped"] and skipped["params_same"]
+    assert skipped["lr_after"] < skipped["lr_before"]
