@@ -182,7 +182,6 @@ def _update_running_stats(
         running_var.mul_(1.0 - momentum).add_(unbiased, alpha=momentum)
 
 
-
 class _SyncBatchNormFunction(torch.autograd.Function):
     """Normalization with a backward that all-reduces ``(sum_dy, sum_dy_xmu)`` once.
 
