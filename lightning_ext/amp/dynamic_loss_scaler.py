@@ -655,7 +655,9 @@ class DynamicLossScaler:
 
         Call once per iteration after every :meth:`step`; with gradient accumulation, only at the
         accumulation boundary. Runs on the device, no host sync, except with
-        ``on_min_scale="warn"|"raise"`` on a step that overflowed (reads one flag).
+        ``on_min_scale="warn"|"raise"`` on a step that overflowed (reads one flag). With the state
+        on the CPU, the same update branches on host values instead (reading CPU tensors is no
+        sync; same results bit for bit, a few times cheaper than small tensor ops).
 
         Args:
             new_scale: set the scale to this value instead of following the schedule (GradScaler's
