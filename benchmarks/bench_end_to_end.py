@@ -105,7 +105,7 @@ def run_once(config: str, max_steps: int, warmup: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--no-fp16", action="store_true", help="skip the fp16 timing")
     args = parser.parse_args()

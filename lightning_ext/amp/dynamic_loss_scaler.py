@@ -180,10 +180,11 @@ def _update_scale_on_host_(
     """:func:`_update_scale_` for CPU state tensors, branching on host values in Python.
 
     On CPU, reading a 0-dim tensor is not a host-device sync, and a dozen Python comparisons cost
-    less than the ~20 small tensor ops of the device path (~0.3 ms per step after a large optimizer
-    step; GradScaler's fused update is one op). The arithmetic mirrors the device path bit for bit:
-    float32 products and comparisons as ATen rounds them (``np.float32``), the transcendental
-    ``log2``/``exp2`` still by torch. ``tests/amp`` checks the equality on random overflow sequences.
+    less than the ~20 small tensor ops of the device path (measured after an 11M-parameter step:
+    0.19 ms instead of 0.29-0.42 ms; GradScaler's fused update, one op, takes 0.04-0.07 ms). The
+    arithmetic mirrors the device path bit for bit: float32 products and comparisons as ATen
+    rounds them (``np.float32``), the transcendental ``log2``/``exp2`` still by torch.
+    ``tests/amp`` checks the equality on random overflow sequences.
 
     Returns:
         Whether this step backed off below ``min_scale`` (the floor was hit).
@@ -657,7 +658,7 @@ class DynamicLossScaler:
         accumulation boundary. Runs on the device, no host sync, except with
         ``on_min_scale="warn"|"raise"`` on a step that overflowed (reads one flag). With the state
         on the CPU, the same update branches on host values instead (reading CPU tensors is no
-        sync; same results bit for bit, a few times cheaper than small tensor ops).
+        sync; same results bit for bit, about half the time of the small tensor ops).
 
         Args:
             new_scale: set the scale to this value instead of following the schedule (GradScaler's
@@ -688,7 +689,7 @@ class DynamicLossScaler:
         cfg = self._config
         if self._device.type == "cpu":
             # CPU state: reading it is no host-device sync, and branching in Python on host values
-            # costs ~10x less than the small tensor ops of the device path (same results, tested).
+            # takes about half the time of the device path's small tensor ops (same results, tested).
             overflow = host_skipped if host_skipped is not None else bool(found_inf.item() > 0)
             self._steps.add_(1)
             if overflow:
