@@ -23,6 +23,10 @@ buffers); if they ever differed the result would be wrong, so load the same chec
 Backward: ONE ``all_reduce`` of the float32 ``(sum_dy, sum_dy_xmu)`` (``2C`` numbers), then ``dx``
 with the GLOBAL count; ``grad_weight``/``grad_bias`` stay local (DDP averages them), as in torch.
 
+Transport: on CPU with a gloo group whose ranks share a host, both all_reduces go through shared
+memory (:mod:`lightning_ext.shm_collectives`, ~25 µs instead of ~0.7 ms median for gloo on a 2-core
+machine); elsewhere through the process group's own ``all_reduce``.
+
 Checkpointing: ``torch.utils.checkpoint`` re-runs the forward during backward. A forward that runs
 while an autograd graph task is executing (``torch._C._current_graph_task_id() != -1``, which is the
 case for both reentrant and non-reentrant checkpointing) is a recomputation: it still joins the
@@ -39,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_ext import shm_collectives
 from lightning_ext.distributed import collective_device, get_world_size, is_distributed
 
 __all__ = ["SyncBatchNorm", "sync_batch_norm_stats"]
@@ -94,6 +99,22 @@ def _pack_moments(count: int, mean: Tensor, m2: Tensor, shift: Tensor) -> Tensor
     return payload
 
 
+def _sum_over_group(tensor: Tensor, process_group: dist.ProcessGroup | None) -> Tensor:
+    """SUM ``tensor`` over the group on its collective device (one all_reduce); back on its own device.
+
+    Small CPU tensors of a gloo group on one host go through shared memory
+    (:mod:`lightning_ext.shm_collectives`, ~30x lower latency than gloo); a CUDA tensor with a gloo
+    group is copied to the CPU and back (a host sync).
+    """
+    comm_device = collective_device(process_group)
+    if comm_device != tensor.device:
+        moved = tensor.to(comm_device)
+        shm_collectives.all_reduce(moved, group=process_group)
+        return moved.to(tensor.device)
+    shm_collectives.all_reduce(tensor, group=process_group)
+    return tensor
+
+
 def _unpack_moments(payload: Tensor, shift: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Global ``(count, mean, m2)`` in float64 from the summed payload of :func:`_pack_moments`.
 
@@ -146,13 +167,7 @@ def sync_batch_norm_stats(
         mean = m2 = torch.zeros(channels, dtype=torch.float32, device=x.device)
     payload = _pack_moments(count, mean, m2, shift)
     if sync:
-        comm_device = collective_device(process_group)
-        if comm_device != payload.device:
-            moved = payload.to(comm_device)
-            dist.all_reduce(moved, group=process_group)
-            payload = moved.to(x.device)
-        else:
-            dist.all_reduce(payload, group=process_group)
+        payload = _sum_over_group(payload, process_group)
     return _unpack_moments(payload, shift)
 
 
@@ -237,13 +252,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             packed = torch.cat([sum_dy, sum_dy_xmu])
             if ctx.sync:
-                comm_device = collective_device(ctx.process_group)
-                if comm_device != packed.device:
-                    moved = packed.to(comm_device)
-                    dist.all_reduce(moved, group=ctx.process_group)
-                    packed = moved.to(x.device)
-                else:
-                    dist.all_reduce(packed, group=ctx.process_group)
+                packed = _sum_over_group(packed, ctx.process_group)
             if x.numel() > 0:
                 w = weight if weight is not None else torch.ones_like(mean)
                 grad_x = ops.batch_norm_backward_elemt(

@@ -114,11 +114,12 @@ def _reference(world_size: int) -> dict[str, list[dict[str, dict[str, float]]]]:
 
 
 class _CountingDist:
-    """Stands in for ``torch.distributed`` inside the collector module to count collectives."""
+    """Stands in for ``torch.distributed`` (or ``shm_collectives``) inside the collector module to count
+    collectives; both proxies share one ``calls`` list."""
 
-    def __init__(self, real) -> None:
+    def __init__(self, real, calls: list[str] | None = None) -> None:
         self._real = real
-        self.calls: list[str] = []
+        self.calls: list[str] = [] if calls is None else calls
 
     def __getattr__(self, attr):
         value = getattr(self._real, attr)
@@ -136,6 +137,7 @@ def _distributed_schedule(rank: int, world_size: int) -> dict:
     reset()
     counting = _CountingDist(collector_module.dist)
     collector_module.dist = counting
+    collector_module.shm_collectives = _CountingDist(collector_module.shm_collectives, counting.calls)
     collectors = {
         key: Collector(regex=regex, keep_previous=keep) for key, (regex, keep, _) in COLLECTORS.items()
     }
