@@ -3,7 +3,9 @@
 Two gloo ranks on CPU (spawned by this script), K ∈ {1, 10, 100} names reported every step, each
 value a 0-dim float32 CPU tensor (what a loss looks like):
 
-(a) ours: ``report(name, value)`` per name per step + ``Collector.update()`` every 50 steps;
+(a) ours: ``report(name, value)`` per name per step + ``Collector.update()`` every 50 steps, its two
+    all_reduces through shared memory (``lightning_ext.shm_collectives``; both ranks on one host);
+    "ours (gloo)" is the same with ``LIGHTNING_EXT_SHM_COLLECTIVES=0`` (gloo's all_reduce);
 (b) Lightning's per-key path: ``_ResultCollection.log(..., on_step=True, sync_dist=True)`` per name
     per step — the object ``LightningModule.log`` forwards to — with ``sync_dist_fn`` =
     ``lightning.fabric.utilities.distributed._sync_ddp_if_available``, exactly what
@@ -40,6 +42,8 @@ if str(HERE.parent) not in sys.path:
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+from lightning_ext import shm_collectives  # noqa: E402
+
 _COLLECTIVES = (
     "all_reduce",
     "all_gather",
@@ -48,7 +52,7 @@ _COLLECTIVES = (
     "barrier",
     "broadcast",
 )
-METHODS = ("ours", "lightning", "torchmetrics")
+METHODS = ("ours", "ours (gloo)", "lightning", "torchmetrics")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -123,28 +127,58 @@ _FACTORIES = {"ours": _ours, "lightning": _lightning, "torchmetrics": _torchmetr
 
 
 class _Counter:
-    """Wrap the torch.distributed collectives to count calls (benchmark workers only)."""
+    """Wrap the torch.distributed collectives and ``shm_collectives.all_reduce`` to count calls
+    (benchmark workers only); a shared-memory all_reduce counts once, also when it falls back to gloo."""
 
     def __init__(self) -> None:
         self.count = 0
+        self._inside_shm = False
         self._originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+        self._shm_all_reduce = shm_collectives.all_reduce
 
     def __enter__(self) -> _Counter:
         for name, fn in self._originals.items():
 
             def counted(*args, _fn=fn, **kwargs):
-                self.count += 1
+                self.count += 0 if self._inside_shm else 1
                 return _fn(*args, **kwargs)
 
             setattr(dist, name, counted)
+
+        def shm_counted(*args, **kwargs):
+            self.count += 1
+            self._inside_shm = True
+            try:
+                return self._shm_all_reduce(*args, **kwargs)
+            finally:
+                self._inside_shm = False
+
+        shm_collectives.all_reduce = shm_counted
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for name, fn in self._originals.items():
             setattr(dist, name, fn)
+        shm_collectives.all_reduce = self._shm_all_reduce
+
+
+def _align_ranks() -> None:
+    """Untimed: start the next timed region together (a shared-memory all_reduce leaves the ranks
+    ~20 µs apart; a gloo barrier can release them milliseconds apart, which the first collective of
+    the timed region would absorb)."""
+    if shm_collectives.shm_available():
+        shm_collectives.all_reduce(torch.zeros(1))
+    else:
+        dist.barrier()
 
 
 def _run_method(method: str, k: int, steps: int, flush_every: int, rank: int) -> dict[str, float]:
+    if method == "ours (gloo)":  # our Collector with its all_reduces on gloo instead of shared memory
+        os.environ[shm_collectives._ENV] = "0"
+        try:
+            return _run_method("ours", k, steps, flush_every, rank)
+        finally:
+            del os.environ[shm_collectives._ENV]
     step, flush = _FACTORIES[method](k)
     gen = torch.Generator().manual_seed(rank)
     values = [[torch.rand((), generator=gen) for _ in range(k)] for _ in range(flush_every)]
@@ -162,7 +196,7 @@ def _run_method(method: str, k: int, steps: int, flush_every: int, rank: int) ->
         before = counter.count
         flush()
         flush_calls = counter.count - before
-    dist.barrier()
+    _align_ranks()
     step_time = 0.0
     flush_times = []
     for s in range(steps):
@@ -170,7 +204,7 @@ def _run_method(method: str, k: int, steps: int, flush_every: int, rank: int) ->
         step(values[s % flush_every])
         step_time += time.perf_counter() - t0
         if (s + 1) % flush_every == 0:
-            dist.barrier()  # not timed: keeps rank skew of the step loop out of the flush figure
+            _align_ranks()  # not timed: keeps rank skew of the step loop out of the flush figure
             t1 = time.perf_counter()
             flush()
             flush_times.append(time.perf_counter() - t1)
@@ -272,7 +306,8 @@ def format_markdown(results: dict, report_us: dict[str, float], flush_every: int
         "on_step=True, sync_dist=True)` with `_sync_ddp_if_available` (what `self.log(sync_dist=True)` runs "
         "per key per step: barrier + all_reduce); (c) torchmetrics: K `MeanMetric` with synced "
         "`compute()` + `reset()` per flush. Step cost is amortised (flushes included); the slower rank "
-        "counts; an untimed barrier precedes each flush so rank skew is not counted as flush time; "
+        "counts; an untimed shared-memory all_reduce aligns the ranks before each flush so rank skew is not "
+        "counted as flush time; "
         "flush ms is the median over the flushes of the run.",
         "",
         f"| K | method | µs / step | flush ms | collectives / {flush_every} steps | collectives / flush |",
