@@ -47,11 +47,30 @@ def _memory_format(x: Tensor) -> torch.memory_format:
 # ---------------------------------------------------------------------------- reference (pure torch)
 
 
+def _stats_channels_first(x: Tensor) -> tuple[Tensor, Tensor]:
+    """float32 ``(mean, m2)`` per channel of a contiguous float32 ``(N, C, *)`` tensor, in two passes.
+
+    ATen's float32 ``batch_norm_update_stats`` walks a contiguous ``(N, C, S)`` tensor channel by
+    channel with a scalar Welford loop (measured 4.0 ms at (32, 64, 32, 32) on one core, vs 0.4 ms
+    channels-last). Here: pass 1, row sums over the contiguous ``S`` (vectorized) give the mean;
+    pass 2, ``(x - mean)`` and its row dot products give ``m2`` (textbook two-pass variance, no
+    cancellation); rows are combined over ``N`` in float64. About 5x faster at that shape.
+    """
+    n, c = x.shape[0], x.shape[1]
+    rows = x.view(n, c, -1)  # (N, C, S)
+    count = rows.shape[0] * rows.shape[2]
+    mean = rows.sum(dim=2).sum(dim=0, dtype=torch.float64).div_(count).to(torch.float32)  # (C,)
+    dev = rows - mean.view(1, c, 1)  # (N, C, S)
+    m2 = torch.linalg.vecdot(dev, dev, dim=2).sum(dim=0, dtype=torch.float64).to(torch.float32)
+    return mean, m2
+
+
 def batch_norm_stats_reference(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(count, mean, m2)`` per channel with ATen's fused ``batch_norm_update_stats``.
 
     Low-precision input passes float32 scratch running buffers so ATen takes its mixed-dtype path,
-    which accumulates and returns float32 without copying ``x``.
+    which accumulates and returns float32 without copying ``x``. Contiguous float32 input of at least
+    64Ki elements and a spatial size >= 32 takes a faster two-pass route (:func:`_stats_channels_first`).
     """
     c = x.shape[1]
     dtype = _stat_dtype(x)
@@ -63,6 +82,14 @@ def batch_norm_stats_reference(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
             torch.zeros(c, dtype=dtype, device=x.device),
             torch.zeros(c, dtype=dtype, device=x.device),
         )
+    if (
+        x.dtype == torch.float32
+        and x.dim() > 2
+        and x.is_contiguous()
+        and x.shape[2:].numel() >= 32
+        and x.numel() >= 1 << 16
+    ):
+        return count, *_stats_channels_first(x)
     if x.dtype in (torch.float32, torch.float64):
         mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
     else:

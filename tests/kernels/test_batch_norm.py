@@ -25,6 +25,7 @@ CASES = [
     ((1, 7, 3, 5, 3), torch.channels_last_3d, False),
     ((2, 7, 3, 5, 3), torch.contiguous_format, False),
     ((2101, 7), torch.contiguous_format, False),
+    ((4, 9, 64, 33), torch.contiguous_format, False),  # >= 64Ki elements: reference's two-pass stats
     ((3, 7, 9, 5), torch.contiguous_format, True),  # x[..., ::2]: spatial dims not collapsible
     ((0, 7, 5, 3), torch.contiguous_format, False),
     ((3, 7, 0), torch.contiguous_format, False),
@@ -154,6 +155,20 @@ def test_batch_norm_ops(backend, reference, shape, fmt, sliced, dtype, atol, rto
             assert err_k <= 2 * err_l + tiny, (
                 f"{backend.key} {k}: error {err_k:.3g} > 2x {dtype} maths {err_l:.3g}"
             )
+
+
+@pytest.mark.parametrize("shape", [(4, 9, 64, 33), (2, 3, 40000), (3, 5, 7, 9, 60)])
+def test_stats_stable_when_the_mean_dominates(reference, shape):
+    """float32 ``m2`` stays exact to float32 rounding when |mean| / std ~ 1e3 (no E[x^2] - E[x]^2)."""
+    gen = torch.Generator().manual_seed(7)
+    x = (1e3 + torch.randn(shape, generator=gen, dtype=torch.float64)).float()
+    _, mean, m2 = reference.batch_norm_stats(x)
+    xd = x.double()
+    dims = [0, *range(2, x.dim())]
+    t_mean = xd.mean(dims)
+    t_m2 = ((xd - _bc(t_mean, x.dim())) ** 2).sum(dims)
+    assert_close_scaled(mean, t_mean, t_mean.abs(), 0.0, 1e-6, "mean")
+    assert_close_scaled(m2, t_m2, t_m2, 0.0, 1e-5, "m2")
 
 
 def test_weight_bias_none_and_vector_count(backend):
