@@ -523,22 +523,23 @@ class DynamicLossScaler:
         raise TypeError(f"`outputs` must be a Tensor or an iterable of Tensors, got {type(outputs).__name__}")
 
     def _params_with_grads(self, optimizer: torch.optim.Optimizer, allow_fp16: bool) -> list[Tensor]:
-        grads: list[Tensor] = []
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                if not allow_fp16 and self._enabled and param.grad.dtype == torch.float16:
-                    raise ValueError(
-                        "Attempting to unscale FP16 gradients. HINT: keep the parameters in float32 "
-                        "and run the forward under autocast (the optimizer needs fp32 master weights)."
-                    )
-                if param.grad.is_sparse:
-                    if param.grad.dtype is torch.float16:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not allow_fp16 and self._enabled and any(g.dtype is torch.float16 for g in grads):
+            raise ValueError(
+                "Attempting to unscale FP16 gradients. HINT: keep the parameters in float32 "
+                "and run the forward under autocast (the optimizer needs fp32 master weights)."
+            )
+        if any(g.is_sparse for g in grads):  # rare: unscale the values of sparse gradients
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None and param.grad.is_sparse and param.grad.dtype is torch.float16:
                         param.grad = param.grad.coalesce()
-                    grads.append(param.grad._values())
-                else:
-                    grads.append(param.grad)
+            grads = [
+                p.grad._values() if p.grad.is_sparse else p.grad
+                for group in optimizer.param_groups
+                for p in group["params"]
+                if p.grad is not None
+            ]
         return grads
 
     def _unscale_and_check(
@@ -553,8 +554,11 @@ class DynamicLossScaler:
         if grads:
             self._place(grads[0].device)
         per_device: dict[torch.device, list[Tensor]] = defaultdict(list)
-        for grad in grads:
-            per_device[grad.device].append(grad)
+        if grads and self._device.type == "cpu" and all(g.is_cpu for g in grads):
+            per_device[grads[0].device] = grads  # the common single-device case, without a dict pass
+        else:
+            for grad in grads:
+                per_device[grad.device].append(grad)
         flags = []
         with torch.no_grad():
             for device, tensors in per_device.items():

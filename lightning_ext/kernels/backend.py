@@ -324,10 +324,15 @@ class KernelBackend(abc.ABC):
         """
         if isinstance(tensors, Tensor) or not isinstance(tensors, Sequence):
             raise TypeError(f"`tensors` must be a list of tensors, got {type(tensors).__name__}")
-        for i, t in enumerate(tensors):
-            if not isinstance(t, Tensor) or not t.is_floating_point():
-                got = t.dtype if isinstance(t, Tensor) else type(t).__name__
-                raise TypeError(f"`tensors[{i}]` must be a floating point tensor, got {got!r}")
+        try:
+            all_float = all(map(torch.is_floating_point, tensors))
+        except TypeError:  # a non-tensor entry
+            all_float = False
+        if not all_float:
+            for i, t in enumerate(tensors):
+                if not isinstance(t, Tensor) or not t.is_floating_point():
+                    got = t.dtype if isinstance(t, Tensor) else type(t).__name__
+                    raise TypeError(f"`tensors[{i}]` must be a floating point tensor, got {got!r}")
         if not isinstance(inv_scale, Tensor) or inv_scale.dtype != torch.float32:
             got = inv_scale.dtype if isinstance(inv_scale, Tensor) else type(inv_scale).__name__
             raise TypeError(f"`inv_scale` must be a float32 tensor, got {got!r}")

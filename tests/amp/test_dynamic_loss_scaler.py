@@ -192,6 +192,31 @@ def test_skipped_step_leaves_params_and_optimizer_state_bit_identical():
             assert torch.equal(after[k][name], t), name
 
 
+def test_sparse_gradients_are_unscaled_and_checked():
+    """``nn.Embedding(sparse=True)`` gradients: their values are unscaled, an inf among them skips."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    dense = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD([*emb.parameters(), *dense.parameters()], lr=0.1)
+    scaler = DynamicLossScaler(init_scale=8.0, telemetry=False)
+    idx = torch.tensor([1, 4, 4])
+    scaler.scale(dense(emb(idx)).sum()).backward()
+    expected = emb.weight.grad.coalesce().values() / 8.0
+    scaler.unscale_(opt)
+    torch.testing.assert_close(emb.weight.grad.coalesce().values(), expected)
+    before = emb.weight.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    assert not scaler.last_step_skipped and not torch.equal(emb.weight, before)
+    opt.zero_grad()
+    scaler.scale(dense(emb(idx)).sum()).backward()
+    emb.weight.grad._values()[0, 0] = math.inf
+    before = emb.weight.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped and torch.equal(emb.weight, before)
+
+
 def test_unscale_before_step_gives_true_gradients():
     model, x, y = _model_and_data()
     ref = copy.deepcopy(model)

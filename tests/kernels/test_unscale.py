@@ -68,6 +68,8 @@ def test_unscale_empty_list_and_bad_input(backend):
         backend.unscale_and_check_(torch.zeros(3), torch.tensor(0.5))
     with pytest.raises(TypeError, match=r"`tensors\[1\]` must be a floating point tensor, got torch.int64"):
         backend.unscale_and_check_([torch.zeros(3), torch.zeros(3, dtype=torch.long)], torch.tensor(0.5))
+    with pytest.raises(TypeError, match=r"`tensors\[0\]` must be a floating point tensor, got 'float'"):
+        backend.unscale_and_check_([1.0, torch.zeros(3)], torch.tensor(0.5))
     with pytest.raises(TypeError, match=r"`inv_scale` must be a float32 tensor, got torch.float64"):
         backend.unscale_and_check_([torch.zeros(3)], torch.tensor(0.5, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"`inv_scale` must have one element, got shape \(2,\)"):
