@@ -543,12 +543,14 @@ class DynamicLossScaler:
         return grads
 
     def _unscale_and_check(
-        self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, allow_fp16: bool
+        self, optimizer: torch.optim.Optimizer, inv_scale: Tensor | None, allow_fp16: bool
     ) -> Tensor:
         """One ``unscale_and_check_`` call per device over the optimizer's gradients.
 
-        Returns float32 0-dim ``found_inf`` on the scale's device (1.0 iff any inf/NaN), MAX-reduced over
-        ``process_group`` when one is set. No host sync.
+        ``inv_scale=None`` only checks (``check_finite``: fused optimizers unscale in their own
+        step, so the gradients need not be rewritten). Returns float32 0-dim ``found_inf`` on the
+        scale's device (1.0 iff any inf/NaN), MAX-reduced over ``process_group`` when one is set.
+        No host sync.
         """
         grads = self._params_with_grads(optimizer, allow_fp16)
         if grads:
@@ -563,6 +565,9 @@ class DynamicLossScaler:
         with torch.no_grad():
             for device, tensors in per_device.items():
                 backend = get_backend(device=device)
+                if inv_scale is None:
+                    flags.append(backend.check_finite(tensors, self._device))
+                    continue
                 device_inv_scale = inv_scale if inv_scale.device == device else inv_scale.to(device)
                 flags.append(backend.unscale_and_check_(tensors, device_inv_scale).to(self._device))
         if not flags:
@@ -607,8 +612,10 @@ class DynamicLossScaler:
         """Unscale (unless :meth:`unscale_` ran), then ``optimizer.step(*args, **kwargs)`` unless non-finite.
 
         Optimizers with ``_step_supports_amp_scaling`` (``fused=True`` Adam/AdamW/SGD) get
-        ``optimizer.grad_scale`` / ``optimizer.found_inf`` and skip on the device: no host sync.
-        Others: the skip decision reads ``found_inf`` to the host (one sync per optimizer step).
+        ``optimizer.grad_scale`` / ``optimizer.found_inf`` and skip on the device: no host sync; their
+        gradients are only checked (``KernelBackend.check_finite``: read, not rewritten as GradScaler
+        does by unscaling at scale 1). Others: the skip decision reads ``found_inf`` to the host (one
+        sync per optimizer step).
 
         Returns:
             ``optimizer.step``'s return value, or ``None`` when the step was skipped.
@@ -629,8 +636,7 @@ class DynamicLossScaler:
             raise RuntimeError("step() has already been called since the last update().")
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             if state["stage"] is _Stage.READY:
-                one = torch.ones((), dtype=torch.float32, device=self._device)
-                state["found_inf"] = self._unscale_and_check(optimizer, one, allow_fp16=True)
+                state["found_inf"] = self._unscale_and_check(optimizer, None, allow_fp16=True)
                 previous = getattr(optimizer, "grad_scale", None)
                 optimizer.grad_scale = self._scale if previous is None else self._scale * previous  # type: ignore[attr-defined]
             else:

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
+
+from lightning_ext.kernels.unscale import check_finite_reference
 
 __all__ = ["KernelBackend"]
 
@@ -322,6 +324,44 @@ class KernelBackend(abc.ABC):
         are copied to ``inv_scale.device`` with ``non_blocking=True``). Follows
         ``torch._amp_foreach_non_finite_check_and_unscale_`` (``torch.amp.GradScaler``).
         """
+        tensors = self._check_float_tensors(tensors)
+        if not isinstance(inv_scale, Tensor) or inv_scale.dtype != torch.float32:
+            got = inv_scale.dtype if isinstance(inv_scale, Tensor) else type(inv_scale).__name__
+            raise TypeError(f"`inv_scale` must be a float32 tensor, got {got!r}")
+        if inv_scale.numel() != 1:
+            raise ValueError(f"`inv_scale` must have one element, got shape {tuple(inv_scale.shape)!r}")
+        with torch.no_grad():
+            return self._dispatch_unscale_and_check_(tensors, inv_scale.reshape(()))
+
+    def check_finite(self, tensors: Sequence[Tensor], device: torch.device | str | None = None) -> Tensor:
+        """Whether any element of ``tensors`` is inf/NaN, reading them without writing (where cheaper).
+
+        The check fused optimizers need (they unscale inside their own step): GradScaler runs its
+        multiply-and-check op at scale 1 for it, which also rewrites every gradient. The default
+        implementation (every backend inherits it; override for a device kernel) reads large CPU
+        tensors once with ``aminmax`` and sends the rest through the multi-tensor op at scale 1,
+        which leaves the values bitwise unchanged.
+
+        Args:
+            tensors: floating point tensors of any dtypes and devices.
+            device: where to return the flag (default: the first tensor's device, else CPU).
+
+        Returns:
+            ``found_inf``: float32 0-dim tensor on ``device``, 1.0 iff any element is inf or NaN.
+
+        Raises:
+            TypeError: ``tensors`` is not a sequence of floating point tensors.
+
+        Does not synchronize host and device.
+        """
+        tensors = self._check_float_tensors(tensors)
+        if device is None:
+            device = tensors[0].device if tensors else torch.device("cpu")
+        with torch.no_grad():
+            return check_finite_reference(tensors, torch.device(device))
+
+    @staticmethod
+    def _check_float_tensors(tensors: Any) -> list[Tensor]:
         if isinstance(tensors, Tensor) or not isinstance(tensors, Sequence):
             raise TypeError(f"`tensors` must be a list of tensors, got {type(tensors).__name__}")
         try:
@@ -333,13 +373,7 @@ class KernelBackend(abc.ABC):
                 if not isinstance(t, Tensor) or not t.is_floating_point():
                     got = t.dtype if isinstance(t, Tensor) else type(t).__name__
                     raise TypeError(f"`tensors[{i}]` must be a floating point tensor, got {got!r}")
-        if not isinstance(inv_scale, Tensor) or inv_scale.dtype != torch.float32:
-            got = inv_scale.dtype if isinstance(inv_scale, Tensor) else type(inv_scale).__name__
-            raise TypeError(f"`inv_scale` must be a float32 tensor, got {got!r}")
-        if inv_scale.numel() != 1:
-            raise ValueError(f"`inv_scale` must have one element, got shape {tuple(inv_scale.shape)!r}")
-        with torch.no_grad():
-            return self._dispatch_unscale_and_check_(list(tensors), inv_scale.reshape(()))
+        return list(tensors)
 
     def accumulate_moments_(self, acc: Tensor, x: Tensor, shift: Tensor) -> None:
         """Add the shifted moments and extremes of ``x`` into ``acc`` in place.

