@@ -24,7 +24,7 @@ Backward: ONE ``all_reduce`` of the float32 ``(sum_dy, sum_dy_xmu)`` (``2C`` num
 with the GLOBAL count; ``grad_weight``/``grad_bias`` stay local (DDP averages them), as in torch.
 
 Transport: on CPU with a gloo group whose ranks share a host, both all_reduces go through shared
-memory (:mod:`lightning_ext.shm_collectives`, ~25 µs instead of ~0.7 ms median for gloo on a 2-core
+memory (:mod:`lightning_ext.shm_collectives`, 25-35 µs instead of gloo's 0.3-0.5 ms median on a 2-core
 machine); elsewhere through the process group's own ``all_reduce``.
 
 Checkpointing: ``torch.utils.checkpoint`` re-runs the forward during backward. A forward that runs
@@ -103,8 +103,9 @@ def _sum_over_group(tensor: Tensor, process_group: dist.ProcessGroup | None) -> 
     """SUM ``tensor`` over the group on its collective device (one all_reduce); back on its own device.
 
     Small CPU tensors of a gloo group on one host go through shared memory
-    (:mod:`lightning_ext.shm_collectives`, ~30x lower latency than gloo); a CUDA tensor with a gloo
-    group is copied to the CPU and back (a host sync).
+    (:mod:`lightning_ext.shm_collectives`: 12-18x lower median latency than gloo, measured by
+    ``benchmarks/bench_shm_collectives.py``); a CUDA tensor with a gloo group is copied to the CPU
+    and back (a host sync).
     """
     comm_device = collective_device(process_group)
     if comm_device != tensor.device:

@@ -57,7 +57,7 @@ class Collector:
     redone with aligned rows, the SUM around the largest rank mean. So the steady state costs two
     all-reduces (one round trip, as they overlap) whatever the number of names. Over a gloo group
     whose ranks share a host, the all-reduces go through shared memory
-    (:mod:`lightning_ext.shm_collectives`: ~25 µs instead of ~0.7 ms each). Per-device partial
+    (:mod:`lightning_ext.shm_collectives`: 25-35 µs instead of 0.3-0.5 ms each). Per-device partial
     results are merged locally first (see :mod:`lightning_ext.stats.moments`). Every rank computes
     the same numbers from the same reduced tensors, so the published statistics are identical on all
     ranks. Without ``torch.distributed`` (or after ``init_multiprocessing(rank, None)``) there are no

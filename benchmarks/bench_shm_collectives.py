@@ -1,0 +1,92 @@
+"""Latency of a small all_reduce between CPU ranks of one host: gloo's own vs ``shm_collectives``.
+
+Two spawned gloo ranks (1 thread each) all-reduce (SUM) float64 tensors of the sizes SyncBatchNorm
+and the Collector send (2C + 1 for C = 64 and 256, a K = 100 collector's payload, one scalar),
+back to back, in alternating blocks of 100 calls per transport (the first 5 of a block untimed).
+Median and 90th percentile of the per-call time on rank 0; ratio = gloo / shared memory (> 1: ours
+is faster).
+
+Usage: ``python benchmarks/bench_shm_collectives.py [--iters 2000]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:
+    sys.path.insert(0, str(HERE.parent))
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from _common import write_result  # noqa: E402
+
+from lightning_ext import shm_collectives  # noqa: E402
+from tests.helpers.distributed import run_distributed  # noqa: E402
+
+SIZES = {
+    "scalar": 1,
+    "SyncBN C=64 (129 floats)": 129,
+    "SyncBN C=256 (513 floats)": 513,
+    "Collector K=100": 404,
+}
+BLOCK = 100  # calls per transport before switching: a call right after the other transport's would
+# absorb the rank skew that one left behind (gloo releases the ranks up to milliseconds apart)
+
+
+def _worker(rank: int, world_size: int, iters: int) -> dict[str, dict[str, float]]:
+    assert shm_collectives.shm_available()
+    out = {}
+    for label, n in SIZES.items():
+        x = torch.randn(n, dtype=torch.float64)
+        times: dict[str, list[float]] = {"gloo": [], "shm": []}
+        for _ in range(max(1, iters // BLOCK)):
+            for name, fn in (("gloo", dist.all_reduce), ("shm", shm_collectives.all_reduce)):
+                for i in range(BLOCK + 5):
+                    start = time.perf_counter()
+                    fn(x)
+                    elapsed = time.perf_counter() - start
+                    x.mul_(0.5)  # keep the values bounded
+                    if i >= 5:  # the first calls of a block absorb the skew left by the other transport
+                        times[name].append(elapsed * 1e6)
+        out[label] = {
+            f"{name}_{stat}": fn(v)
+            for name, v in times.items()
+            for stat, fn in (("median", statistics.median), ("p90", lambda v: sorted(v)[int(0.9 * len(v))]))
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--iters", type=int, default=2000)
+    args = parser.parse_args()
+    result = run_distributed(_worker, 2, args.iters, timeout=600)[0]
+    lines = [
+        "## Small all_reduce latency between 2 CPU ranks of one host (`bench_shm_collectives.py`)",
+        "",
+        f"float64 SUM, {args.iters} calls per transport in alternating blocks of {BLOCK}, µs per call on "
+        "rank 0. What one SyncBatchNorm layer pays per step and direction, and a Collector per flush.",
+        "",
+        "| payload | gloo median | gloo p90 | shared memory median | shared memory p90 | median ratio |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for label, r in result.items():
+        lines.append(
+            f"| {label} | {r['gloo_median']:.0f} | {r['gloo_p90']:.0f} | {r['shm_median']:.0f} | "
+            f"{r['shm_p90']:.0f} | {r['gloo_median'] / r['shm_median']:.1f}x |"
+        )
+    markdown = "\n".join(lines)
+    print(markdown)
+    write_result("shm_collectives", markdown)
+
+
+if __name__ == "__main__":
+    main()
