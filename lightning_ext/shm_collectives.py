@@ -13,13 +13,15 @@ sequence, and reduces the slots itself, in rank order, so every rank computes th
 result.
 
 Shared state per process group, created lazily at the first call on that group (a collective over
-the group, once): group rank 0 creates a file in ``/dev/shm`` (or the temp dir), broadcasts its path
-and a random token through the group, every rank maps it (``torch.from_file(shared=True)``) and
-checks the token, and one gloo ``all_reduce(MIN)`` agrees that all ranks could; then rank 0
-unlinks the file (the mappings stay). If any rank cannot (another host, no shared file system),
-the group keeps using its own ``all_reduce``. Layout::
+the group, once): group rank 0 creates a file in ``/dev/shm`` (Linux; elsewhere there is no
+shared-memory path), broadcasts its path and a random token through the group, every rank maps it
+(``torch.from_file(shared=True)``), checks the token and writes its process id, one gloo
+``all_reduce(MIN)`` agrees that all ranks could, a second that every rank sees every other rank's
+process (so a waiter can tell a dead peer from a slow one); rank 0 unlinks the file (the mappings
+stay). If any rank cannot (another host, another pid namespace), the group keeps using its own
+``all_reduce``. Layout::
 
-    header: W int64 sequence counters, one per 64-byte cache line (no false sharing)
+    header: per rank one 64-byte cache line (no false sharing): int64 sequence counter, int64 pid
     data:   2 (double buffer by sequence parity) x W slots x _SLOT_BYTES
 
 Double buffering makes one counter per rank enough: a rank writes buffer ``s % 2`` for sequence
@@ -32,7 +34,9 @@ order makes the counter visible only after the data; other architectures use glo
 ``LIGHTNING_EXT_SHM_COLLECTIVES=0``. The choice depends only on what every rank of the group
 shares (sizes, dtypes, group, platform), so all ranks take the same path. A rank waits with
 ``os.sched_yield`` then short sleeps and raises ``RuntimeError`` naming the missing ranks after
-``timeout`` seconds (the group's default, 30 min) instead of hanging forever.
+``timeout`` seconds (the group's default, 30 min) instead of hanging forever; while it sleeps it
+checks every 0.5 s that the ranks it waits for still run, and raises at once if one exited (as
+gloo does when a peer's socket closes).
 """
 
 from __future__ import annotations
@@ -40,7 +44,6 @@ from __future__ import annotations
 import os
 import platform
 import secrets
-import tempfile
 import threading
 import time
 import uuid
@@ -58,6 +61,7 @@ _LINE = 64  # bytes per sequence counter (one cache line each)
 _ENV = "LIGHTNING_EXT_SHM_COLLECTIVES"  # "0" disables the shared-memory path
 _SPIN_YIELDS = 20_000  # sched_yield polls before the waiter starts sleeping (~20-50 ms)
 _TIMEOUT = timedelta(minutes=30)  # gloo's default collective timeout
+_LIVENESS_PERIOD = 0.5  # seconds between checks, while sleeping, that the missing ranks still run
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 _groups: weakref.WeakKeyDictionary[Any, _ShmGroup | None] = weakref.WeakKeyDictionary()
@@ -77,8 +81,9 @@ class _Done:
 class _ShmGroup:
     """Shared segment of one process group: sequence counters and double-buffered rank slots."""
 
-    def __init__(self, storage: torch.Tensor, rank: int, world_size: int) -> None:
+    def __init__(self, storage: torch.Tensor, rank: int, world_size: int, pids: list[int]) -> None:
         self.rank = rank
+        self.pids = pids  # process id of every rank (a waiter checks that missing ranks still run)
         self.world_size = world_size
         header = world_size * _LINE
         # (W,) int64 counters, 64 bytes apart, read and written as aligned 8-byte words.
@@ -93,7 +98,7 @@ class _ShmGroup:
     def _wait_all(self, seq: int) -> None:
         counters = self.counters_np
         polls = 0
-        deadline = None
+        deadline = next_check = None
         sleep = 1e-5
         while min(counters.tolist()) < seq:
             polls += 1
@@ -103,7 +108,17 @@ class _ShmGroup:
             now = time.monotonic()
             if deadline is None:
                 deadline = now + self.timeout
-            elif now > deadline:
+                next_check = now
+            if now >= next_check:  # a dead peer fails the wait now, as a closed gloo socket would
+                next_check = now + _LIVENESS_PERIOD
+                missing = [r for r in range(self.world_size) if counters[r] < seq]
+                dead = [r for r in missing if not _process_alive(self.pids[r])]
+                if dead:
+                    raise RuntimeError(
+                        f"shared-memory all_reduce #{seq}: group ranks {dead} (pids "
+                        f"{[self.pids[r] for r in dead]}) exited without joining it"
+                    )
+            if now > deadline:
                 missing = [r for r in range(self.world_size) if counters[r] < seq]
                 raise RuntimeError(
                     f"shared-memory all_reduce #{seq} timed out after {self.timeout:.0f}s waiting for "
@@ -156,22 +171,30 @@ def _combine_(acc: torch.Tensor, other: torch.Tensor, op: dist.ReduceOp) -> None
 _OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT)
 
 
-def _shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+def _shm_dir() -> str | None:
+    """``/dev/shm`` (host-local memory on Linux); ``None`` elsewhere: no shared-memory path, since a
+    temp dir could be a network file system whose mappings are not coherent across hosts."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
 def _create(group: Any) -> _ShmGroup | None:
-    """Collective over ``group``: map one shared segment on every rank, or agree that it cannot be done."""
+    """Collective over ``group``: map one shared segment on every rank, or agree that it cannot be done.
+
+    Four collectives, once per group: broadcast (path, token), MIN all_reduce (every rank mapped the
+    segment, saw the token and wrote its pid), MIN all_reduce (every rank sees every other rank's
+    process, so a waiter can tell a dead peer from a slow one), barrier (the token is cleared).
+    """
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     size = world_size * _LINE + 2 * world_size * _SLOT_BYTES
     storage = None
     info: list[Any] = [None]
-    if rank == 0:
-        path = os.path.join(_shm_dir(), f"lightning_ext_shm_{uuid.uuid4().hex}")
+    shm_dir = _shm_dir()
+    if rank == 0 and shm_dir is not None:
+        path = os.path.join(shm_dir, f"lightning_ext_shm_{uuid.uuid4().hex}")
         token = secrets.randbits(62)
         try:
             storage = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-            storage[:8].view(torch.int64).fill_(token)  # counters start at 0 after the first line is reset
+            storage[:8].view(torch.int64).fill_(token)  # in rank 0's counter, cleared before first use
             info = [(path, token)]
         except (OSError, RuntimeError):
             info = [None]
@@ -186,6 +209,8 @@ def _create(group: Any) -> _ShmGroup | None:
                 ok = int(storage[:8].view(torch.int64)) == token
         except (OSError, RuntimeError):
             ok = False
+    if ok:
+        _pid_words(storage, world_size)[rank] = os.getpid()
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)  # everyone has read the token
     if rank == 0 and info[0] is not None:
@@ -195,10 +220,38 @@ def _create(group: Any) -> _ShmGroup | None:
             pass
     if not int(flag):
         return None
+    pids = _pid_words(storage, world_size).tolist()
+    flag.fill_(1 if all(_process_alive(pid) for pid in pids) else 0)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)  # e.g. separate pid namespaces: gloo
+    if not int(flag):
+        return None
     if rank == 0:
-        storage[:8].zero_()  # the token shared rank 0's counter line
-    dist.barrier(group=group)  # nobody publishes before rank 0 reset the first counter
-    return _ShmGroup(storage, rank, world_size)
+        storage[:8].zero_()  # the token shared rank 0's counter
+    dist.barrier(group=group)  # nobody publishes before rank 0 cleared its counter
+    return _ShmGroup(storage, rank, world_size, pids)
+
+
+def _pid_words(storage: torch.Tensor, world_size: int) -> torch.Tensor:
+    """(W,) int64 view of the second word of each rank's header line: that rank's process id."""
+    return storage[: world_size * _LINE].view(torch.int64)[1 :: _LINE // 8]
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X", b"x")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 def _shm_group(group: Any) -> _ShmGroup | None:
@@ -264,7 +317,8 @@ def all_reduce(
         ``None``, or a handle with ``wait()`` when ``async_op``.
 
     Raises:
-        RuntimeError: a rank did not join within the timeout (30 min), naming the missing ranks.
+        RuntimeError: a rank did not join within the timeout (30 min), or its process exited;
+            the message names the ranks.
 
     Synchronizes only the ranks (no host-device sync: the tensors are on the CPU).
     """

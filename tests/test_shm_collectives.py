@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -138,3 +141,31 @@ def test_a_rank_that_never_joins_raises_naming_it_instead_of_hanging() -> None:
 
 def test_single_process_and_non_cpu_inputs_use_the_process_group_path() -> None:
     assert not shm_collectives.shm_available()  # not distributed
+
+
+def test_process_alive_tells_running_from_exited_processes() -> None:
+    assert shm_collectives._process_alive(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: the pid no longer exists
+    assert not shm_collectives._process_alive(child.pid)
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while shm_collectives._process_alive(zombie.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)  # exited but not reaped yet: a zombie counts as exited
+    assert not shm_collectives._process_alive(zombie.pid)
+    zombie.wait()
+
+
+def test_waiting_for_a_rank_whose_process_exited_raises_at_once() -> None:
+    """A 2-rank segment whose rank 1 is a process that already exited: rank 0 fails fast, naming it."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    world_size = 2
+    storage = torch.zeros(
+        world_size * shm_collectives._LINE + 2 * world_size * shm_collectives._SLOT_BYTES, dtype=torch.uint8
+    )
+    group = shm_collectives._ShmGroup(storage, 0, world_size, [os.getpid(), child.pid])
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"group ranks \[1\] \(pids \[{child.pid}\]\) exited"):
+        group.all_reduce_(torch.ones(3), dist.ReduceOp.SUM)
+    assert time.monotonic() - start < 30  # not the 30-minute timeout
