@@ -28,11 +28,12 @@ Double buffering makes one counter per rank enough: a rank writes buffer ``s % 2
 ``s`` only after it saw every counter reach ``s - 1``, i.e. after every rank finished reading
 buffer ``s % 2`` for sequence ``s - 2``.
 
-Used only where it is correct and useful: CPU tensors, contiguous, at most ``_SLOT_BYTES`` bytes,
+Used only where it is correct and useful: dense CPU tensors of at most ``_SLOT_BYTES`` bytes,
 a gloo group of several ranks, outside ``torch.compile`` tracing, on x86-64 (whose total store
 order makes the counter visible only after the data; other architectures use gloo), and unless
-``LIGHTNING_EXT_SHM_COLLECTIVES=0``. The choice depends only on what every rank of the group
-shares (sizes, dtypes, group, platform), so all ranks take the same path. A rank waits with
+``LIGHTNING_EXT_SHM_COLLECTIVES=0`` (set it on every rank or none). The choice depends only on
+what every rank of the group shares (sizes, dtypes, group, platform; not the memory layout), so all
+ranks take the same path. A rank waits with
 ``os.sched_yield`` then short sleeps and raises ``RuntimeError`` naming the missing ranks after
 ``timeout`` seconds (the group's default, 30 min) instead of hanging forever; while it sleeps it
 checks every 0.5 s that the ranks it waits for still run, and raises at once if one exited (as
@@ -193,11 +194,22 @@ def _create(group: Any) -> _ShmGroup | None:
         path = os.path.join(shm_dir, f"lightning_ext_shm_{uuid.uuid4().hex}")
         token = secrets.randbits(62)
         try:
+            # Reserve the pages first: a tmpfs that is too small fails here with ENOSPC, not with a
+            # SIGBUS at the first write into the mapping.
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            finally:
+                os.close(fd)
             storage = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
             storage[:8].view(torch.int64).fill_(token)  # in rank 0's counter, cleared before first use
             info = [(path, token)]
         except (OSError, RuntimeError):
             info = [None]
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
     dist.broadcast_object_list(info, src=dist.get_global_rank(group, 0), group=group)
     ok = info[0] is not None
     if ok and rank != 0:
@@ -270,7 +282,6 @@ def _eligible(tensor: torch.Tensor, op: Any, group: Any) -> bool:
         and _X86
         and os.environ.get(_ENV, "1") != "0"
         and tensor.device.type == "cpu"
-        and tensor.is_contiguous()
         and not tensor.is_sparse
         and tensor.numel() * tensor.element_size() <= _SLOT_BYTES
         and op in _OPS
@@ -301,7 +312,7 @@ def all_reduce(
 
     Same contract as ``torch.distributed.all_reduce``: every rank of ``group`` calls it in the same
     order with a tensor of the same shape and dtype; ``tensor`` is reduced in place. Eligible calls
-    (module docstring: CPU, contiguous, <= 128 KiB, gloo, x86-64, ``SUM``/``MAX``/``MIN``/``PRODUCT``)
+    (module docstring: dense CPU, <= 128 KiB, gloo, x86-64, ``SUM``/``MAX``/``MIN``/``PRODUCT``)
     exchange through shared memory and reduce in rank order, so the result is bitwise identical on
     every rank (it may differ from gloo's own summation order in the last bits); the others go
     to ``torch.distributed.all_reduce`` unchanged. The first eligible call on a group sets the segment

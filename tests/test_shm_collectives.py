@@ -51,6 +51,20 @@ def _matches_gloo(rank: int, world_size: int) -> list[torch.Tensor]:
                 else:
                     assert torch.equal(ours, ref), (dtype, shape, op, ours, ref)
                 results.append(ours)
+    # Any memory layout (the choice of path must not depend on it: ranks may differ there).
+    for x in (
+        _random((6, 4), torch.float64, generator).t(),
+        _random((2, 3, 4, 5), torch.float32, generator).contiguous(memory_format=torch.channels_last),
+        _random((9,), torch.float64, generator)[::2],
+    ):
+        ours, ref = x.clone(memory_format=torch.preserve_format), x.contiguous().clone()
+        if rank == 0:  # layouts differ between ranks
+            ours = ours.contiguous()
+        stride_before = ours.stride()
+        shm_collectives.all_reduce(ours)
+        dist.all_reduce(ref)
+        torch.testing.assert_close(ours, ref)
+        assert ours.stride() == stride_before
     # Larger than a slot: falls back to gloo, same answer.
     big = _random((shm_collectives._SLOT_BYTES // 8 + 1,), torch.float64, generator)
     ref = big.clone()
