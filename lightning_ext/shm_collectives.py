@@ -165,7 +165,7 @@ def _combine_(acc: torch.Tensor, other: torch.Tensor, op: dist.ReduceOp) -> None
         torch.minimum(acc, other, out=acc)
     elif op == dist.ReduceOp.PRODUCT:
         acc.mul_(other)
-    else:  # pragma: no cover - filtered by _supported
+    else:  # pragma: no cover - filtered by _eligible
         raise AssertionError(op)
 
 
@@ -316,7 +316,7 @@ def all_reduce(
     exchange through shared memory and reduce in rank order, so the result is bitwise identical on
     every rank (it may differ from gloo's own summation order in the last bits); the others go
     to ``torch.distributed.all_reduce`` unchanged. The first eligible call on a group sets the segment
-    up (one broadcast, one all_reduce, one barrier over the group).
+    up (a broadcast, two all_reduces and a barrier over the group, once).
 
     Args:
         tensor: tensor of any shape and dtype on the group's collective device; reduced in place.
