@@ -142,6 +142,31 @@ def bench_cpu(quick: bool) -> None:
     add("cpu", "unscale_and_check_", "reference", case, t_us, 2 * nbytes(*grads), t_gs, copy_gbs)
     add("cpu", "GradScaler.unscale_ (anchor)", "aten", case, t_gs, 2 * nbytes(*grads), t_gs, copy_gbs)
     add("cpu", "read grads once (foreach_norm)", "aten", case, t_read, nbytes(*grads), None, copy_gbs)
+    # The fused-optimizer check: GradScaler runs its unscale op at scale 1 (rewrites every gradient);
+    # ours reads them (check_finite).
+    found = torch.zeros(())
+    t_gs_check = cpu_time(lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv))
+    t_check = cpu_time(lambda: ref.check_finite(grads))
+    add(
+        "cpu",
+        "check_finite (fused optimizers)",
+        "reference",
+        case,
+        t_check,
+        nbytes(*grads),
+        t_gs_check,
+        copy_gbs,
+    )
+    add(
+        "cpu",
+        "GradScaler check at scale 1 (anchor)",
+        "aten",
+        case,
+        t_gs_check,
+        2 * nbytes(*grads),
+        t_gs_check,
+        copy_gbs,
+    )
 
     # accumulate_moments_ (report()) vs the ATen reductions it needs, on a 1M-element activation.
     x = torch.randn(2**20) + 3

@@ -54,7 +54,7 @@ def _stats_channels_first(x: Tensor) -> tuple[Tensor, Tensor]:
     channel with a scalar Welford loop (measured 4.0 ms at (32, 64, 32, 32) on one core, vs 0.4 ms
     channels-last). Here: pass 1, row sums over the contiguous ``S`` (vectorized) give the mean;
     pass 2, ``(x - mean)`` and its row dot products give ``m2`` (textbook two-pass variance, no
-    cancellation); rows are combined over ``N`` in float64. About 5x faster at that shape.
+    cancellation); rows are combined over ``N`` in float64. About 2x faster at that shape (1.9 ms).
     """
     n, c = x.shape[0], x.shape[1]
     rows = x.view(n, c, -1)  # (N, C, S)

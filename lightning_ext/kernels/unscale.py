@@ -69,10 +69,10 @@ def check_finite_reference(tensors: list[Tensor], device: torch.device, small_nu
     GradScaler checks gradients for fused optimizers with the same multiply-and-check op as
     ``unscale_``, at scale 1, which rewrites every gradient. On CPU, tensors of at least
     ``small_numel`` elements are instead checked with one read-only ``aminmax`` each (NaN
-    propagates into min/max, inf shows as an infinite extreme; ~20% less time at 11M float32
-    gradients); smaller ones, where one op per tensor would cost more than the writes, and other
-    devices go through the multi-tensor op at scale 1 (multiplying by 1 leaves every value bitwise
-    unchanged). Returns float32 0-dim on ``device``, 1.0 iff any inf/NaN. No host sync.
+    propagates into min/max, inf shows as an infinite extreme; ``benchmarks/bench_kernels.py`` times
+    it against GradScaler's check); smaller ones, where one op per tensor would cost more than the
+    writes, and other devices go through the multi-tensor op at scale 1 (multiplying by 1 leaves
+    every value bitwise unchanged). Returns float32 0-dim on ``device``, 1.0 iff any inf/NaN. No host sync.
     """
     flags = []
     one = torch.ones((), dtype=torch.float32, device=device)
