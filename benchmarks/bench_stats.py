@@ -42,6 +42,8 @@ if str(HERE.parent) not in sys.path:
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+from _common import align_ranks  # noqa: E402
+
 from lightning_ext import shm_collectives  # noqa: E402
 
 _COLLECTIVES = (
@@ -162,16 +164,6 @@ class _Counter:
         shm_collectives.all_reduce = self._shm_all_reduce
 
 
-def _align_ranks() -> None:
-    """Untimed: start the next timed region together (a shared-memory all_reduce leaves the ranks
-    ~20 µs apart; a gloo barrier can release them milliseconds apart, which the first collective of
-    the timed region would absorb)."""
-    if shm_collectives.shm_available():
-        shm_collectives.all_reduce(torch.zeros(1))
-    else:
-        dist.barrier()
-
-
 def _run_method(method: str, k: int, steps: int, flush_every: int, rank: int) -> dict[str, float]:
     if method == "ours (gloo)":  # our Collector with its all_reduces on gloo instead of shared memory
         os.environ[shm_collectives._ENV] = "0"
@@ -196,7 +188,7 @@ def _run_method(method: str, k: int, steps: int, flush_every: int, rank: int) ->
         before = counter.count
         flush()
         flush_calls = counter.count - before
-    _align_ranks()
+    align_ranks()
     step_time = 0.0
     flush_times = []
     for s in range(steps):
@@ -204,7 +196,7 @@ def _run_method(method: str, k: int, steps: int, flush_every: int, rank: int) ->
         step(values[s % flush_every])
         step_time += time.perf_counter() - t0
         if (s + 1) % flush_every == 0:
-            _align_ranks()  # not timed: keeps rank skew of the step loop out of the flush figure
+            align_ranks()  # not timed: keeps rank skew of the step loop out of the flush figure
             t1 = time.perf_counter()
             flush()
             flush_times.append(time.perf_counter() - t1)

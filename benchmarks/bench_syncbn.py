@@ -37,7 +37,7 @@ if str(HERE.parent) not in sys.path:
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import write_result  # noqa: E402
+from _common import align_ranks, write_result  # noqa: E402
 
 from lightning_ext import shm_collectives  # noqa: E402
 from lightning_ext.nn import SyncBatchNorm  # noqa: E402
@@ -98,12 +98,6 @@ def _count_collectives(bn: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> list
     return calls
 
 
-def _align_ranks() -> None:
-    """Start the next timed step together: the shared-memory all_reduce leaves ranks ~20 µs apart
-    (a gloo barrier releases them up to milliseconds apart, which the first collective would absorb)."""
-    shm_collectives.all_reduce(torch.zeros(1))
-
-
 class _ComputeOnly(nn.Module):
     """Our layer's synchronized code path with the collectives left out: the cost of the maths alone."""
 
@@ -131,7 +125,7 @@ def _worker(rank: int, world_size: int, iters: int) -> list[dict]:
             order = [("ours", ours), ("local", local), ("compute", compute_only)]
             for i in range(iters + 3):
                 for name, bn in order if i % 2 == 0 else order[::-1]:  # A B C C B A: no order bias
-                    _align_ranks()
+                    align_ranks()
                     start = time.perf_counter()
                     _step(bn, x, dy)
                     elapsed = time.perf_counter() - start

@@ -291,9 +291,13 @@ def _eligible(tensor: torch.Tensor, op: Any, group: Any) -> bool:
 
 
 def shm_available(group: dist.ProcessGroup | None = None) -> bool:
-    """Whether :func:`all_reduce` over ``group`` uses shared memory (creates it if needed).
+    """Whether :func:`all_reduce` over ``group`` (default: WORLD) takes the shared-memory path.
 
-    A collective over ``group`` on its first call for that group (every rank must call it then).
+    Returns ``False`` when ``torch.distributed`` is not initialized, the group has one rank or is
+    not gloo, on non-x86-64 machines, with ``LIGHTNING_EXT_SHM_COLLECTIVES=0``, or when the
+    segment could not be set up on every rank. The first call for a group sets the segment up: a
+    collective over ``group`` (a broadcast, two all_reduces, a barrier) that every rank must join;
+    later calls are local. No host-device sync; raises nothing of its own.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return False

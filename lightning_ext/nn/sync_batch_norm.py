@@ -103,7 +103,7 @@ def _sum_over_group(tensor: Tensor, process_group: dist.ProcessGroup | None) -> 
     """SUM ``tensor`` over the group on its collective device (one all_reduce); back on its own device.
 
     Small CPU tensors of a gloo group on one host go through shared memory
-    (:mod:`lightning_ext.shm_collectives`: 12-18x lower median latency than gloo, measured by
+    (:mod:`lightning_ext.shm_collectives`: 11-20x lower median latency than gloo, measured by
     ``benchmarks/bench_shm_collectives.py``); a CUDA tensor with a gloo group is copied to the CPU
     and back (a host sync).
     """
