@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_ext.kernels._triton import HAS_TRITON, kernel, tl, tl_dtype, triton
+from lightning_ext.kernels._triton import HAS_TRITON, cdiv, kernel, next_power_of_2, tl, tl_dtype
 from lightning_ext.kernels.backend import _stat_dtype
 
 __all__ = [
@@ -136,8 +136,9 @@ def batch_norm_backward_reduce_reference(
     # ATen's CPU kernel loses the float32 accumulation unless dy and x are dense in one layout.
     fmt = _memory_format(x)
     x, dy = x.contiguous(memory_format=fmt), dy.contiguous(memory_format=fmt)
+    # weight = ones: grad_weight is then sum(dy * (x - mean)) (CUDA's kernel also needs a weight).
     _, sum_dy_xmu, sum_dy = torch.ops.aten.native_batch_norm_backward(
-        dy, x, None, None, None, mean.to(dtype), ones, True, 0.0, [False, True, True]
+        dy, x, ones, None, None, mean.to(dtype), ones, True, 0.0, [False, True, True]
     )
     return sum_dy.to(dtype), sum_dy_xmu.to(dtype)
 
@@ -176,108 +177,136 @@ def batch_norm_backward_elemt_reference(
 
 # ---------------------------------------------------------------------------- Triton kernels
 # Every tensor is addressed as (N, C, S) through strides (sn, sc, ss): contiguous NCHW has
-# (C*S, S, 1), channels_last(_3d) (S*C, 1, C), (N, C) input S = 1. Rows m = n*S + s run over
-# M = N*S; a tile is BLOCK_M rows x BLOCK_C channels, masked at both edges (any C, any M).
+# (C*S, S, 1), channels_last(_3d) (S*C, 1, C), (N, C) input S = 1. When every tensor of a call allows
+# it (sn == S*ss, or S == 1), N is folded into S (channels_last and (N, C) become one image of N*S
+# rows). A tile is BLOCK_S positions x BLOCK_C channels, masked at both edges; addresses are
+# n*sn + s*ss + c*sc with no integer division per element, and Triton coalesces along whichever of
+# ss, sc is 1 (it specializes stride arguments equal to 1).
+# Reductions split the (n, spatial block) units of each channel block over SPLIT programs, keep
+# per-lane float32 (float64 for float64 input) accumulators and reduce the tile once at the end;
+# with SPLIT > 1 a small kernel sums the (SPLIT, 2, C) partials in float64 in a fixed order
+# (deterministic).
+# Statistics use sums of x - shift with shift = x[0, c, 0] (shifted data, Chan, Golub & LeVeque
+# 1983): m2 = S2 - S1^2 / n loses nothing to cancellation while the shift is within a few standard
+# deviations of the mean, whatever the mean.
+
+# Launch constants, from a sweep on an H100 (benchmarks/tune_kernels_gpu.py): elementwise kernels
+# want many small programs; reductions fewer, larger ones (and so fewer partials to combine).
+_TILE, _NUM_WARPS = 2048, 4  # elementwise: elements per tile, warps
+_RED_TILE, _RED_NUM_WARPS = 4096, 8  # reductions
+_PROGRAMS_PER_SM = 4  # reductions: programs per multiprocessor to aim for
+_COMBINE_ROWS = 128  # partials summed per step of the combine kernel (8 warps)
+_SM_COUNT: dict[int, int] = {}
 
 if HAS_TRITON:
 
     def _bn_stats_kernel(
         x_ptr,  # x: (N, C, S) strided, fp16/bf16/fp32/fp64
-        count_ptr, mean_ptr, m2_ptr,  # partials: (SPLIT, C) ACC each, of each split of the rows
-        M, C, S, sn, sc, ss,
-        rows_per_split,  # rows of one split, a multiple of BLOCK_M
-        ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+        part_ptr,  # partials: (SPLIT, 2, C) ACC [sum(x - shift), sum((x - shift)^2)] (unused if FINAL)
+        count_ptr, mean_ptr, m2_ptr,  # results: (C,) ACC each (written only if FINAL)
+        N, C, S, sn, sc, ss,
+        s_blocks, units_per_split,  # spatial blocks per image; (n, block) units per program
+        ACC: tl.constexpr, FINAL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
         pid_c = tl.program_id(0)
         pid_s = tl.program_id(1)
         cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < C
         coff = cols.to(tl.int64) * sc
-        start = pid_s * rows_per_split
-        end = tl.minimum(start + rows_per_split, M)
-        count = tl.zeros([BLOCK_C], dtype=ACC)
-        mean = tl.zeros([BLOCK_C], dtype=ACC)
-        m2 = tl.zeros([BLOCK_C], dtype=ACC)
-        for m0 in range(start, end, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            rmask = rows < end
-            roff = (rows // S).to(tl.int64) * sn + (rows % S).to(tl.int64) * ss
-            mask = rmask[:, None] & cmask[None, :]
-            v = tl.load(x_ptr + roff[:, None] + coff[None, :], mask=mask, other=0.0).to(ACC)
-            # Welford within the tile (exact two-pass on registers), Chan et al. across tiles.
-            n_b = tl.sum(rmask.to(ACC), axis=0)
-            mean_b = tl.sum(v, axis=0) / n_b
-            d = tl.where(mask, v - mean_b[None, :], 0.0)
-            m2_b = tl.sum(d * d, axis=0)
-            tot = count + n_b
-            delta = mean_b - mean
-            mean = mean + delta * (n_b / tot)
-            m2 = m2 + m2_b + delta * delta * (count * n_b / tot)
-            count = tot
-        out = pid_s * C + cols
-        tl.store(count_ptr + out, count, mask=cmask)
-        tl.store(mean_ptr + out, mean, mask=cmask)
-        tl.store(m2_ptr + out, m2, mask=cmask)
+        shift = tl.load(x_ptr + coff, mask=cmask, other=0.0).to(ACC)  # x[0, c, 0]
+        lanes = tl.arange(0, BLOCK_S)
+        s1 = tl.zeros([BLOCK_S, BLOCK_C], dtype=ACC)
+        s2 = tl.zeros([BLOCK_S, BLOCK_C], dtype=ACC)
+        u0 = pid_s * units_per_split
+        for u in range(u0, u0 + units_per_split):  # the last split's extra units are masked out
+            n = u // s_blocks
+            pos = (u % s_blocks) * BLOCK_S + lanes
+            valid = (pos < S) & (u + tl.zeros([BLOCK_S], dtype=tl.int32) < N * s_blocks)
+            mask = valid[:, None] & cmask[None, :]
+            ptrs = x_ptr + tl.cast(n, tl.int64) * sn + (pos.to(tl.int64) * ss)[:, None] + coff[None, :]
+            v = tl.load(ptrs, mask=mask, other=0.0).to(ACC)
+            d = tl.where(mask, v - shift[None, :], 0.0)
+            s1 += d
+            s2 += d * d
+        t1 = tl.sum(s1, axis=0)
+        t2 = tl.sum(s2, axis=0)
+        if FINAL:
+            count = tl.zeros([BLOCK_C], dtype=ACC) + N * S
+            tl.store(count_ptr + cols, count, mask=cmask)
+            tl.store(mean_ptr + cols, shift + t1 / count, mask=cmask)
+            tl.store(m2_ptr + cols, tl.maximum(t2 - t1 * (t1 / count), 0.0), mask=cmask)
+        else:
+            tl.store(part_ptr + pid_s * 2 * C + cols, t1, mask=cmask)
+            tl.store(part_ptr + (pid_s * 2 + 1) * C + cols, t2, mask=cmask)
 
-    def _bn_stats_combine_kernel(
-        pcount_ptr, pmean_ptr, pm2_ptr,  # partials: (SPLIT, C) ACC each
-        count_ptr, mean_ptr, m2_ptr,  # results: (C,) ACC each
-        C, SPLIT,
-        BLOCK_C: tl.constexpr,
+    def _bn_combine_kernel(
+        part_ptr,  # partials: (SPLIT, 2, C) ACC
+        x_ptr,  # x (STATS only: the shift x[0, c, 0])
+        out0_ptr, out1_ptr, out2_ptr,  # STATS: count, mean, m2; else: sum0, sum1 (out2 unused)
+        C, SPLIT, sc, total,
+        STATS: tl.constexpr, BLOCK_SPLIT: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
+        # Sums the partials in float64, BLOCK_SPLIT rows at a time (a tree within each chunk): the
+        # result does not depend on how many programs the reduction used, to float32 rounding.
         cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < C
-        count = tl.load(pcount_ptr + cols, mask=cmask, other=0.0)
-        mean = tl.load(pmean_ptr + cols, mask=cmask, other=0.0)
-        m2 = tl.load(pm2_ptr + cols, mask=cmask, other=0.0)
-        for i in range(1, SPLIT):  # Chan et al.'s pairwise combination, split by split
-            n_b = tl.load(pcount_ptr + i * C + cols, mask=cmask, other=0.0)
-            mean_b = tl.load(pmean_ptr + i * C + cols, mask=cmask, other=0.0)
-            m2_b = tl.load(pm2_ptr + i * C + cols, mask=cmask, other=0.0)
-            tot = count + n_b
-            safe = tl.where(tot > 0, tot, 1.0)
-            delta = mean_b - mean
-            mean = mean + delta * (n_b / safe)
-            m2 = m2 + m2_b + delta * delta * (count * n_b / safe)
-            count = tot
-        tl.store(count_ptr + cols, count, mask=cmask)
-        tl.store(mean_ptr + cols, mean, mask=cmask)
-        tl.store(m2_ptr + cols, m2, mask=cmask)
+        rows = tl.arange(0, BLOCK_SPLIT)
+        t1 = tl.zeros([BLOCK_C], dtype=tl.float64)
+        t2 = tl.zeros([BLOCK_C], dtype=tl.float64)
+        for i0 in range(0, SPLIT, BLOCK_SPLIT):  # fixed order: the same result on every run
+            r = i0 + rows
+            mask = (r < SPLIT)[:, None] & cmask[None, :]
+            base = part_ptr + (r * 2 * C)[:, None] + cols[None, :]
+            t1 += tl.sum(tl.load(base, mask=mask, other=0.0).to(tl.float64), axis=0)
+            t2 += tl.sum(tl.load(base + C, mask=mask, other=0.0).to(tl.float64), axis=0)
+        if STATS:
+            shift = tl.load(x_ptr + cols.to(tl.int64) * sc, mask=cmask, other=0.0).to(tl.float64)
+            count = tl.zeros([BLOCK_C], dtype=tl.float64) + total
+            tl.store(out0_ptr + cols, count.to(out0_ptr.dtype.element_ty), mask=cmask)
+            tl.store(out1_ptr + cols, (shift + t1 / count).to(out1_ptr.dtype.element_ty), mask=cmask)
+            m2 = tl.maximum(t2 - t1 * (t1 / count), 0.0)
+            tl.store(out2_ptr + cols, m2.to(out2_ptr.dtype.element_ty), mask=cmask)
+        else:
+            tl.store(out0_ptr + cols, t1.to(out0_ptr.dtype.element_ty), mask=cmask)
+            tl.store(out1_ptr + cols, t2.to(out1_ptr.dtype.element_ty), mask=cmask)
 
     def _bn_elemt_kernel(
         x_ptr,  # x: (N, C, S) strided
         y_ptr,  # y: (N, C, S) strided (x's layout), x's dtype
         mean_ptr, invstd_ptr, w_ptr, b_ptr,  # (C,) contiguous; w/b unused without HAS_W/HAS_B
-        M, C, S, sn, sc, ss, yn, yc, ys,
+        N, C, S, sn, sc, ss, yn, yc, ys,
         ACC: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+        BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        pos = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        rmask = rows < M
         cmask = cols < C
-        mask = rmask[:, None] & cmask[None, :]
-        n = (rows // S).to(tl.int64)
-        s = (rows % S).to(tl.int64)
+        mask = (pos < S)[:, None] & cmask[None, :]
         c64 = cols.to(tl.int64)
+        p64 = pos.to(tl.int64)
         mean = tl.load(mean_ptr + cols, mask=cmask, other=0.0).to(ACC)
         scale = tl.load(invstd_ptr + cols, mask=cmask, other=0.0).to(ACC)
         if HAS_W:
             scale = scale * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(ACC)
-        x = tl.load(x_ptr + (n * sn + s * ss)[:, None] + (c64 * sc)[None, :], mask=mask, other=0.0)
-        y = (x.to(ACC) - mean[None, :]) * scale[None, :]
         if HAS_B:
-            y = y + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(ACC)[None, :]
-        tl.store(y_ptr + (n * yn + s * ys)[:, None] + (c64 * yc)[None, :], y.to(x.dtype), mask=mask)
+            bias = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(ACC)
+        for n in range(tl.program_id(2), N, tl.num_programs(2)):
+            n64 = tl.cast(n, tl.int64)
+            x = tl.load(x_ptr + n64 * sn + (p64 * ss)[:, None] + (c64 * sc)[None, :], mask=mask, other=0.0)
+            y = (x.to(ACC) - mean[None, :]) * scale[None, :]
+            if HAS_B:
+                y = y + bias[None, :]
+            tl.store(y_ptr + n64 * yn + (p64 * ys)[:, None] + (c64 * yc)[None, :], y.to(x.dtype), mask=mask)
 
     def _bn_backward_reduce_kernel(
         dy_ptr,  # dy: (N, C, S) strided
         x_ptr,  # x: (N, C, S) strided (may differ from dy's layout)
         mean_ptr,  # (C,) contiguous
-        sum_dy_ptr, sum_dy_xmu_ptr,  # partials: (SPLIT, C) ACC each, of each split of the rows
-        M, C, S, dn, dc, ds, sn, sc, ss,
-        rows_per_split,
-        ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+        part_ptr,  # partials: (SPLIT, 2, C) ACC [sum(dy), sum(dy * (x - mean))] (unused if FINAL)
+        sum_dy_ptr, sum_dy_xmu_ptr,  # results: (C,) ACC (written only if FINAL)
+        N, C, S, dn, dc, ds, sn, sc, ss,
+        s_blocks, units_per_split,
+        ACC: tl.constexpr, FINAL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
         pid_c = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -285,40 +314,43 @@ if HAS_TRITON:
         cmask = cols < C
         c64 = cols.to(tl.int64)
         mean = tl.load(mean_ptr + cols, mask=cmask, other=0.0).to(ACC)
-        start = pid_s * rows_per_split
-        end = tl.minimum(start + rows_per_split, M)
-        acc_dy = tl.zeros([BLOCK_M, BLOCK_C], dtype=ACC)
-        acc_dy_xmu = tl.zeros([BLOCK_M, BLOCK_C], dtype=ACC)
-        for m0 in range(start, end, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            rmask = rows < end
-            n = (rows // S).to(tl.int64)
-            s = (rows % S).to(tl.int64)
-            mask = rmask[:, None] & cmask[None, :]
-            dy = tl.load(dy_ptr + (n * dn + s * ds)[:, None] + (c64 * dc)[None, :], mask=mask, other=0.0)
-            x = tl.load(x_ptr + (n * sn + s * ss)[:, None] + (c64 * sc)[None, :], mask=mask, other=0.0)
+        lanes = tl.arange(0, BLOCK_S)
+        acc_dy = tl.zeros([BLOCK_S, BLOCK_C], dtype=ACC)
+        acc_dy_xmu = tl.zeros([BLOCK_S, BLOCK_C], dtype=ACC)
+        u0 = pid_s * units_per_split
+        for u in range(u0, u0 + units_per_split):  # the last split's extra units are masked out
+            n = tl.cast(u // s_blocks, tl.int64)
+            pos = (u % s_blocks) * BLOCK_S + lanes.to(tl.int64)
+            valid = (pos < S) & (u + tl.zeros([BLOCK_S], dtype=tl.int32) < N * s_blocks)
+            mask = valid[:, None] & cmask[None, :]
+            dy = tl.load(dy_ptr + n * dn + (pos * ds)[:, None] + (c64 * dc)[None, :], mask=mask, other=0.0)
+            x = tl.load(x_ptr + n * sn + (pos * ss)[:, None] + (c64 * sc)[None, :], mask=mask, other=0.0)
             dy = dy.to(ACC)
             acc_dy += dy
             acc_dy_xmu += tl.where(mask, dy * (x.to(ACC) - mean[None, :]), 0.0)
-        tl.store(sum_dy_ptr + pid_s * C + cols, tl.sum(acc_dy, axis=0), mask=cmask)
-        tl.store(sum_dy_xmu_ptr + pid_s * C + cols, tl.sum(acc_dy_xmu, axis=0), mask=cmask)
+        t1 = tl.sum(acc_dy, axis=0)
+        t2 = tl.sum(acc_dy_xmu, axis=0)
+        if FINAL:
+            tl.store(sum_dy_ptr + cols, t1, mask=cmask)
+            tl.store(sum_dy_xmu_ptr + cols, t2, mask=cmask)
+        else:
+            tl.store(part_ptr + pid_s * 2 * C + cols, t1, mask=cmask)
+            tl.store(part_ptr + (pid_s * 2 + 1) * C + cols, t2, mask=cmask)
 
     def _bn_backward_elemt_kernel(
         dy_ptr,  # dy: (N, C, S) strided
         x_ptr,  # x: (N, C, S) strided
         dx_ptr,  # dx: (N, C, S) strided (x's layout), x's dtype
         mean_ptr, invstd_ptr, w_ptr, sum_dy_ptr, sum_dy_xmu_ptr, count_ptr,  # (C,) contiguous
-        M, C, S, dn, dc, ds, sn, sc, ss, on, oc, os,
-        ACC: tl.constexpr, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+        N, C, S, dn, dc, ds, sn, sc, ss, on, oc, os,
+        ACC: tl.constexpr, HAS_W: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        pos = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        rmask = rows < M
         cmask = cols < C
-        mask = rmask[:, None] & cmask[None, :]
-        n = (rows // S).to(tl.int64)
-        s = (rows % S).to(tl.int64)
+        mask = (pos < S)[:, None] & cmask[None, :]
         c64 = cols.to(tl.int64)
+        p64 = pos.to(tl.int64)
         mean = tl.load(mean_ptr + cols, mask=cmask, other=0.0).to(ACC)
         invstd = tl.load(invstd_ptr + cols, mask=cmask, other=0.0).to(ACC)
         count = tl.load(count_ptr + cols, mask=cmask, other=1.0).to(ACC)
@@ -327,16 +359,18 @@ if HAS_TRITON:
         c = invstd
         if HAS_W:
             c = c * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(ACC)
-        dy = tl.load(dy_ptr + (n * dn + s * ds)[:, None] + (c64 * dc)[None, :], mask=mask, other=0.0)
-        x = tl.load(x_ptr + (n * sn + s * ss)[:, None] + (c64 * sc)[None, :], mask=mask, other=0.0)
-        dx = (dy.to(ACC) - a[None, :] - (x.to(ACC) - mean[None, :]) * b[None, :]) * c[None, :]
-        tl.store(dx_ptr + (n * on + s * os)[:, None] + (c64 * oc)[None, :], dx.to(x.dtype), mask=mask)
+        for n in range(tl.program_id(2), N, tl.num_programs(2)):
+            n64 = tl.cast(n, tl.int64)
+            dy = tl.load(dy_ptr + n64 * dn + (p64 * ds)[:, None] + (c64 * dc)[None, :], mask=mask, other=0.0)
+            x = tl.load(x_ptr + n64 * sn + (p64 * ss)[:, None] + (c64 * sc)[None, :], mask=mask, other=0.0)
+            dx = (dy.to(ACC) - a[None, :] - (x.to(ACC) - mean[None, :]) * b[None, :]) * c[None, :]
+            tl.store(dx_ptr + n64 * on + (p64 * os)[:, None] + (c64 * oc)[None, :], dx.to(x.dtype), mask=mask)
 
 
 # ---------------------------------------------------------------------------- launchers
 
 
-def _ncs(x: Tensor) -> tuple[Tensor, int, int, int, int, int]:
+def _ncs(x: Tensor) -> tuple[Tensor, int, int, int, int]:
     """View ``x`` (N, C, *) as (N, C, S) by strides: ``(x', S, sn, sc, ss)``; copies only if the
     spatial dims cannot be collapsed into one stride (e.g. a sliced spatial dim).
     """
@@ -353,30 +387,60 @@ def _ncs(x: Tensor) -> tuple[Tensor, int, int, int, int, int]:
     return x, s, x.stride(0), x.stride(1), ss
 
 
-def _blocks(c: int, channel_contiguous: bool, interpret: bool) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_C): wide in channels when channels are contiguous in memory (channels_last,
-    (N, C)); one channel per tile otherwise (NCHW), so that the threads of a warp walk the contiguous
-    spatial dim and loads coalesce (the row offsets ``n*sn + s*ss`` are not provably contiguous, which
-    would leave Triton's default thread order along the strided channel dim).
-    """
-    # The interpreter has no warps: it prefers few large tiles (BLOCK_C = 1 is still covered, by C = 1).
-    block_c = min(triton.next_power_of_2(max(c, 1)), 64 if channel_contiguous else 8 if interpret else 1)
-    elems = 4096 if interpret else 2048
-    return max(elems // block_c, 16), block_c
+def _geometry(*tensors: Tensor) -> tuple[list[Tensor], int, int, int, list[tuple[int, int, int]]]:
+    """``(tensors', N, C, S, [(sn, sc, ss) per tensor])`` of same-shape ``(N, C, *)`` tensors, with N
+    folded into S when every tensor allows it (``sn == S * ss``, or ``S == 1``)."""
+    views = [_ncs(t) for t in tensors]
+    n, c, s = tensors[0].shape[0], tensors[0].shape[1], views[0][1]
+    strides = [(sn, sc, ss) for _, _, sn, sc, ss in views]
+    if n > 1 and all(s == 1 or sn == s * ss for sn, _, ss in strides):
+        strides = [(0, sc, sn if s == 1 else ss) for sn, sc, ss in strides]
+        n, s = 1, n * s
+    return [v[0] for v in views], n, c, s, strides
 
 
-def _split(m: int, c_blocks: int, block_m: int, interpret: bool) -> tuple[int, int]:
-    """(SPLIT, rows_per_split) so that about enough programs exist to fill the device."""
-    target = 4 if interpret else 1024
-    split = max(1, min(triton.cdiv(m, block_m), target // c_blocks))
-    rows = triton.cdiv(triton.cdiv(m, split), block_m) * block_m
-    return triton.cdiv(m, rows), rows
+def _tiles(c: int, s: int, channels_contiguous: bool, tile: int | None = None) -> tuple[int, int]:
+    """(BLOCK_S, BLOCK_C) of ``tile`` elements (default ``_TILE``): wide in channels when channels are
+    contiguous in memory (channels_last, (N, C)), wide in positions otherwise (NCHW), so that a warp's
+    loads coalesce."""
+    tile = tile or _TILE
+    if channels_contiguous:
+        block_c = min(next_power_of_2(c), 64)
+        return max(tile // block_c, 1), block_c
+    block_s = min(next_power_of_2(s), tile)
+    return block_s, min(next_power_of_2(c), max(tile // block_s, 1))
+
+
+def _target_programs(device: torch.device, interpret: bool) -> int:
+    if interpret:
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _SM_COUNT.get(index)
+    if sms is None:
+        sms = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return sms * _PROGRAMS_PER_SM
+
+
+def _reduction_split(
+    n: int, s: int, c_blocks: int, block_s: int, device: torch.device, interpret: bool
+) -> tuple[int, int, int]:
+    """``(SPLIT, units_per_split, s_blocks)``: enough programs to fill the device, each with whole units."""
+    s_blocks = cdiv(s, block_s)
+    units = n * s_blocks
+    split = max(1, min(units, _target_programs(device, interpret) // c_blocks))
+    per = cdiv(units, split)
+    return cdiv(units, per), per, s_blocks
+
+
+def _launch_opts(interpret: bool, reduction: bool = False) -> dict:
+    if interpret:
+        return {}
+    return {"num_warps": _RED_NUM_WARPS if reduction else _NUM_WARPS}
 
 
 def batch_norm_stats_triton(x: Tensor, interpret: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """Launcher: per-split Welford partials in one kernel; with several splits, a second small kernel
-    combines them (Chan et al.). Two launches at most; three separate output tensors (no aliasing).
-    """
+    """Launcher: one reduction kernel; with several splits, a small kernel combines the partials.
+    Two launches at most; three separate output tensors (no aliasing)."""
     c = x.shape[1]
     dtype = _stat_dtype(x)
     if x.numel() == 0:
@@ -387,22 +451,24 @@ def batch_norm_stats_triton(x: Tensor, interpret: bool = False) -> tuple[Tensor,
             torch.zeros(c, dtype=dtype, device=x.device),
             torch.zeros(c, dtype=dtype, device=x.device),
         )
-    x, s, sn, sc, ss = _ncs(x)
-    m = x.shape[0] * s
-    block_m, block_c = _blocks(c, sc == 1, interpret)
-    c_blocks = triton.cdiv(c, block_c)
-    split, rows = _split(m, c_blocks, block_m, interpret)
+    (x,), n, c, s, [(sn, sc, ss)] = _geometry(x)
+    block_s, block_c = _tiles(c, s, sc == 1, _RED_TILE)
+    c_blocks = cdiv(c, block_c)
+    split, per, s_blocks = _reduction_split(n, s, c_blocks, block_s, x.device, interpret)
+    # Separate tensors: the outputs of the traced custom op must not alias each other.
     outs = [torch.empty(c, dtype=dtype, device=x.device) for _ in range(3)]
-    parts = outs if split == 1 else [torch.empty(split, c, dtype=dtype, device=x.device) for _ in range(3)]
+    part = outs[0] if split == 1 else torch.empty(split, 2, c, dtype=dtype, device=x.device)
+    acc = tl_dtype(dtype == torch.float64)
     kernel(_bn_stats_kernel, interpret)[(c_blocks, split)](
-        x, *parts, m, c, s, sn, sc, ss, rows,
-        ACC=tl_dtype(dtype == torch.float64), BLOCK_M=block_m, BLOCK_C=block_c,
+        x, part, outs[0], outs[1], outs[2], n, c, s, sn, sc, ss, s_blocks, per,
+        ACC=acc, FINAL=split == 1, BLOCK_S=block_s, BLOCK_C=block_c, **_launch_opts(interpret, True),
     )  # fmt: skip
     if split > 1:
-        block = min(triton.next_power_of_2(c), 1024)
-        kernel(_bn_stats_combine_kernel, interpret)[(triton.cdiv(c, block),)](
-            *parts, *outs, c, split, BLOCK_C=block
-        )
+        block = min(next_power_of_2(c), 64)
+        kernel(_bn_combine_kernel, interpret)[(cdiv(c, block),)](
+            part, x, outs[0], outs[1], outs[2], c, split, sc, n * s,
+            STATS=True, BLOCK_SPLIT=_COMBINE_ROWS, BLOCK_C=block, **_launch_opts(interpret, True),
+        )  # fmt: skip
     return outs[0], outs[1], outs[2]
 
 
@@ -417,19 +483,18 @@ def batch_norm_elemt_triton(
     """Launcher: one elementwise kernel writing ``y`` in ``x``'s memory format."""
     if x.numel() == 0:
         return torch.empty_like(x)
-    x, s, sn, sc, ss = _ncs(x)
+    x, _, _, _, _ = _ncs(x)
     y = torch.empty_like(x)
-    _, _, yn, yc, ys = _ncs(y)
-    m, c = x.shape[0] * s, x.shape[1]
-    block_m, block_c = _blocks(c, sc == 1, interpret)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(c, block_c))
+    (x, y), n, c, s, [(sn, sc, ss), (yn, yc, ys)] = _geometry(x, y)
+    block_s, block_c = _tiles(c, s, sc == 1)
+    grid = (cdiv(s, block_s), cdiv(c, block_c), min(n, 65535))
     w = weight.contiguous() if weight is not None else mean
     b = bias.contiguous() if bias is not None else mean
     kernel(_bn_elemt_kernel, interpret)[grid](
         x, y, mean.contiguous(), invstd.contiguous(), w, b,
-        m, c, s, sn, sc, ss, yn, yc, ys,
+        n, c, s, sn, sc, ss, yn, yc, ys,
         ACC=tl_dtype(x.dtype == torch.float64), HAS_W=weight is not None, HAS_B=bias is not None,
-        BLOCK_M=block_m, BLOCK_C=block_c,
+        BLOCK_S=block_s, BLOCK_C=block_c, **_launch_opts(interpret),
     )  # fmt: skip
     return y
 
@@ -437,27 +502,30 @@ def batch_norm_elemt_triton(
 def batch_norm_backward_reduce_triton(
     dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, interpret: bool = False
 ) -> tuple[Tensor, Tensor]:
-    """Launcher: per-split partial sums in one kernel, summed over the splits in torch (two ``sum``)."""
+    """Launcher: one reduction kernel; with several splits, a small kernel sums the partials."""
     c = x.shape[1]
     dtype = _stat_dtype(x)
     if x.numel() == 0:
         return torch.zeros(c, dtype=dtype, device=x.device), torch.zeros(c, dtype=dtype, device=x.device)
-    x, s, sn, sc, ss = _ncs(x)
-    dy, _, dn, dc, ds = _ncs(dy)
-    m = x.shape[0] * s
-    block_m, block_c = _blocks(c, sc == 1, interpret)
-    block_m = max(block_m // 2, 16)  # two (BLOCK_M, BLOCK_C) accumulators live in registers
-    c_blocks = triton.cdiv(c, block_c)
-    split, rows = _split(m, c_blocks, block_m, interpret)
-    shape = (c,) if split == 1 else (split, c)
-    sum_dy, sum_dy_xmu = (torch.empty(shape, dtype=dtype, device=x.device) for _ in range(2))
+    (dy, x), n, c, s, [(dn, dc, ds), (sn, sc, ss)] = _geometry(dy, x)
+    block_s, block_c = _tiles(c, s, sc == 1, _RED_TILE)
+    block_s = max(block_s // 2, 1)  # two (BLOCK_S, BLOCK_C) accumulators live in registers
+    c_blocks = cdiv(c, block_c)
+    split, per, s_blocks = _reduction_split(n, s, c_blocks, block_s, x.device, interpret)
+    outs = [torch.empty(c, dtype=dtype, device=x.device) for _ in range(2)]
+    part = outs[0] if split == 1 else torch.empty(split, 2, c, dtype=dtype, device=x.device)
+    acc = tl_dtype(dtype == torch.float64)
     kernel(_bn_backward_reduce_kernel, interpret)[(c_blocks, split)](
-        dy, x, mean.contiguous(), sum_dy, sum_dy_xmu, m, c, s, dn, dc, ds, sn, sc, ss, rows,
-        ACC=tl_dtype(dtype == torch.float64), BLOCK_M=block_m, BLOCK_C=block_c,
+        dy, x, mean.contiguous(), part, outs[0], outs[1], n, c, s, dn, dc, ds, sn, sc, ss, s_blocks, per,
+        ACC=acc, FINAL=split == 1, BLOCK_S=block_s, BLOCK_C=block_c, **_launch_opts(interpret, True),
     )  # fmt: skip
-    if split == 1:
-        return sum_dy, sum_dy_xmu
-    return sum_dy.sum(0), sum_dy_xmu.sum(0)
+    if split > 1:
+        block = min(next_power_of_2(c), 64)
+        kernel(_bn_combine_kernel, interpret)[(cdiv(c, block),)](
+            part, x, outs[0], outs[1], outs[1], c, split, 0, 0,
+            STATS=False, BLOCK_SPLIT=_COMBINE_ROWS, BLOCK_C=block, **_launch_opts(interpret, True),
+        )  # fmt: skip
+    return outs[0], outs[1]
 
 
 def batch_norm_backward_elemt_triton(
@@ -474,18 +542,17 @@ def batch_norm_backward_elemt_triton(
     """Launcher: one elementwise kernel reading ``dy`` and ``x``, writing ``dx`` in ``x``'s layout."""
     if x.numel() == 0:
         return torch.empty_like(x)
-    x, s, sn, sc, ss = _ncs(x)
-    dy, _, dn, dc, ds = _ncs(dy)
+    x, _, _, _, _ = _ncs(x)
     dx = torch.empty_like(x)
-    _, _, on, oc, os = _ncs(dx)
-    m, c = x.shape[0] * s, x.shape[1]
-    block_m, block_c = _blocks(c, sc == 1, interpret)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(c, block_c))
+    (dy, x, dx), n, c, s, [(dn, dc, ds), (sn, sc, ss), (on, oc, os)] = _geometry(dy, x, dx)
+    block_s, block_c = _tiles(c, s, sc == 1)
+    grid = (cdiv(s, block_s), cdiv(c, block_c), min(n, 65535))
     kernel(_bn_backward_elemt_kernel, interpret)[grid](
         dy, x, dx, mean.contiguous(), invstd.contiguous(),
         weight.contiguous() if weight is not None else mean,
         sum_dy.contiguous(), sum_dy_xmu.contiguous(), count.contiguous(),
-        m, c, s, dn, dc, ds, sn, sc, ss, on, oc, os,
-        ACC=tl_dtype(x.dtype == torch.float64), HAS_W=weight is not None, BLOCK_M=block_m, BLOCK_C=block_c,
+        n, c, s, dn, dc, ds, sn, sc, ss, on, oc, os,
+        ACC=tl_dtype(x.dtype == torch.float64), HAS_W=weight is not None,
+        BLOCK_S=block_s, BLOCK_C=block_c, **_launch_opts(interpret),
     )  # fmt: skip
     return dx

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_ext.kernels._triton import HAS_TRITON, kernel, tl, triton
+from lightning_ext.kernels._triton import HAS_TRITON, cdiv, kernel, tl
 
 __all__ = ["accumulate_moments_reference", "accumulate_moments_triton"]
 
@@ -39,32 +39,62 @@ if HAS_TRITON:
         acc_ptr,  # acc: (5,) fp64 [count, sum(x - shift), sum((x - shift)^2), min, max], updated in place
         shift_ptr,  # shift: () fp64
         numel,
+        n_blocks,  # cdiv(numel, BLOCK)
         BLOCK: tl.constexpr,
     ):  # fmt: skip
+        # Grid-stride loop over the blocks with per-lane float64 partials; one set of atomics per
+        # program (a few hundred programs), not per block: the five addresses are not contended.
         pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        v = tl.load(x_ptr + offs, mask=mask, other=0).to(tl.float64)
-        d = tl.where(mask, v - tl.load(shift_ptr), 0.0)
-        # Each program adds its own count (exact in float64; no special case when numel is a constexpr).
-        tl.atomic_add(acc_ptr, tl.sum(mask.to(tl.float64), axis=0))
-        tl.atomic_add(acc_ptr + 1, tl.sum(d, axis=0))
-        tl.atomic_add(acc_ptr + 2, tl.sum(d * d, axis=0))
-        tl.atomic_min(acc_ptr + 3, tl.min(tl.where(mask, v, float("inf")), axis=0))
-        tl.atomic_max(acc_ptr + 4, tl.max(tl.where(mask, v, float("-inf")), axis=0))
+        nprog = tl.num_programs(0)
+        lanes = tl.arange(0, BLOCK)
+        shift = tl.load(shift_ptr)
+        s1 = tl.zeros([BLOCK], dtype=tl.float64)
+        s2 = tl.zeros([BLOCK], dtype=tl.float64)
+        lo = tl.full([BLOCK], float("inf"), dtype=tl.float64)
+        hi = tl.full([BLOCK], float("-inf"), dtype=tl.float64)
+        for b in range(pid, n_blocks, nprog):
+            offs = tl.cast(b, tl.int64) * BLOCK + lanes
+            mask = offs < numel
+            v = tl.load(x_ptr + offs, mask=mask, other=0).to(tl.float64)
+            d = tl.where(mask, v - shift, 0.0)
+            s1 += d
+            s2 += d * d
+            lo = tl.minimum(lo, tl.where(mask, v, float("inf")))
+            hi = tl.maximum(hi, tl.where(mask, v, float("-inf")))
+        # Counts come from the block ranges (exact in float64; one add per program).
+        first = tl.cast(pid, tl.int64) * BLOCK
+        stride = tl.cast(nprog, tl.int64) * BLOCK
+        mine = tl.where(first < numel, (numel - first + stride - 1) // stride, 0)  # blocks of this program
+        last = first + (mine - 1) * stride  # start of its last block
+        count = tl.where(mine > 0, (mine - 1) * BLOCK + tl.minimum(numel - last, BLOCK), 0)
+        tl.atomic_add(acc_ptr, count.to(tl.float64))
+        tl.atomic_add(acc_ptr + 1, tl.sum(s1, axis=0))
+        tl.atomic_add(acc_ptr + 2, tl.sum(s2, axis=0))
+        tl.atomic_min(acc_ptr + 3, tl.min(lo, axis=0))
+        tl.atomic_max(acc_ptr + 4, tl.max(hi, axis=0))
 
 
 # ---------------------------------------------------------------------------- launcher
 
+_SM_COUNT: dict[int, int] = {}
+
 
 def accumulate_moments_triton(acc: Tensor, x: Tensor, shift: Tensor, interpret: bool = False) -> None:
-    """Launcher: ONE kernel launch; float64 atomics combine the programs' partial sums and extremes.
+    """Launcher: ONE kernel launch of at most 4 programs per multiprocessor; float64 atomics combine
+    the programs' partial sums and extremes.
 
     Non-contiguous ``x`` is flattened with a copy first. NaN in ``x`` makes the sums NaN; min/max
     follow the hardware atomics (NaN is not guaranteed to propagate there).
     """
     x = x.reshape(-1)
     block = 4096 if interpret else 1024
-    kernel(_moments_kernel, interpret)[(triton.cdiv(x.numel(), block),)](
-        x, acc, shift, x.numel(), BLOCK=block
-    )
+    blocks = cdiv(x.numel(), block)
+    if interpret:
+        programs = min(blocks, 3)
+    else:
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        sms = _SM_COUNT.get(index)
+        if sms is None:
+            sms = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        programs = min(blocks, 4 * sms)
+    kernel(_moments_kernel, interpret)[(programs,)](x, acc, shift, x.numel(), blocks, BLOCK=block)

@@ -19,6 +19,8 @@ def test_accumulate_moments(backend, dtype):
     gen = torch.Generator().manual_seed(0)
     xs = [
         torch.randn(4099, generator=gen, dtype=torch.float64) * 3 + 1000,  # large offset: shift matters
+        # 5 interpreted blocks on 3 programs: several blocks per program, a partial last one.
+        torch.randn(16389, generator=gen, dtype=torch.float64) * 2 + 990,
         torch.randn(7, 3, generator=gen, dtype=torch.float64).t() + 1000,  # non-contiguous
         torch.randn(1, generator=gen, dtype=torch.float64) + 1000,
         torch.randn(0, 5, generator=gen, dtype=torch.float64),  # empty: adds nothing
