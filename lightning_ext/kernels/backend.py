@@ -338,9 +338,10 @@ class KernelBackend(abc.ABC):
 
         The check fused optimizers need (they unscale inside their own step): GradScaler runs its
         multiply-and-check op at scale 1 for it, which also rewrites every gradient. The default
-        implementation (every backend inherits it; override for a device kernel) reads large CPU
-        tensors once with ``aminmax`` and sends the rest through the multi-tensor op at scale 1,
-        which leaves the values bitwise unchanged.
+        implementation (backends override ``_check_finite`` for a device kernel; the ``triton``
+        backend reads each element once in one launch per dtype) reads large CPU tensors once with
+        ``aminmax`` and sends the rest through the multi-tensor op at scale 1, which leaves the
+        values bitwise unchanged.
 
         Args:
             tensors: floating point tensors of any dtypes and devices.
@@ -358,7 +359,11 @@ class KernelBackend(abc.ABC):
         if device is None:
             device = tensors[0].device if tensors else torch.device("cpu")
         with torch.no_grad():
-            return check_finite_reference(tensors, torch.device(device))
+            return self._check_finite(tensors, torch.device(device))
+
+    def _check_finite(self, tensors: list[Tensor], device: torch.device) -> Tensor:
+        """Override for a device kernel; ``tensors`` are validated floating point tensors."""
+        return check_finite_reference(tensors, device)
 
     @staticmethod
     def _check_float_tensors(tensors: Any) -> list[Tensor]:

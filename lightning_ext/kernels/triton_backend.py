@@ -18,7 +18,7 @@ from lightning_ext.kernels.batch_norm import (
     batch_norm_stats_triton,
 )
 from lightning_ext.kernels.moments import accumulate_moments_triton
-from lightning_ext.kernels.unscale import unscale_and_check_triton
+from lightning_ext.kernels.unscale import check_finite_triton, unscale_and_check_triton
 
 __all__ = ["TritonBackend"]
 
@@ -28,10 +28,11 @@ class TritonBackend(KernelBackend):
 
     Args:
         interpret: run the kernels in Triton's interpreter on CPU tensors (slow; for tests and
-            debugging). ``False`` compiles them for CUDA on first launch. ``None`` (default, the
-            registry's choice) means ``True`` exactly when the environment sets ``TRITON_INTERPRET=1``.
-            The registry still lists ``triton`` for CUDA only, so automatic selection on CPU never
-            picks the interpreter.
+            debugging; needs Triton >= 3.9, whose interpreter accepts loop bounds derived from
+            ``tl.program_id``: 3.6's does not). ``False`` compiles them for CUDA on first launch.
+            ``None`` (default, the registry's choice) means ``True`` exactly when the environment
+            sets ``TRITON_INTERPRET=1``. The registry still lists ``triton`` for CUDA only, so
+            automatic selection on CPU never picks the interpreter.
 
     Raises:
         RuntimeError: Triton is not installed, or ``interpret=False`` and CUDA is not available.
@@ -78,6 +79,10 @@ class TritonBackend(KernelBackend):
     @override
     def supports(self, device_type: str) -> bool:
         return device_type == "cpu" if self.interpret else device_type == "cuda"
+
+    @override
+    def _check_finite(self, tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        return check_finite_triton(tensors, device, interpret=self.interpret)
 
     @override
     def __repr__(self) -> str:

@@ -1,8 +1,9 @@
 """Fused gradient unscaling with an inf/NaN check: ``unscale_and_check_``.
 
 Reference: ATen's ``_amp_foreach_non_finite_check_and_unscale_`` (what ``torch.amp.GradScaler``
-uses), one call per (device, dtype) bucket. The Triton kernel reads each tensor once, writes it
-scaled, and raises a device-side flag with an atomic max.
+uses), one call per (device, dtype) bucket. The Triton kernel does the same in one launch per bucket:
+it reads each element once, writes it scaled, and raises a device-side flag; ``check_finite_triton``
+runs it read-only for fused optimizers.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
-from lightning_ext.kernels._triton import HAS_TRITON, kernel, tl, tl_dtype, triton
+from lightning_ext.kernels._triton import HAS_TRITON, kernel, tl, tl_dtype
 
 __all__ = [
     "bucket_by_device_and_dtype",
     "check_finite_reference",
+    "check_finite_triton",
     "combine_found_inf",
     "unscale_and_check_reference",
     "unscale_and_check_triton",
@@ -98,27 +100,52 @@ def check_finite_reference(tensors: list[Tensor], device: torch.device, small_nu
 
 
 # ---------------------------------------------------------------------------- Triton kernel
+# One launch per (device, dtype) bucket covers every tensor of the bucket (multi-tensor apply, as
+# ATen's ``_amp_foreach_non_finite_check_and_unscale_`` and Apex's ``multi_tensor_apply`` do): one
+# program per BLOCK elements of any tensor. A cached int64 table gives each tensor's element offset
+# from a base pointer, its numel and its first block, and for each program the tensor it works on.
 
 if HAS_TRITON:
 
-    def _unscale_kernel(
-        g_ptr,  # g: (numel,) dense storage of one tensor, updated in place
-        inv_ptr,  # inv_scale: () fp32
-        found_ptr,  # found_inf: () fp32, raised to 1.0 by any program that sees inf/NaN
-        numel,
-        ACC: tl.constexpr, BLOCK: tl.constexpr,
+    def _unscale_multi_kernel(
+        base_ptr,  # the bucket's first tensor: sets the element type; every tensor is base + offset
+        meta_ptr,  # (3 * T + num_programs,) int64: offsets, numels, first blocks, tensor of each program
+        inv_ptr,  # inv_scale: () fp32 (read only when WRITE)
+        found_ptr,  # found_inf: () fp32, set to 1.0 by any program that sees inf/NaN
+        T,
+        ACC: tl.constexpr, WRITE: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+        pid = tl.program_id(0)
+        t = tl.load(meta_ptr + 3 * T + pid)
+        # Every tensor starts 16-byte aligned (the launcher checks): VEC elements.
+        off = tl.multiple_of(tl.load(meta_ptr + t), VEC)
+        numel = tl.load(meta_ptr + T + t)
+        start = (pid - tl.load(meta_ptr + 2 * T + t)) * BLOCK
+        ptrs = base_ptr + off + start + tl.arange(0, BLOCK)
+        if start + BLOCK <= numel:  # a full block: unmasked, vectorized
+            g = tl.load(ptrs)
+        else:
+            mask = start + tl.arange(0, BLOCK) < numel
+            g = tl.load(ptrs, mask=mask, other=0.0)
         v = g.to(ACC)
-        bad = tl.max(((v != v) | (tl.abs(v) == float("inf"))).to(tl.float32), axis=0)
+        bad = tl.max(((v != v) | (tl.abs(v) == float("inf"))).to(tl.int32), axis=0)
         if bad > 0:
-            tl.atomic_max(found_ptr, bad)
-        tl.store(g_ptr + offs, (v * tl.load(inv_ptr).to(ACC)).to(g.dtype), mask=mask)
+            tl.store(found_ptr, 1.0)  # every writer stores the same value: no atomic needed
+        if WRITE:
+            out = (v * tl.load(inv_ptr).to(ACC)).to(g.dtype)
+            if start + BLOCK <= numel:
+                tl.store(ptrs, out)
+            else:
+                tl.store(ptrs, out, mask=start + tl.arange(0, BLOCK) < numel)
 
 
 # ---------------------------------------------------------------------------- launcher
+
+_BLOCK, _BLOCK_INTERPRET = 4096, 1024
+_NUM_WARPS = 8
+_Meta = tuple[Tensor | None, list[int], int]  # (device table, indices of the kernel's tensors, programs)
+_META_CACHE: dict[tuple, _Meta] = {}  # bucket signature -> metadata
+_META_CACHE_SIZE = 64
 
 
 def _is_dense(t: Tensor) -> bool:
@@ -131,36 +158,104 @@ def _is_dense(t: Tensor) -> bool:
     return True
 
 
-def unscale_and_check_triton(
-    tensors: list[Tensor], inv_scale: Tensor, interpret: bool = False, small_numel: int | None = None
-) -> Tensor:
-    """Launcher: one kernel per large dense tensor (read once, written once).
+def _bucket_metadata(group: list[Tensor], block: int, small_numel: int) -> _Meta:
+    """``(meta, fast, total_blocks)`` for the tensors of one (device, dtype) bucket, cached.
 
-    Tensors with fewer than ``small_numel`` elements (default 65536 compiled, 0 interpreted) and
-    non-dense ones go, per (device, dtype) bucket, through ATen's multi-tensor op, which handles many
-    small tensors in one launch better than one launch each. One found-inf flag per device,
-    combined without host sync.
+    ``fast``: indices of the tensors the kernel takes (non-empty, >= ``small_numel`` elements, dense,
+    16-byte aligned); ``meta``: their int64 table on the device (element offsets from the first one's
+    address, numels, first blocks, then the tensor index of each of the ``total_blocks`` programs).
+    Cached by the tensors' addresses and sizes (gradients keep their storage from step to step), so
+    a step builds no table and copies nothing to the device. Non-contiguous tensors are re-checked
+    for density on every call.
     """
-    if small_numel is None:
-        small_numel = 0 if interpret else 1 << 16
-    flags = []
-    block = 4096 if interpret else 2048
-    for device, by_dtype in bucket_by_device_and_dtype(tensors).items():
-        found = torch.zeros((), dtype=torch.float32, device=device)
-        inv = inv_scale if inv_scale.device == device else inv_scale.to(device, non_blocking=True)
-        for dtype, group in by_dtype.items():
-            acc = tl_dtype(dtype == torch.float64)
-            others = []
-            for t in group:
-                if t.numel() == 0:
-                    continue
-                if t.numel() < small_numel or not _is_dense(t):
-                    others.append(t)
-                    continue
-                kernel(_unscale_kernel, interpret)[(triton.cdiv(t.numel(), block),)](
-                    t, inv, found, t.numel(), ACC=acc, BLOCK=block
-                )
+    ptrs = tuple(map(Tensor.data_ptr, group))
+    sizes = tuple(map(Tensor.numel, group))
+    if all(map(Tensor.is_contiguous, group)):
+        key: tuple = (group[0].device, group[0].dtype, ptrs, sizes)
+    else:
+        key = (group[0].device, group[0].dtype, ptrs, sizes, tuple(map(_is_dense, group)))
+    hit = _META_CACHE.get(key)
+    if hit is not None:
+        return hit
+    dense = key[4] if len(key) > 4 else (True,) * len(group)
+    elsize = group[0].element_size()
+    fast = [
+        i
+        for i, (ptr, numel, ok) in enumerate(zip(ptrs, sizes, dense))
+        if ok and numel > 0 and numel >= small_numel and ptr % 16 == 0
+    ]
+    if not fast:
+        entry: _Meta = (None, [], 0)
+    else:
+        base = ptrs[fast[0]]
+        offsets, numels, firsts, owner = [], [], [], []
+        for t, i in enumerate(fast):
+            ptr, numel = ptrs[i], sizes[i]
+            offsets.append((ptr - base) // elsize)
+            numels.append(numel)
+            firsts.append(len(owner))
+            owner.extend([t] * -(-numel // block))
+        meta = torch.tensor(offsets + numels + firsts + owner, dtype=torch.int64).to(group[0].device)
+        entry = (meta, fast, len(owner))
+    if len(_META_CACHE) >= _META_CACHE_SIZE:
+        _META_CACHE.pop(next(iter(_META_CACHE)))
+    _META_CACHE[key] = entry
+    return entry
+
+
+def _multi_tensor_pass(
+    by_dtype: dict[torch.dtype, list[Tensor]],
+    inv_scale: Tensor | None,
+    device: torch.device,
+    interpret: bool,
+    small_numel: int,
+) -> Tensor:
+    """found_inf (float32 0-dim on ``device``) of the tensors on ``device``, by dtype; each is multiplied
+    by ``inv_scale`` in place unless it is None.
+
+    One kernel launch per dtype bucket for the dense, aligned tensors; the others go through ATen's
+    multi-tensor op (at scale 1 when only checking: values unchanged).
+    """
+    block = _BLOCK_INTERPRET if interpret else _BLOCK
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    for dtype, group in by_dtype.items():
+        meta, fast, total = _bucket_metadata(group, block, small_numel)
+        if fast:
+            kernel(_unscale_multi_kernel, interpret)[(total,)](
+                group[fast[0]], meta, found if inv_scale is None else inv_scale, found, len(fast),
+                ACC=tl_dtype(dtype == torch.float64), WRITE=inv_scale is not None,
+                VEC=16 // group[0].element_size(), BLOCK=block,
+                **({} if interpret else {"num_warps": _NUM_WARPS}),
+            )  # fmt: skip
+        if len(fast) < len(group):
+            taken = set(fast)
+            others = [t for i, t in enumerate(group) if i not in taken and t.numel() > 0]
             if others:
-                torch._amp_foreach_non_finite_check_and_unscale_(others, found, inv)
-        flags.append(found)
+                one = inv_scale if inv_scale is not None else torch.ones((), device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(others, found, one)
+    return found
+
+
+def unscale_and_check_triton(
+    tensors: list[Tensor], inv_scale: Tensor, interpret: bool = False, small_numel: int = 0
+) -> Tensor:
+    """Launcher: one multi-tensor kernel per (device, dtype) bucket; each element read once, written once.
+
+    Tensors with fewer than ``small_numel`` elements (default 0: none), non-dense and not 16-byte
+    aligned ones go through ATen's multi-tensor op. One found-inf flag per device, combined without
+    host sync.
+    """
+    flags = []
+    for device, by_dtype in bucket_by_device_and_dtype(tensors).items():
+        inv = inv_scale if inv_scale.device == device else inv_scale.to(device, non_blocking=True)
+        flags.append(_multi_tensor_pass(by_dtype, inv, device, interpret, small_numel))
     return combine_found_inf(flags, inv_scale.device)
+
+
+def check_finite_triton(tensors: list[Tensor], device: torch.device, interpret: bool = False) -> Tensor:
+    """Launcher: the same multi-tensor kernel, reading only (no store): half the bytes of unscaling."""
+    flags = [
+        _multi_tensor_pass(by_dtype, None, dev, interpret, 0)
+        for dev, by_dtype in bucket_by_device_and_dtype(tensors).items()
+    ]
+    return combine_found_inf(flags, device)

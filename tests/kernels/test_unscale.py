@@ -124,3 +124,34 @@ def test_check_finite_empty_and_bad_input(backend):
     assert backend.check_finite([]).item() == 0.0
     with pytest.raises(TypeError, match=r"`tensors\[0\]` must be a floating point tensor, got torch.int32"):
         backend.check_finite([torch.zeros(2, dtype=torch.int32)])
+
+
+@pytest.mark.parametrize("check_only", [False, True])
+def test_triton_multi_tensor_launch_covers_every_element(check_only):
+    """One interpreted launch per dtype: tensors of many blocks and partial blocks, a misaligned view
+    (ATen path), the metadata cache on a second call with new values, a poison in any tensor."""
+    pytest.importorskip("triton")
+    from lightning_ext.kernels.unscale import check_finite_triton, unscale_and_check_triton
+
+    gen = torch.Generator().manual_seed(11)
+    storage = torch.randn(6000, generator=gen)
+    sizes = [5000, 1024, 1023, 1, 3001, 2048]
+    tensors = [torch.randn(n, generator=gen) * 100 for n in sizes] + [storage[1:4001]]  # misaligned
+    for poison in [None, 0, 2, 3, 4, 6, None]:  # the same tensors each time: cached metadata
+        for t in tensors:
+            t.copy_(torch.randn(t.shape, generator=gen) * 100)
+        if poison is not None:
+            tensors[poison].view(-1)[tensors[poison].numel() - 1] = math.nan
+        expected = [t.clone() for t in tensors]
+        flag = torch.zeros(())
+        inv = torch.tensor(0.25)
+        torch._amp_foreach_non_finite_check_and_unscale_(expected, flag, inv)
+        before = [t.clone() for t in tensors]
+        if check_only:
+            found = check_finite_triton(tensors, torch.device("cpu"), interpret=True)
+            expected = before
+        else:
+            found = unscale_and_check_triton(tensors, inv, interpret=True)
+        assert found.item() == flag.item() == (0.0 if poison is None else 1.0)
+        for i, (t, e) in enumerate(zip(tensors, expected)):
+            torch.testing.assert_close(t, e, atol=0, rtol=0, equal_nan=True, msg=lambda m, i=i: f"{i}: {m}")
