@@ -96,7 +96,8 @@ def _update_scale_(
     hysteresis: int,
     min_scale: float,
     max_scale: float,
-) -> Tensor:
+    need_floor: bool = True,
+) -> Tensor | None:
     """Advance the loss-scale schedule by one optimizer step, in place, on the tensors' device.
 
     Args:
@@ -111,21 +112,23 @@ def _update_scale_(
         log2_increment, log2_decrement: the log2 schedule, in units of log2(scale).
         hysteresis: tracker value after a growth.
         min_scale, max_scale: the scale is clamped to ``[min_scale, max_scale]``.
+        need_floor: compute the returned flag (``False`` saves its small ops when no one reads it).
 
     Returns:
         bool 0-dim tensor on the same device: ``True`` iff this step backed off and the backed-off
-        scale would have fallen below ``min_scale`` (the floor was hit). No host sync.
+        scale would have fallen below ``min_scale`` (the floor was hit); ``None`` without
+        ``need_floor``. No host sync.
     """
     if schedule == "exponential" and hysteresis == 1:
         # GradScaler's own fused update (one kernel), then the [min, max] clamp. The hysteresis
         # tracker is not needed (every overflow backs off) and stays at 1.
-        before = scale.clone()
+        before = scale.clone() if need_floor else None
         torch._amp_update_scale_(
             scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval
         )
         scale.clamp_(min_scale, max_scale)
-        log2_scale.copy_(torch.log2(scale.double()))
-        return (found_inf > 0) & (before * backoff_factor < min_scale)
+        torch.log2(scale.double(), out=log2_scale)
+        return (found_inf > 0) & (before * backoff_factor < min_scale) if before is not None else None
     overflow = found_inf > 0
     hyst_after = torch.where(overflow, hysteresis_tracker - 1, hysteresis_tracker)
     back_off = overflow & (hyst_after <= 0)
@@ -157,7 +160,7 @@ def _update_scale_(
     else:  # pragma: no cover - validated in the constructor
         raise AssertionError(schedule)
     hysteresis_tracker.copy_(torch.where(grow, torch.full_like(hyst_after, hysteresis), hyst_after))
-    return hit_floor
+    return hit_floor if need_floor else None
 
 
 def _update_scale_on_host_(
@@ -701,14 +704,7 @@ class DynamicLossScaler:
             # CPU state: reading it is no host-device sync, and branching in Python on host values
             # takes about half the time of the device path's small tensor ops (same results, tested).
             overflow = host_skipped if host_skipped is not None else bool(found_inf.item() > 0)
-            self._steps.add_(1)
-            if overflow:
-                self._skipped_steps.add_(1)
-                self._consecutive_overflows.add_(1)
-            else:
-                self._consecutive_overflows.zero_()
-            self._last_step_skipped.fill_(overflow)
-            self._last_step_skipped_host = overflow
+            self._count_on_host(overflow)
             if self._enabled and new_scale is not None:
                 self._set_scale(new_scale)
             elif self._enabled:
@@ -724,14 +720,19 @@ class DynamicLossScaler:
                     self._floor_hit(int(self._consecutive_overflows.item()))
             self._report_telemetry(found_inf)
             return
-        _update_counters_(
-            self._steps, self._skipped_steps, self._consecutive_overflows, self._last_step_skipped, found_inf
-        )
-        self._last_step_skipped_host = host_skipped
+        if host_skipped is not None:
+            # The skip decision is already on the host (non-fused optimizers): count with it, three
+            # small ops instead of the eight of the device-side counting below; no sync either way.
+            self._count_on_host(host_skipped)
+        else:
+            counters = (self._steps, self._skipped_steps, self._consecutive_overflows)
+            _update_counters_(*counters, self._last_step_skipped, found_inf)
+            self._last_step_skipped_host = None
         if self._enabled:
             if new_scale is not None:
                 self._set_scale(new_scale)
             else:
+                need_floor = cfg["on_min_scale"] != "clamp" and host_skipped is not False
                 hit_floor = _update_scale_(
                     self._scale,
                     self._log2_scale,
@@ -739,13 +740,25 @@ class DynamicLossScaler:
                     self._hysteresis_tracker,
                     found_inf,
                     **self._schedule_config(),
+                    need_floor=need_floor,
                 )
-                if cfg["on_min_scale"] != "clamp" and host_skipped is not False:
+                if need_floor:
                     # Host sync, only on steps that overflowed (or whose decision stayed on the device).
                     hit, consecutive = torch.stack([hit_floor.double(), self._consecutive_overflows]).tolist()
                     if hit:
                         self._floor_hit(int(consecutive))
         self._report_telemetry(found_inf)
+
+    def _count_on_host(self, overflow: bool) -> None:
+        """Count one optimizer step whose skip decision is known on the host (no sync)."""
+        self._steps.add_(1)
+        if overflow:
+            self._skipped_steps.add_(1)
+            self._consecutive_overflows.add_(1)
+        else:
+            self._consecutive_overflows.zero_()
+        self._last_step_skipped.fill_(overflow)
+        self._last_step_skipped_host = overflow
 
     def _schedule_config(self) -> dict[str, Any]:
         """The configuration entries the scale update takes as keyword arguments."""

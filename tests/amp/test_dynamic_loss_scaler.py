@@ -479,3 +479,50 @@ def test_cuda_state_lives_on_the_device_and_matches_grad_scaler():
     assert ours.scale_tensor.device.type == "cuda" and ours.last_step_skipped_tensor.device.type == "cuda"
     assert ours.get_scale() == ref.get_scale() and ours.skipped_steps == 2
     torch.testing.assert_close(model.weight, ref_model.weight, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(schedule="exponential", growth_interval=2),
+        dict(schedule="exponential", growth_interval=2, hysteresis=2, min_scale=4.0, on_min_scale="clamp"),
+        dict(schedule="log2", log2_decrement=1.5, hysteresis=2, min_scale=2.0**6, on_min_scale="warn"),
+    ],
+    ids=["exponential", "hysteresis", "log2"],
+)
+def test_cuda_schedule_and_counters_match_the_cpu_state(cfg, fused):
+    """The device update (CUDA state) and the host update (CPU state) give the same scale, trackers
+    and counters for one overflow pattern, with the skip decision on the host (non-fused) or not."""
+    import warnings
+
+    poison = {1, 2, 3, 6, 7, 8, 9}
+
+    def run(device):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(6, 2).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, **({"fused": True} if fused else {}))
+        scaler = DynamicLossScaler(init_scale=2.0**8, telemetry=False, **cfg)
+        x = torch.randn(8, 6, device=device)
+        for step in range(12):
+            opt.zero_grad()
+            scaler.scale(model(x).square().mean()).backward()
+            if step in poison:
+                model.weight.grad[0, 0] = float("inf")
+            scaler.step(opt)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                scaler.update()
+        return scaler
+
+    cuda, cpu = run("cuda"), run("cpu")
+    assert cuda.scale_tensor.device.type == "cuda"
+    state_cuda, state_cpu = cuda.state_dict(), cpu.state_dict()
+    if cfg["schedule"] == "exponential":
+        # log2_scale is derived there by torch.log2 in float64, and CUDA's double log2 is not exact at
+        # powers of two (log2(8) = 2.9999999999999996 on an H100): equal to the last bit.
+        assert state_cuda.pop("log2_scale") == pytest.approx(state_cpu.pop("log2_scale"), rel=1e-15)
+    assert state_cuda == state_cpu
+    assert cuda.skipped_steps == len(poison) and cuda.last_step_skipped == cpu.last_step_skipped
