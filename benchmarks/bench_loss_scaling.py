@@ -1,4 +1,4 @@
-"""Loss-scaler overhead per optimizer step: ``DynamicLossScaler`` vs ``torch.amp.GradScaler("cpu")``.
+"""Loss-scaler overhead per optimizer step: ``DynamicLossScaler`` vs ``torch.amp.GradScaler``.
 
 Same 11M-parameter MLP (4 x Linear(1664, 1664) with PyTorch's default init, gradients of realistic
 magnitude, 1e-3 x N(0, 1) times the scale, so no denormals), same optimizer configuration, same
@@ -7,7 +7,7 @@ the skip decision) + ``update``. Gradients are refilled outside the timed region
 ``--iters`` iterations after warm-up, the scalers alternating step by step (A B C C B A ...); ratio = ours /
 GradScaler (< 1 means ours is faster).
 
-Usage: ``python benchmarks/bench_loss_scaling.py [--iters 60]``.
+Usage: ``python benchmarks/bench_loss_scaling.py [--iters 60] [--device cpu|cuda]``.
 """
 
 from __future__ import annotations
@@ -29,9 +29,17 @@ from lightning_ext.amp import DynamicLossScaler
 WIDTH, DEPTH, SCALE = 1664, 4, 2.0**16
 
 
+DEVICE = torch.device("cpu")  # set by --device
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
+    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)]).to(DEVICE)
 
 
 def _setup(scaler_fn: Callable[[], object], optimizer_fn: Callable) -> tuple:
@@ -39,7 +47,7 @@ def _setup(scaler_fn: Callable[[], object], optimizer_fn: Callable) -> tuple:
     params = list(model.parameters())
     grads = [torch.randn_like(p) * (1e-3 * SCALE) for p in params]
     scaler = scaler_fn()
-    scaler.scale(torch.ones(()))  # GradScaler creates its scale tensor lazily here
+    scaler.scale(torch.ones((), device=DEVICE))  # GradScaler creates its scale tensor lazily here
     return params, grads, optimizer_fn(params), scaler
 
 
@@ -49,11 +57,13 @@ def _one_step(params, grads, opt, scaler) -> float:
             p.grad = g.clone()
         else:
             p.grad.copy_(g)
+    _sync()
     start = time.perf_counter()
     if not getattr(opt, "_step_supports_amp_scaling", False):
         scaler.unscale_(opt)
     scaler.step(opt)
     scaler.update()
+    _sync()  # on CUDA: the device work of the step counts, not only its launch
     return time.perf_counter() - start
 
 
@@ -78,10 +88,38 @@ def _time(scaler_fns: dict[str, Callable], optimizer_fn: Callable, iters: int, w
     return out
 
 
+def _profile() -> None:
+    """Per-op host time and launches of one step (SGD foreach), GradScaler vs ours (diagnosis only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE.type == "cuda" else [])
+    scalers = {
+        "GradScaler": lambda: torch.amp.GradScaler(DEVICE.type, init_scale=SCALE),
+        "ours": lambda: DynamicLossScaler(init_scale=SCALE, telemetry=False),
+    }
+    for name, fn in scalers.items():
+        setup = _setup(fn, lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9, foreach=True))
+        for _ in range(5):
+            _one_step(*setup)
+        with profile(activities=activities) as prof:
+            _one_step(*setup)
+        print(f"--- {name}")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iters", type=int, default=60)
+    parser.add_argument("--device", default="cpu", help="cpu (default; results/loss_scaling.md) or cuda")
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler op tables, no timing")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be 'cpu' or 'cuda', got {args.device!r}")
+    if args.profile:
+        _profile()
+        return
     torch.set_num_threads(max(1, torch.get_num_threads()))
     n_params = sum(p.numel() for p in _model().parameters())
 
@@ -92,7 +130,7 @@ def main() -> None:
         "Adam (fused)": lambda p: torch.optim.Adam(p, lr=1e-3, fused=True),
     }
     scalers = {
-        "GradScaler": lambda: torch.amp.GradScaler("cpu", init_scale=SCALE),
+        "GradScaler": lambda: torch.amp.GradScaler(DEVICE.type, init_scale=SCALE),
         "ours": lambda: DynamicLossScaler(init_scale=SCALE, telemetry=False),
         "ours + telemetry": lambda: DynamicLossScaler(init_scale=SCALE, telemetry=True),
     }
@@ -108,7 +146,7 @@ def main() -> None:
         )
 
     lines = [
-        "## Loss scaling: unscale + check + step + update per optimizer step (CPU)",
+        f"## Loss scaling: unscale + check + step + update per optimizer step ({DEVICE.type.upper()})",
         "",
         f"{n_params / 1e6:.1f}M fp32 parameters ({DEPTH} x Linear({WIDTH}, {WIDTH})), median of "
         f"{args.iters} steps, no overflow. Fused optimizers take `grad_scale`/`found_inf` (no host sync); "
@@ -126,7 +164,14 @@ def main() -> None:
             f"| {opt_name} | {g:.2f} | {o:.2f} | {o / g:.3f}x | {ms['ours paired']:.3f}x | {t:.2f} | "
             f"{ms['ours + telemetry paired']:.3f}x |"
         )
-    write_result("loss_scaling", "\n".join(lines))
+    if DEVICE.type == "cuda":
+        lines += [
+            "",
+            "CUDA: the timed region ends with `torch.cuda.synchronize()`, so the device work and the",
+            "host sync of each step count. Ours unscales with the kernel backend's `unscale_and_check_`",
+            "(Triton kernels for tensors >= 64Ki elements), GradScaler with ATen's multi-tensor op.",
+        ]
+    write_result("loss_scaling" if DEVICE.type == "cpu" else "loss_scaling_gpu", "\n".join(lines))
 
 
 if __name__ == "__main__":

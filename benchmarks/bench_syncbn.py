@@ -14,7 +14,8 @@ GPU section (only when CUDA is available): at world size 1, ours forced through 
 path (kernel backend, one all_reduce over a 1-rank NCCL group) vs ``torch.nn.SyncBatchNorm``'s own
 autograd function forced through its synchronized path on the same group. Target: <= 1.0x.
 
-Usage: ``python benchmarks/bench_syncbn.py [--quick]``.
+Usage: ``python benchmarks/bench_syncbn.py [--quick] [--gpu-only]``; the GPU section goes to
+``results/syncbn_gpu.md``.
 """
 
 from __future__ import annotations
@@ -165,25 +166,32 @@ def _gpu_section(iters: int) -> str:
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1)
     group = dist.group.WORLD
     lines = [
+        "## SyncBatchNorm, GPU (`bench_syncbn.py`)",
         "",
-        f"GPU ({torch.cuda.get_device_name()}), world size 1 forced through the synchronized path, "
-        "fwd+bwd ms:",
+        f"{torch.cuda.get_device_name()}, world size 1 (NCCL) forced through the synchronized path, fp32, "
+        f"one layer's forward + backward, mean ms over {iters} steps (host clock around synchronized "
+        "loops, so launch overhead counts). Target (issue 4): ours <= 1.0x torch's SyncBatchNorm function.",
         "",
-        "| shape (N, C, H, W) | format | ours (kernel backend) | torch SyncBatchNorm function | ratio |",
-        "|---|---|---:|---:|---:|",
+        "| shape (N, C, H, W) | format | ours, triton backend | ours, reference backend "
+        "| torch SyncBatchNorm function | triton / torch | reference / torch |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     try:
         for shape in SHAPES:
             for fmt_name, fmt in FORMATS.items():
                 x = torch.randn(shape, device="cuda").contiguous(memory_format=fmt).requires_grad_(True)
                 dy = torch.randn(shape, device="cuda").contiguous(memory_format=fmt)
-                ours = SyncBatchNorm(shape[1], device="cuda")
                 ref = nn.BatchNorm2d(shape[1], device="cuda")
-
-                steps = (
-                    ("ours", functools.partial(_ours_forced_step, ours, x, dy)),
-                    ("torch", functools.partial(_torch_forced_step, ref, group, x, dy)),
-                )
+                steps = [
+                    (
+                        be,
+                        functools.partial(
+                            _ours_forced_step, SyncBatchNorm(shape[1], device="cuda", backend=be), x, dy
+                        ),
+                    )
+                    for be in ("triton", "reference")
+                ]
+                steps.append(("torch", functools.partial(_torch_forced_step, ref, group, x, dy)))
                 result = {}
                 for name, fn in steps:
                     for _ in range(5):
@@ -195,8 +203,9 @@ def _gpu_section(iters: int) -> str:
                     torch.cuda.synchronize()
                     result[name] = 1e3 * (time.perf_counter() - start) / iters
                 lines.append(
-                    f"| {shape} | {fmt_name} | {result['ours']:.3f} | {result['torch']:.3f} | "
-                    f"{result['ours'] / result['torch']:.2f}x |"
+                    f"| {shape} | {fmt_name} | {result['triton']:.3f} | {result['reference']:.3f} | "
+                    f"{result['torch']:.3f} | {result['triton'] / result['torch']:.2f}x | "
+                    f"{result['reference'] / result['torch']:.2f}x |"
                 )
     finally:
         dist.destroy_process_group()
@@ -206,8 +215,15 @@ def _gpu_section(iters: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer timed steps")
+    parser.add_argument("--gpu-only", action="store_true", help="skip the CPU section")
     args = parser.parse_args()
     iters = 5 if args.quick else 60
+    if torch.cuda.is_available():
+        gpu = _gpu_section(iters * 5)
+        print(gpu)
+        write_result("syncbn_gpu", gpu)
+    if args.gpu_only:
+        return
     world_size = 2
     results = run_distributed(_worker, world_size, iters, timeout=900)
     lines = [
@@ -248,8 +264,6 @@ def main() -> None:
         "all_gather buffer is 4·W(2C+1) forward + 4·2C backward, so ours moves the same at W = 2 and less",
         "for every W > 2 (e.g. W = 8: 8(2C+1) vs 32(2C+1) forward).",
     ]
-    if torch.cuda.is_available():
-        lines.append(_gpu_section(iters * 5))
     markdown = "\n".join(lines)
     print(markdown)
     write_result("syncbn", markdown)
