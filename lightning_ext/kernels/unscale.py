@@ -166,7 +166,9 @@ def _bucket_metadata(group: list[Tensor], block: int, small_numel: int) -> _Meta
     address, numels, first blocks, then the tensor index of each of the ``total_blocks`` programs).
     Cached by the tensors' addresses and sizes (gradients keep their storage from step to step), so
     a step builds no table and copies nothing to the device. Non-contiguous tensors are re-checked
-    for density on every call.
+    for density on every call. On a miss the host builds 3 numbers per tensor and copies them
+    without a sync (pinned memory, ``non_blocking``); the per-program owners are computed on the
+    device (``searchsorted``), so the cost does not grow with the number of elements.
     """
     ptrs = tuple(map(Tensor.data_ptr, group))
     sizes = tuple(map(Tensor.numel, group))
@@ -188,15 +190,18 @@ def _bucket_metadata(group: list[Tensor], block: int, small_numel: int) -> _Meta
         entry: _Meta = (None, [], 0)
     else:
         base = ptrs[fast[0]]
-        offsets, numels, firsts, owner = [], [], [], []
-        for t, i in enumerate(fast):
-            ptr, numel = ptrs[i], sizes[i]
-            offsets.append((ptr - base) // elsize)
-            numels.append(numel)
-            firsts.append(len(owner))
-            owner.extend([t] * -(-numel // block))
-        meta = torch.tensor(offsets + numels + firsts + owner, dtype=torch.int64).to(group[0].device)
-        entry = (meta, fast, len(owner))
+        offsets, numels, firsts, total = [], [], [], 0
+        for i in fast:
+            offsets.append((ptrs[i] - base) // elsize)
+            numels.append(sizes[i])
+            firsts.append(total)
+            total += -(-sizes[i] // block)
+        device = group[0].device
+        host = torch.tensor(offsets + numels + firsts, dtype=torch.int64, pin_memory=device.type == "cuda")
+        small = host.to(device, non_blocking=True)
+        programs = torch.arange(total, dtype=torch.int64, device=device)
+        owner = torch.searchsorted(small[2 * len(fast) :], programs, right=True) - 1
+        entry = (torch.cat([small, owner]), fast, total)
     if len(_META_CACHE) >= _META_CACHE_SIZE:
         _META_CACHE.pop(next(iter(_META_CACHE)))
     _META_CACHE[key] = entry
