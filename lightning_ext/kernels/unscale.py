@@ -172,14 +172,15 @@ def _bucket_metadata(group: list[Tensor], block: int, small_numel: int) -> _Meta
     """
     ptrs = tuple(map(Tensor.data_ptr, group))
     sizes = tuple(map(Tensor.numel, group))
+    head = (group[0].device, group[0].dtype, block, small_numel)
     if all(map(Tensor.is_contiguous, group)):
-        key: tuple = (group[0].device, group[0].dtype, ptrs, sizes)
+        key: tuple = (*head, ptrs, sizes)
     else:
-        key = (group[0].device, group[0].dtype, ptrs, sizes, tuple(map(_is_dense, group)))
+        key = (*head, ptrs, sizes, tuple(map(_is_dense, group)))
     hit = _META_CACHE.get(key)
     if hit is not None:
         return hit
-    dense = key[4] if len(key) > 4 else (True,) * len(group)
+    dense = key[6] if len(key) > 6 else (True,) * len(group)
     elsize = group[0].element_size()
     fast = [
         i
