@@ -49,15 +49,21 @@ def test_every_value_kind_accumulates_in_float64() -> None:
     report("V", torch.tensor([1, 2, 3], dtype=torch.int32))
     report("V", torch.tensor([True, False]))
     report("V", torch.tensor([-1e3, 1e3], dtype=torch.bfloat16))
-    # Larger tensors take the kernel backend's accumulate_moments_ (small CPU ones the host path).
+    # Larger CPU tensors take NumPy on the host, the largest the kernel backend's accumulate_moments_.
     big_half = torch.linspace(-3, 7, 101, dtype=torch.float16).reshape(1, 101)
     big_int = torch.arange(-20, 20, dtype=torch.int64)
+    huge = torch.linspace(-1, 2, 70_001, dtype=torch.float32)
     report("V", big_half)
     report("V", big_int)
+    report("V", huge)
     c.update()
     half = torch.tensor([0.1, 0.2], dtype=torch.float16).double().tolist()
     values = [1.5, 3, 1, 2.5, 1, 2, 4, 5, 0, 1, 2, 3, 4, 5, *half, 1, 2, 3, 1, 0, -1e3, 1e3]
-    _check(c, "V", values + big_half.double().reshape(-1).tolist() + big_int.double().tolist())
+    _check(
+        c,
+        "V",
+        values + big_half.double().reshape(-1).tolist() + big_int.double().tolist() + huge.double().tolist(),
+    )
 
 
 def test_host_path_and_kernel_path_agree() -> None:
@@ -70,6 +76,33 @@ def test_host_path_and_kernel_path_agree() -> None:
     c.update()
     for stat in ("num", "mean", "std", "min", "max"):
         assert getattr(c, stat)("Host") == pytest.approx(getattr(c, stat)("Kernel"), rel=1e-12)
+
+
+@pytest.mark.parametrize("bad", [None, math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64], ids=str)
+def test_numpy_host_path_equals_kernel_path(monkeypatch, dtype, bad) -> None:
+    """CPU tensors of 17..65536 elements (NumPy on the host) give what the kernel backend gives,
+    inf and NaN included, mixed with numbers and small tensors under the same name."""
+    from lightning_ext.stats import reporting
+
+    gen = torch.Generator().manual_seed(5)
+    chunks = [(3e2 + torch.randn(n, generator=gen, dtype=torch.float64) * 7) for n in (17, 300, 4099)]
+    chunks = [x.round().to(dtype) if dtype == torch.int64 else x.to(dtype) for x in chunks]
+    if bad is not None and dtype != torch.int64:
+        chunks[1][123] = bad
+    results = {}
+    for path, limit in (("numpy", 1 << 16), ("kernel", 16)):
+        reset()
+        monkeypatch.setattr(reporting, "_HOST_ARRAY_MAX_NUMEL", limit)
+        c = Collector()
+        report("X", 2.5)
+        for x in chunks:
+            report("X", x.reshape(-1, 1) if x.numel() == 300 else x)  # any shape
+        report("X", torch.tensor([1.0, -4.0]))
+        c.update()
+        results[path] = [getattr(c, stat)("X") for stat in ("num", "mean", "std", "min", "max")]
+    for a, b in zip(results["numpy"], results["kernel"]):
+        assert a == pytest.approx(b, rel=1e-12, nan_ok=True)
 
 
 def test_empty_value_registers_name_and_adds_nothing() -> None:
