@@ -84,6 +84,20 @@ def kernel(fn: Callable, interpret: bool) -> Any:
     return wrapped
 
 
+_SM_COUNT: dict[int, int] = {}  # CUDA device index -> multiprocessors
+
+
+def sm_count(device: Any) -> int:
+    """Multiprocessors of the CUDA ``device`` (a ``torch.device``), read once per device and cached."""
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _SM_COUNT.get(index)
+    if count is None:
+        count = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
+
+
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for launch arithmetic (``triton.cdiv`` is a jit function: ~7 us per host call)."""
     return -(-a // b)

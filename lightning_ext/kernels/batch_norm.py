@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_ext.kernels._triton import HAS_TRITON, cdiv, kernel, next_power_of_2, tl, tl_dtype
+from lightning_ext.kernels._triton import HAS_TRITON, cdiv, kernel, next_power_of_2, sm_count, tl, tl_dtype
 from lightning_ext.kernels.backend import _stat_dtype
 
 __all__ = [
@@ -196,8 +196,6 @@ _TILE, _NUM_WARPS = 2048, 4  # elementwise: elements per tile, warps
 _RED_TILE, _RED_NUM_WARPS = 4096, 8  # reductions
 _PROGRAMS_PER_SM = 4  # reductions: programs per multiprocessor to aim for
 _COMBINE_ROWS = 128  # partials summed per step of the combine kernel (8 warps)
-_SM_COUNT: dict[int, int] = {}
-
 if HAS_TRITON:
 
     def _bn_stats_kernel(
@@ -414,11 +412,7 @@ def _tiles(c: int, s: int, channels_contiguous: bool, tile: int | None = None) -
 def _target_programs(device: torch.device, interpret: bool) -> int:
     if interpret:
         return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    sms = _SM_COUNT.get(index)
-    if sms is None:
-        sms = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return sms * _PROGRAMS_PER_SM
+    return sm_count(device) * _PROGRAMS_PER_SM
 
 
 def _reduction_split(

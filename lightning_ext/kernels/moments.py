@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_ext.kernels._triton import HAS_TRITON, cdiv, kernel, tl
+from lightning_ext.kernels._triton import HAS_TRITON, cdiv, kernel, sm_count, tl
 
 __all__ = ["accumulate_moments_reference", "accumulate_moments_triton"]
 
@@ -76,8 +76,6 @@ if HAS_TRITON:
 
 # ---------------------------------------------------------------------------- launcher
 
-_SM_COUNT: dict[int, int] = {}
-
 
 def accumulate_moments_triton(acc: Tensor, x: Tensor, shift: Tensor, interpret: bool = False) -> None:
     """Launcher: ONE kernel launch of at most 4 programs per multiprocessor; float64 atomics combine
@@ -92,9 +90,5 @@ def accumulate_moments_triton(acc: Tensor, x: Tensor, shift: Tensor, interpret: 
     if interpret:
         programs = min(blocks, 3)
     else:
-        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        sms = _SM_COUNT.get(index)
-        if sms is None:
-            sms = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        programs = min(blocks, 4 * sms)
+        programs = min(blocks, 4 * sm_count(x.device))
     kernel(_moments_kernel, interpret)[(programs,)](x, acc, shift, x.numel(), blocks, BLOCK=block)
