@@ -266,23 +266,35 @@ def run_benchmark(
 
 
 def measure_report_cost(calls: int = 200_000) -> dict[str, float]:
-    """``report()`` µs per call in this process: a Python float and a 1,000-element CPU float32 tensor."""
-    from lightning_ext.stats import Collector, report, reset
+    """``report()`` µs per call in this process: a Python float and a 1,000-element CPU float32 tensor,
+    the tensor both on its host path (NumPy) and, as the anchor, through the kernel backend's
+    ``accumulate_moments_`` (the path it took before; forced by lowering the host-path limit)."""
+    from lightning_ext.stats import Collector, report, reporting, reset
 
     reset()
     collector = Collector()
     out = {}
     x = torch.randn(1000)
-    for label, value, n in (("float", 0.5, calls), ("tensor1000", x, max(calls // 50, 100))):
-        for _ in range(100):
-            report("Bench/value", value)
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for _ in range(n):
+    host_limit = reporting._HOST_ARRAY_MAX_NUMEL
+    cases = (
+        ("float", 0.5, calls, host_limit),
+        ("tensor1000", x, max(calls // 50, 100), host_limit),
+        ("tensor1000_kernel", x, max(calls // 50, 100), 0),
+    )
+    try:
+        for label, value, n, limit in cases:
+            reporting._HOST_ARRAY_MAX_NUMEL = limit
+            for _ in range(100):
                 report("Bench/value", value)
-            best = min(best, (time.perf_counter() - t0) / n)
-        out[label] = best * 1e6
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    report("Bench/value", value)
+                best = min(best, (time.perf_counter() - t0) / n)
+            out[label] = best * 1e6
+    finally:
+        reporting._HOST_ARRAY_MAX_NUMEL = host_limit
     collector.update()
     reset()
     return out
@@ -322,7 +334,13 @@ def targets(results: dict, report_us: dict[str, float]) -> list[tuple[str, str, 
     """(label, measured, goal, met) for the three targets of issue 2 §5 (and the tensor report cost)."""
     rows = [
         ("`report()` Python float", f"{report_us['float']:.2f} µs", "≤ 10 µs", report_us["float"] <= 10),
-        ("`report()` 1,000-element CPU tensor", f"{report_us['tensor1000']:.1f} µs", "(no target)", True),
+        (
+            "`report()` 1,000-element CPU tensor (host path, NumPy)",
+            f"{report_us['tensor1000']:.1f} µs",
+            f"(no target; through the kernel backend: {report_us['tensor1000_kernel']:.1f} µs, "
+            f"{report_us['tensor1000_kernel'] / report_us['tensor1000']:.1f}x)",
+            True,
+        ),
     ]
     kmax = max(results["ours"])
     if kmax == 100:
