@@ -20,7 +20,7 @@ Conventions shared by all ops (after ``torch.nn.SyncBatchNorm`` and Apex's ``syn
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -70,6 +70,14 @@ def _check_same_shape(dy: Tensor, x: Tensor) -> None:
         raise ValueError(f"`dy` must have the shape of `x` {tuple(x.shape)!r}, got shape {tuple(dy.shape)!r}")
     if dy.device != x.device:
         raise ValueError(f"`dy` must be on the device of `x` ({x.device}), got device {dy.device}")
+
+
+def _check_count(count: object, channels: int, device: torch.device) -> None:
+    if not isinstance(count, Tensor) or tuple(count.shape) not in ((), (channels,)):
+        got = tuple(count.shape) if isinstance(count, Tensor) else type(count).__name__
+        raise ValueError(f"`count` must be a tensor of shape () or (C,)=({channels},), got {got!r}")
+    if count.device != device:
+        raise ValueError(f"`count` must be on the device of `x` ({device}), got device {count.device}")
 
 
 class _BatchNormStatsFn(torch.autograd.Function):
@@ -293,15 +301,96 @@ class KernelBackend(abc.ABC):
         _check_channel_vector(weight, "weight", c, x.device, optional=True)
         _check_channel_vector(sum_dy, "sum_dy", c, x.device, optional=False)
         _check_channel_vector(sum_dy_xmu, "sum_dy_xmu", c, x.device, optional=False)
-        if not isinstance(count, Tensor) or tuple(count.shape) not in ((), (c,)):
-            got = tuple(count.shape) if isinstance(count, Tensor) else type(count).__name__
-            raise ValueError(f"`count` must be a tensor of shape () or (C,)=({c},), got {got!r}")
-        if count.device != x.device:
-            raise ValueError(f"`count` must be on the device of `x` ({x.device}), got device {count.device}")
+        _check_count(count, c, x.device)
         with torch.no_grad():
             return self._dispatch_batch_norm_backward_elemt(
                 dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count.to(_stat_dtype(x)).expand(c)
             )
+
+    def batch_norm_backward(
+        self,
+        dy: Tensor,
+        x: Tensor,
+        mean: Tensor,
+        invstd: Tensor,
+        weight: Tensor | None,
+        count: Tensor,
+        sum_over_group: Callable[[Tensor], Tensor] | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Whole training-mode backward of a batch norm whose statistics span a group of shards.
+
+        The local sums ``(sum_dy, sum_dy_xmu)`` of this shard, packed as ONE float32 tensor of shape
+        ``(2C,)``, are handed to ``sum_over_group``, which must return their sum over the group (one
+        ``all_reduce``; every rank calls it, also ranks whose ``x`` is empty); ``dx`` is then the
+        :meth:`batch_norm_backward_elemt` of the global sums and ``count``. The default composes
+        :meth:`batch_norm_backward_reduce` and :meth:`batch_norm_backward_elemt` (the scheme of
+        ``torch.nn.SyncBatchNorm``); a backend may fuse differently (the ``reference`` backend on the
+        CPU: ATen's fused local backward, then a per-channel affine correction to the global sums).
+
+        Args:
+            dy: gradient of the output, ``x``'s shape and dtype, any memory format.
+            x: float16/bfloat16/float32 tensor ``(N, C, *)``; may be empty (``N = 0``).
+            mean, invstd: float32 ``(C,)``, the global statistics the forward normalized with;
+                ``invstd`` positive and finite.
+            weight: float ``(C,)`` or ``None`` (ones).
+            count: float32 tensor ``(C,)`` or 0-dim, the GLOBAL number of elements per channel.
+            sum_over_group: callable taking and returning a float32 ``(2C,)`` tensor on ``x``'s
+                device; ``None``: this shard is the whole batch.
+
+        Returns:
+            ``(dx, sum_dy, sum_dy_xmu)``: ``dx`` of ``x``'s shape, dtype and memory format; the LOCAL
+            float32 ``(C,)`` sums (``grad_bias = sum_dy``, ``grad_weight = sum_dy_xmu * invstd``).
+
+        Raises:
+            TypeError / ValueError: as :meth:`batch_norm_backward_elemt`; ``sum_over_group`` not
+            callable.
+
+        Does not synchronize host and device itself (``sum_over_group`` may).
+        """
+        _check_x(x)
+        _check_x(dy, "dy")
+        _check_same_shape(dy, x)
+        c = x.shape[1]
+        _check_channel_vector(mean, "mean", c, x.device, optional=False)
+        _check_channel_vector(invstd, "invstd", c, x.device, optional=False)
+        _check_channel_vector(weight, "weight", c, x.device, optional=True)
+        _check_count(count, c, x.device)
+        if sum_over_group is not None and not callable(sum_over_group):
+            raise TypeError(
+                f"`sum_over_group` must be a callable or None, got {type(sum_over_group).__name__}"
+            )
+        with torch.no_grad():
+            return self._batch_norm_backward(
+                dy, x, mean, invstd, weight, count.to(_stat_dtype(x)).expand(c), sum_over_group
+            )
+
+    def _batch_norm_backward(
+        self,
+        dy: Tensor,
+        x: Tensor,
+        mean: Tensor,
+        invstd: Tensor,
+        weight: Tensor | None,
+        count: Tensor,
+        sum_over_group: Callable[[Tensor], Tensor] | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Reduce, sum over the group, elemt. Override to fuse; ``count`` arrives as ``(C,)``."""
+        c = x.shape[1]
+        if x.numel() > 0:
+            sum_dy, sum_dy_xmu = self._dispatch_batch_norm_backward_reduce(dy, x, mean, invstd)
+        else:
+            sum_dy = torch.zeros(c, dtype=_stat_dtype(x), device=x.device)
+            sum_dy_xmu = torch.zeros_like(sum_dy)
+        total_dy, total_dy_xmu = sum_dy, sum_dy_xmu
+        if sum_over_group is not None:
+            total = sum_over_group(torch.cat([sum_dy, sum_dy_xmu]))
+            total_dy, total_dy_xmu = total[:c], total[c:]
+        if x.numel() == 0:
+            return torch.empty_like(x), sum_dy, sum_dy_xmu
+        dx = self._dispatch_batch_norm_backward_elemt(
+            dy, x, mean, invstd, weight, total_dy, total_dy_xmu, count
+        )
+        return dx, sum_dy, sum_dy_xmu
 
     def unscale_and_check_(self, tensors: Sequence[Tensor], inv_scale: Tensor) -> Tensor:
         """Multiply every tensor in place by ``inv_scale`` and flag any inf/NaN, in one pass.

@@ -37,6 +37,10 @@ recomputed by ``torch.utils.checkpoint``'s eager path).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from typing import Any
+
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -48,7 +52,7 @@ from lightning_ext.distributed import collective_device, get_world_size, is_dist
 
 __all__ = ["SyncBatchNorm", "sync_batch_norm_stats"]
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)  # buffer dtypes NumPy can view
 
 
 def _get_backend(name: str | None, device: torch.device):
@@ -78,7 +82,26 @@ def _is_recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _pack_moments(count: int, mean: Tensor, m2: Tensor, shift: Tensor) -> Tensor:
+def _host_arrays(*tensors: Tensor) -> list[Any]:
+    """NumPy views of CPU tensors (no copy), for the per-channel arithmetic on the host.
+
+    On ``(C,)`` vectors a NumPy operation costs ~1 µs where a torch op costs ~4 µs; a layer does about
+    25 of them per forward. The moment arithmetic below uses only Python operators, slicing and
+    ``clip``, so it runs unchanged on these views or on torch tensors (other devices, ``torch.compile``).
+    """
+    return [t.numpy() for t in tensors]
+
+
+def _to_float64(a: Any) -> Any:
+    return a.astype(np.float64) if isinstance(a, np.ndarray) else a.to(torch.float64)
+
+
+def _quiet_nan(a: Any) -> Any:
+    """Silences NumPy's warnings about 0/0 for NumPy ``a`` (NaN is the documented result); else a no-op."""
+    return np.errstate(invalid="ignore", divide="ignore") if isinstance(a, np.ndarray) else nullcontext()
+
+
+def _pack_moments(count: int, mean: Any, m2: Any, shift: Any, out: Any = None) -> Any:
     """Per-rank float64 payload ``[n, n * (mean - c), M2 + n * (mean - c)**2]`` of shape ``(2C + 1,)``.
 
     Args:
@@ -86,17 +109,22 @@ def _pack_moments(count: int, mean: Tensor, m2: Tensor, shift: Tensor) -> Tensor
         mean: float32/float64 ``(C,)`` local mean; ignored when ``count == 0``.
         m2: float32/float64 ``(C,)`` local sum of squared deviations from ``mean``.
         shift: float64 ``(C,)`` shift ``c``, identical on every rank.
+        out: float64 ``(2C + 1,)`` to write into (default: a new tensor on ``shift``'s device).
+
+    Torch tensors or NumPy arrays alike (all of one kind); returns ``out``.
     """
-    channels = shift.numel()
-    payload = torch.empty(2 * channels + 1, dtype=torch.float64, device=shift.device)
-    payload[:1].fill_(float(count))
+    channels = shift.shape[0]
+    if out is None:
+        out = torch.empty(2 * channels + 1, dtype=torch.float64, device=shift.device)
+    out[0] = float(count)
     if count == 0:
-        payload[1:].zero_()
-        return payload
-    dev = torch.sub(mean, shift)  # promoted to float64
-    s1 = torch.mul(dev, count, out=payload[1 : channels + 1])
-    torch.addcmul(m2, s1, dev, out=payload[channels + 1 :])
-    return payload
+        out[1:] = 0.0
+        return out
+    dev = mean - shift  # promoted to float64
+    s1 = dev * count
+    out[1 : channels + 1] = s1
+    out[channels + 1 :] = m2 + s1 * dev
+    return out
 
 
 def _sum_over_group(tensor: Tensor, process_group: dist.ProcessGroup | None) -> Tensor:
@@ -116,18 +144,20 @@ def _sum_over_group(tensor: Tensor, process_group: dist.ProcessGroup | None) -> 
     return tensor
 
 
-def _unpack_moments(payload: Tensor, shift: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _unpack_moments(payload: Any, shift: Any) -> tuple[Any, Any, Any]:
     """Global ``(count, mean, m2)`` in float64 from the summed payload of :func:`_pack_moments`.
 
-    ``count`` is 0-dim; ``mean`` and ``m2`` are ``(C,)``. With ``count == 0`` they are NaN.
+    ``count`` is 0-dim; ``mean`` and ``m2`` are ``(C,)``. With ``count == 0`` they are NaN. Torch
+    tensors or NumPy arrays alike.
     """
-    channels = shift.numel()
+    channels = shift.shape[0]
     n = payload[0]
     s1 = payload[1 : channels + 1]
     s2 = payload[channels + 1 :]
-    dev = s1 / n
-    mean = shift + dev
-    m2 = torch.addcmul(s2, s1, dev, value=-1.0).clamp_min_(0.0)
+    with _quiet_nan(payload):  # count 0: NaN, as documented
+        dev = s1 / n
+        mean = shift + dev
+        m2 = (s2 - s1 * dev).clip(min=0.0)
     return n, mean, m2
 
 
@@ -159,43 +189,70 @@ def sync_batch_norm_stats(
     (e.g. gloo with CUDA tensors: the payload is copied to CPU).
     """
     channels = x.shape[1]
-    count = x.numel() // channels if channels else 0
     if shift is None:
         shift = torch.zeros(channels, dtype=torch.float64, device=x.device)
+    host = _on_host(x)
+    ops = _get_backend(backend, x.device)
+    count, mean, m2 = _global_moments(x, shift, process_group, ops, sync, host)
+    if host:
+        return torch.tensor(count, dtype=torch.float64), torch.from_numpy(mean), torch.from_numpy(m2)
+    return count, mean, m2
+
+
+def _on_host(x: Tensor) -> bool:
+    """Whether the per-channel arithmetic of ``x``'s layer runs in NumPy (eager CPU)."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _global_moments(
+    x: Tensor, shift: Tensor, process_group: dist.ProcessGroup | None, ops: Any, sync: bool, host: bool
+) -> tuple[Any, Any, Any]:
+    """:func:`sync_batch_norm_stats` as NumPy arrays (``host``) or tensors; ``x`` detached, ``shift``
+    float64, ``ops`` the kernel backend."""
+    channels = x.shape[1]
+    count = x.numel() // channels
     if count > 0:
-        _, mean, m2 = _get_backend(backend, x.device).batch_norm_stats(x)
+        _, mean, m2 = ops.batch_norm_stats(x)
     else:
         mean = m2 = torch.zeros(channels, dtype=torch.float32, device=x.device)
-    payload = _pack_moments(count, mean, m2, shift)
+    payload = torch.empty(2 * channels + 1, dtype=torch.float64, device=x.device)
+    if host:
+        mean, m2, shift_h, payload_h = _host_arrays(mean, m2, shift, payload)
+        _pack_moments(count, mean, m2, shift_h, payload_h)
+    else:
+        _pack_moments(count, mean, m2, shift, payload)
     if sync:
         payload = _sum_over_group(payload, process_group)
+    if host:
+        return _unpack_moments(payload.numpy(), shift_h)
     return _unpack_moments(payload, shift)
 
 
 def _update_running_stats(
-    running_mean: Tensor,
-    running_var: Tensor,
-    num_batches_tracked: Tensor | None,
+    running_mean: Any,
+    running_var: Any,
+    num_batches_tracked: Any,
     momentum: float | None,
-    count: Tensor,
-    mean: Tensor,
-    m2: Tensor,
+    count: Any,
+    mean: Any,
+    m2: Any,
 ) -> None:
     """In-place exponential (or cumulative, ``momentum=None``) update from the unbiased variance.
 
     ``m2 / (count - 1)`` uses the GLOBAL count. The caller skips the update when the global count
     is 0 (as ATen does for an empty batch). No host sync: the cumulative factor
-    ``1 / num_batches_tracked`` stays a device tensor.
+    ``1 / num_batches_tracked`` stays a device tensor. Torch tensors or NumPy views alike.
     """
     unbiased = m2 / (count - 1)
     if momentum is None:
         assert num_batches_tracked is not None
-        factor = num_batches_tracked.to(torch.float64).reciprocal_()
-        running_mean.mul_(1.0 - factor).add_(mean * factor)
-        running_var.mul_(1.0 - factor).add_(unbiased * factor)
+        factor = 1.0 / _to_float64(num_batches_tracked)
     else:
-        running_mean.mul_(1.0 - momentum).add_(mean, alpha=momentum)
-        running_var.mul_(1.0 - momentum).add_(unbiased, alpha=momentum)
+        factor = momentum
+    running_mean *= 1.0 - factor
+    running_mean += mean * factor
+    running_var *= 1.0 - factor
+    running_var += unbiased * factor
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
@@ -217,50 +274,34 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         count: Tensor,
         process_group: dist.ProcessGroup | None,
         sync: bool,
-        backend: str | None,
+        ops: Any,
     ) -> Tensor:
-        ops = _get_backend(backend, x.device)
         y = ops.batch_norm_elemt(x, mean, invstd, weight, bias)
         ctx.save_for_backward(x, weight, mean, invstd, count)
         ctx.process_group = process_group
         ctx.sync = sync
-        ctx.backend = backend
+        ctx.ops = ops
         return y
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
         x, weight, mean, invstd, count = ctx.saved_tensors
-        ops = _get_backend(ctx.backend, x.device)
-        from lightning_ext.kernels.batch_norm import _memory_format  # loaded by _get_backend
-
-        fmt = _memory_format(x)
-        dy = (
-            grad_output
-            if grad_output.is_contiguous(memory_format=fmt)
-            else grad_output.contiguous(memory_format=fmt)
-        )
-        channels = x.shape[1]
-        if x.numel() > 0:
-            sum_dy, sum_dy_xmu = ops.batch_norm_backward_reduce(dy, x, mean, invstd)
-        else:
-            sum_dy = torch.zeros(channels, dtype=torch.float32, device=x.device)
-            sum_dy_xmu = torch.zeros(channels, dtype=torch.float32, device=x.device)
+        ops = ctx.ops
         grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            process_group = ctx.process_group
+            sum_over_group = (lambda packed: _sum_over_group(packed, process_group)) if ctx.sync else None
+            grad_x, sum_dy, sum_dy_xmu = ops.batch_norm_backward(
+                grad_output, x, mean, invstd, weight, count, sum_over_group
+            )
+        elif x.numel() > 0:
+            sum_dy, sum_dy_xmu = ops.batch_norm_backward_reduce(grad_output, x, mean, invstd)
+        else:
+            sum_dy = sum_dy_xmu = torch.zeros_like(mean)
         if ctx.needs_input_grad[1]:
             grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)
         if ctx.needs_input_grad[2]:
             grad_bias = sum_dy.to(weight.dtype if weight is not None else torch.float32)
-        if ctx.needs_input_grad[0]:
-            packed = torch.cat([sum_dy, sum_dy_xmu])
-            if ctx.sync:
-                packed = _sum_over_group(packed, ctx.process_group)
-            if x.numel() > 0:
-                w = weight if weight is not None else torch.ones_like(mean)
-                grad_x = ops.batch_norm_backward_elemt(
-                    dy, x, mean, invstd, w, packed[:channels], packed[channels:], count
-                )
-            else:
-                grad_x = torch.zeros_like(x)
         return grad_x, grad_weight, grad_bias, None, None, None, None, None, None
 
 
@@ -395,23 +436,27 @@ class SyncBatchNorm(_BatchNorm):
         return self._forward_synced(input, sync, update_stats)
 
     def _forward_synced(self, input: Tensor, sync: bool, update_stats: bool) -> Tensor:
-        """Global statistics (one all_reduce when ``sync``), running update, normalization."""
+        """Global statistics (one all_reduce when ``sync``), running update, normalization.
+
+        The per-channel arithmetic runs on NumPy views for eager CPU input, on tensors otherwise
+        (the same code: :func:`_pack_moments` and friends take either).
+        """
         channels = self.num_features
         local_count = input.numel() // channels
+        host = _on_host(input)
         with torch.no_grad():
-            shift = (
-                self.running_mean.detach().to(torch.float64)
-                if self.running_mean is not None
-                else torch.zeros(channels, dtype=torch.float64, device=input.device)
-            )
-            count, mean, m2 = sync_batch_norm_stats(
-                input.detach(), shift, self.process_group, self.backend, sync=sync
-            )
+            if self.running_mean is not None:
+                shift = self.running_mean.to(torch.float64)
+            else:
+                shift = torch.zeros(channels, dtype=torch.float64, device=input.device)
+            ops = _get_backend(self.backend, input.device)
+            count, mean, m2 = _global_moments(input.detach(), shift, self.process_group, ops, sync, host)
             nonempty = True  # a rank with >= 2 values per channel knows the global count is >= 2
             if local_count <= 1:
-                # Host sync, only on ranks that cannot know the global count is > 1. All ranks see
-                # the same all-reduced count, so if it is 1 every rank has local_count <= 1 and raises.
-                global_count = int(count.item())
+                # Host sync (device input), only on ranks that cannot know the global count is > 1.
+                # All ranks see the same all-reduced count, so if it is 1 every rank has
+                # local_count <= 1 and raises.
+                global_count = int(count) if host else int(count.item())
                 nonempty = global_count > 0
                 if global_count == 1:
                     raise ValueError(
@@ -419,25 +464,29 @@ class SyncBatchNorm(_BatchNorm):
                         f"{tuple(input.shape)} on this rank and 1 value per channel over the process group"
                     )
             if update_stats and nonempty:
-                _update_running_stats(
-                    self.running_mean,
-                    self.running_var,
-                    self.num_batches_tracked,
-                    self.momentum,
-                    count,
-                    mean,
-                    m2,
-                )
-            invstd = (m2 / count).add_(self.eps).rsqrt_().to(torch.float32)
-            mean32 = mean.to(torch.float32)
-            count32 = count.to(torch.float32)
+                buffers = (self.running_mean, self.running_var, self.num_batches_tracked)
+                if not host:
+                    _update_running_stats(*buffers, self.momentum, count, mean, m2)
+                elif self.running_mean.dtype in _NUMPY_FLOATS:
+                    _update_running_stats(*_host_arrays(*buffers), self.momentum, count, mean, m2)
+                else:  # e.g. a module cast to bfloat16, which NumPy cannot view
+                    _update_running_stats(
+                        *buffers, self.momentum, count, torch.from_numpy(mean), torch.from_numpy(m2)
+                    )
+            with _quiet_nan(m2):  # global count 0: NaN, never used
+                invstd = (m2 / count + self.eps) ** -0.5
+            if host:
+                mean32 = torch.from_numpy(mean.astype(np.float32))
+                invstd32 = torch.from_numpy(invstd.astype(np.float32))
+                count32 = torch.tensor(float(count), dtype=torch.float32)
+            else:
+                mean32 = mean.to(torch.float32)
+                invstd32 = invstd.to(torch.float32)
+                count32 = count.to(torch.float32)
         weight = self.weight
         bias = self.bias
+        args = (input, weight, bias, mean32, invstd32, count32, self.process_group, sync, ops)
         if input.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(input.device.type):
             with torch.autocast(device_type=input.device.type, enabled=False):
-                return _SyncBatchNormFunction.apply(
-                    input, weight, bias, mean32, invstd, count32, self.process_group, sync, self.backend
-                )
-        return _SyncBatchNormFunction.apply(
-            input, weight, bias, mean32, invstd, count32, self.process_group, sync, self.backend
-        )
+                return _SyncBatchNormFunction.apply(*args)
+        return _SyncBatchNormFunction.apply(*args)

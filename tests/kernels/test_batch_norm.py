@@ -200,6 +200,68 @@ def test_weight_bias_none_and_vector_count(backend):
     torch.testing.assert_close(dx, xr.grad, atol=1e-4, rtol=1e-4)
 
 
+# (dtype, tolerance relative to the scale of dx's terms) for the group backward: fp32 and below add
+# the rounding of the local gradient and of the correction (reference backend on the CPU).
+GROUP_DTYPES = [(torch.float64, 1e-12), (torch.float32, 2e-5), (torch.float16, 4e-3), (torch.bfloat16, 3e-2)]
+
+
+@pytest.mark.parametrize(("dtype", "tol"), GROUP_DTYPES, ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize(
+    ("shape", "fmt", "shards"),
+    [
+        ((4, 33, 5, 3), torch.contiguous_format, (3, 1)),
+        ((4, 33, 5, 3), torch.channels_last, (1, 3)),
+        ((2101, 7), torch.contiguous_format, (2000, 101)),
+        ((6, 7, 3, 5, 3), torch.channels_last_3d, (0, 2, 4)),  # an empty shard
+        ((5, 3, 9), torch.contiguous_format, (5,)),  # one shard: no group
+    ],
+    ids=str,
+)
+def test_group_backward_matches_whole_batch(backend, shape, fmt, shards, dtype, tol):
+    """``batch_norm_backward`` of each shard, its sums added over the shards by ``sum_over_group``,
+    equals float64 training-mode batch-norm maths on the whole batch (global statistics and count)."""
+    x = _make(shape, fmt, False, dtype, seed=11)
+    dy = _make(shape, fmt, False, dtype, seed=12)
+    gen = torch.Generator().manual_seed(13)
+    c, nd = x.shape[1], x.dim()
+    weight = _vec(c, gen, 0.5, 1.5)
+    dims = [0, *range(2, nd)]
+    xd, dyd = x.double(), dy.double()
+    mean64 = xd.mean(dims)
+    invstd64 = (xd.var(dims, unbiased=False) + 1e-5).rsqrt()
+    mean, invstd = mean64.float(), invstd64.float()
+    n = xd.numel() // c
+    count = torch.tensor(float(n))
+    parts = list(zip(x.split(list(shards)), dy.split(list(shards))))
+    # Every shard's local sums first (what the other ranks would contribute), then each shard's call.
+    local = [backend.batch_norm_backward_reduce(d, xs, mean, invstd) for xs, d in parts]
+    packed = [torch.cat(s) for s in local]
+    outs = []
+    for i, (xs, d) in enumerate(parts):
+        others = sum((p for j, p in enumerate(packed) if j != i), torch.zeros_like(packed[i]))
+        group = (lambda mine, others=others: mine + others) if len(parts) > 1 else None
+        dx, sum_dy, sum_dy_xmu = backend.batch_norm_backward(d, xs, mean, invstd, weight, count, group)
+        assert dx.dtype == xs.dtype and dx.shape == xs.shape
+        if xs.dim() > 2 and xs.numel():
+            assert dx.is_contiguous(memory_format=fmt)
+        for got, want, what in zip((sum_dy, sum_dy_xmu), local[i], ("sum_dy", "sum_dy_xmu")):
+            assert_close_scaled(got, want.double(), want.abs().double(), 1e-4, 1e-5, what)
+        outs.append(dx)
+    dx = torch.cat(outs)
+    mu, inv, w = (_bc(t, nd) for t in (mean.double(), invstd.double(), weight.double()))
+    a = _bc(dyd.sum(dims), nd) / n
+    b = _bc((dyd * (xd - mu)).sum(dims), nd) * inv * inv / n
+    truth = (dyd - a - (xd - mu) * b) * inv * w
+    scale = (dyd.abs() + a.abs() + (xd - mu).abs() * b.abs()) * (inv * w).abs()
+    assert_close_scaled(dx, truth, scale, tol, tol, f"dx {dtype} shards {shards}")
+
+
+def test_group_backward_rejects_a_non_callable(reference):
+    x = torch.randn(4, 3)
+    with pytest.raises(TypeError, match=r"`sum_over_group` must be a callable or None, got int"):
+        reference.batch_norm_backward(x, x, torch.zeros(3), torch.ones(3), None, torch.tensor(4.0), 5)
+
+
 def test_gradcheck_float64(backend):
     """Autograd of batch_norm_stats and batch_norm_elemt (built from the backend's own ops)."""
     gradcheck = functools.partial(torch.autograd.gradcheck, fast_mode=True)

@@ -400,6 +400,51 @@ def test_single_process_fallback_matches_torch():
     assert float(stats[0]) == 3 and torch.equal(stats[1], torch.full((C,), 2.0, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_and_tensor_arithmetic_agree(monkeypatch, momentum, dtype):
+    """Eager CPU layers do the per-channel arithmetic on NumPy views; other devices and compiled
+    code on tensors. Same code, same numbers: run both on the CPU (also with a module cast to bf16,
+    whose buffers NumPy cannot view) and compare outputs, gradients and buffers, and the running
+    statistics with torch's BatchNorm2d."""
+    import lightning_ext.nn.sync_batch_norm as sbn
+
+    g = torch.Generator().manual_seed(0)
+    data = [
+        (
+            (2.0 + 3.0 * torch.randn(5, C, 4, 3, generator=g)).to(dtype),
+            torch.randn(5, C, 4, 3, generator=g).to(dtype),
+        )
+        for _ in range(3)
+    ]
+    results = {}
+    for host in (True, False):
+        monkeypatch.setattr(sbn, "_on_host", lambda x, host=host: host)
+        bn = SyncBatchNorm(C, momentum=momentum).to(dtype)
+        steps = []
+        for x, dy in data:
+            x = x.clone().requires_grad_(True)
+            bn.num_batches_tracked.add_(1)  # as forward() does
+            # sync=False: the synchronized code path of one rank, without the collective
+            y = bn._forward_synced(x, sync=False, update_stats=True)
+            y.backward(dy)
+            steps.append((y.detach(), x.grad, bn.weight.grad.clone()))
+            bn.weight.grad = None
+        results[host] = (steps, bn.running_mean.clone(), bn.running_var.clone())
+    (s_host, rm_host, rv_host), (s_dev, rm_dev, rv_dev) = results[True], results[False]
+    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for a, b in zip(s_host, s_dev):
+        for u, v in zip(a, b):
+            torch.testing.assert_close(u, v, **tol)
+    torch.testing.assert_close(rm_host, rm_dev, **tol)
+    torch.testing.assert_close(rv_host, rv_dev, **tol)
+    ref = nn.BatchNorm2d(C, momentum=momentum)
+    for x, _ in data:
+        ref(x.float())
+    torch.testing.assert_close(rm_host.float(), ref.running_mean, **tol)
+    torch.testing.assert_close(rv_host.float(), ref.running_var, **tol)
+
+
 def test_autocast_keeps_float32_statistics():
     bn = SyncBatchNorm(C, momentum=None)
     conv = nn.Conv2d(2, C, 1)
