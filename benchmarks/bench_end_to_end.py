@@ -10,8 +10,11 @@ Ours, at the SAME arithmetic precision as the anchor (bf16 autocast): ``LossScal
 (``"16-mixed"``) and print it separately: fp16 autocast on CPU is much slower than bf16 (fp16
 conv backward, see DESIGN.md), which is a property of the CPU kernels, not of our plugin.
 
+Diagnostic rows: every feature except SyncBN, and every feature with SyncBN replaced by ATen's local
+batch norm plus SyncBN's two all_reduces per layer (the synchronization points without our maths).
+
 Per-step time = median interval between consecutive ``on_train_batch_start`` calls on rank 0
-after a warm-up, validation disabled. Runs are interleaved (plain, ours, plain, ours, ...) so
+after a warm-up, validation disabled; the forward / backward / rest phases are timed on rank 0 too. Runs are interleaved (plain, ours, plain, ours, ...) so
 machine noise hits both alike. Prints the table and the ratio; target: ours <= 1.05x plain.
 """
 
@@ -34,24 +37,41 @@ from typing_extensions import override
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import write_result
 
+from lightning_ext import shm_collectives
 from lightning_ext.examples.digits import DigitsDataModule, DigitsModule
 
 
 class StepClock(Callback):
-    """Records on rank 0 the wall-clock time of every ``on_train_batch_start`` into a JSON file."""
+    """Records on rank 0 the wall-clock time of every step's phase boundaries into a JSON file.
+
+    ``times``: every ``on_train_batch_start``; ``phases``: per step ``(start, before_backward,
+    after_backward)`` — forward (with the loss), backward (with DDP's gradient all_reduce) and the
+    rest (optimizer step, callbacks, next batch).
+    """
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.times: list[float] = []
+        self.phases: list[list[float]] = []
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.times.append(time.perf_counter())
+        now = time.perf_counter()
+        self.times.append(now)
+        self.phases.append([now])
+
+    @override
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.phases[-1].append(time.perf_counter())
+
+    @override
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self.phases[-1].append(time.perf_counter())
 
     @override
     def on_train_end(self, trainer, pl_module) -> None:
         if trainer.is_global_zero:
-            Path(self.path).write_text(json.dumps(self.times))
+            Path(self.path).write_text(json.dumps({"times": self.times, "phases": self.phases}))
 
 
 def _trainer_kwargs(max_steps: int) -> dict:
@@ -69,8 +89,8 @@ def _trainer_kwargs(max_steps: int) -> dict:
     )
 
 
-def run_once(config: str, max_steps: int, warmup: int) -> float:
-    """Train ``config`` for ``max_steps`` steps; return the median per-step seconds after ``warmup``."""
+def run_once(config: str, max_steps: int, warmup: int) -> dict[str, float]:
+    """Train ``config`` for ``max_steps`` steps; median seconds per step and per phase after ``warmup``."""
     from lightning_ext.callbacks import IterationTimer, LossMonitor, PreciseBN, TrainingStats
     from lightning_ext.plugins import LossScalingPrecision, SyncBatchNormPlugin
 
@@ -83,7 +103,7 @@ def run_once(config: str, max_steps: int, warmup: int) -> float:
         else:
             precision = "16-mixed" if config == "ours-fp16" else "bf16-mixed"
             plugins = [LossScalingPrecision(precision)]
-            if config != "ours-no-syncbn":
+            if config not in ("ours-no-syncbn", "ours-collectives-only"):
                 plugins.append(SyncBatchNormPlugin())
             trainer = L.Trainer(
                 plugins=plugins,
@@ -96,10 +116,65 @@ def run_once(config: str, max_steps: int, warmup: int) -> float:
                 ],
                 **kwargs,
             )
-        trainer.fit(DigitsModule(), datamodule=DigitsDataModule(batch_size=32))
-        times = json.loads(Path(clock.path).read_text())
+        model = DigitsModule()
+        if config == "ours-collectives-only":
+            model = _collectives_only(model)
+        trainer.fit(model, datamodule=DigitsDataModule(batch_size=32))
+        record = json.loads(Path(clock.path).read_text())
+    times, phases = record["times"], record["phases"]
     intervals = [b - a for a, b in zip(times[warmup:], times[warmup + 1 :])]
-    return statistics.median(intervals)
+    steps = [(p, nxt[0]) for p, nxt in zip(phases[warmup:], phases[warmup + 1 :]) if len(p) == 3]
+    return {
+        "step": statistics.median(intervals),
+        "forward": statistics.median(p[1] - p[0] for p, _ in steps),
+        "backward": statistics.median(p[2] - p[1] for p, _ in steps),
+        "rest": statistics.median(nxt - p[2] for p, nxt in steps),
+    }
+
+
+class _CollectiveOnly(torch.autograd.Function):
+    """Identity whose backward all-reduces ``2C`` float32 zeros (SyncBN's backward collective)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, channels: int) -> torch.Tensor:
+        ctx.channels = channels
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shm_collectives.all_reduce(torch.zeros(2 * ctx.channels))
+        return grad, None
+
+
+class CollectivesOnlyBatchNorm(torch.nn.BatchNorm2d):
+    """Diagnostic: ATen's local batch norm plus SyncBatchNorm's two all_reduces (same sizes, same
+    places, shared-memory path), without its maths — the cost of the synchronization points alone."""
+
+    @override
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        shm_collectives.all_reduce(torch.zeros(2 * self.num_features + 1, dtype=torch.float64))
+        return _CollectiveOnly.apply(super().forward(input), self.num_features)
+
+
+def _collectives_only(module: DigitsModule) -> DigitsModule:
+    for block in module.net.features:
+        if isinstance(block, torch.nn.Sequential):
+            bn = block[1]
+            replacement = CollectivesOnlyBatchNorm(bn.num_features)
+            replacement.load_state_dict(bn.state_dict())
+            block[1] = replacement
+    return module
+
+
+CONFIGS = {
+    "plain": 'plain Lightning DDP (`precision="16-mixed"` → bf16 autocast on CPU), no callbacks',
+    "ours-bf16": 'ours, all features, `LossScalingPrecision("bf16-mixed")` + SyncBN + TrainingStats + '
+    "IterationTimer + LossMonitor + PreciseBN",
+    "ours-no-syncbn": "ours, every feature except SyncBN (bf16) — the cost of the rest",
+    "ours-collectives-only": "diagnostic: ours with SyncBN replaced by local ATen batch norm + SyncBN's "
+    "two all_reduces per layer — the cost of the 6 synchronization points alone",
+    "ours-fp16": 'ours, all features, real fp16 loss scaling `LossScalingPrecision("16-mixed")`',
+}
 
 
 def main() -> None:
@@ -110,34 +185,30 @@ def main() -> None:
     parser.add_argument("--no-fp16", action="store_true", help="skip the fp16 timing")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    configs = ["plain", "ours-bf16", "ours-no-syncbn"] + ([] if args.no_fp16 else ["ours-fp16"])
-    samples: dict[str, list[float]] = {c: [] for c in configs}
+    configs = [c for c in CONFIGS if c != "ours-fp16" or not args.no_fp16]
+    samples: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
     for _ in range(args.repeats):
         for config in configs:
             samples[config].append(run_once(config, args.steps, args.warmup))
-    med = {c: statistics.median(v) for c, v in samples.items()}
-    ratio = med["ours-bf16"] / med["plain"]
+    med = {c: {k: statistics.median(s[k] for s in v) for k in v[0]} for c, v in samples.items()}
+    plain = med["plain"]["step"]
+    ratio = med["ours-bf16"]["step"] / plain
     lines = [
         "## End to end: digits model, 2 CPU ranks (`bench_end_to_end.py`)",
         "",
         f"Median per-step time over {args.repeats} interleaved runs of {args.steps} steps "
-        f"(first {args.warmup} steps excluded), per-rank batch 32, validation off.",
+        f"(first {args.warmup} steps excluded), per-rank batch 32, validation off; phases on rank 0 "
+        "(forward with the loss; backward with DDP's gradient all_reduce; the rest: optimizer step, "
+        "callbacks, next batch; medians, so they need not add up to the step).",
         "",
-        "| configuration | ms / step | vs plain |",
-        "|---|---:|---:|",
-        f'| plain Lightning DDP (`precision="16-mixed"` → bf16 autocast on CPU), no callbacks | '
-        f"{med['plain'] * 1e3:.2f} | 1.00× |",
-        f'| ours, all features, `LossScalingPrecision("bf16-mixed")` + SyncBN + TrainingStats + '
-        f"IterationTimer + LossMonitor + PreciseBN | {med['ours-bf16'] * 1e3:.2f} | {ratio:.3f}× |",
+        "| configuration | ms / step | vs plain | forward ms | backward ms | rest ms |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
-    lines.append(
-        "| ours, every feature except SyncBN (bf16) — the cost of the rest | "
-        f"{med['ours-no-syncbn'] * 1e3:.2f} | {med['ours-no-syncbn'] / med['plain']:.3f}× |"
-    )
-    if "ours-fp16" in med:
+    for config in configs:
+        m = med[config]
         lines.append(
-            f'| ours, all features, real fp16 loss scaling `LossScalingPrecision("16-mixed")` | '
-            f"{med['ours-fp16'] * 1e3:.2f} | {med['ours-fp16'] / med['plain']:.3f}× |"
+            f"| {CONFIGS[config]} | {m['step'] * 1e3:.2f} | {m['step'] / plain:.3f}× | "
+            f"{m['forward'] * 1e3:.2f} | {m['backward'] * 1e3:.2f} | {m['rest'] * 1e3:.2f} |"
         )
     lines += [
         "",
@@ -145,10 +216,9 @@ def main() -> None:
         f"({(ratio - 1) * 100:+.1f}%). SyncBN adds, by its nature, one blocking all_reduce per "
         "BatchNorm layer and direction (6 per step for the 3 layers here) that plain DDP does not "
         "have: they go through shared memory (~25 µs each, `lightning_ext.shm_collectives`), but "
-        "each is a point where the faster rank waits for the slower one, and at these tiny layers "
-        "(8x8 images) our per-layer Python glue is comparable to ATen's whole fused batch norm; the "
-        "'except SyncBN' row separates that from the cost of everything else. "
-        "The fp16 row is slower because fp16 autocast kernels on CPU "
+        "each is a point where the faster rank waits for the slower one; the 'collectives only' "
+        "row measures these waits with ATen's maths, the 'except SyncBN' row the cost of everything "
+        "else. The fp16 row is slower because fp16 autocast kernels on CPU "
         "(conv backward above all) are slower than bf16 ones; Lightning's own `16-mixed` cannot run "
         "fp16 on CPU at all.",
     ]
