@@ -14,8 +14,9 @@ Diagnostic rows: every feature except SyncBN, and every feature with SyncBN repl
 batch norm plus SyncBN's two all_reduces per layer (the synchronization points without our maths).
 
 Per-step time = median interval between consecutive ``on_train_batch_start`` calls on rank 0
-after a warm-up, validation disabled; the forward / backward / rest phases are timed on rank 0 too. Runs are interleaved (plain, ours, plain, ours, ...) so
-machine noise hits both alike. Prints the table and the ratio; target: ours <= 1.05x plain.
+after a warm-up, validation disabled; the forward / backward / rest phases are timed on rank 0
+too. Runs are interleaved (plain, ours, plain, ours, ...) so machine noise hits both alike. Prints
+the table and the ratio; target: ours <= 1.05x plain.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """SyncBatchNorm cost: ours (2 gloo ranks, CPU) vs local ATen ``nn.BatchNorm2d`` in the same run.
 
-For per-rank shapes (32, 64, 32, 32) and (64, 256, 14, 14), fp32, NCHW and channels_last, each of two
+For per-rank shapes (32, 64, 32, 32) and (64, 256, 14, 14), fp32, NCHW and channels_last (and bf16
+input at (32, 64, 32, 32) and at the digits model's (32, 64, 8, 8)), each of two
 spawned gloo ranks times one training step of a single layer (forward + backward with a fixed upstream
 gradient): :class:`lightning_ext.nn.SyncBatchNorm` (one float64 ``all_reduce`` of ``2C + 1`` numbers in
 forward, one float32 ``all_reduce`` of ``2C`` in backward) and a local ``nn.BatchNorm2d`` (no
@@ -46,6 +47,12 @@ from tests.helpers.distributed import run_distributed  # noqa: E402
 
 SHAPES = [(32, 64, 32, 32), (64, 256, 14, 14)]
 FORMATS = {"NCHW": torch.contiguous_format, "channels_last": torch.channels_last}
+# (shape, format, dtype): fp32 at the issue's shapes, then bf16 input as autocast gives it (float32
+# parameters), at the issue's first shape and at a layer of the end-to-end digits model.
+CASES = [(shape, fmt, torch.float32) for shape in SHAPES for fmt in FORMATS] + [
+    ((32, 64, 32, 32), "NCHW", torch.bfloat16),
+    ((32, 64, 8, 8), "NCHW", torch.bfloat16),
+]
 
 
 def _step(bn: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> None:
@@ -113,38 +120,40 @@ class _ComputeOnly(nn.Module):
 def _worker(rank: int, world_size: int, iters: int) -> list[dict]:
     rows = []
     shm_collectives.shm_available()  # set the shared segment up now, outside the counted step
-    for shape in SHAPES:
-        for fmt_name, fmt in FORMATS.items():
-            g = torch.Generator().manual_seed(rank)
-            x = (1.0 + torch.randn(shape, generator=g)).contiguous(memory_format=fmt).requires_grad_(True)
-            dy = torch.randn(shape, generator=g).contiguous(memory_format=fmt)
-            ours = SyncBatchNorm(shape[1])
-            local = nn.BatchNorm2d(shape[1])
-            calls = _count_collectives(ours, x, dy)
-            compute_only = _ComputeOnly(SyncBatchNorm(shape[1]))
-            times = {"ours": [], "local": [], "compute": []}
-            order = [("ours", ours), ("local", local), ("compute", compute_only)]
-            for i in range(iters + 3):
-                for name, bn in order if i % 2 == 0 else order[::-1]:  # A B C C B A: no order bias
-                    align_ranks()
-                    start = time.perf_counter()
-                    _step(bn, x, dy)
-                    elapsed = time.perf_counter() - start
-                    x.grad = None
-                    if i >= 3:
-                        times[name].append(elapsed)
-            rows.append(
-                {
-                    "shape": shape,
-                    "format": fmt_name,
-                    "ours_ms": 1e3 * statistics.median(times["ours"]),
-                    "local_ms": 1e3 * statistics.median(times["local"]),
-                    "compute_ms": 1e3 * statistics.median(times["compute"]),
-                    # Steps of one iteration ran back to back: their ratio cancels slow machine drift.
-                    "paired": statistics.median(o / loc for o, loc in zip(times["ours"], times["local"])),
-                    "calls": calls,
-                }
-            )
+    for shape, fmt_name, dtype in CASES:
+        fmt = FORMATS[fmt_name]
+        g = torch.Generator().manual_seed(rank)
+        x = (1.0 + torch.randn(shape, generator=g)).to(dtype).contiguous(memory_format=fmt)
+        x.requires_grad_(True)
+        dy = torch.randn(shape, generator=g).to(dtype).contiguous(memory_format=fmt)
+        ours = SyncBatchNorm(shape[1])
+        local = nn.BatchNorm2d(shape[1])
+        calls = _count_collectives(ours, x, dy)
+        compute_only = _ComputeOnly(SyncBatchNorm(shape[1]))
+        times = {"ours": [], "local": [], "compute": []}
+        order = [("ours", ours), ("local", local), ("compute", compute_only)]
+        for i in range(iters + 3):
+            for name, bn in order if i % 2 == 0 else order[::-1]:  # A B C C B A: no order bias
+                align_ranks()
+                start = time.perf_counter()
+                _step(bn, x, dy)
+                elapsed = time.perf_counter() - start
+                x.grad = None
+                if i >= 3:
+                    times[name].append(elapsed)
+        rows.append(
+            {
+                "shape": shape,
+                "format": fmt_name,
+                "dtype": str(dtype).replace("torch.", ""),
+                "ours_ms": 1e3 * statistics.median(times["ours"]),
+                "local_ms": 1e3 * statistics.median(times["local"]),
+                "compute_ms": 1e3 * statistics.median(times["compute"]),
+                # Steps of one iteration ran back to back: their ratio cancels slow machine drift.
+                "paired": statistics.median(o / loc for o, loc in zip(times["ours"], times["local"])),
+                "calls": calls,
+            }
+        )
     return rows
 
 
@@ -229,15 +238,16 @@ def main() -> None:
     lines = [
         "## SyncBatchNorm (`benchmarks/bench_syncbn.py`)",
         "",
-        f"CPU, {world_size} gloo ranks (1 thread each), fp32, per-rank shape as given, one layer's training "
+        f"CPU, {world_size} gloo ranks (1 thread each), per-rank shape and input dtype as given (bf16: "
+        "float32 parameters, as under autocast), one layer's training "
         "step (forward + backward), median of "
         f"{iters} interleaved steps on rank 0 (A B C C B A order); paired ratio = median over steps of "
         "ours / local timed back to back. Target: ours <= 1.5x local ATen BatchNorm2d.",
         "",
-        "| shape (N, C, H, W) | format | ours ms | local BatchNorm2d ms | ratio | paired ratio "
+        "| shape (N, C, H, W) | format | dtype | ours ms | local BatchNorm2d ms | ratio | paired ratio "
         "| ours without collectives ms | ours collectives/step | ours bytes/layer "
         "| torch all_gather scheme bytes/layer |",
-        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for row in results[0]:
         channels = row["shape"][1]
@@ -246,7 +256,8 @@ def main() -> None:
         torch_bytes = 4 * world_size * (2 * channels + 1) + 4 * 2 * channels
         names = ", ".join(f"{name} {b} B" for name, b in row["calls"])
         lines.append(
-            f"| {row['shape']} | {row['format']} | {row['ours_ms']:.2f} | {row['local_ms']:.2f} | "
+            f"| {row['shape']} | {row['format']} | {row['dtype']} | {row['ours_ms']:.2f} | "
+            f"{row['local_ms']:.2f} | "
             f"{row['ours_ms'] / row['local_ms']:.2f}x | {row['paired']:.2f}x | {row['compute_ms']:.2f} | "
             f"{names} | {ours_bytes} | {torch_bytes} |"
         )
