@@ -80,6 +80,21 @@ def _check_count(count: object, channels: int, device: torch.device) -> None:
         raise ValueError(f"`count` must be on the device of `x` ({device}), got device {count.device}")
 
 
+def _check_backward_args(
+    dy: object, x: object, mean: object, invstd: object, weight: object, count: object
+) -> int:
+    """Validate the arguments the backward ops share; returns ``C``."""
+    _check_x(x)
+    _check_x(dy, "dy")
+    _check_same_shape(dy, x)
+    c = x.shape[1]
+    _check_channel_vector(mean, "mean", c, x.device, optional=False)
+    _check_channel_vector(invstd, "invstd", c, x.device, optional=False)
+    _check_channel_vector(weight, "weight", c, x.device, optional=True)
+    _check_count(count, c, x.device)
+    return c
+
+
 class _BatchNormStatsFn(torch.autograd.Function):
     """Autograd for ``(count, mean, m2) = stats(x)``: ``dx = dmean / count + 2 * dm2 * (x - mean)``."""
 
@@ -292,16 +307,9 @@ class KernelBackend(abc.ABC):
 
         Does not synchronize host and device.
         """
-        _check_x(x)
-        _check_x(dy, "dy")
-        _check_same_shape(dy, x)
-        c = x.shape[1]
-        _check_channel_vector(mean, "mean", c, x.device, optional=False)
-        _check_channel_vector(invstd, "invstd", c, x.device, optional=False)
-        _check_channel_vector(weight, "weight", c, x.device, optional=True)
+        c = _check_backward_args(dy, x, mean, invstd, weight, count)
         _check_channel_vector(sum_dy, "sum_dy", c, x.device, optional=False)
         _check_channel_vector(sum_dy_xmu, "sum_dy_xmu", c, x.device, optional=False)
-        _check_count(count, c, x.device)
         with torch.no_grad():
             return self._dispatch_batch_norm_backward_elemt(
                 dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count.to(_stat_dtype(x)).expand(c)
@@ -347,14 +355,7 @@ class KernelBackend(abc.ABC):
 
         Does not synchronize host and device itself (``sum_over_group`` may).
         """
-        _check_x(x)
-        _check_x(dy, "dy")
-        _check_same_shape(dy, x)
-        c = x.shape[1]
-        _check_channel_vector(mean, "mean", c, x.device, optional=False)
-        _check_channel_vector(invstd, "invstd", c, x.device, optional=False)
-        _check_channel_vector(weight, "weight", c, x.device, optional=True)
-        _check_count(count, c, x.device)
+        c = _check_backward_args(dy, x, mean, invstd, weight, count)
         if sum_over_group is not None and not callable(sum_over_group):
             raise TypeError(
                 f"`sum_over_group` must be a callable or None, got {type(sum_over_group).__name__}"
