@@ -293,6 +293,12 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor):
         x, weight, mean, invstd, count = ctx.saved_tensors
         ops = ctx.ops
+        from lightning_ext.kernels.batch_norm import _memory_format  # loaded by _get_backend
+
+        # Dense in x's layout (an upstream `.sum()` gives an expanded, stride-0 gradient).
+        fmt = _memory_format(x)
+        if not grad_output.is_contiguous(memory_format=fmt):
+            grad_output = grad_output.contiguous(memory_format=fmt)
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             process_group = ctx.process_group
