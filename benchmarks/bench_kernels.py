@@ -1,7 +1,9 @@
 """Kernel backends: time, effective bandwidth and ratios to ATen and to a copy, per op and backend.
 
-CPU (always): the ``reference`` backend at a BatchNorm2d shape against ATen's fused BatchNorm (the
-building blocks ``torch.batch_norm_stats`` & co. are CUDA-only), ``unscale_and_check_`` against
+CPU (always): the ``reference`` backend at a BatchNorm2d shape (fp32/bf16/fp16, NCHW and channels
+last, and a bf16 layer of the digits demo) against ATen's fused BatchNorm (the building blocks
+``torch.batch_norm_stats`` & co. are CUDA-only) — the backward both as reduce + elemt and as the
+whole ``batch_norm_backward`` op SyncBatchNorm calls —, ``unscale_and_check_`` against
 ``torch.amp.GradScaler("cpu").unscale_`` on 11M parameters, ``accumulate_moments_`` against ATen's
 reductions. Triton's interpreter is not timed (it is a debugging tool).
 GPU (only with CUDA): ``triton`` and ``reference`` at ResNet-50 shapes against ATen's CUDA building
@@ -78,48 +80,55 @@ def bench_cpu(quick: bool) -> None:
     ref = get_backend("reference", "cpu")
     copy_gbs = copy_bandwidth("cpu", cpu_time)
     print(f"CPU copy bandwidth: {copy_gbs:.1f} GB/s")
-    shape = (32, 64, 32, 32)
-    for dtype in (torch.float32, torch.bfloat16):
-        for fmt in (torch.contiguous_format, torch.channels_last):
-            x = (torch.randn(shape) * 2 + 1).to(dtype).contiguous(memory_format=fmt)
-            dy = torch.randn(shape).to(dtype).contiguous(memory_format=fmt)
-            c = shape[1]
-            case = f"{tuple(shape)} {str(dtype)[6:]} {'CL' if fmt == torch.channels_last else 'NCHW'}"
-            count, mean, m2 = ref.batch_norm_stats(x)
-            invstd = (m2 / count + 1e-5).rsqrt()
-            w, b = torch.randn(c), torch.randn(c)
-            s1, s2 = ref.batch_norm_backward_reduce(dy, x, mean, invstd)
-            # ATen's fused BatchNorm pieces: training forward (stats + normalize), eval forward
-            # (normalize), full backward (reduce + elementwise).
-            t_fwd = cpu_time(lambda: torch.batch_norm(x, w, b, None, None, True, 0.0, 1e-5, False))
-            rv = invstd.pow(-2)
-            t_eval = cpu_time(lambda: torch.batch_norm(x, w, b, mean, rv, False, 0.0, 0.0, False))
-            t_bwd = cpu_time(
-                lambda: torch.ops.aten.native_batch_norm_backward(
-                    dy, x, w, None, None, mean, invstd, True, 1e-5, [True, True, True]
-                )
+    cases = [
+        ((32, 64, 32, 32), dtype, fmt)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16)
+        for fmt in (torch.contiguous_format, torch.channels_last)
+    ] + [((32, 64, 8, 8), torch.bfloat16, torch.contiguous_format)]  # a layer of the digits demo
+    for shape, dtype, fmt in cases:
+        x = (torch.randn(shape) * 2 + 1).to(dtype).contiguous(memory_format=fmt)
+        dy = torch.randn(shape).to(dtype).contiguous(memory_format=fmt)
+        c = shape[1]
+        case = f"{tuple(shape)} {str(dtype)[6:]} {'CL' if fmt == torch.channels_last else 'NCHW'}"
+        count, mean, m2 = ref.batch_norm_stats(x)
+        invstd = (m2 / count + 1e-5).rsqrt()
+        w, b = torch.randn(c), torch.randn(c)
+        s1, s2 = ref.batch_norm_backward_reduce(dy, x, mean, invstd)
+        # ATen's fused BatchNorm pieces: training forward (stats + normalize), eval forward
+        # (normalize), full backward (reduce + elementwise).
+        t_fwd = cpu_time(lambda: torch.batch_norm(x, w, b, None, None, True, 0.0, 1e-5, False))
+        rv = invstd.pow(-2)
+        t_eval = cpu_time(lambda: torch.batch_norm(x, w, b, mean, rv, False, 0.0, 0.0, False))
+        t_bwd = cpu_time(
+            lambda: torch.ops.aten.native_batch_norm_backward(
+                dy, x, w, None, None, mean, invstd, True, 1e-5, [True, True, True]
             )
-            t_stats = cpu_time(lambda: ref.batch_norm_stats(x))
-            t_elemt = cpu_time(lambda: ref.batch_norm_elemt(x, mean, invstd, w, b))
-            t_red = cpu_time(lambda: ref.batch_norm_backward_reduce(dy, x, mean, invstd))
-            t_bel = cpu_time(lambda: ref.batch_norm_backward_elemt(dy, x, mean, invstd, w, s1, s2, count))
-            add("cpu", "batch_norm_stats", "reference", case, t_stats, nbytes(x), None, copy_gbs)
-            add("cpu", "batch_norm_elemt", "reference", case, t_elemt, 2 * nbytes(x), t_eval, copy_gbs)
-            add(
-                "cpu",
-                "stats+elemt (fwd)",
-                "reference",
-                case,
-                t_stats + t_elemt,
-                3 * nbytes(x),
-                t_fwd,
-                copy_gbs,
-            )
-            add("cpu", "batch_norm_backward_reduce", "reference", case, t_red, 2 * nbytes(x), None, copy_gbs)
-            add("cpu", "batch_norm_backward_elemt", "reference", case, t_bel, 3 * nbytes(x), None, copy_gbs)
-            add("cpu", "reduce+elemt (bwd)", "reference", case, t_red + t_bel, 5 * nbytes(x), t_bwd, copy_gbs)
-            if quick:
-                break
+        )
+        t_stats = cpu_time(lambda: ref.batch_norm_stats(x))
+        t_elemt = cpu_time(lambda: ref.batch_norm_elemt(x, mean, invstd, w, b))
+        t_red = cpu_time(lambda: ref.batch_norm_backward_reduce(dy, x, mean, invstd))
+        t_bel = cpu_time(lambda: ref.batch_norm_backward_elemt(dy, x, mean, invstd, w, s1, s2, count))
+        add("cpu", "batch_norm_stats", "reference", case, t_stats, nbytes(x), None, copy_gbs)
+        add("cpu", "batch_norm_elemt", "reference", case, t_elemt, 2 * nbytes(x), t_eval, copy_gbs)
+        add(
+            "cpu",
+            "stats+elemt (fwd)",
+            "reference",
+            case,
+            t_stats + t_elemt,
+            3 * nbytes(x),
+            t_fwd,
+            copy_gbs,
+        )
+        add("cpu", "batch_norm_backward_reduce", "reference", case, t_red, 2 * nbytes(x), None, copy_gbs)
+        add("cpu", "batch_norm_backward_elemt", "reference", case, t_bel, 3 * nbytes(x), None, copy_gbs)
+        add("cpu", "reduce+elemt (bwd)", "reference", case, t_red + t_bel, 5 * nbytes(x), t_bwd, copy_gbs)
+        # The whole group backward as SyncBatchNorm calls it (no group here): for fp16/bf16 the
+        # reference backend's fused local backward + correction, for fp32 reduce + elemt.
+        t_group = cpu_time(lambda: ref.batch_norm_backward(dy, x, mean, invstd, w, count, None))
+        add("cpu", "batch_norm_backward (bwd)", "reference", case, t_group, 3 * nbytes(x), t_bwd, copy_gbs)
+        if quick:
+            break
 
     # unscale_and_check_ vs GradScaler("cpu").unscale_ on 11M parameters with realistic gradients
     # (N(0, 1e-3), as after a few steps; no denormals). Scale 1.0 so repeated unscaling is stable.

@@ -39,6 +39,15 @@ def _stat_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _memory_format(x: Tensor) -> torch.memory_format:
+    """The memory format ``x`` is dense in (``contiguous_format`` when none is)."""
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if x.dim() == 5 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
 def _check_x(x: object, arg: str = "x") -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"`{arg}` must be a torch.Tensor of shape (N, C, *), got {type(x).__name__}")
@@ -78,6 +87,13 @@ def _check_count(count: object, channels: int, device: torch.device) -> None:
         raise ValueError(f"`count` must be a tensor of shape () or (C,)=({channels},), got {got!r}")
     if count.device != device:
         raise ValueError(f"`count` must be on the device of `x` ({device}), got device {count.device}")
+
+
+def _dense_like(dy: Tensor, x: Tensor) -> Tensor:
+    """``dy`` dense in ``x``'s memory format (a copy only when it is not; e.g. the expanded, stride-0
+    gradient of a ``.sum()``), so every backend's backward sees one layout for both tensors."""
+    fmt = _memory_format(x)
+    return dy if dy.is_contiguous(memory_format=fmt) else dy.contiguous(memory_format=fmt)
 
 
 def _check_backward_args(
@@ -336,7 +352,8 @@ class KernelBackend(abc.ABC):
         CPU: ATen's fused local backward, then a per-channel affine correction to the global sums).
 
         Args:
-            dy: gradient of the output, ``x``'s shape and dtype, any memory format.
+            dy: gradient of the output, ``x``'s shape and dtype, any strides (made dense in ``x``'s
+                memory format before the backend sees it).
             x: float16/bfloat16/float32 tensor ``(N, C, *)``; may be empty (``N = 0``).
             mean, invstd: float32 ``(C,)``, the global statistics the forward normalized with;
                 ``invstd`` positive and finite.
@@ -360,6 +377,7 @@ class KernelBackend(abc.ABC):
             raise TypeError(
                 f"`sum_over_group` must be a callable or None, got {type(sum_over_group).__name__}"
             )
+        dy = _dense_like(dy, x)
         with torch.no_grad():
             return self._batch_norm_backward(
                 dy, x, mean, invstd, weight, count.to(_stat_dtype(x)).expand(c), sum_over_group

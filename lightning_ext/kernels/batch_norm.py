@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_ext.kernels._triton import HAS_TRITON, cdiv, kernel, next_power_of_2, sm_count, tl, tl_dtype
-from lightning_ext.kernels.backend import _stat_dtype
+from lightning_ext.kernels.backend import _memory_format, _stat_dtype
 
 __all__ = [
     "batch_norm_backward_cpu",
@@ -36,15 +36,6 @@ __all__ = [
 def _channel_view(t: Tensor, ndim: int) -> Tensor:
     """``(C,)`` -> ``(C, 1, ..., 1)`` broadcasting against ``(N, C, *)`` of ``ndim`` dims."""
     return t.view(-1, *([1] * (ndim - 2)))
-
-
-def _memory_format(x: Tensor) -> torch.memory_format:
-    """The memory format ``x`` is dense in (``contiguous_format`` when none is)."""
-    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    if x.dim() == 5 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d):
-        return torch.channels_last_3d
-    return torch.contiguous_format
 
 
 # ---------------------------------------------------------------------------- reference (pure torch)
@@ -205,17 +196,30 @@ def batch_norm_backward_cpu(
     (``i = invstd``, ``w = weight``, ``n``/``N`` the local/global count, ``G`` the group sums), which
     one fused inference batch norm computes and one ``add_`` applies: three passes over the data in
     the input dtype, where reduce + elemt take five for low-precision input (two upcast copies).
-    Measured on one core, fp16/bf16: 2.1-4.3 ms vs 5.8-17.6 ms at (32, 64, 32, 32) and
-    (64, 256, 14, 14), 200 vs 290 µs at (32, 64, 8, 8). For float32 input reduce + elemt is the
-    faster (ATen's fused float32 CPU backward is slow for contiguous NCHW: 3.4 vs 5.5 ms at
-    (32, 64, 32, 32)), so the reference backend uses this for float16/bfloat16 only. The per-channel
-    coefficients are NumPy arithmetic on ``(C,)`` vectors (~1 µs per operation where a small torch
-    op costs ~2-4 µs). CPU tensors only; ``x`` non-empty; ``count`` of shape ``(C,)``.
+    ``benchmarks/bench_kernels.py`` times this op against reduce + elemt per dtype: for float32 input
+    reduce + elemt is the faster (ATen's fused float32 CPU backward is slow for contiguous NCHW),
+    so the reference backend uses this for float16/bfloat16 only. The per-channel coefficients are
+    NumPy arithmetic on ``(C,)`` vectors (cheaper than a small torch op's dispatch).
+
+    Args:
+        dy: gradient of the output, ``x``'s shape and dtype, dense in ``x``'s memory format (as
+            :meth:`KernelBackend.batch_norm_backward` passes it).
+        x: non-empty CPU float16/bfloat16 (also float32/float64) tensor ``(N, C, *)``.
+        mean, invstd: float32 ``(C,)`` global statistics of the forward; ``invstd > 0``.
+        weight: ``(C,)`` or ``None`` (ones).
+        count: float32 ``(C,)``, the GLOBAL number of elements per channel.
+        sum_over_group: callable summing a float32 ``(2C,)`` tensor over the group, or ``None``.
+
+    Returns:
+        ``(dx, sum_dy, sum_dy_xmu)``: ``dx`` in ``x``'s shape, dtype and memory format; the LOCAL
+        float32 ``(C,)`` sums.
+
+    Raises nothing of its own (arguments are validated by the public op). No host-device sync
+    (CPU tensors; ``sum_over_group`` is one collective).
     """
     dtype = _stat_dtype(x)
     channels = x.shape[1]
-    fmt = _memory_format(x)
-    x, dy = x.contiguous(memory_format=fmt), dy.contiguous(memory_format=fmt)
+    x = x.contiguous(memory_format=_memory_format(x))  # dy: dense in this layout already
     mean = mean.to(dtype)
     invstd = invstd.to(dtype)
     w = weight.detach().to(dtype) if weight is not None else torch.ones(channels, dtype=dtype)

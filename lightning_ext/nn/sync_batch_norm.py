@@ -26,8 +26,9 @@ The kernel backend's ``batch_norm_backward`` owns that sequence (the ``reference
 CPU with float16/bfloat16 input, runs ATen's fused local backward and corrects it to the global sums).
 
 Host arithmetic: for eager CPU input the per-channel vector maths (packing, combining, running
-statistics, ``invstd``) runs on NumPy views of the ``(C,)`` tensors, ~1 µs per operation instead of
-a torch op's 2-4 µs; other devices and ``torch.compile`` run the same operator-only code on tensors.
+statistics, ``invstd``) runs on NumPy views of the ``(C,)`` tensors, cheaper per operation than a
+small torch op's dispatch; other devices and ``torch.compile`` run the same operator-only code on
+tensors.
 
 Transport: on CPU with a gloo group whose ranks share a host, both all_reduces go through shared
 memory (:mod:`lightning_ext.shm_collectives`, 25-35 µs instead of gloo's 0.3-0.5 ms median on a 2-core
@@ -91,8 +92,8 @@ def _is_recomputing() -> bool:
 def _host_arrays(*tensors: Tensor) -> list[Any]:
     """NumPy views of CPU tensors (no copy), for the per-channel arithmetic on the host.
 
-    On ``(C,)`` vectors a NumPy operation costs ~1 µs where a torch op costs ~4 µs; a layer does about
-    25 of them per forward. The moment arithmetic below uses only Python operators, slicing and
+    On ``(C,)`` vectors a NumPy operation costs less than a small torch op's dispatch, and a layer
+    does about 25 of them per forward. The moment arithmetic below uses only Python operators, slicing and
     ``clip``, so it runs unchanged on these views or on torch tensors (other devices, ``torch.compile``).
     """
     return [t.numpy() for t in tensors]
@@ -293,12 +294,6 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor):
         x, weight, mean, invstd, count = ctx.saved_tensors
         ops = ctx.ops
-        from lightning_ext.kernels.batch_norm import _memory_format  # loaded by _get_backend
-
-        # Dense in x's layout (an upstream `.sum()` gives an expanded, stride-0 gradient).
-        fmt = _memory_format(x)
-        if not grad_output.is_contiguous(memory_format=fmt):
-            grad_output = grad_output.contiguous(memory_format=fmt)
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             process_group = ctx.process_group

@@ -256,6 +256,19 @@ def test_group_backward_matches_whole_batch(backend, shape, fmt, shards, dtype, 
     assert_close_scaled(dx, truth, scale, tol, tol, f"dx {dtype} shards {shards}")
 
 
+def test_group_backward_takes_a_stride_zero_gradient(backend):
+    """The gradient of ``y.sum()`` arrives expanded (all strides 0): same result as a dense one."""
+    x = _make((4, 5, 3, 3), torch.channels_last, False, torch.bfloat16, seed=21)
+    mean, invstd, count = torch.zeros(5), torch.ones(5), torch.tensor(36.0)
+    expanded = torch.ones((), dtype=x.dtype).expand(x.shape)
+    dense = torch.ones_like(x)
+    got = backend.batch_norm_backward(expanded, x, mean, invstd, None, count)
+    want = backend.batch_norm_backward(dense, x, mean, invstd, None, count)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert got[0].is_contiguous(memory_format=torch.channels_last)
+
+
 def test_group_backward_rejects_a_non_callable(reference):
     x = torch.randn(4, 3)
     with pytest.raises(TypeError, match=r"`sum_over_group` must be a callable or None, got int"):
