@@ -55,7 +55,14 @@ def _stats_channels_first(x: Tensor) -> tuple[Tensor, Tensor]:
     count = rows.shape[0] * rows.shape[2]
     mean = rows.sum(dim=2).sum(dim=0, dtype=torch.float64).div_(count).to(torch.float32)  # (C,)
     dev = rows - mean.view(1, c, 1)  # (N, C, S)
-    m2 = torch.linalg.vecdot(dev, dev, dim=2).sum(dim=0, dtype=torch.float64).to(torch.float32)
+    if torch.is_autocast_enabled(x.device.type):
+        # vecdot is on autocast's lower-precision list: under bf16/fp16 autocast it would square
+        # in bfloat16 and lose m2 to ~3 digits.
+        with torch.autocast(x.device.type, enabled=False):
+            m2 = torch.linalg.vecdot(dev, dev, dim=2)
+    else:
+        m2 = torch.linalg.vecdot(dev, dev, dim=2)
+    m2 = m2.sum(dim=0, dtype=torch.float64).to(torch.float32)
     return mean, m2
 
 

@@ -157,10 +157,13 @@ def test_batch_norm_ops(backend, reference, shape, fmt, sliced, dtype, atol, rto
             )
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["", "autocast"])
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=str)
 @pytest.mark.parametrize("shape", [(4, 9, 64, 33), (2, 3, 40000), (3, 5, 7, 9, 60)])
-def test_stats_stable_when_the_mean_dominates(backend, shape, fmt):
-    """float32 ``m2`` stays exact to float32 rounding when |mean| / std ~ 1e3 (no E[x^2] - E[x]^2)."""
+def test_stats_stable_when_the_mean_dominates(backend, shape, fmt, autocast):
+    """float32 ``m2`` stays exact to float32 rounding when |mean| / std ~ 1e3 (no E[x^2] - E[x]^2),
+    also for float32 input under bfloat16 autocast (a SyncBatchNorm after a float32 op in an
+    autocast region), which must not lower the statistics' precision."""
     gen = torch.Generator().manual_seed(7)
     x = (1e3 + torch.randn(shape, generator=gen, dtype=torch.float64)).float()
     if x.dim() == 4:
@@ -169,7 +172,8 @@ def test_stats_stable_when_the_mean_dominates(backend, shape, fmt):
         pytest.skip("channels_last needs 4 dims")
     if backend.key == "reference" and fmt == torch.channels_last:
         pytest.skip("ATen's channels-last CPU statistics sum the mean in float32 (1.2e-6 relative here)")
-    _, mean, m2 = backend.batch_norm_stats(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        _, mean, m2 = backend.batch_norm_stats(x)
     xd = x.double()
     dims = [0, *range(2, x.dim())]
     t_mean = xd.mean(dims)
