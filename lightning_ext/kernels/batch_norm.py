@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -31,6 +32,27 @@ __all__ = [
     "batch_norm_stats_reference",
     "batch_norm_stats_triton",
 ]
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype``: itself when it already is (one dispatch fewer than ``t.to(dtype)``)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+_ONES: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+
+
+def _ones(c: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A read-only ``(c,)`` tensor of ones, cached per (size, dtype, device) for the ops below, which
+    pass it to ATen as a unit ``running_var`` or ``weight`` (never written, never saved for autograd)."""
+    key = (c, dtype, device)
+    ones = _ONES.get(key)
+    if ones is None:
+        ones = torch.ones(c, dtype=dtype, device=device)
+        if torch.is_inference_mode_enabled() or len(_ONES) >= 256:
+            return ones  # an inference tensor must not leak into later autograd-recording calls
+        _ONES[key] = ones
+    return ones
 
 
 def _channel_view(t: Tensor, ndim: int) -> Tensor:
@@ -109,17 +131,17 @@ def batch_norm_elemt_reference(
     format (any sign of ``invstd``: the autograd wiring passes negative scales).
     """
     dtype = _stat_dtype(x)
-    scale = invstd.to(dtype)
-    if weight is not None:
-        scale = scale * weight.to(dtype)
     if x.numel() == 0:
         return torch.empty_like(x)
+    scale = _as(invstd, dtype)
+    if weight is not None:
+        scale = scale * _as(weight, dtype)
     return torch.batch_norm(
         x,
         scale,
-        bias.to(dtype) if bias is not None else None,
-        mean.to(dtype),
-        torch.ones_like(scale),
+        _as(bias, dtype) if bias is not None else None,
+        _as(mean, dtype),
+        _ones(x.shape[1], dtype, x.device),
         False,
         0.0,
         0.0,
@@ -139,15 +161,15 @@ def batch_norm_backward_reduce_reference(
     if x.numel() == 0:
         zero = torch.zeros(c, dtype=dtype, device=x.device)
         return zero, zero.clone()
-    ones = torch.ones(c, dtype=dtype, device=x.device)
+    ones = _ones(c, dtype, x.device)
     # ATen's CPU kernel loses the float32 accumulation unless dy and x are dense in one layout.
     fmt = _memory_format(x)
     x, dy = x.contiguous(memory_format=fmt), dy.contiguous(memory_format=fmt)
     # weight = ones: grad_weight is then sum(dy * (x - mean)) (CUDA's kernel also needs a weight).
     _, sum_dy_xmu, sum_dy = torch.ops.aten.native_batch_norm_backward(
-        dy, x, ones, None, None, mean.to(dtype), ones, True, 0.0, [False, True, True]
+        dy, x, ones, None, None, _as(mean, dtype), ones, True, 0.0, [False, True, True]
     )
-    return sum_dy.to(dtype), sum_dy_xmu.to(dtype)
+    return _as(sum_dy, dtype), _as(sum_dy_xmu, dtype)
 
 
 def batch_norm_backward_elemt_reference(
@@ -169,15 +191,15 @@ def batch_norm_backward_elemt_reference(
     dtype = _stat_dtype(x)
     if x.numel() == 0:
         return torch.empty_like(x)
-    invstd = invstd.to(dtype)
-    c = invstd * weight.to(dtype) if weight is not None else invstd
-    count = count.to(dtype)
-    a = sum_dy.to(dtype) / count
-    b = invstd * invstd * sum_dy_xmu.to(dtype) / count
-    ones = torch.ones_like(invstd)
+    invstd = _as(invstd, dtype)
+    c = invstd * _as(weight, dtype) if weight is not None else invstd
+    count = _as(count, dtype)
+    a = _as(sum_dy, dtype) / count
+    b = invstd * invstd * _as(sum_dy_xmu, dtype) / count
+    ones = _ones(x.shape[1], dtype, x.device)
     # u and dy*c nearly cancel when dx is small: keep u in float32 for low-precision input.
-    xs = x if x.dtype == dtype else x.to(dtype)
-    u = torch.batch_norm(xs, -b * c, -a * c, mean.to(dtype), ones, False, 0.0, 0.0, False)
+    xs = _as(x, dtype)
+    u = torch.batch_norm(xs, -b * c, -a * c, _as(mean, dtype), ones, False, 0.0, 0.0, False)
     u.addcmul_(dy, _channel_view(c, x.dim()))
     return u if u.dtype == x.dtype else u.to(x.dtype)
 
@@ -227,26 +249,31 @@ def batch_norm_backward_cpu(
     dtype = _stat_dtype(x)
     channels = x.shape[1]
     x = x.contiguous(memory_format=_memory_format(x))  # dy: dense in this layout already
-    mean = mean.to(dtype)
-    invstd = invstd.to(dtype)
-    w = weight.detach().to(dtype) if weight is not None else torch.ones(channels, dtype=dtype)
+    mean = _as(mean, dtype)
+    invstd = _as(invstd, dtype)
+    ones = _ones(channels, dtype, x.device)
+    w = _as(weight.detach(), dtype) if weight is not None else ones
     dx, grad_weight, sum_dy = torch.ops.aten.native_batch_norm_backward(
         dy, x, w, None, None, mean, invstd, True, 0.0, [True, True, True]
     )
-    sum_dy_xmu = grad_weight / invstd  # grad_weight = S2 * invstd
-    total = sum_over_group(torch.cat([sum_dy, sum_dy_xmu])) if sum_over_group is not None else None
+    # Per-channel arithmetic on NumPy views (no copies): packing the two sums for the collective
+    # and the correction's coefficients.
     i, wn, n_global = invstd.detach().numpy(), w.numpy(), count.detach().numpy()
-    s1, s2 = sum_dy.numpy(), sum_dy_xmu.numpy()
-    g1, g2 = (s1, s2) if total is None else (total[:channels].numpy(), total[channels:].numpy())
+    s1 = sum_dy.numpy()
+    s2 = grad_weight.numpy() / i  # grad_weight = S2 * invstd
+    g1, g2 = s1, s2
+    if sum_over_group is not None:
+        packed = np.concatenate((s1, s2))
+        total = sum_over_group(torch.from_numpy(packed)).numpy()
+        g1, g2 = total[:channels], total[channels:]
     n_local = x.numel() // channels
     wi = wn * i
     k0 = wi * (s1 / n_local - g1 / n_global)
     k1 = wi * i * i * (s2 / n_local - g2 / n_global)
-    ones = torch.ones(channels, dtype=dtype)
     dx.add_(
         torch.batch_norm(x, torch.from_numpy(k1), torch.from_numpy(k0), mean, ones, False, 0.0, 0.0, False)
     )
-    return dx, sum_dy, sum_dy_xmu
+    return dx, sum_dy, torch.from_numpy(s2)
 
 
 # ---------------------------------------------------------------------------- Triton kernels

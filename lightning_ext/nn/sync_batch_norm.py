@@ -103,9 +103,15 @@ def _to_float64(a: Any) -> Any:
     return a.astype(np.float64) if isinstance(a, np.ndarray) else a.to(torch.float64)
 
 
-def _quiet_nan(a: Any) -> Any:
-    """Silences NumPy's warnings about 0/0 for NumPy ``a`` (NaN is the documented result); else a no-op."""
-    return np.errstate(invalid="ignore", divide="ignore") if isinstance(a, np.ndarray) else nullcontext()
+_NO_CONTEXT = nullcontext()
+
+
+def _quiet_nan(a: Any, count: Any) -> Any:
+    """Silences NumPy's warnings about 0/0 for NumPy ``a`` when the global ``count`` is 0 (NaN is the
+    documented result); else a no-op (tensors never warn; a NumPy ``count`` is a host number)."""
+    if isinstance(a, np.ndarray) and count == 0:
+        return np.errstate(invalid="ignore", divide="ignore")
+    return _NO_CONTEXT
 
 
 def _pack_moments(count: int, mean: Any, m2: Any, shift: Any, out: Any = None) -> Any:
@@ -161,7 +167,7 @@ def _unpack_moments(payload: Any, shift: Any) -> tuple[Any, Any, Any]:
     n = payload[0]
     s1 = payload[1 : channels + 1]
     s2 = payload[channels + 1 :]
-    with _quiet_nan(payload):  # count 0: NaN, as documented
+    with _quiet_nan(payload, n):  # count 0: NaN, as documented
         dev = s1 / n
         mean = shift + dev
         m2 = (s2 - s1 * dev).clip(min=0.0)
@@ -200,6 +206,7 @@ def sync_batch_norm_stats(
         shift = torch.zeros(channels, dtype=torch.float64, device=x.device)
     host = _on_host(x)
     ops = _get_backend(backend, x.device)
+    shift = shift.detach().numpy() if host else shift
     count, mean, m2 = _global_moments(x, shift, process_group, ops, sync, host)
     if host:
         return torch.tensor(count, dtype=torch.float64), torch.from_numpy(mean), torch.from_numpy(m2)
@@ -215,24 +222,23 @@ def _global_moments(
     x: Tensor, shift: Tensor, process_group: dist.ProcessGroup | None, ops: Any, sync: bool, host: bool
 ) -> tuple[Any, Any, Any]:
     """:func:`sync_batch_norm_stats` as NumPy arrays (``host``) or tensors; ``x`` detached, ``shift``
-    float64, ``ops`` the kernel backend."""
+    float64 (a NumPy array when ``host``), ``ops`` the kernel backend."""
     channels = x.shape[1]
     count = x.numel() // channels
     if count > 0:
         _, mean, m2 = ops.batch_norm_stats(x)
     else:
         mean = m2 = torch.zeros(channels, dtype=torch.float32, device=x.device)
-    payload = torch.empty(2 * channels + 1, dtype=torch.float64, device=x.device)
     if host:
-        mean, m2, shift_h, payload_h = _host_arrays(mean, m2, shift, payload)
-        _pack_moments(count, mean, m2, shift_h, payload_h)
+        payload_h = np.empty(2 * channels + 1, dtype=np.float64)
+        mean, m2 = _host_arrays(mean, m2)
+        _pack_moments(count, mean, m2, shift, payload_h)
+        payload = torch.from_numpy(payload_h)
     else:
-        _pack_moments(count, mean, m2, shift, payload)
+        payload = _pack_moments(count, mean, m2, shift)
     if sync:
         payload = _sum_over_group(payload, process_group)
-    if host:
-        return _unpack_moments(payload.numpy(), shift_h)
-    return _unpack_moments(payload, shift)
+    return _unpack_moments(payload.numpy() if host else payload, shift)
 
 
 def _update_running_stats(
@@ -306,9 +312,12 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         else:
             sum_dy = sum_dy_xmu = torch.zeros_like(mean)
         if ctx.needs_input_grad[1]:
-            grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)
+            grad_weight = sum_dy_xmu * invstd
+            if grad_weight.dtype != weight.dtype:
+                grad_weight = grad_weight.to(weight.dtype)
         if ctx.needs_input_grad[2]:
-            grad_bias = sum_dy.to(weight.dtype if weight is not None else torch.float32)
+            bias_dtype = weight.dtype if weight is not None else torch.float32
+            grad_bias = sum_dy if sum_dy.dtype == bias_dtype else sum_dy.to(bias_dtype)
         return grad_x, grad_weight, grad_bias, None, None, None, None, None, None
 
 
@@ -442,6 +451,17 @@ class SyncBatchNorm(_BatchNorm):
             )
         return self._forward_synced(input, sync, update_stats)
 
+    def _shift(self, channels: int, device: torch.device, host: bool) -> Any:
+        """float64 ``(C,)`` shift of the moments, identical on every rank: the running mean (zeros
+        without one); a NumPy array when ``host``."""
+        running_mean = self.running_mean
+        if running_mean is None:
+            return np.zeros(channels) if host else torch.zeros(channels, dtype=torch.float64, device=device)
+        if host and running_mean.dtype in _NUMPY_FLOATS:
+            return running_mean.numpy().astype(np.float64)
+        shift = running_mean.to(torch.float64)
+        return shift.numpy() if host else shift
+
     def _forward_synced(self, input: Tensor, sync: bool, update_stats: bool) -> Tensor:
         """Global statistics (one all_reduce when ``sync``), running update, normalization.
 
@@ -452,10 +472,7 @@ class SyncBatchNorm(_BatchNorm):
         local_count = input.numel() // channels
         host = _on_host(input)
         with torch.no_grad():
-            if self.running_mean is not None:
-                shift = self.running_mean.to(torch.float64)
-            else:
-                shift = torch.zeros(channels, dtype=torch.float64, device=input.device)
+            shift = self._shift(channels, input.device, host)
             ops = _get_backend(self.backend, input.device)
             count, mean, m2 = _global_moments(input.detach(), shift, self.process_group, ops, sync, host)
             nonempty = True  # a rank with >= 2 values per channel knows the global count is >= 2
@@ -480,12 +497,12 @@ class SyncBatchNorm(_BatchNorm):
                     _update_running_stats(
                         *buffers, self.momentum, count, torch.from_numpy(mean), torch.from_numpy(m2)
                     )
-            with _quiet_nan(m2):  # global count 0: NaN, never used
+            with _quiet_nan(m2, count):  # global count 0: NaN, never used
                 invstd = (m2 / count + self.eps) ** -0.5
             if host:
                 mean32 = torch.from_numpy(mean.astype(np.float32))
                 invstd32 = torch.from_numpy(invstd.astype(np.float32))
-                count32 = torch.tensor(float(count), dtype=torch.float32)
+                count32 = torch.from_numpy(np.array(count, dtype=np.float32))
             else:
                 mean32 = mean.to(torch.float32)
                 invstd32 = invstd.to(torch.float32)
