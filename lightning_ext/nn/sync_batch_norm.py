@@ -510,7 +510,16 @@ class SyncBatchNorm(_BatchNorm):
         weight = self.weight
         bias = self.bias
         args = (input, weight, bias, mean32, invstd32, count32, self.process_group, sync, ops)
-        if input.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(input.device.type):
-            with torch.autocast(device_type=input.device.type, enabled=False):
+        device_type = input.device.type
+        if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
+            return _SyncBatchNormFunction.apply(*args)
+        # The kernels see the input's own dtype, not autocast's choice.
+        if torch.compiler.is_compiling():
+            with torch.autocast(device_type=device_type, enabled=False):
                 return _SyncBatchNormFunction.apply(*args)
-        return _SyncBatchNormFunction.apply(*args)
+        # Eager: toggle the flag (a few µs less per layer than entering a new autocast context).
+        torch.set_autocast_enabled(device_type, False)
+        try:
+            return _SyncBatchNormFunction.apply(*args)
+        finally:
+            torch.set_autocast_enabled(device_type, True)

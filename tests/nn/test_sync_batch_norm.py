@@ -452,6 +452,9 @@ def test_autocast_keeps_float32_statistics():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         h = conv(x)
         y = bn(h)
+        # The module runs its kernels with autocast off and restores it for the rest of the region.
+        assert torch.is_autocast_enabled("cpu") and conv(x).dtype == torch.bfloat16
+    assert not torch.is_autocast_enabled("cpu")
     assert h.dtype == y.dtype == torch.bfloat16
     assert bn.running_mean.dtype == bn.weight.dtype == torch.float32
     torch.testing.assert_close(bn.running_mean, h.float().mean((0, 2, 3)).detach(), rtol=1e-6, atol=1e-6)
