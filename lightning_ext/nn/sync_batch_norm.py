@@ -103,15 +103,11 @@ def _to_float64(a: Any) -> Any:
     return a.astype(np.float64) if isinstance(a, np.ndarray) else a.to(torch.float64)
 
 
-_NO_CONTEXT = nullcontext()
-
-
-def _quiet_nan(a: Any, count: Any) -> Any:
-    """Silences NumPy's warnings about 0/0 for NumPy ``a`` when the global ``count`` is 0 (NaN is the
-    documented result); else a no-op (tensors never warn; a NumPy ``count`` is a host number)."""
-    if isinstance(a, np.ndarray) and count == 0:
-        return np.errstate(invalid="ignore", divide="ignore")
-    return _NO_CONTEXT
+def _quiet_nan(a: Any) -> Any:
+    """Silences NumPy's warnings for NumPy ``a`` (0/0 with an empty group, inf - inf with non-finite
+    input, 0 ** -0.5 with ``eps = 0``: NaN/inf is the result, as torch gives it, silently); tensors
+    never warn, so a no-op for them."""
+    return np.errstate(invalid="ignore", divide="ignore") if isinstance(a, np.ndarray) else nullcontext()
 
 
 def _pack_moments(count: int, mean: Any, m2: Any, shift: Any, out: Any = None) -> Any:
@@ -167,7 +163,7 @@ def _unpack_moments(payload: Any, shift: Any) -> tuple[Any, Any, Any]:
     n = payload[0]
     s1 = payload[1 : channels + 1]
     s2 = payload[channels + 1 :]
-    with _quiet_nan(payload, n):  # count 0: NaN, as documented
+    with _quiet_nan(payload):  # count 0: NaN, as documented
         dev = s1 / n
         mean = shift + dev
         m2 = (s2 - s1 * dev).clip(min=0.0)
@@ -497,7 +493,7 @@ class SyncBatchNorm(_BatchNorm):
                     _update_running_stats(
                         *buffers, self.momentum, count, torch.from_numpy(mean), torch.from_numpy(m2)
                     )
-            with _quiet_nan(m2, count):  # global count 0: NaN, never used
+            with _quiet_nan(m2):  # global count 0: NaN, never used
                 invstd = (m2 / count + self.eps) ** -0.5
             if host:
                 mean32 = torch.from_numpy(mean.astype(np.float32))

@@ -8,6 +8,7 @@ two training steps and an eval step, and the parent compares the gathered shards
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -532,3 +533,17 @@ def test_torch_compile_without_graph_breaks(momentum):
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(x), reference(x), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model[1].running_var, reference[1].running_var, rtol=1e-5, atol=1e-6)
+
+
+def test_non_finite_input_gives_torchs_result_without_warnings():
+    """inf in the input gives the NaN/inf torch's BatchNorm gives (inf - inf in the moments), and
+    the host (NumPy) arithmetic raises no RuntimeWarning about it."""
+    x = torch.randn(4, C, 3, 3)
+    x[0, 0, 0, 0] = float("inf")
+    ours, ref = SyncBatchNorm(C, momentum=None), nn.BatchNorm2d(C, momentum=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = ours(x)
+    torch.testing.assert_close(y, ref(x), equal_nan=True)
+    torch.testing.assert_close(ours.running_mean, ref.running_mean, equal_nan=True)
+    torch.testing.assert_close(ours.running_var, ref.running_var, equal_nan=True)
