@@ -43,8 +43,12 @@ _ONES: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
 
 
 def _ones(c: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A read-only ``(c,)`` tensor of ones, cached per (size, dtype, device) for the ops below, which
-    pass it to ATen as a unit ``running_var`` or ``weight`` (never written, never saved for autograd)."""
+    """A read-only ``(c,)`` tensor of ones for the ops below, which pass it to ATen as a unit
+    ``running_var`` or ``weight`` (never written, never saved for autograd). Cached per (size,
+    dtype) on the CPU, where these ops are dispatch-bound; made fresh elsewhere (a cached CUDA
+    tensor could be read on another stream before its fill kernel ran)."""
+    if device.type != "cpu":
+        return torch.ones(c, dtype=dtype, device=device)
     key = (c, dtype, device)
     ones = _ONES.get(key)
     if ones is None:
