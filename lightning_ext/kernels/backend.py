@@ -372,16 +372,36 @@ class KernelBackend(abc.ABC):
 
         Does not synchronize host and device itself (``sum_over_group`` may).
         """
-        c = _check_backward_args(dy, x, mean, invstd, weight, count)
+        _check_backward_args(dy, x, mean, invstd, weight, count)
         if sum_over_group is not None and not callable(sum_over_group):
             raise TypeError(
                 f"`sum_over_group` must be a callable or None, got {type(sum_over_group).__name__}"
             )
+        return self._batch_norm_backward_checked(dy, x, mean, invstd, weight, count, sum_over_group)
+
+    def _batch_norm_backward_checked(
+        self,
+        dy: Tensor,
+        x: Tensor,
+        mean: Tensor,
+        invstd: Tensor,
+        weight: Tensor | None,
+        count: Tensor,
+        sum_over_group: Callable[[Tensor], Tensor] | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`batch_norm_backward` for arguments known to be valid (validated above, or built by
+        the caller itself, as ``SyncBatchNorm``'s autograd Function does: its per-layer cost is
+        dispatch-bound on the CPU). A ``count`` already of shape ``(C,)`` in the statistics' dtype
+        is passed through as is."""
+        c = x.shape[1]
         dy = _dense_like(dy, x)
+        stat_dtype = _stat_dtype(x)
+        if count.dim() == 0 or count.dtype != stat_dtype:
+            count = count.to(stat_dtype).expand(c)
+        if not torch.is_grad_enabled():  # the usual case inside a backward pass
+            return self._batch_norm_backward(dy, x, mean, invstd, weight, count, sum_over_group)
         with torch.no_grad():
-            return self._batch_norm_backward(
-                dy, x, mean, invstd, weight, count.to(_stat_dtype(x)).expand(c), sum_over_group
-            )
+            return self._batch_norm_backward(dy, x, mean, invstd, weight, count, sum_over_group)
 
     def _batch_norm_backward(
         self,

@@ -60,6 +60,7 @@ from lightning_ext.distributed import collective_device, get_world_size, is_dist
 __all__ = ["SyncBatchNorm", "sync_batch_norm_stats"]
 
 _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)  # buffer dtypes NumPy can view
+_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _get_backend(name: str | None, device: torch.device):
@@ -193,17 +194,27 @@ def sync_batch_norm_stats(
     Returns:
         ``(count, mean, m2)``: float64 0-dim global count of elements per channel, float64 ``(C,)``
         mean and float64 ``(C,)`` sum of squared deviations. NaN mean/m2 when the global count is 0.
+        Not differentiable (computed from ``x.detach()``).
+
+    Raises:
+        TypeError: ``x`` is not a float16/bfloat16/float32/float64 tensor, or ``shift`` is neither
+            ``None`` nor a floating point tensor.
+        ValueError: ``x`` has fewer than 2 dims, or ``shift`` is not of shape ``(C,)`` on ``x``'s device.
 
     Synchronizes host and device only when the group's collective device differs from ``x``'s
     (e.g. gloo with CUDA tensors: the payload is copied to CPU).
     """
+    from lightning_ext.kernels.backend import _check_channel_vector, _check_x
+
+    x = _check_x(x).detach()
     channels = x.shape[1]
+    _check_channel_vector(shift, "shift", channels, x.device, optional=True)
     if shift is None:
         shift = torch.zeros(channels, dtype=torch.float64, device=x.device)
     host = _on_host(x)
     ops = _get_backend(backend, x.device)
-    shift = shift.detach().numpy() if host else shift
-    count, mean, m2 = _global_moments(x, shift, process_group, ops, sync, host)
+    shift = shift.detach()
+    count, mean, m2 = _global_moments(x, shift.numpy() if host else shift, process_group, ops, sync, host)
     if host:
         return torch.tensor(count, dtype=torch.float64), torch.from_numpy(mean), torch.from_numpy(m2)
     return count, mean, m2
@@ -222,7 +233,7 @@ def _global_moments(
     channels = x.shape[1]
     count = x.numel() // channels
     if count > 0:
-        _, mean, m2 = ops.batch_norm_stats(x)
+        _, mean, m2 = ops._dispatch_batch_norm_stats(x)  # x: checked by the callers, detached
     else:
         mean = m2 = torch.zeros(channels, dtype=torch.float32, device=x.device)
     if host:
@@ -285,7 +296,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         sync: bool,
         ops: Any,
     ) -> Tensor:
-        y = ops.batch_norm_elemt(x, mean, invstd, weight, bias)
+        # The arguments are the module's own, built for this call: no checks (dispatch-bound on CPU).
+        y = ops._dispatch_batch_norm_elemt(x, mean, invstd, weight, bias)
         ctx.save_for_backward(x, weight, mean, invstd, count)
         ctx.process_group = process_group
         ctx.sync = sync
@@ -300,7 +312,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             process_group = ctx.process_group
             sum_over_group = (lambda packed: _sum_over_group(packed, process_group)) if ctx.sync else None
-            grad_x, sum_dy, sum_dy_xmu = ops.batch_norm_backward(
+            # The arguments are this module's own (and autograd matched grad_output to y): no checks.
+            grad_x, sum_dy, sum_dy_xmu = ops._batch_norm_backward_checked(
                 grad_output, x, mean, invstd, weight, count, sum_over_group
             )
         elif x.numel() > 0:
@@ -411,9 +424,9 @@ class SyncBatchNorm(_BatchNorm):
                 f"expected input of shape (N, {self.num_features}, *) (num_features={self.num_features}), "
                 f"got shape {tuple(input.shape)}"
             )
-        if not input.is_floating_point():
+        if input.dtype not in _INPUT_DTYPES:
             raise TypeError(
-                f"expected a float16, bfloat16 or float32 input, got dtype {input.dtype!r}. "
+                f"expected a float16, bfloat16, float32 or float64 input, got dtype {input.dtype!r}. "
                 "HINT: convert integer data with `.float()`."
             )
 
@@ -498,7 +511,9 @@ class SyncBatchNorm(_BatchNorm):
             if host:
                 mean32 = torch.from_numpy(mean.astype(np.float32))
                 invstd32 = torch.from_numpy(invstd.astype(np.float32))
-                count32 = torch.from_numpy(np.array(count, dtype=np.float32))
+                # (C,) in the statistics' dtype, as the backward op takes it without conversion.
+                stat_dtype = np.float64 if input.dtype == torch.float64 else np.float32
+                count32 = torch.from_numpy(np.full(channels, count, dtype=stat_dtype))
             else:
                 mean32 = mean.to(torch.float32)
                 invstd32 = invstd.to(torch.float32)

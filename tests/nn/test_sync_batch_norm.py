@@ -399,6 +399,14 @@ def test_single_process_fallback_matches_torch():
         assert int(ours.num_batches_tracked) == 3
     stats = sync_batch_norm_stats(torch.ones(3, C) * 2, sync=False)
     assert float(stats[0]) == 3 and torch.equal(stats[1], torch.full((C,), 2.0, dtype=torch.float64))
+    # An input that requires grad (e.g. an activation): the statistics come without autograd history.
+    h = torch.randn(5, C, 2, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    count, mean, m2 = sync_batch_norm_stats(h * 1.0, sync=False)
+    hd = h.detach().double()
+    assert float(count) == 10 and not mean.requires_grad
+    tol = dict(rtol=1e-5, atol=1e-6)  # float32 accumulation
+    torch.testing.assert_close(mean, hd.mean((0, 2)), **tol)
+    torch.testing.assert_close(m2, ((hd - hd.mean((0, 2), keepdim=True)) ** 2).sum((0, 2)), **tol)
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])
@@ -500,9 +508,16 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match=r"expected input of shape \(N, 3, \*\).*got shape \(2, 4, 5\)"):
         bn(torch.randn(2, 4, 5))
     with pytest.raises(
-        TypeError, match=r"expected a float16, bfloat16 or float32 input, got dtype torch.int64"
+        TypeError, match=r"expected a float16, bfloat16, float32 or float64 input, got dtype torch.int64"
     ):
         bn(torch.ones(2, C, dtype=torch.long))
+    with pytest.raises(TypeError, match=r"got dtype torch.float8_e4m3fn"):
+        bn(torch.ones(2, C).to(torch.float8_e4m3fn))
+    # The functional statistics check their arguments too.
+    with pytest.raises(TypeError, match=r"`x` must be a torch.Tensor"):
+        sync_batch_norm_stats([[1.0, 2.0]], sync=False)
+    with pytest.raises(ValueError, match=r"`shift` must have shape \(C,\)=\(3,\), got shape \(2,\)"):
+        sync_batch_norm_stats(torch.randn(4, C), shift=torch.zeros(2, dtype=torch.float64), sync=False)
     with pytest.raises(ValueError, match=r"`eps` must be > 0, got 0.0"):
         SyncBatchNorm(C, eps=0.0)
     with pytest.raises(ValueError, match=r"`momentum` must be in \[0, 1\] or None.*got 1.5"):
