@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 _OPS = [dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT]
-_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.int64, torch.int32]
+_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 
 
 def _random(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
@@ -38,7 +38,7 @@ def _matches_gloo(rank: int, world_size: int) -> list[torch.Tensor]:
     for dtype in _DTYPES:
         for shape in shapes:
             for op in _OPS:
-                if op == dist.ReduceOp.PRODUCT and dtype == torch.bfloat16:
+                if op == dist.ReduceOp.PRODUCT and dtype in (torch.bfloat16, torch.float16):
                     continue
                 x = _random(shape, dtype, generator)
                 ours, ref = x.clone(), x.clone()
@@ -46,12 +46,13 @@ def _matches_gloo(rank: int, world_size: int) -> list[torch.Tensor]:
                 dist.all_reduce(ref, op=op)
                 if dtype.is_floating_point and op in (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT):
                     # Summation order may differ from gloo's in the last bits.
-                    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+                    tol = {torch.bfloat16: 2e-2, torch.float16: 1e-2}.get(dtype, 1e-5)  # order: last bits
                     torch.testing.assert_close(ours, ref, rtol=tol, atol=tol)
                 else:
                     assert torch.equal(ours, ref), (dtype, shape, op, ours, ref)
                 results.append(ours)
-    # Any memory layout (the choice of path must not depend on it: ranks may differ there).
+    # Any memory layout (ranks may differ there: rank 0's dense copy goes through NumPy, the others'
+    # strided tensors through torch ops; the results must still agree bit for bit, checked below).
     for x in (
         _random((6, 4), torch.float64, generator).t(),
         _random((2, 3, 4, 5), torch.float32, generator).contiguous(memory_format=torch.channels_last),
@@ -65,6 +66,7 @@ def _matches_gloo(rank: int, world_size: int) -> list[torch.Tensor]:
         dist.all_reduce(ref)
         torch.testing.assert_close(ours, ref)
         assert ours.stride() == stride_before
+        results.append(ours.contiguous())
     # Larger than a slot: falls back to gloo, same answer.
     big = _random((shm_collectives._SLOT_BYTES // 8 + 1,), torch.float64, generator)
     ref = big.clone()
