@@ -587,8 +587,10 @@ class DynamicLossScaler:
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale in place and record whether any is inf/NaN.
 
-        One fused ``unscale_and_check_`` pass per device (``lightning_ext.kernels``). Call it before
-        clipping so the clip sees true gradients. No host sync (one all_reduce with ``process_group``).
+        One fused ``unscale_and_check_`` pass per device (``lightning_ext.kernels``); a disabled
+        scaler (scale 1) only checks, with ``check_finite``, which reads the gradients without
+        rewriting them. Call it before clipping so the clip sees true gradients. No host sync (one
+        all_reduce with ``process_group``).
 
         Raises:
             RuntimeError: called twice for ``optimizer`` since the last :meth:`update`, or after :meth:`step`.
@@ -603,12 +605,10 @@ class DynamicLossScaler:
             )
         if state["stage"] is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        inv_scale = (
-            self._scale.double().reciprocal().float()
-            if self._enabled
-            else torch.ones((), device=self._device)
-        )
-        state["found_inf"] = self._unscale_and_check(optimizer, inv_scale.to(self._device), allow_fp16=False)
+        # Disabled (scale fixed at 1): only the inf/NaN check, reading the gradients without the
+        # write pass a multiply by 1 would cost (KernelBackend.check_finite).
+        inv_scale = self._scale.double().reciprocal().float().to(self._device) if self._enabled else None
+        state["found_inf"] = self._unscale_and_check(optimizer, inv_scale, allow_fp16=False)
         state["stage"] = _Stage.UNSCALED
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:

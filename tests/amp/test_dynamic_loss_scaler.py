@@ -347,6 +347,33 @@ def test_disabled_scaler_keeps_scale_one_and_still_skips_nonfinite_steps():
     assert torch.isnan(model[0].bias).any()
 
 
+def test_disabled_scaler_checks_without_changing_gradients(monkeypatch):
+    """Disabled, unscale_ is the inf/NaN check alone: gradients bitwise as they were, a clean step
+    taken (the read-only ``check_finite`` path, not a multiply by 1)."""
+    from lightning_ext.kernels import KernelBackend
+
+    def no_rewrite(*args, **kwargs):
+        raise AssertionError("a disabled scaler must not run the multiply-and-check op")
+
+    monkeypatch.setattr(KernelBackend, "unscale_and_check_", no_rewrite)
+    model, x, y = _model_and_data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = DynamicLossScaler(enabled=False, telemetry=False)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    model[0].weight.grad[0, 0] = -0.0  # a multiply would keep it too; the values must not move at all
+    grads = [p.grad.clone() for p in model.parameters()]
+    scaler.unscale_(opt)
+    assert all(
+        torch.equal(p.grad, g) and p.grad.view(-1)[0].signbit() == g.view(-1)[0].signbit()
+        for p, g in zip(model.parameters(), grads)
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    assert scaler.step(opt) is None  # SGD.step returns None too: check that it stepped
+    scaler.update()
+    assert scaler.skipped_steps == 0
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
 # ------------------------------------------------------------------------------------------------
 # State dict
 # ------------------------------------------------------------------------------------------------
