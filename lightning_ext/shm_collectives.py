@@ -3,7 +3,7 @@
 Why: a gloo ``all_reduce`` of a few hundred numbers between two processes on one machine takes
 0.3-0.5 ms median and 2-4 ms at p90 on a 2-core VM (``benchmarks/bench_shm_collectives.py``; a
 worker-thread hand-off, TCP loopback and several wake-ups per call), while the same exchange
-through shared memory takes 25-35 µs (p90 under 0.1 ms). Layers that reduce a little on every step
+through shared memory takes 18-35 µs (p90 under 0.1 ms). Layers that reduce a little on every step
 (:class:`lightning_ext.nn.SyncBatchNorm`: one call per layer and direction;
 :class:`lightning_ext.stats.Collector`) are bound by that latency on
 CPU. This follows the shared-memory all-reduce DeepSpeed uses for CPU ranks of one node

@@ -57,6 +57,7 @@ def _matches_gloo(rank: int, world_size: int) -> list[torch.Tensor]:
         _random((6, 4), torch.float64, generator).t(),
         _random((2, 3, 4, 5), torch.float32, generator).contiguous(memory_format=torch.channels_last),
         _random((9,), torch.float64, generator)[::2],
+        _random((5, 6), torch.float16, generator).t(),  # float16: NumPy and torch round alike
     ):
         ours, ref = x.clone(memory_format=torch.preserve_format), x.contiguous().clone()
         if rank == 0:  # layouts differ between ranks

@@ -550,10 +550,10 @@ class DynamicLossScaler:
     ) -> Tensor:
         """One ``unscale_and_check_`` call per device over the optimizer's gradients.
 
-        ``inv_scale=None`` only checks (``check_finite``: fused optimizers unscale in their own
-        step, so the gradients need not be rewritten). Returns float32 0-dim ``found_inf`` on the
-        scale's device (1.0 iff any inf/NaN), MAX-reduced over ``process_group`` when one is set.
-        No host sync.
+        ``inv_scale=None`` only checks (``check_finite``, reading without rewriting: fused
+        optimizers unscale in their own step, and a disabled scaler's scale is 1). Returns float32
+        0-dim ``found_inf`` on the scale's device (1.0 iff any inf/NaN), MAX-reduced over
+        ``process_group`` when one is set. No host sync.
         """
         grads = self._params_with_grads(optimizer, allow_fp16)
         if grads:

@@ -398,8 +398,6 @@ class KernelBackend(abc.ABC):
         stat_dtype = _stat_dtype(x)
         if count.dim() == 0 or count.dtype != stat_dtype:
             count = count.to(stat_dtype).expand(c)
-        if not torch.is_grad_enabled():  # the usual case inside a backward pass
-            return self._batch_norm_backward(dy, x, mean, invstd, weight, count, sum_over_group)
         with torch.no_grad():
             return self._batch_norm_backward(dy, x, mean, invstd, weight, count, sum_over_group)
 

@@ -407,6 +407,10 @@ def test_single_process_fallback_matches_torch():
     tol = dict(rtol=1e-5, atol=1e-6)  # float32 accumulation
     torch.testing.assert_close(mean, hd.mean((0, 2)), **tol)
     torch.testing.assert_close(m2, ((hd - hd.mean((0, 2), keepdim=True)) ** 2).sum((0, 2)), **tol)
+    # A shift of another float dtype is taken as float64 (NumPy cannot view bfloat16).
+    _, mean_b, m2_b = sync_batch_norm_stats(h, shift=torch.ones(C, dtype=torch.bfloat16), sync=False)
+    torch.testing.assert_close(mean_b, mean, **tol)
+    torch.testing.assert_close(m2_b, m2, **tol)
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])
