@@ -11,7 +11,8 @@ Ours, at the SAME arithmetic precision as the anchor (bf16 autocast): ``LossScal
 conv backward, see DESIGN.md), which is a property of the CPU kernels, not of our plugin.
 
 Diagnostic rows: every feature except SyncBN, and every feature with SyncBN replaced by ATen's local
-batch norm plus SyncBN's two all_reduces per layer (the synchronization points without our maths).
+batch norm plus SyncBN's two all_reduces per layer (the synchronization points without our maths;
+its buffers are left out of DDP's per-forward broadcast as ``SyncBatchNormPlugin`` does for SyncBN).
 
 Per-step time = median interval between consecutive ``on_train_batch_start`` calls on rank 0
 after a warm-up, validation disabled; the forward / backward / rest phases are timed on rank 0
@@ -158,12 +159,17 @@ class CollectivesOnlyBatchNorm(torch.nn.BatchNorm2d):
 
 
 def _collectives_only(module: DigitsModule) -> DigitsModule:
-    for block in module.net.features:
+    ignored = []
+    for prefix, block in module.net.features.named_children():
         if isinstance(block, torch.nn.Sequential):
             bn = block[1]
             replacement = CollectivesOnlyBatchNorm(bn.num_features)
             replacement.load_state_dict(bn.state_dict())
             block[1] = replacement
+            ignored += [f"net.features.{prefix}.1.{name}" for name, _ in replacement.named_buffers()]
+    # Like SyncBatchNormPlugin, take the layers' buffers out of DDP's per-forward broadcast (here
+    # they drift apart across ranks: this row is a timing diagnostic only).
+    module._ddp_params_and_buffers_to_ignore = ignored
     return module
 
 
@@ -217,11 +223,14 @@ def main() -> None:
         f"({(ratio - 1) * 100:+.1f}%). SyncBN adds, by its nature, one blocking all_reduce per "
         "BatchNorm layer and direction (6 per step for the 3 layers here) that plain DDP does not "
         "have: they go through shared memory (~25 µs each, `lightning_ext.shm_collectives`), but "
-        "each is a point where the faster rank waits for the slower one; the 'collectives only' "
-        "row measures these waits with ATen's maths, the 'except SyncBN' row the cost of everything "
-        "else. The fp16 row is slower because fp16 autocast kernels on CPU "
-        "(conv backward above all) are slower than bf16 ones; Lightning's own `16-mixed` cannot run "
-        "fp16 on CPU at all.",
+        "each is a point where the faster rank waits for the slower one. It also removes one: "
+        "SyncBN keeps its running statistics equal on every rank, so `SyncBatchNormPlugin` takes "
+        "them out of the gloo broadcast of buffers that DDP runs at every forward (the model's only "
+        "buffers here, so that broadcast is gone). The 'collectives only' row measures the six "
+        "waits with ATen's maths (its buffers are also left out of DDP's broadcast), the 'except "
+        "SyncBN' row the cost of everything else (with DDP's broadcast, as plain). The fp16 row is "
+        "slower because fp16 autocast kernels on CPU (conv backward above all) are slower than bf16 "
+        "ones; Lightning's own `16-mixed` cannot run fp16 on CPU at all.",
     ]
     text = "\n".join(lines)
     print(text)

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ext.nn import SyncBatchNorm
 from lightning_ext.plugins import SyncBatchNormPlugin
+from tests.helpers.distributed import run_distributed
 
 N, F = 16, 4
 
@@ -39,6 +40,16 @@ class BatchNormRegressor(LightningModule):
         return DataLoader(TensorDataset(*_data()), batch_size=3, shuffle=False)
 
 
+class PerturbedOnRank1(BatchNormRegressor):
+    """Rank 1 starts with other running statistics than rank 0 (set before the strategy's setup)."""
+
+    def setup(self, stage):
+        if self.trainer.global_rank == 1:
+            self.net[0].running_mean.fill_(7.0)
+            self.net[0].running_var.fill_(3.0)
+            self.net[0].num_batches_tracked.fill_(5)
+
+
 class RecordStats(Callback):
     """Each rank writes its layer classes and running stats (the main process only sees rank 0)."""
 
@@ -48,6 +59,8 @@ class RecordStats(Callback):
     def on_train_start(self, trainer, pl_module):
         self.classes = [type(m).__name__ for m in pl_module.net]
         self.batches = []
+        # DDP's per-forward buffer broadcast: which buffers it still syncs.
+        self.ddp_buffers = sorted(trainer.strategy.model.named_module_buffers)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.batches.append(batch[0].clone())
@@ -58,6 +71,7 @@ class RecordStats(Callback):
             {
                 "classes": self.classes,
                 "batches": self.batches,
+                "ddp_buffers": self.ddp_buffers,
                 "running_mean": bn.running_mean.clone(),
                 "running_var": bn.running_var.clone(),
                 "num_batches_tracked": bn.num_batches_tracked.clone(),
@@ -76,7 +90,9 @@ def _reference_running_stats(per_rank_batches):
 
 @pytest.mark.timeout(240)
 def test_trainer_ddp_spawn_on_cpu_synchronizes_and_reverts(tmp_path):
-    model = BatchNormRegressor()
+    # Rank 1 starts from other running stats: the plugin broadcasts rank 0's once at apply and
+    # removes the layers' buffers from DDP's per-forward broadcast (they stay equal by themselves).
+    model = PerturbedOnRank1()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = Trainer(
         accelerator="cpu",
@@ -97,6 +113,7 @@ def test_trainer_ddp_spawn_on_cpu_synchronizes_and_reverts(tmp_path):
     assert not torch.equal(ranks[0]["batches"][0], ranks[1]["batches"][0])
     for rec in ranks:
         assert rec["classes"] == ["SyncBatchNorm", "Linear", "SyncBatchNorm", "Linear"]
+        assert rec["ddp_buffers"] == []  # DDP broadcasts nothing at forward
         assert int(rec["num_batches_tracked"]) == 3
         torch.testing.assert_close(rec["running_mean"].double(), reference.running_mean, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(rec["running_var"].double(), reference.running_var, rtol=1e-5, atol=1e-6)
@@ -106,6 +123,69 @@ def test_trainer_ddp_spawn_on_cpu_synchronizes_and_reverts(tmp_path):
     torch.testing.assert_close(model.net[0].running_var, ranks[0]["running_var"])
     assert not torch.equal(model.net[1].weight, initial["net.1.weight"])
     assert torch.isfinite(model.net[3].weight).all()
+
+
+class WithExtraBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(F, 8), nn.BatchNorm1d(8))
+        self.register_buffer("extra", torch.zeros(2))
+
+
+def _ddp_buffers_worker(rank: int, world_size: int) -> dict:
+    """apply() on 2 gloo ranks whose BN buffers differ; which buffers a DDP wrapper still syncs."""
+    out = {}
+    for label, kwargs, user_ignore in [
+        ("default", {}, None),
+        ("user_ignore", {}, ["extra"]),
+        ("subgroups", {"group_size": 1}, None),
+        ("opt_out", {"ddp_broadcast_buffers": True}, None),
+    ]:
+        torch.manual_seed(0)
+        model = WithExtraBuffer()
+        bn = model.net[1]
+        bn.running_mean.fill_(float(rank + 1))
+        bn.num_batches_tracked.fill_(rank + 3)
+        if user_ignore is not None:
+            model._ddp_params_and_buffers_to_ignore = list(user_ignore)
+        plugin = SyncBatchNormPlugin(**kwargs)
+        model = plugin.apply(model)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        synced = sorted(ddp.named_module_buffers)
+        ignore = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+        model = plugin.revert(model)
+        out[label] = {
+            "synced": synced,
+            "ignore": ignore,
+            "after_revert": getattr(model, "_ddp_params_and_buffers_to_ignore", None),
+            "running_mean": model.net[1].running_mean.clone(),
+            "num_batches_tracked": int(model.net[1].num_batches_tracked),
+        }
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_apply_excludes_world_synchronized_buffers_from_ddp_broadcast():
+    outs = run_distributed(_ddp_buffers_worker, 2, timeout=90)
+    bn_buffers = ["net.1.num_batches_tracked", "net.1.running_mean", "net.1.running_var"]
+    for out in outs:
+        # Default: broadcast once from rank 0 at apply, then only the other buffer stays in DDP's sync.
+        assert out["default"]["synced"] == ["extra"]
+        assert sorted(out["default"]["ignore"]) == bn_buffers
+        assert out["default"]["after_revert"] is None
+        assert out["default"]["num_batches_tracked"] == 3
+        # A user's own ignore list is kept, extended, and given back as it was.
+        assert out["user_ignore"]["synced"] == []
+        assert sorted(out["user_ignore"]["ignore"]) == sorted(["extra", *bn_buffers])
+        assert out["user_ignore"]["after_revert"] == ["extra"]
+        # Layers synchronized within subgroups, or the opt-out: DDP keeps broadcasting everything.
+        for label in ("subgroups", "opt_out"):
+            assert out[label]["synced"] == sorted(["extra", *bn_buffers]), label
+            assert out[label]["after_revert"] is None
+    for label in out:
+        # Either our broadcast at apply or DDP's own at construction made rank 1 take rank 0's values.
+        assert torch.equal(outs[1][label]["running_mean"], torch.ones(8)), label
+        assert outs[1][label]["num_batches_tracked"] == 3, label
 
 
 def test_apply_and_revert_without_trainer():
@@ -126,3 +206,5 @@ def test_bad_arguments():
         SyncBatchNormPlugin(group_size="2")
     with pytest.raises(TypeError, match=r"`backend` must be a kernel backend name \(str\) or None, got 5"):
         SyncBatchNormPlugin(backend=5)
+    with pytest.raises(TypeError, match=r"`ddp_broadcast_buffers` must be a bool, got 'yes'"):
+        SyncBatchNormPlugin(ddp_broadcast_buffers="yes")
