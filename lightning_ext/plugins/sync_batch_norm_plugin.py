@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.layer_sync import LayerSync
@@ -96,8 +98,8 @@ class SyncBatchNormPlugin(LayerSync):
         self.group_size = group_size
         self.backend = backend
         self.ddp_broadcast_buffers = ddp_broadcast_buffers
-        # (model, the user's ignore list or None, the names we added) while applied.
-        self._ddp_ignore: tuple[Module, list[str] | None, list[str]] | None = None
+        # (model, its own `_ddp_params_and_buffers_to_ignore` or None) while applied.
+        self._ddp_ignore: tuple[Module, Any] | None = None
 
     @override
     def apply(self, model: Module) -> Module:
@@ -124,7 +126,7 @@ class SyncBatchNormPlugin(LayerSync):
         Also restores the model's ``_ddp_params_and_buffers_to_ignore`` as it was before :meth:`apply`.
         """
         if self._ddp_ignore is not None:
-            applied, previous, _ = self._ddp_ignore
+            applied, previous = self._ddp_ignore
             self._ddp_ignore = None
             if previous is None:
                 applied.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)
@@ -147,10 +149,8 @@ class SyncBatchNormPlugin(LayerSync):
             return  # nothing to exclude, or not materialized yet: leave DDP's sync as it is
         _broadcast_from_rank0(buffers)
         previous = model.__dict__.get("_ddp_params_and_buffers_to_ignore")
-        if previous is not None:
-            previous = list(previous)
         model._ddp_params_and_buffers_to_ignore = [*(previous or ()), *names]
-        self._ddp_ignore = (model, previous, names)
+        self._ddp_ignore = (model, previous)
 
 
 def _broadcast_from_rank0(buffers: list[torch.Tensor]) -> None:
