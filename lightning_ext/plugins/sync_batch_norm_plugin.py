@@ -154,7 +154,7 @@ class SyncBatchNormPlugin(LayerSync):
 
 
 def _broadcast_from_rank0(buffers: list[torch.Tensor]) -> None:
-    """Overwrite ``buffers`` with rank 0's values: one broadcast per dtype (sorted by name), in place."""
+    """Overwrite ``buffers`` with rank 0's values in place: one broadcast per dtype, in fixed order."""
     device = collective_device()
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for buffer in buffers:
