@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_ext import shm_collectives
 from lightning_ext.distributed import collective_device, is_distributed
 from lightning_ext.kernels import get_backend
 from lightning_ext.stats import report
@@ -303,7 +304,8 @@ class DynamicLossScaler:
         skip_nonfinite: only for ``enabled=False``: check gradients and skip non-finite steps
             (default). ``enabled=False, skip_nonfinite=False`` passes every call through.
         process_group: when gradients are sharded (FSDP, ZeRO), the group whose ranks must agree;
-            ``found_inf`` is MAX-reduced over it with one all_reduce per ``unscale_``. Leave ``None``
+            ``found_inf`` is MAX-reduced over it with one all_reduce per ``unscale_`` (through shared
+            memory between CPU ranks of one host, :mod:`lightning_ext.shm_collectives`). Leave ``None``
             for replicated gradients (DDP): they are identical on every rank already.
         telemetry: ``report()`` ``AMP/loss_scale_log2``, ``AMP/overflow`` (0/1 per step; its mean
             is the overflow frequency) and ``AMP/skipped_steps`` (running total) at every update.
@@ -580,7 +582,7 @@ class DynamicLossScaler:
         if self.process_group is not None and is_distributed():
             comm_device = collective_device(self.process_group)
             flag = found_inf.to(comm_device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+            shm_collectives.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
             found_inf = flag.to(self._device)
         return found_inf
 

@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
+from lightning_ext import shm_collectives
 from lightning_ext.callbacks.hook_base import HookBase
 from lightning_ext.distributed import collective_device, get_world_size, is_distributed
 
@@ -69,7 +70,7 @@ def _agree_has_batch(has_batch: bool) -> bool:
     if get_world_size() <= 1:
         return has_batch
     flag = torch.tensor([1.0 if has_batch else 0.0], device=collective_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    shm_collectives.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
 
@@ -179,7 +180,7 @@ def _write_population_stats(
             groups.setdefault(getattr(layer, "process_group", None), []).append(i)
     for group, indices in groups.items():
         packed = torch.stack([count_tensors[i] for i in indices]).to(collective_device(group))
-        dist.all_reduce(packed, group=group)
+        shm_collectives.all_reduce(packed, group=group)
         for row, i in zip(packed.cpu(), indices):
             count_tensors[i] = row
     for i, layer in enumerate(layers):
