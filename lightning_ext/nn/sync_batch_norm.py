@@ -224,6 +224,19 @@ def _on_host(x: Tensor) -> bool:
     return x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
+def _reference_backend_type() -> type:
+    from lightning_ext.kernels.reference import ReferenceBackend
+
+    return ReferenceBackend
+
+
+def _load_cpu_extension() -> Any:
+    """:func:`lightning_ext.kernels.cpu_extension.load` (cached after the first call)."""
+    from lightning_ext.kernels import cpu_extension
+
+    return cpu_extension.load()
+
+
 def _global_moments(
     x: Tensor, shift: Any, process_group: dist.ProcessGroup | None, ops: Any, sync: bool, host: bool
 ) -> tuple[Any, Any, Any]:
@@ -326,6 +339,73 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             bias_dtype = weight.dtype if weight is not None else torch.float32
             grad_bias = sum_dy if sum_dy.dtype == bias_dtype else sum_dy.to(bias_dtype)
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+class _SyncBatchNormCpuFunction(torch.autograd.Function):
+    """:class:`_SyncBatchNormFunction` for eager CPU input with the compiled glue
+    (:mod:`lightning_ext.kernels.cpu_extension`): the forward unpacks the summed moments, updates the
+    running statistics and normalizes in one call; the backward is two calls around its all_reduce."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        payload: Tensor,
+        shift: Tensor,
+        module: SyncBatchNorm,
+        update_stats: bool,
+        sync: bool,
+        ext: Any,
+    ) -> Tensor:
+        y, mean, invstd, count = ext.forward_finish(
+            x,
+            payload,
+            shift,
+            module.running_mean,
+            module.running_var,
+            module.num_batches_tracked,
+            weight,
+            bias,
+            module.momentum,
+            module.eps,
+            update_stats,
+        )
+        ctx.save_for_backward(x, weight, mean, invstd, count)
+        ctx.process_group = module.process_group
+        ctx.sync = sync
+        ctx.ext = ext
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        x, weight, mean, invstd, count = ctx.saved_tensors
+        ext = ctx.ext
+        need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
+        dx_local, sum_dy, sum_dy_xmu, packed = ext.backward_local(grad_output, x, mean, invstd, weight)
+        if need_x:
+            total = _sum_over_group(packed, ctx.process_group) if ctx.sync else packed
+            grad_x, grad_weight, grad_bias = ext.backward_finish(
+                grad_output,
+                x,
+                mean,
+                invstd,
+                weight,
+                count,
+                dx_local,
+                sum_dy,
+                sum_dy_xmu,
+                total,
+                need_weight,
+                need_bias,
+            )
+        else:  # no collective: the group only needs the sums for dx, which nobody asked for
+            grad_x = None
+            grad_weight = (sum_dy_xmu * invstd).to(weight.dtype) if need_weight else None
+            bias_dtype = weight.dtype if weight is not None else torch.float32
+            grad_bias = sum_dy.to(bias_dtype) if need_bias else None
         return grad_x, grad_weight, grad_bias, None, None, None, None, None, None
 
 
@@ -470,6 +550,39 @@ class SyncBatchNorm(_BatchNorm):
         shift = running_mean.to(torch.float64)
         return shift.numpy() if host else shift
 
+    def _cpu_extension(self, ops: Any) -> Any:
+        """The compiled CPU glue when it computes what the Python path would: the ``reference``
+        backend's maths (not a subclass's) and float32/float64 running buffers (NumPy's arithmetic on
+        other buffer dtypes is left to the Python path); else ``None``."""
+        if type(ops) is not _reference_backend_type():
+            return None
+        for buffer in (self.running_mean, self.running_var):
+            if buffer is not None and buffer.dtype not in (torch.float32, torch.float64):
+                return None
+        return _load_cpu_extension()
+
+    def _forward_compiled(
+        self, ext: Any, input: Tensor, sync: bool, update_stats: bool, local_count: int
+    ) -> Tensor:
+        """:meth:`_forward_synced` through the compiled glue (eager CPU): the same computation in
+        two calls around the all_reduce (the C++ calls record no autograd graph themselves)."""
+        running_mean = self.running_mean
+        if running_mean is None:
+            shift = torch.zeros(self.num_features, dtype=torch.float64)
+        else:
+            shift = running_mean.to(torch.float64, copy=True)  # read before the in-place update
+        payload = ext.pack_moments(input.detach(), shift)
+        if sync:
+            payload = _sum_over_group(payload, self.process_group)
+        if local_count <= 1 and int(payload[0]) == 1:  # every rank sees the same global count
+            raise ValueError(
+                "Expected more than 1 value per channel when training, got input size "
+                f"{tuple(input.shape)} on this rank and 1 value per channel over the process group"
+            )
+        return _SyncBatchNormCpuFunction.apply(
+            input, self.weight, self.bias, payload, shift, self, update_stats, sync, ext
+        )
+
     def _forward_synced(self, input: Tensor, sync: bool, update_stats: bool) -> Tensor:
         """Global statistics (one all_reduce when ``sync``), running update, normalization.
 
@@ -479,9 +592,13 @@ class SyncBatchNorm(_BatchNorm):
         channels = self.num_features
         local_count = input.numel() // channels
         host = _on_host(input)
+        ops = _get_backend(self.backend, input.device)
+        if host:
+            ext = self._cpu_extension(ops)
+            if ext is not None:
+                return self._forward_compiled(ext, input, sync, update_stats, local_count)
         with torch.no_grad():
             shift = self._shift(channels, input.device, host)
-            ops = _get_backend(self.backend, input.device)
             count, mean, m2 = _global_moments(input.detach(), shift, self.process_group, ops, sync, host)
             nonempty = True  # a rank with >= 2 values per channel knows the global count is >= 2
             if local_count <= 1:

@@ -8,6 +8,7 @@ two training steps and an eval step, and the parent compares the gathered shards
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 
 import pytest
@@ -17,6 +18,7 @@ from torch import nn
 
 from lightning_ext.nn import SyncBatchNorm, create_process_groups, sync_batch_norm_stats
 from lightning_ext.nn.sync_batch_norm import _pack_moments, _unpack_moments
+from tests.helpers.cpu_extension import require_cpu_extension
 from tests.helpers.distributed import run_distributed
 
 C = 3
@@ -221,8 +223,14 @@ def _check_case(case_index, case, outs, large_mean=False):
 # ------------------------------------------------------------------------------------------ workers
 
 
-def _equivalence_worker(rank, world_size):
+def _equivalence_worker(rank, world_size, compiled=True):
+    # The compiled CPU glue (lightning_ext.kernels.cpu_extension) or SyncBatchNorm's Python path.
+    from lightning_ext.kernels import cpu_extension
+
+    os.environ[cpu_extension.ENV_VAR] = "1" if compiled else "0"
+    cpu_extension._reset_for_tests()
     results = {"cases": [_run_case(rank, world_size, i, case) for i, case in enumerate(CASES)]}
+    results["compiled"] = cpu_extension.load() is not None
     results["large_mean"] = _run_case(
         rank, world_size, 99, (4, False, torch.float32, 0.1, True), large_mean=True
     )
@@ -314,9 +322,16 @@ def _checkpoint_worker(rank, world_size):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_matches_one_process_batch_norm_on_concatenation(world_size):
-    outs = run_distributed(_equivalence_worker, world_size, timeout=180)
+@pytest.mark.parametrize(
+    ("world_size", "compiled"),
+    [(2, True), (3, True), (2, False)],
+    ids=["2-compiled", "3-compiled", "2-python"],
+)
+def test_matches_one_process_batch_norm_on_concatenation(world_size, compiled):
+    if compiled:
+        require_cpu_extension()
+    outs = run_distributed(_equivalence_worker, world_size, compiled, timeout=180)
+    assert [o["compiled"] for o in outs] == [compiled] * world_size
     for i, case in enumerate(CASES):
         _check_case(i, case, [o["cases"][i] for o in outs])
     _check_case(99, (4, False, torch.float32, 0.1, True), [o["large_mean"] for o in outs], large_mean=True)

@@ -1,0 +1,93 @@
+"""The compiled CPU glue of :class:`~lightning_ext.nn.SyncBatchNorm` (``csrc/sync_batch_norm_cpu.cpp``).
+
+On small CPU layers SyncBatchNorm's cost is not the arithmetic but the ~45 host-side operations per
+training step around it (packing the moments for the all_reduce, unpacking them, the running
+statistics, the backward's correction coefficients), each a Python call. This extension does the same
+computation as the Python path of the ``reference`` kernel backend — the same ATen calls, and the
+per-channel arithmetic in C++ loops with NumPy's evaluation order and precision — in two calls per
+direction around the one all_reduce (which stays in Python). ``benchmarks/bench_end_to_end.py`` and
+``benchmarks/bench_syncbn.py`` measure both paths.
+
+Built just-in-time with :func:`torch.utils.cpp_extension.load` (needs a C++ compiler and ninja) the
+first time a process asks for it, cached by torch in ``TORCH_EXTENSIONS_DIR`` (default
+``~/.cache/torch_extensions``) keyed on the source, and loaded from there by every later process (tens
+of milliseconds). ``python -m lightning_ext.kernels.cpu_extension`` builds it ahead of time (the
+Makefile does, after installing). A build that fails leaves SyncBatchNorm on its Python path, with one
+``RuntimeWarning`` per process; ``LIGHTNING_EXT_CPU_EXTENSION=0`` turns the extension off.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+__all__ = ["ENV_VAR", "SOURCE", "load"]
+
+ENV_VAR = "LIGHTNING_EXT_CPU_EXTENSION"  # "0" / "false" / "off": never build or load it
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "sync_batch_norm_cpu.cpp"
+_NAME = "lightning_ext_sync_batch_norm_cpu"
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_tried = False
+
+
+def enabled() -> bool:
+    """Whether ``LIGHTNING_EXT_CPU_EXTENSION`` allows the extension (unset, or anything but
+    ``0``/``false``/``off``/``no``)."""
+    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def load(verbose: bool = False) -> ModuleType | None:
+    """The compiled extension module, building it first if torch's cache does not hold this source.
+
+    Args:
+        verbose: print the compiler's output (the first build takes about a minute on 2 cores).
+
+    Returns:
+        The module, or ``None`` when disabled by ``LIGHTNING_EXT_CPU_EXTENSION`` or when it cannot be
+        built or loaded (then one ``RuntimeWarning`` names the error; not retried in this process).
+
+    Thread-safe; concurrent processes building at once wait for each other (torch's file lock).
+    """
+    global _module, _tried
+    if _tried:
+        return _module
+    with _lock:
+        if _tried:
+            return _module
+        if enabled():
+            try:
+                from torch.utils.cpp_extension import load as _load
+
+                _module = _load(name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=verbose)
+            except Exception as err:  # no compiler, no ninja, a read-only cache: Python path
+                warnings.warn(
+                    f"lightning_ext: the compiled CPU SyncBatchNorm glue could not be built or loaded "
+                    f"({type(err).__name__}: {err}); SyncBatchNorm uses its Python path on CPU (same "
+                    f"results, more host overhead per layer). Set {ENV_VAR}=0 to silence this.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        _tried = True
+        return _module
+
+
+def _reset_for_tests() -> None:
+    """Forget the loaded module so that the next :func:`load` reads the environment again."""
+    global _module, _tried
+    with _lock:
+        _module, _tried = None, False
+
+
+if __name__ == "__main__":
+    import time
+
+    start = time.perf_counter()
+    module = load(verbose=True)
+    if module is None:
+        raise SystemExit(f"the CPU extension is {'unavailable' if enabled() else 'disabled by ' + ENV_VAR}")
+    print(f"lightning_ext CPU extension ready ({time.perf_counter() - start:.1f} s): {module.__file__}")

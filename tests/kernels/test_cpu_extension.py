@@ -1,0 +1,193 @@
+"""The compiled CPU glue of SyncBatchNorm (``lightning_ext.kernels.cpu_extension``) against the Python path.
+
+Both paths must compute the same thing: outputs, input/weight/bias gradients, running statistics and
+``num_batches_tracked`` over several training steps, for every input rank, dtype and memory format,
+empty local batches, ``momentum=None``, float64 modules and non-dense upstream gradients. The group
+is simulated in one process by a ``_sum_over_group`` that adds a fixed "other rank" to every
+all_reduce (its moments payload is a consistent one for any shift: mean = shift, M2 > 0), so the
+global-count and correction arithmetic is exercised, not only the one-rank case. The multi-process
+runs against one-process float64 BatchNorm are in ``tests/nn/test_sync_batch_norm.py`` (both paths).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import lightning_ext.nn.sync_batch_norm as sbn
+from lightning_ext.kernels import cpu_extension
+from lightning_ext.nn import SyncBatchNorm
+from tests.helpers.cpu_extension import require_cpu_extension
+
+C = 3
+OTHER_COUNT = 7.0  # elements per channel of the simulated other rank
+
+# (shape, dtype, channels_last, momentum, affine, module dtype)
+CASES = [
+    ((5, C), torch.float32, False, 0.1, True, torch.float32),
+    ((4, C, 7), torch.bfloat16, False, None, True, torch.float32),
+    ((3, C, 5, 4), torch.float16, False, 0.1, False, torch.float32),
+    ((3, C, 5, 4), torch.bfloat16, True, 0.1, True, torch.float32),
+    ((2, C, 3, 2, 4), torch.float32, True, None, True, torch.float32),
+    ((4, C, 2, 3), torch.float64, False, 0.1, True, torch.float64),
+    ((8, C, 64, 48), torch.float32, False, 0.1, True, torch.float32),  # the two-pass float32 statistics
+    ((0, C, 4, 4), torch.bfloat16, False, 0.1, True, torch.float32),  # empty on this rank
+    ((0, C), torch.float32, False, None, True, torch.float32),
+    ((1, C), torch.float32, False, 0.1, True, torch.float32),  # one value here, more in the group
+]
+
+
+def _fake_group(monkeypatch, channels: int) -> list[str]:
+    """Simulate a second rank: every all_reduce adds its fixed contribution; returns the call log."""
+    g = torch.Generator().manual_seed(7)
+    moments = torch.zeros(2 * channels + 1, dtype=torch.float64)
+    moments[0] = OTHER_COUNT
+    moments[channels + 1 :] = OTHER_COUNT * (0.5 + torch.rand(channels, generator=g, dtype=torch.float64))
+    grad_sums = torch.randn(2 * channels, generator=g)
+    calls: list[str] = []
+
+    def sum_over_group(t, group):
+        forward = t.numel() == 2 * channels + 1
+        calls.append("moments" if forward else "grad_sums")
+        other = moments if forward else grad_sums.to(t.dtype)
+        return t + other
+
+    monkeypatch.setattr(sbn, "_sum_over_group", sum_over_group)
+    return calls
+
+
+def _train(case, compiled: bool, monkeypatch, steps: int = 3, dense_dy: bool = True):
+    shape, dtype, channels_last, momentum, affine, module_dtype = case
+    calls = _fake_group(monkeypatch, C)
+    if not compiled:
+        monkeypatch.setattr(SyncBatchNorm, "_cpu_extension", lambda self, ops: None)
+    used = []
+    original = SyncBatchNorm._forward_compiled
+    monkeypatch.setattr(
+        SyncBatchNorm, "_forward_compiled", lambda self, *a: used.append(1) or original(self, *a)
+    )
+    bn = SyncBatchNorm(C, momentum=momentum, affine=affine).to(module_dtype)
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for step in range(steps):
+        x = (2.0 + 3.0 * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+        x.requires_grad_(True)
+        dy = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+        bn.num_batches_tracked.add_(1)  # as forward() does before the synchronized path
+        y = bn._forward_synced(x, sync=True, update_stats=True)
+        if dense_dy:
+            y.backward(dy)
+        else:
+            y.sum().backward()  # an expanded, stride-0 upstream gradient
+        grads = [x.grad] + [p.grad.clone() for p in bn.parameters()]
+        bn.zero_grad(set_to_none=True)
+        out.append([y.detach(), *grads])
+        if step == 0:
+            assert y.dtype == dtype and y.shape == x.shape
+            if channels_last and x.numel():
+                assert y.is_contiguous(
+                    memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+                )
+    assert bool(used) == compiled
+    state = [bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone()]
+    return out, state, calls
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{tuple(c[0])}-{c[1]}-cl{int(c[2])}-m{c[3]}-{c[5]}")
+def test_compiled_and_python_paths_agree(case, monkeypatch):
+    require_cpu_extension()
+    with monkeypatch.context() as m:
+        out_c, state_c, calls_c = _train(case, True, m)
+    with monkeypatch.context() as m:
+        out_p, state_p, calls_p = _train(case, False, m)
+    assert calls_c == calls_p  # the same collectives in the same order
+    assert len(calls_c) == 6  # one per direction and step
+    # The same ATen calls and the same per-channel arithmetic in the same order and precision:
+    # bit-identical results.
+    for step_c, step_p in zip(out_c, out_p):
+        for a, b in zip(step_c, step_p):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(state_c, state_p):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert torch.isfinite(out_c[-1][0]).all()
+
+
+def test_non_dense_upstream_gradient(monkeypatch):
+    require_cpu_extension()
+    case = ((3, C, 5, 4), torch.bfloat16, True, 0.1, True, torch.float32)
+    with monkeypatch.context() as m:
+        out_c, _, _ = _train(case, True, m, steps=1, dense_dy=False)
+    with monkeypatch.context() as m:
+        out_p, _, _ = _train(case, False, m, steps=1, dense_dy=False)
+    for a, b in zip(out_c[0], out_p[0]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_no_collective_in_backward_without_input_gradient(monkeypatch):
+    """A layer whose input needs no gradient (e.g. the first layer) skips the backward all_reduce on
+    every rank alike, and still returns the local weight/bias gradients, as the Python path does."""
+    require_cpu_extension()
+    results = {}
+    for compiled in (True, False):
+        with monkeypatch.context() as m:
+            calls = _fake_group(m, C)
+            if not compiled:
+                m.setattr(SyncBatchNorm, "_cpu_extension", lambda self, ops: None)
+            bn = SyncBatchNorm(C)
+            x = torch.randn(4, C, 3, generator=torch.Generator().manual_seed(1))
+            bn._forward_synced(x, sync=True, update_stats=True).pow(2).sum().backward()
+            results[compiled] = (calls, bn.weight.grad, bn.bias.grad)
+    assert results[True][0] == results[False][0] == ["moments"]
+    torch.testing.assert_close(results[True][1], results[False][1], rtol=0, atol=0)
+    torch.testing.assert_close(results[True][2], results[False][2], rtol=0, atol=0)
+
+
+def test_raises_on_one_value_per_channel_in_the_group(monkeypatch):
+    require_cpu_extension()
+    monkeypatch.setattr(sbn, "_sum_over_group", lambda t, g: t)
+    bn = SyncBatchNorm(C)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        bn._forward_synced(torch.randn(1, C), sync=True, update_stats=True)
+    assert torch.equal(bn.running_mean, torch.zeros(C))  # nothing updated
+
+
+def test_disabled_and_failed_builds_fall_back_to_python(monkeypatch):
+    """``LIGHTNING_EXT_CPU_EXTENSION=0`` and a build that fails both leave the Python path; a failure
+    warns once per process and is not retried."""
+    import torch.utils.cpp_extension
+
+    try:
+        monkeypatch.setenv(cpu_extension.ENV_VAR, "0")
+        cpu_extension._reset_for_tests()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert cpu_extension.load() is None
+
+        monkeypatch.setenv(cpu_extension.ENV_VAR, "1")
+        cpu_extension._reset_for_tests()
+        attempts = []
+
+        def broken_load(**kwargs):
+            attempts.append(kwargs["name"])
+            raise RuntimeError("no compiler here")
+
+        monkeypatch.setattr(torch.utils.cpp_extension, "load", broken_load)
+        with pytest.warns(RuntimeWarning, match="could not be built or loaded.*no compiler here"):
+            assert cpu_extension.load() is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert cpu_extension.load() is None
+        assert len(attempts) == 1
+        # SyncBatchNorm keeps working, on the Python path.
+        monkeypatch.setattr(sbn, "_sum_over_group", lambda t, g: t)
+        bn = SyncBatchNorm(C)
+        x = torch.randn(6, C, 2)
+        y = bn._forward_synced(x, sync=True, update_stats=True)
+        torch.testing.assert_close(y, torch.nn.functional.batch_norm(x, None, None, training=True))
+    finally:
+        monkeypatch.undo()
+        cpu_extension._reset_for_tests()
