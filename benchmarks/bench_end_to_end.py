@@ -10,7 +10,8 @@ Ours, at the SAME arithmetic precision as the anchor (bf16 autocast): ``LossScal
 (``"16-mixed"``) and print it separately: fp16 autocast on CPU is much slower than bf16 (fp16
 conv backward, see DESIGN.md), which is a property of the CPU kernels, not of our plugin.
 
-Diagnostic rows: every feature except SyncBN, and every feature with SyncBN replaced by ATen's local
+Diagnostic rows: every feature with SyncBN's compiled CPU glue turned off (its Python path), every
+feature except SyncBN, and every feature with SyncBN replaced by ATen's local
 batch norm plus SyncBN's two all_reduces per layer (the synchronization points without our maths;
 its buffers are left out of DDP's per-forward broadcast as ``SyncBatchNormPlugin`` does for SyncBN).
 
@@ -41,6 +42,7 @@ from _common import write_result
 
 from lightning_ext import shm_collectives
 from lightning_ext.examples.digits import DigitsDataModule, DigitsModule
+from lightning_ext.kernels import cpu_extension
 
 
 class StepClock(Callback):
@@ -93,10 +95,24 @@ def _trainer_kwargs(max_steps: int) -> dict:
 
 def run_once(config: str, max_steps: int, warmup: int) -> dict[str, float]:
     """Train ``config`` for ``max_steps`` steps; median seconds per step and per phase after ``warmup``."""
+    L.seed_everything(0)
+    # The spawned ranks inherit the environment: the Python-glue row turns the compiled CPU glue off.
+    glue_env = cpu_extension.ENV_VAR
+    previous = os.environ.get(glue_env)
+    os.environ[glue_env] = "0" if config == "ours-python-glue" else "1"
+    try:
+        return _run_once(config, max_steps, warmup)
+    finally:
+        if previous is None:
+            os.environ.pop(glue_env, None)
+        else:
+            os.environ[glue_env] = previous
+
+
+def _run_once(config: str, max_steps: int, warmup: int) -> dict[str, float]:
     from lightning_ext.callbacks import IterationTimer, LossMonitor, PreciseBN, TrainingStats
     from lightning_ext.plugins import LossScalingPrecision, SyncBatchNormPlugin
 
-    L.seed_everything(0)
     with tempfile.TemporaryDirectory() as tmp:
         clock = StepClock(os.path.join(tmp, "times.json"))
         kwargs = _trainer_kwargs(max_steps)
@@ -178,6 +194,8 @@ CONFIGS = {
     "plain": 'plain Lightning DDP (`precision="16-mixed"` → bf16 autocast on CPU), no callbacks',
     "ours-bf16": 'ours, all features, `LossScalingPrecision("bf16-mixed")` + SyncBN + TrainingStats + '
     "IterationTimer + LossMonitor + PreciseBN",
+    "ours-python-glue": "ours, all features (bf16), SyncBN's compiled CPU glue turned off "
+    "(`LIGHTNING_EXT_CPU_EXTENSION=0`: its Python path)",
     "ours-no-syncbn": "ours, every feature except SyncBN (bf16) — the cost of the rest",
     "ours-collectives-only": "diagnostic: ours with SyncBN replaced by local ATen batch norm + SyncBN's "
     "two all_reduces per layer — the cost of the 6 synchronization points alone",
@@ -193,6 +211,7 @@ def main() -> None:
     parser.add_argument("--no-fp16", action="store_true", help="skip the fp16 timing")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    compiled = cpu_extension.load() is not None  # built here once, loaded by every rank
     configs = [c for c in CONFIGS if c != "ours-fp16" or not args.no_fp16]
     samples: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
     for _ in range(args.repeats):
@@ -234,7 +253,11 @@ def main() -> None:
         "them out of the gloo broadcast of buffers that DDP runs at every forward (the model's only "
         "buffers here, so that broadcast is gone). The 'collectives only' row measures the six "
         "waits with ATen's maths (its buffers are also left out of DDP's broadcast), the 'except "
-        "SyncBN' row the cost of everything else (with DDP's broadcast, as plain). The fp16 row is "
+        "SyncBN' row the cost of everything else (with DDP's broadcast, as plain). The Python-glue "
+        "row runs SyncBN's per-channel host arithmetic in Python instead of its C++ extension "
+        "(bit-identical results): its difference to 'ours' is what the compiled glue saves"
+        + ("" if compiled else " — the extension was NOT available in this run, both rows are Python")
+        + ". The fp16 row is "
         "slower because fp16 autocast kernels on CPU (conv backward above all) are slower than bf16 "
         "ones; Lightning's own `16-mixed` cannot run fp16 on CPU at all.",
     ]
