@@ -142,11 +142,13 @@ void update_running(T* running, const double* value, int64_t c, double factor, b
 }
 
 void update_buffer(Tensor& buffer, const double* value, int64_t c, double factor, bool weak_factor) {
-  if (buffer.scalar_type() == at::kFloat) {
-    update_running(buffer.data_ptr<float>(), value, c, factor, weak_factor);
+  Tensor work = buffer.is_contiguous() ? buffer : buffer.contiguous();  // a strided buffer: via a copy
+  if (work.scalar_type() == at::kFloat) {
+    update_running(work.data_ptr<float>(), value, c, factor, weak_factor);
   } else {
-    update_running(buffer.data_ptr<double>(), value, c, factor, weak_factor);
+    update_running(work.data_ptr<double>(), value, c, factor, weak_factor);
   }
+  if (!buffer.is_same(work)) buffer.copy_(work);
 }
 
 // Unpacks the summed payload, updates the running statistics (when `update_stats` and the group's
@@ -228,7 +230,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward_local(
   Tensor xd = x.contiguous(fmt);
   Tensor dyd = dy.contiguous(fmt);
   if (fused_backward(x)) {
-    Tensor w = weight.has_value() ? as(*weight, st) : ones(c, st);
+    Tensor w = weight.has_value() ? as(*weight, st).contiguous() : ones(c, st);
     auto [dx, grad_weight, sum_dy] = at::native_batch_norm_backward(
         dyd, xd, w, std::nullopt, std::nullopt, as(mean, st), as(invstd, st), true, 0.0, {true, true, true});
     // s2 = grad_weight / invstd (grad_weight = S2 * invstd), float32.
@@ -270,7 +272,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_finish(
   } else if (fused_backward(x)) {
     // dx = dx_local + k1 (x - mean) + k0 (batch_norm_backward_cpu), float32 coefficients.
     Tensor xd = x.contiguous(memory_format(x));
-    Tensor w = weight.has_value() ? as(*weight, st) : ones(c, st);
+    Tensor w = weight.has_value() ? as(*weight, st).contiguous() : ones(c, st);
     Tensor k0 = at::empty({c}, at::TensorOptions().dtype(at::kFloat));
     Tensor k1 = at::empty({c}, at::TensorOptions().dtype(at::kFloat));
     const float* i = invstd.data_ptr<float>();

@@ -191,3 +191,34 @@ def test_disabled_and_failed_builds_fall_back_to_python(monkeypatch):
     finally:
         monkeypatch.undo()
         cpu_extension._reset_for_tests()
+
+
+def test_strided_buffers_and_weight(monkeypatch):
+    """Running buffers and parameters that are views with a stride are read and updated in place
+    correctly (the C++ loops address memory directly)."""
+    require_cpu_extension()
+    results = {}
+    for compiled in (True, False):
+        with monkeypatch.context() as m:
+            _fake_group(m, C)
+            if not compiled:
+                m.setattr(SyncBatchNorm, "_cpu_extension", lambda self, ops: None)
+            bn = SyncBatchNorm(C)
+            storage = torch.arange(4.0 * C).view(C, 4)  # columns are strided (C,) views
+            bn._buffers["running_mean"] = storage[:, 1]
+            bn._buffers["running_var"] = storage[:, 2]
+            with torch.no_grad():
+                storage[:, 2] += 1.0
+            bn.weight = torch.nn.Parameter(
+                torch.randn(C, 2, generator=torch.Generator().manual_seed(3))[:, 0]
+            )
+            x = torch.randn(5, C, 4, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+            x.requires_grad_(True)
+            bn.num_batches_tracked.add_(1)
+            y = bn._forward_synced(x, sync=True, update_stats=True)
+            y.float().pow(2).sum().backward()
+            assert not bn.running_mean.is_contiguous()
+            results[compiled] = (y.detach(), x.grad, bn.weight.grad, storage.clone())
+    for a, b in zip(results[True], results[False]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not torch.equal(results[True][3][:, 1], torch.arange(1.0, 4.0 * C, 4))  # updated in place
