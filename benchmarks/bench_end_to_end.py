@@ -17,7 +17,9 @@ its buffers are left out of DDP's per-forward broadcast as ``SyncBatchNormPlugin
 
 Per-step time = median interval between consecutive ``on_train_batch_start`` calls on rank 0
 after a warm-up, validation disabled; the forward / backward / rest phases are timed on rank 0
-too. Runs are interleaved (plain, ours, plain, ours, ...) so machine noise hits both alike. Prints
+too. Runs are interleaved (every configuration once per repeat, the order reversed every other
+repeat) so machine noise hits all alike; the paired ratio divides each run by the plain run of its
+repeat. Prints
 the table and the ratio; target: ours <= 1.05x plain.
 """
 
@@ -214,8 +216,9 @@ def main() -> None:
     compiled = cpu_extension.load() is not None  # built here once, loaded by every rank
     configs = [c for c in CONFIGS if c != "ours-fp16" or not args.no_fp16]
     samples: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
-    for _ in range(args.repeats):
-        for config in configs:
+    for repeat in range(args.repeats):
+        # A B C ... C B A: alternate the order so that drift in the VM's speed hits no row more.
+        for config in configs if repeat % 2 == 0 else configs[::-1]:
             samples[config].append(run_once(config, args.steps, args.warmup))
     med = {c: {k: statistics.median(s[k] for s in v) for k in v[0]} for c, v in samples.items()}
     plain = med["plain"]["step"]
@@ -223,7 +226,9 @@ def main() -> None:
     lines = [
         "## End to end: digits model, 2 CPU ranks (`bench_end_to_end.py`)",
         "",
-        f"Median per-step time over {args.repeats} interleaved runs of {args.steps} steps "
+        f"Median per-step time over {args.repeats} interleaved runs of {args.steps} steps (the order "
+        "of the configurations reversed every other repeat; 'paired' = median over repeats of each "
+        "run's step time over the plain run of the same repeat) "
         f"(first {args.warmup} steps excluded), per-rank batch 32, validation off; phases on rank 0 "
         "(forward with the loss; backward with DDP's gradient all_reduce; the rest: optimizer step, "
         "callbacks, next batch; medians, so they need not add up to the step). The mean over all "
@@ -231,16 +236,19 @@ def main() -> None:
         "(22 steps per epoch), and ours' stats flushes and loss agreements (every 20 steps) and "
         "PreciseBN's update at each epoch end (4 forward batches).",
         "",
-        "| configuration | ms / step | vs plain | forward ms | backward ms | rest ms "
-        "| mean ms / step | mean vs plain |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| configuration | ms / step | vs plain | paired vs plain | forward ms | backward ms | rest ms "
+        "| mean ms / step | mean vs plain | ms / step per run |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for config in configs:
         m = med[config]
+        # Each run over the plain run of the same repeat (next to it in time), median over repeats.
+        paired = statistics.median(s["step"] / p["step"] for s, p in zip(samples[config], samples["plain"]))
+        per_run = " ".join(f"{s['step'] * 1e3:.1f}" for s in samples[config])
         lines.append(
-            f"| {CONFIGS[config]} | {m['step'] * 1e3:.2f} | {m['step'] / plain:.3f}× | "
+            f"| {CONFIGS[config]} | {m['step'] * 1e3:.2f} | {m['step'] / plain:.3f}× | {paired:.3f}× | "
             f"{m['forward'] * 1e3:.2f} | {m['backward'] * 1e3:.2f} | {m['rest'] * 1e3:.2f} | "
-            f"{m['mean'] * 1e3:.2f} | {m['mean'] / med['plain']['mean']:.3f}× |"
+            f"{m['mean'] * 1e3:.2f} | {m['mean'] / med['plain']['mean']:.3f}× | {per_run} |"
         )
     lines += [
         "",
