@@ -320,7 +320,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor):
         x, weight, mean, invstd, count = ctx.saved_tensors
         ops = ctx.ops
-        grad_x = grad_weight = grad_bias = None
+        grad_x = None
         if ctx.needs_input_grad[0]:
             process_group = ctx.process_group
             sum_over_group = (lambda packed: _sum_over_group(packed, process_group)) if ctx.sync else None
@@ -332,14 +332,31 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             sum_dy, sum_dy_xmu = ops.batch_norm_backward_reduce(grad_output, x, mean, invstd)
         else:
             sum_dy = sum_dy_xmu = torch.zeros_like(mean)
-        if ctx.needs_input_grad[1]:
-            grad_weight = sum_dy_xmu * invstd
-            if grad_weight.dtype != weight.dtype:
-                grad_weight = grad_weight.to(weight.dtype)
-        if ctx.needs_input_grad[2]:
-            bias_dtype = weight.dtype if weight is not None else torch.float32
-            grad_bias = sum_dy if sum_dy.dtype == bias_dtype else sum_dy.to(bias_dtype)
+        grad_weight, grad_bias = _parameter_grads(
+            sum_dy, sum_dy_xmu, invstd, weight, *ctx.needs_input_grad[1:3]
+        )
         return grad_x, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def _parameter_grads(
+    sum_dy: Tensor,
+    sum_dy_xmu: Tensor,
+    invstd: Tensor,
+    weight: Tensor | None,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[Tensor | None, Tensor | None]:
+    """``(grad_weight, grad_bias) = (sum_dy_xmu * invstd, sum_dy)`` from the LOCAL sums (DDP averages
+    them, as for torch's SyncBatchNorm), in the parameters' dtype; ``None`` where not needed."""
+    grad_weight = grad_bias = None
+    if need_weight:
+        grad_weight = sum_dy_xmu * invstd
+        if grad_weight.dtype != weight.dtype:
+            grad_weight = grad_weight.to(weight.dtype)
+    if need_bias:
+        bias_dtype = weight.dtype if weight is not None else torch.float32
+        grad_bias = sum_dy if sum_dy.dtype == bias_dtype else sum_dy.to(bias_dtype)
+    return grad_weight, grad_bias
 
 
 class _SyncBatchNormCpuFunction(torch.autograd.Function):
@@ -403,9 +420,9 @@ class _SyncBatchNormCpuFunction(torch.autograd.Function):
             )
         else:  # no collective: the group only needs the sums for dx, which nobody asked for
             grad_x = None
-            grad_weight = (sum_dy_xmu * invstd).to(weight.dtype) if need_weight else None
-            bias_dtype = weight.dtype if weight is not None else torch.float32
-            grad_bias = sum_dy.to(bias_dtype) if need_bias else None
+            grad_weight, grad_bias = _parameter_grads(
+                sum_dy, sum_dy_xmu, invstd, weight, need_weight, need_bias
+            )
         return grad_x, grad_weight, grad_bias, None, None, None, None, None, None
 
 
