@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -30,6 +31,7 @@ ENV_VAR = "LIGHTNING_EXT_CPU_EXTENSION"  # "0" / "false" / "off": never build or
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "sync_batch_norm_cpu.cpp"
 _NAME = "lightning_ext_sync_batch_norm_cpu"
 
+STALE_LOCK_SECONDS = 600.0  # a build takes ~40 s; a lock file this old was left by a killed build
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _tried = False
@@ -39,6 +41,38 @@ def enabled() -> bool:
     """Whether ``LIGHTNING_EXT_CPU_EXTENSION`` allows the extension (unset, or anything but
     ``0``/``false``/``off``/``no``)."""
     return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _lock_path() -> Path:
+    """The lock file torch's JIT build holds in this extension's build directory."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(_NAME, verbose=False)) / "lock"
+
+
+def _clear_stale_lock() -> None:
+    """Wait while another process builds, and remove a lock left by a build that was killed.
+
+    torch's ``FileBaton`` waits for the lock file to disappear without a time limit, so a build
+    interrupted by Ctrl-C or a killed worker would make every later process hang. A lock older than
+    :data:`STALE_LOCK_SECONDS` is removed with a ``RuntimeWarning``; a younger one is waited for.
+    """
+    lock = _lock_path()
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_SECONDS:
+            warnings.warn(
+                f"lightning_ext: removing the stale build lock {lock} ({age:.0f} s old: a build of the "
+                "CPU extension was interrupted)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(0.5)
 
 
 def load(verbose: bool = False) -> ModuleType | None:
@@ -51,7 +85,8 @@ def load(verbose: bool = False) -> ModuleType | None:
         The module, or ``None`` when disabled by ``LIGHTNING_EXT_CPU_EXTENSION`` or when it cannot be
         built or loaded (then one ``RuntimeWarning`` names the error; not retried in this process).
 
-    Thread-safe; concurrent processes building at once wait for each other (torch's file lock).
+    Thread-safe; concurrent processes building at once wait for each other (torch's file lock; a
+    lock left by a killed build is removed after :data:`STALE_LOCK_SECONDS`, so nobody waits forever).
     """
     global _module, _tried
     if _tried:
@@ -63,6 +98,7 @@ def load(verbose: bool = False) -> ModuleType | None:
             try:
                 from torch.utils.cpp_extension import load as _load
 
+                _clear_stale_lock()
                 _module = _load(name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=verbose)
             except Exception as err:  # no compiler, no ninja, a read-only cache: Python path
                 warnings.warn(
@@ -84,8 +120,6 @@ def _reset_for_tests() -> None:
 
 
 if __name__ == "__main__":
-    import time
-
     start = time.perf_counter()
     module = load(verbose=True)
     if module is None:

@@ -222,3 +222,29 @@ def test_strided_buffers_and_weight(monkeypatch):
     for a, b in zip(results[True], results[False]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert not torch.equal(results[True][3][:, 1], torch.arange(1.0, 4.0 * C, 4))  # updated in place
+
+
+def test_stale_build_lock_is_removed_and_a_fresh_one_waited_for(monkeypatch, tmp_path):
+    """torch's build lock has no time limit: a lock left by a killed build must not hang later runs."""
+    import os
+    import threading
+    import time
+
+    lock = tmp_path / "lock"
+    monkeypatch.setattr(cpu_extension, "_lock_path", lambda: lock)
+    cpu_extension._clear_stale_lock()  # no lock: returns at once
+
+    lock.write_text("")
+    old = time.time() - cpu_extension.STALE_LOCK_SECONDS - 5
+    os.utime(lock, (old, old))
+    with pytest.warns(RuntimeWarning, match="stale build lock"):
+        cpu_extension._clear_stale_lock()
+    assert not lock.exists()
+
+    lock.write_text("")  # a build in progress: waited for until its lock goes
+    threading.Timer(1.0, lock.unlink).start()
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cpu_extension._clear_stale_lock()
+    assert 0.9 < time.perf_counter() - start < 30
