@@ -31,6 +31,7 @@ ENV_VAR = "LIGHTNING_EXT_CPU_EXTENSION"  # "0" / "false" / "off": never build or
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "sync_batch_norm_cpu.cpp"
 _NAME = "lightning_ext_sync_batch_norm_cpu"
 
+ANNOUNCE_AFTER_SECONDS = 3.0  # a load taking longer than this is a build: say so (rank 0, INFO)
 STALE_LOCK_SECONDS = 600.0  # a build takes ~40 s; a lock file this old was left by a killed build
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -75,6 +76,16 @@ def _clear_stale_lock() -> None:
         time.sleep(0.5)
 
 
+def _announce_build() -> None:
+    from lightning.pytorch.utilities import rank_zero_info
+
+    rank_zero_info(
+        f"lightning_ext: building the compiled CPU SyncBatchNorm glue ({SOURCE.name}) once, about a "
+        "minute; torch caches it for later runs. `python -m lightning_ext.kernels.cpu_extension` "
+        f"builds it ahead of time, {ENV_VAR}=0 skips it."
+    )
+
+
 def load(verbose: bool = False) -> ModuleType | None:
     """The compiled extension module, building it first if torch's cache does not hold this source.
 
@@ -99,7 +110,14 @@ def load(verbose: bool = False) -> ModuleType | None:
                 from torch.utils.cpp_extension import load as _load
 
                 _clear_stale_lock()
-                _module = _load(name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=verbose)
+                # A first build stalls the first SyncBatchNorm forward for ~40 s: tell the user why.
+                announce = threading.Timer(ANNOUNCE_AFTER_SECONDS, _announce_build)
+                announce.daemon = True
+                announce.start()
+                try:
+                    _module = _load(name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=verbose)
+                finally:
+                    announce.cancel()
             except Exception as err:  # no compiler, no ninja, a read-only cache: Python path
                 warnings.warn(
                     f"lightning_ext: the compiled CPU SyncBatchNorm glue could not be built or loaded "

@@ -248,3 +248,34 @@ def test_stale_build_lock_is_removed_and_a_fresh_one_waited_for(monkeypatch, tmp
         warnings.simplefilter("error")
         cpu_extension._clear_stale_lock()
     assert 0.9 < time.perf_counter() - start < 30
+
+
+def test_a_build_in_progress_is_announced(monkeypatch):
+    """A load that takes longer than ``ANNOUNCE_AFTER_SECONDS`` (a first build, ~40 s) says why the
+    first SyncBatchNorm forward stalls (Lightning's ``rank_zero_info``); a cached load says nothing."""
+    import time
+
+    import lightning.pytorch.utilities
+    import torch.utils.cpp_extension
+
+    messages = []
+    try:
+        monkeypatch.setenv(cpu_extension.ENV_VAR, "1")
+        monkeypatch.setattr(cpu_extension, "ANNOUNCE_AFTER_SECONDS", 0.2)
+        monkeypatch.setattr(cpu_extension, "_clear_stale_lock", lambda: None)
+        monkeypatch.setattr(lightning.pytorch.utilities, "rank_zero_info", messages.append)
+        for delay, announced in ((1.0, True), (0.0, False)):
+            cpu_extension._reset_for_tests()
+            messages.clear()
+            module = object()
+            monkeypatch.setattr(
+                torch.utils.cpp_extension,
+                "load",
+                lambda delay=delay, module=module, **kw: time.sleep(delay) or module,
+            )
+            assert cpu_extension.load() is module
+            time.sleep(0.3)  # a timer that was not cancelled would have fired by now
+            assert any("building the compiled CPU SyncBatchNorm glue" in m for m in messages) == announced
+    finally:
+        monkeypatch.undo()
+        cpu_extension._reset_for_tests()
