@@ -25,7 +25,7 @@ import warnings
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["ENV_VAR", "SOURCE", "load"]
+__all__ = ["ANNOUNCE_AFTER_SECONDS", "ENV_VAR", "SOURCE", "STALE_LOCK_SECONDS", "enabled", "load"]
 
 ENV_VAR = "LIGHTNING_EXT_CPU_EXTENSION"  # "0" / "false" / "off": never build or load it
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "sync_batch_norm_cpu.cpp"

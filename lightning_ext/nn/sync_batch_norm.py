@@ -25,10 +25,13 @@ with the GLOBAL count; ``grad_weight``/``grad_bias`` stay local (DDP averages th
 The kernel backend's ``batch_norm_backward`` owns that sequence (the ``reference`` backend, on the
 CPU with float16/bfloat16 input, runs ATen's fused local backward and corrects it to the global sums).
 
-Host arithmetic: for eager CPU input the per-channel vector maths (packing, combining, running
-statistics, ``invstd``) runs on NumPy views of the ``(C,)`` tensors, cheaper per operation than a
-small torch op's dispatch; other devices and ``torch.compile`` run the same operator-only code on
-tensors.
+Host arithmetic: for eager CPU input with the ``reference`` backend and float32/float64 buffers,
+the per-channel vector maths (packing, combining, running statistics, ``invstd``, the backward's
+correction) runs in the compiled glue of :mod:`lightning_ext.kernels.cpu_extension` (two C++ calls
+per direction around each all_reduce; bit-identical results). Without it (no compiler,
+``LIGHTNING_EXT_CPU_EXTENSION=0``, other buffer dtypes) the same maths runs on NumPy views of the
+``(C,)`` tensors, cheaper per operation than a small torch op's dispatch; other devices and
+``torch.compile`` run the same operator-only code on tensors.
 
 Transport: on CPU with a gloo group whose ranks share a host, both all_reduces go through shared
 memory (:mod:`lightning_ext.shm_collectives`, 18-35 µs instead of gloo's 0.3-0.5 ms median on a 2-core
