@@ -17,25 +17,32 @@ its buffers are left out of DDP's per-forward broadcast as ``SyncBatchNormPlugin
 
 Per-step time = median interval between consecutive ``on_train_batch_start`` calls on rank 0
 after a warm-up, validation disabled; the forward / backward / rest phases are timed on rank 0
-too. Runs are interleaved (every configuration once per repeat, the order reversed every other
-repeat) so machine noise hits all alike; the paired ratio divides each run by the plain run of its
-repeat. Prints
-the table and the ratio; target: ours <= 1.05x plain.
+too. Every run happens in the SAME two worker processes, started once by this script (as
+``torchrun`` would start them; each run is a fresh ``Trainer(strategy="ddp")`` + ``fit`` over the
+already initialized process group), so that a run costs its steps, not a process spawn: many short
+runs, interleaved (every configuration once per repeat, the order reversed every other repeat),
+so that the VM's drift hits all configurations alike; the paired ratio divides each run by the
+plain run next to it in time. Prints the table and the ratio; target: ours <= 1.05x plain.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import socket
 import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
@@ -48,15 +55,14 @@ from lightning_ext.kernels import cpu_extension
 
 
 class StepClock(Callback):
-    """Records on rank 0 the wall-clock time of every step's phase boundaries into a JSON file.
+    """Records the wall-clock time of every step's phase boundaries (every rank, in memory).
 
     ``times``: every ``on_train_batch_start``; ``phases``: per step ``(start, before_backward,
     after_backward)`` — forward (with the loss), backward (with DDP's gradient all_reduce) and the
     rest (optimizer step, callbacks, next batch).
     """
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self) -> None:
         self.times: list[float] = []
         self.phases: list[list[float]] = []
 
@@ -74,17 +80,12 @@ class StepClock(Callback):
     def on_after_backward(self, trainer, pl_module) -> None:
         self.phases[-1].append(time.perf_counter())
 
-    @override
-    def on_train_end(self, trainer, pl_module) -> None:
-        if trainer.is_global_zero:
-            Path(self.path).write_text(json.dumps({"times": self.times, "phases": self.phases}))
-
 
 def _trainer_kwargs(max_steps: int) -> dict:
     return dict(
         accelerator="cpu",
         devices=2,
-        strategy="ddp_spawn",
+        strategy="ddp",  # the processes exist already (started by this script, as torchrun would)
         max_steps=max_steps,
         limit_val_batches=0,
         num_sanity_val_steps=0,
@@ -96,52 +97,50 @@ def _trainer_kwargs(max_steps: int) -> dict:
 
 
 def run_once(config: str, max_steps: int, warmup: int) -> dict[str, float]:
-    """Train ``config`` for ``max_steps`` steps; median seconds per step and per phase after ``warmup``."""
-    L.seed_everything(0)
-    # The spawned ranks inherit the environment: the Python-glue row turns the compiled CPU glue off.
-    glue_env = cpu_extension.ENV_VAR
-    previous = os.environ.get(glue_env)
-    os.environ[glue_env] = "0" if config == "ours-python-glue" else "1"
+    """Train ``config`` for ``max_steps`` steps in this worker; median seconds per step and per phase
+    after ``warmup`` (this rank's clock)."""
+    L.seed_everything(0, verbose=False)
+    if config == "ours-python-glue":
+        # SyncBN's compiled CPU glue off for this run only: its Python path.
+        os.environ[cpu_extension.ENV_VAR] = "0"
+        cpu_extension._reset_for_tests()
     try:
         return _run_once(config, max_steps, warmup)
     finally:
-        if previous is None:
-            os.environ.pop(glue_env, None)
-        else:
-            os.environ[glue_env] = previous
+        if config == "ours-python-glue":
+            os.environ[cpu_extension.ENV_VAR] = "1"
+            cpu_extension._reset_for_tests()
 
 
 def _run_once(config: str, max_steps: int, warmup: int) -> dict[str, float]:
     from lightning_ext.callbacks import IterationTimer, LossMonitor, PreciseBN, TrainingStats
     from lightning_ext.plugins import LossScalingPrecision, SyncBatchNormPlugin
 
-    with tempfile.TemporaryDirectory() as tmp:
-        clock = StepClock(os.path.join(tmp, "times.json"))
-        kwargs = _trainer_kwargs(max_steps)
-        if config == "plain":
-            trainer = L.Trainer(precision="16-mixed", callbacks=[clock], **kwargs)
-        else:
-            precision = "16-mixed" if config == "ours-fp16" else "bf16-mixed"
-            plugins = [LossScalingPrecision(precision)]
-            if config not in ("ours-no-syncbn", "ours-collectives-only"):
-                plugins.append(SyncBatchNormPlugin())
-            trainer = L.Trainer(
-                plugins=plugins,
-                callbacks=[
-                    clock,
-                    TrainingStats(every_n_train_steps=20),
-                    IterationTimer(),
-                    LossMonitor(period=20),
-                    PreciseBN(num_iter=4),
-                ],
-                **kwargs,
-            )
-        model = DigitsModule()
-        if config == "ours-collectives-only":
-            model = _collectives_only(model)
-        trainer.fit(model, datamodule=DigitsDataModule(batch_size=32))
-        record = json.loads(Path(clock.path).read_text())
-    times, phases = record["times"], record["phases"]
+    clock = StepClock()
+    kwargs = _trainer_kwargs(max_steps)
+    if config == "plain":
+        trainer = L.Trainer(precision="16-mixed", callbacks=[clock], **kwargs)
+    else:
+        precision = "16-mixed" if config == "ours-fp16" else "bf16-mixed"
+        plugins = [LossScalingPrecision(precision)]
+        if config not in ("ours-no-syncbn", "ours-collectives-only"):
+            plugins.append(SyncBatchNormPlugin())
+        trainer = L.Trainer(
+            plugins=plugins,
+            callbacks=[
+                clock,
+                TrainingStats(every_n_train_steps=20),
+                IterationTimer(),
+                LossMonitor(period=20),
+                PreciseBN(num_iter=4),
+            ],
+            **kwargs,
+        )
+    model = DigitsModule()
+    if config == "ours-collectives-only":
+        model = _collectives_only(model)
+    trainer.fit(model, datamodule=DigitsDataModule(batch_size=32))
+    times, phases = clock.times, clock.phases
     intervals = [b - a for a, b in zip(times[warmup:], times[warmup + 1 :])]
     steps = [(p, nxt[0]) for p, nxt in zip(phases[warmup:], phases[warmup + 1 :]) if len(p) == 3]
     return {
@@ -151,6 +150,38 @@ def _run_once(config: str, max_steps: int, warmup: int) -> dict[str, float]:
         "backward": statistics.median(p[2] - p[1] for p, _ in steps),
         "rest": statistics.median(nxt - p[2] for p, nxt in steps),
     }
+
+
+def _worker(
+    rank: int, port: int, configs: list[str], repeats: int, steps: int, warmup: int, out: str
+) -> None:
+    """One of the two ranks: every run of every configuration, in this process."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", NODE_RANK="0",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{cpu_extension.ENV_VAR: "1"},
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    for name in ("lightning.pytorch", "lightning.fabric"):  # one banner per run otherwise
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    samples: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
+    for repeat in range(repeats):
+        # A B C ... C B A: alternate the order so that drift in the VM's speed hits no row more.
+        for config in configs if repeat % 2 == 0 else configs[::-1]:
+            # The fp16 row (~8x slower per step, printed apart) takes fewer steps: its median needs no more.
+            samples[config].append(run_once(config, warmup + 30 if config == "ours-fp16" else steps, warmup))
+        if rank == 0:
+            print(f"repeat {repeat + 1}/{repeats}: " + " ".join(
+                f"{c} {samples[c][-1]['step'] * 1e3:.1f}" for c in configs), flush=True)  # fmt: skip
+    if rank == 0:
+        Path(out).write_text(json.dumps(samples))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class _CollectiveOnly(torch.autograd.Function):
@@ -208,28 +239,29 @@ CONFIGS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--no-fp16", action="store_true", help="skip the fp16 timing")
     args = parser.parse_args()
-    torch.set_num_threads(1)
     compiled = cpu_extension.load() is not None  # built here once, loaded by every rank
     configs = [c for c in CONFIGS if c != "ours-fp16" or not args.no_fp16]
-    samples: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
-    for repeat in range(args.repeats):
-        # A B C ... C B A: alternate the order so that drift in the VM's speed hits no row more.
-        for config in configs if repeat % 2 == 0 else configs[::-1]:
-            samples[config].append(run_once(config, args.steps, args.warmup))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "samples.json")
+        worker_args = (_free_port(), configs, args.repeats, args.steps, args.warmup, out)
+        mp.spawn(_worker, args=worker_args, nprocs=2)
+        samples: dict[str, list[dict[str, float]]] = json.loads(Path(out).read_text())
     med = {c: {k: statistics.median(s[k] for s in v) for k in v[0]} for c, v in samples.items()}
     plain = med["plain"]["step"]
     ratio = med["ours-bf16"]["step"] / plain
     lines = [
         "## End to end: digits model, 2 CPU ranks (`bench_end_to_end.py`)",
         "",
-        f"Median per-step time over {args.repeats} interleaved runs of {args.steps} steps (the order "
+        f"Median per-step time over {args.repeats} interleaved runs of {args.steps} steps, all in the "
+        'same two worker processes (`strategy="ddp"`, the processes started once by the script; the order '
         "of the configurations reversed every other repeat; 'paired' = median over repeats of each "
         "run's step time over the plain run of the same repeat) "
-        f"(first {args.warmup} steps excluded), per-rank batch 32, validation off; phases on rank 0 "
+        f"(first {args.warmup} steps excluded; the fp16 row: runs of {args.warmup + 30} steps), "
+        "per-rank batch 32, validation off; phases on rank 0 "
         "(forward with the loss; backward with DDP's gradient all_reduce; the rest: optimizer step, "
         "callbacks, next batch; medians, so they need not add up to the step). The mean over all "
         "steps also counts the periodic work the median leaves out: the epoch ends of both sides "
