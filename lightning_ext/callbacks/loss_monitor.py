@@ -173,11 +173,12 @@ class LossMonitor(HookBase):
     """Raise on a non-finite loss on every rank alike; write loss means and data time every period.
 
     Every micro-batch, the losses returned by ``training_step`` (see :func:`extract_losses`: a
-    tensor, or a dict with ``"loss"`` and optional ``"loss*"`` entries) are copied into a float64
-    buffer ON THEIR DEVICE, one row per micro-batch (one ``stack`` and one ``copy_``): no
-    host–device synchronization and no collective on the step. At the agreement point
-    :func:`local_row` turns the buffer into per-loss sums, a non-finite flag of the total loss,
-    the first iteration at which it became non-finite and the losses then.
+    tensor, or a dict with ``"loss"`` and optional ``"loss*"`` entries) are kept, detached, ON
+    THEIR DEVICE (the total loss of automatic optimization by reference to Lightning's own copy,
+    the user's tensors cloned: no other tensor op, no host–device synchronization and no collective
+    on the step). At the agreement point they are stacked into one float64 ``(M, K)`` buffer (one
+    ``stack``) and :func:`local_row` turns it into per-loss sums, a non-finite flag of the total
+    loss, the first iteration at which it became non-finite and the losses then.
 
     Every ``period`` iterations (and at the end of training) comes an *agreement point*: ONE
     ``all_gather`` of those accumulators (``3K + 4`` float64 per rank for ``K`` losses) on the
@@ -256,9 +257,9 @@ class LossMonitor(HookBase):
 
     def _reset_run(self) -> None:
         self._keys: list[str] | None = None  # loss names, fixed at the first step
-        self._buffer: torch.Tensor | None = (
-            None  # (rows, K) float64 on the loss device, one row per micro-batch
-        )
+        # The K 0-dim losses of each micro-batch since the last agreement point (absent ones as 0),
+        # on the loss device; stacked into one (M, K) float64 buffer at the agreement point.
+        self._rows: list[tuple[torch.Tensor, ...]] = []
         self._counts: list[int] = []  # micro-batches that had each key, since the last agreement point
         self._micro_iters: list[int] = []  # iteration of each buffered micro-batch
         self._iters = 0  # iterations since the last agreement point
@@ -270,6 +271,7 @@ class LossMonitor(HookBase):
 
     def _new_accumulators(self) -> None:
         self._counts = [0] * len(self._keys)
+        self._rows = []
         self._micro_iters = []
         self._iters = 0
         self._data_sec = 0.0
@@ -308,35 +310,43 @@ class LossMonitor(HookBase):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._accumulate = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-        self._fold(extract_losses(outputs))
+        automatic = pl_module.automatic_optimization
+        self._accumulate = trainer.accumulate_grad_batches if automatic else 1
+        self._fold(extract_losses(outputs), loss_is_copy=automatic)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         self._last_batch_end = time.perf_counter()
 
-    def _fold(self, losses: dict[str, torch.Tensor]) -> None:
-        """Store this micro-batch's losses in the device buffer: one stack and one copy, no sync."""
+    def _fold(self, losses: dict[str, torch.Tensor], loss_is_copy: bool = False) -> None:
+        """Keep this micro-batch's losses until the agreement point.
+
+        Every step runs this on the critical path, so it does as little as possible; the one
+        ``stack`` into the float64 buffer happens at the agreement point (:meth:`_stacked_rows`).
+        ``loss_is_copy``: ``losses["loss"]`` is Lightning's own detached copy (automatic
+        optimization), kept by reference; every other tensor is the user's, cloned so that an
+        in-place change after the step cannot alter what is kept here.
+        """
         if self._keys is None:
             self._keys = list(losses)
             self._new_accumulators()
-        keys, row = self._keys, len(self._micro_iters)
-        if self._buffer is None or row == self._buffer.shape[0]:
-            grown = torch.zeros(
-                max(2 * row, self.period * self._accumulate),
-                len(keys),
-                dtype=torch.float64,
-                device=losses["loss"].device,
-            )
-            if self._buffer is not None:
-                grown[:row].copy_(self._buffer)
-            self._buffer = grown
+        keys = self._keys
+        loss = losses["loss"] if loss_is_copy else losses["loss"].clone()  # "loss" is always first
         if len(losses) == len(keys) and all(key in losses for key in keys):
-            self._buffer[row].copy_(torch.stack(list(losses.values())))
+            self._rows.append((loss, *(losses[key].clone() for key in keys[1:])))
             self._counts = [c + 1 for c in self._counts]
         else:  # a loss absent at this step counts nothing; names new since the first step are ignored
-            zero = losses["loss"].new_zeros(())
-            self._buffer[row].copy_(torch.stack([losses.get(key, zero) for key in keys]))
+            zero = loss.new_zeros(())
+            extras = (losses[key].clone() if key in losses else zero for key in keys[1:])
+            self._rows.append((loss, *extras))
             self._counts = [c + (key in losses) for c, key in zip(self._counts, keys)]
         self._micro_iters.append(self._iter)
+
+    def _stacked_rows(self) -> torch.Tensor:
+        """The kept losses as float64 ``(M, K)`` on their device (one ``stack``, no sync)."""
+        k = len(self._keys)
+        if not self._rows:
+            return torch.zeros(0, k, dtype=torch.float64)
+        flat = [loss for row in self._rows for loss in row]
+        return torch.stack(flat).to(torch.float64).view(len(self._rows), k)
 
     @override
     def after_step(self) -> None:
@@ -372,7 +382,7 @@ class LossMonitor(HookBase):
             return
         data_sec = self._data_sec / max(self._iters, 1)
         row = local_row(
-            self._buffer[: len(self._micro_iters)],
+            self._stacked_rows(),
             self._counts,
             self._micro_iters,
             self._accumulate,

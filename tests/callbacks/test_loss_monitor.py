@@ -107,6 +107,45 @@ def test_periodic_means_in_order(async_write):
     assert trainer.callback_metrics["LossMonitor/loss"].item() == pytest.approx(seen[12:, 0].mean().item())
 
 
+class ReusedBufferModule(NanModule):
+    """Returns its losses in tensors it overwrites in place at the next step (a reused buffer)."""
+
+    def __init__(self, manual: bool) -> None:
+        super().__init__()
+        self.automatic_optimization = not manual
+        self.loss_buffer = torch.zeros(())
+        self.aux_buffer = torch.zeros(())
+
+    @override
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        if not self.automatic_optimization:
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(out["loss"])
+            optimizer.step()
+            self.loss_buffer.copy_(out["loss"].detach())  # the user's own tensor, returned as "loss"
+        self.aux_buffer.copy_(out["loss_aux"])
+        return {
+            "loss": self.loss_buffer if not self.automatic_optimization else out["loss"],
+            "loss_aux": self.aux_buffer,
+        }
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_losses_kept_until_the_agreement_point_are_not_changed_by_later_in_place_writes(manual):
+    # The monitor keeps each step's losses until the agreement point; the user's tensors must be
+    # copied, not referenced, or every kept row would read the last step's values.
+    module, logger = ReusedBufferModule(manual), RecordingLogger()
+    fit(module, LossMonitor(period=4), max_steps=4, logger=logger)
+    seen = torch.tensor(module.seen, dtype=torch.float64)
+    assert seen[:, 1].std() > 0  # the aux values differ between steps
+    ((step, metrics, _),) = logger.records
+    assert step == 4
+    assert metrics["LossMonitor/loss"] == pytest.approx(seen[:, 0].mean().item(), rel=1e-6)
+    assert metrics["LossMonitor/loss_aux"] == pytest.approx(seen[:, 1].mean().item(), rel=1e-6)
+
+
 @pytest.mark.parametrize(("async_write", "raised_at"), [(False, 7), (True, 8)])
 def test_nan_raises_naming_first_bad_iteration(async_write, raised_at):
     module = NanModule(nan_step=5)
