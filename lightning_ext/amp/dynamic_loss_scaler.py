@@ -382,6 +382,9 @@ class DynamicLossScaler:
         self._last_step_skipped = torch.tensor(False)
         self._last_step_skipped_host: bool | None = False
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_new_optimizer_state)
+        # Kernel backend per gradient device, resolved (get_backend) at first use: the check runs
+        # at every optimizer step, where a lookup's argument checks would cost more than the op.
+        self._backends: dict[torch.device, Any] = {}
 
     # -------------------------------------------------------------------------------- config
     def _set_config(self, **config: Any) -> None:
@@ -443,6 +446,7 @@ class DynamicLossScaler:
             state[name] = (tensor.item(), tensor.dtype)
         state["_device"], state["_placed"] = torch.device("cpu"), False
         state["_per_optimizer_states"] = {}
+        state["_backends"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -450,6 +454,7 @@ class DynamicLossScaler:
             value, dtype = state[name]
             state[name] = torch.tensor(value, dtype=dtype)
         state["_per_optimizer_states"] = defaultdict(_new_optimizer_state)
+        state["_backends"] = {}
         self.__dict__.update(state)
 
     def _place(self, device: torch.device) -> None:
@@ -569,7 +574,9 @@ class DynamicLossScaler:
         flags = []
         with torch.no_grad():
             for device, tensors in per_device.items():
-                backend = get_backend(device=device)
+                backend = self._backends.get(device)
+                if backend is None:
+                    backend = self._backends[device] = get_backend(device=device)
                 if inv_scale is None:
                     flags.append(backend.check_finite(tensors, self._device))
                     continue

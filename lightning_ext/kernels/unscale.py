@@ -54,7 +54,13 @@ def combine_found_inf(flags: list[Tensor], device: torch.device) -> Tensor:
 
 
 def unscale_and_check_reference(tensors: list[Tensor], inv_scale: Tensor) -> Tensor:
-    """One ``_amp_foreach_non_finite_check_and_unscale_`` per (device, dtype) bucket."""
+    """One ``_amp_foreach_non_finite_check_and_unscale_`` per (device, dtype) bucket (one in all
+    on CPU, whose kernel takes mixed dtypes)."""
+    if inv_scale.is_cpu and all(t.is_cpu for t in tensors):
+        found = torch.zeros((), dtype=torch.float32)
+        if tensors:
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv_scale)
+        return found
     flags = []
     for device, by_dtype in bucket_by_device_and_dtype(tensors).items():
         found = torch.zeros((), dtype=torch.float32, device=device)
@@ -63,6 +69,17 @@ def unscale_and_check_reference(tensors: list[Tensor], inv_scale: Tensor) -> Ten
             torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
         flags.append(found)
     return combine_found_inf(flags, inv_scale.device)
+
+
+_CPU_ONE: Tensor | None = None
+
+
+def _cpu_one() -> Tensor:
+    """A float32 0-dim CPU tensor holding 1.0, made once (only ever read, as the unscale factor)."""
+    global _CPU_ONE
+    if _CPU_ONE is None:
+        _CPU_ONE = torch.ones((), dtype=torch.float32)
+    return _CPU_ONE
 
 
 def check_finite_reference(tensors: list[Tensor], device: torch.device, small_numel: int = 1 << 16) -> Tensor:
@@ -76,6 +93,12 @@ def check_finite_reference(tensors: list[Tensor], device: torch.device, small_nu
     writes, and other devices go through the multi-tensor op at scale 1 (multiplying by 1 leaves
     every value bitwise unchanged). Returns float32 0-dim on ``device``, 1.0 iff any inf/NaN. No host sync.
     """
+    if device.type == "cpu" and all(t.is_cpu and t.numel() < small_numel for t in tensors):
+        # The common CPU case in one op: ATen's CPU kernel takes tensors of mixed dtypes.
+        found = torch.zeros((), dtype=torch.float32)
+        if tensors:
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, _cpu_one())
+        return found
     flags = []
     one = torch.ones((), dtype=torch.float32, device=device)
     for dev, by_dtype in bucket_by_device_and_dtype(tensors).items():
