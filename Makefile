@@ -19,7 +19,7 @@ $(VENV)/.examples-installed: pyproject.toml constraints.txt | $(PY)
 	$(PIP) -e ".[examples]"
 	touch $@
 
-# The compiled CPU glue of SyncBatchNorm, built once ahead of the runs (~40 s on 2 cores) instead of
+# The compiled CPU kernels of SyncBatchNorm, built once ahead of the runs (~40 s on 2 cores) instead of
 # at the first forward; torch caches it by source. Without a compiler SyncBatchNorm uses its Python path.
 $(VENV)/.cpu-extension: lightning_ext/csrc/sync_batch_norm_cpu.cpp | $(VENV)/.examples-installed
 	$(PY) -m lightning_ext.kernels.cpu_extension || echo "CPU extension not built: SyncBatchNorm uses its Python path"

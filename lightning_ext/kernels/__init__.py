@@ -9,9 +9,10 @@ A :class:`KernelBackend` provides six ops (see its docstrings for dtypes, shapes
   ``TritonBackend(interpret=True)`` runs the same kernels in Triton's interpreter (tests);
 - ``cuda`` — reserved for a C++/CUDA extension (see "Adding a kernel backend").
 
-On eager CPU input, :class:`~lightning_ext.nn.SyncBatchNorm` runs the ``reference`` maths with its
-per-channel host arithmetic compiled (:mod:`lightning_ext.kernels.cpu_extension`, C++ built just in
-time by torch; bit-identical to the Python path it falls back to).
+On eager CPU input, :class:`~lightning_ext.nn.SyncBatchNorm` runs the ``reference`` maths as
+compiled kernels (:mod:`lightning_ext.kernels.cpu_extension`, C++ built just in time by torch: one
+pass over the data per step of the algorithm; agrees to rounding with the pure-torch path it falls
+back to).
 
 Pick one with :func:`get_backend`: explicit ``name`` > ``LIGHTNING_EXT_KERNELS`` > automatic
 (highest priority that supports the device and loads; on failure, ``reference`` with one warning).

@@ -25,13 +25,17 @@ with the GLOBAL count; ``grad_weight``/``grad_bias`` stay local (DDP averages th
 The kernel backend's ``batch_norm_backward`` owns that sequence (the ``reference`` backend, on the
 CPU with float16/bfloat16 input, runs ATen's fused local backward and corrects it to the global sums).
 
-Host arithmetic: for eager CPU input with the ``reference`` backend and float32/float64 buffers,
-the per-channel vector maths (packing, combining, running statistics, ``invstd``, the backward's
-correction) runs in the compiled glue of :mod:`lightning_ext.kernels.cpu_extension` (two C++ calls
-per direction around each all_reduce; bit-identical results). Without it (no compiler,
-``LIGHTNING_EXT_CPU_EXTENSION=0``, other buffer dtypes) the same maths runs on NumPy views of the
-``(C,)`` tensors, cheaper per operation than a small torch op's dispatch; other devices and
-``torch.compile`` run the same operator-only code on tensors.
+Compiled CPU kernels: for eager CPU input with the ``reference`` backend and float32/float64
+buffers, the whole training forward and backward run in :mod:`lightning_ext.kernels.cpu_extension`
+(C++, one call per direction from Python, the autograd node in C++ too): ONE pass over the data for
+the moments (about a local shift, a value of each channel, moved to the common shift ``c`` in
+float64), the all_reduce (called back into Python), ONE pass to normalize; in the backward ONE pass
+for the local sums and, after the all_reduce, ONE pass for ``dx``, where the pure-torch path needs
+four (ATen has no fused CPU kernel for the synchronized backward). Results agree with that path to
+rounding (``tests/kernels/test_cpu_extension.py``). Without it (no compiler,
+``LIGHTNING_EXT_CPU_EXTENSION=0``, other buffer dtypes) the pure-torch path runs, with its
+per-channel vector maths on NumPy views of the ``(C,)`` tensors, cheaper per operation than a small
+torch op's dispatch; other devices and ``torch.compile`` run the same operator-only code on tensors.
 
 Transport: on CPU with a gloo group whose ranks share a host, both all_reduces go through shared
 memory (:mod:`lightning_ext.shm_collectives`, 18-35 µs instead of gloo's 0.3-0.5 ms median on a 2-core
@@ -233,11 +237,34 @@ def _reference_backend_type() -> type:
     return ReferenceBackend
 
 
+_REDUCE_GROUPS: dict[int, dist.ProcessGroup | None] = {}  # id(group) -> group (kept alive: ids stay unique)
+_reducer_registered_with: Any = None  # the extension module the reducer was registered with
+
+
+def _group_key(group: dist.ProcessGroup | None) -> int:
+    """An integer naming ``group`` for the compiled kernels' all_reduce callback."""
+    key = id(group)
+    if key not in _REDUCE_GROUPS:
+        _REDUCE_GROUPS[key] = group
+    return key
+
+
+def _reduce_for_extension(tensor: Tensor, group_key: int) -> Tensor:
+    """The compiled kernels' all_reduce: :func:`_sum_over_group` over the group ``group_key`` names."""
+    return _sum_over_group(tensor, _REDUCE_GROUPS[group_key])
+
+
 def _load_cpu_extension() -> Any:
-    """:func:`lightning_ext.kernels.cpu_extension.load` (cached after the first call)."""
+    """:func:`lightning_ext.kernels.cpu_extension.load` (cached after the first call), with the
+    all_reduce callback registered."""
+    global _reducer_registered_with
     from lightning_ext.kernels import cpu_extension
 
-    return cpu_extension.load()
+    ext = cpu_extension.load()
+    if ext is not None and ext is not _reducer_registered_with:
+        ext.set_reducer(_reduce_for_extension)
+        _reducer_registered_with = ext
+    return ext
 
 
 def _global_moments(
@@ -362,73 +389,6 @@ def _parameter_grads(
     return grad_weight, grad_bias
 
 
-class _SyncBatchNormCpuFunction(torch.autograd.Function):
-    """:class:`_SyncBatchNormFunction` for eager CPU input with the compiled glue
-    (:mod:`lightning_ext.kernels.cpu_extension`): the forward unpacks the summed moments, updates the
-    running statistics and normalizes in one call; the backward is two calls around its all_reduce."""
-
-    @staticmethod
-    def forward(
-        ctx,
-        x: Tensor,
-        weight: Tensor | None,
-        bias: Tensor | None,
-        payload: Tensor,
-        shift: Tensor,
-        module: SyncBatchNorm,
-        update_stats: bool,
-        sync: bool,
-        ext: Any,
-    ) -> Tensor:
-        y, mean, invstd, count = ext.forward_finish(
-            x,
-            payload,
-            shift,
-            module.running_mean,
-            module.running_var,
-            module.num_batches_tracked,
-            weight,
-            bias,
-            module.momentum,
-            module.eps,
-            update_stats,
-        )
-        ctx.save_for_backward(x, weight, mean, invstd, count)
-        ctx.process_group = module.process_group
-        ctx.sync = sync
-        ctx.ext = ext
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_output: Tensor):
-        x, weight, mean, invstd, count = ctx.saved_tensors
-        ext = ctx.ext
-        need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
-        dx_local, sum_dy, sum_dy_xmu, packed = ext.backward_local(grad_output, x, mean, invstd, weight)
-        if need_x:
-            total = _sum_over_group(packed, ctx.process_group) if ctx.sync else packed
-            grad_x, grad_weight, grad_bias = ext.backward_finish(
-                grad_output,
-                x,
-                mean,
-                invstd,
-                weight,
-                count,
-                dx_local,
-                sum_dy,
-                sum_dy_xmu,
-                total,
-                need_weight,
-                need_bias,
-            )
-        else:  # no collective: the group only needs the sums for dx, which nobody asked for
-            grad_x = None
-            grad_weight, grad_bias = _parameter_grads(
-                sum_dy, sum_dy_xmu, invstd, weight, need_weight, need_bias
-            )
-        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None
-
-
 class SyncBatchNorm(_BatchNorm):
     r"""Batch normalization whose batch statistics span all ranks of a process group, on any backend.
 
@@ -534,12 +494,15 @@ class SyncBatchNorm(_BatchNorm):
         recomputing = _is_recomputing()
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         update_stats = self.training and self.track_running_stats and not recomputing
-        if update_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-
         process_group = self.process_group
         sync = bn_training and is_distributed() and get_world_size(process_group) > 1
         cumulative = self.training and self.track_running_stats and self.momentum is None
+        if (sync or cumulative) and _on_host(input):
+            ext = self._cpu_extension(_get_backend(self.backend, input.device))
+            if ext is not None:  # eager CPU: the compiled kernels (they count the batch too)
+                return self._forward_compiled(ext, input, sync, update_stats)
+        if update_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
         if not sync and not cumulative:
             # Plain local batch norm (ATen): no collective, running stats updated by ATen if needed.
             running_mean, running_var = self.running_mean, self.running_var
@@ -571,7 +534,7 @@ class SyncBatchNorm(_BatchNorm):
         return shift.numpy() if host else shift
 
     def _cpu_extension(self, ops: Any) -> Any:
-        """The compiled CPU glue when it computes what the Python path would: the ``reference``
+        """The compiled CPU kernels when they compute what the Python path would: the ``reference``
         backend's maths (not a subclass's) and float32/float64 running buffers (NumPy's arithmetic on
         other buffer dtypes is left to the Python path); else ``None``."""
         if type(ops) is not _reference_backend_type():
@@ -581,26 +544,23 @@ class SyncBatchNorm(_BatchNorm):
                 return None
         return _load_cpu_extension()
 
-    def _forward_compiled(
-        self, ext: Any, input: Tensor, sync: bool, update_stats: bool, local_count: int
-    ) -> Tensor:
-        """:meth:`_forward_synced` through the compiled glue (eager CPU): the same computation in
-        two calls around the all_reduce (the C++ calls record no autograd graph themselves)."""
-        running_mean = self.running_mean
-        if running_mean is None:
-            shift = torch.zeros(self.num_features, dtype=torch.float64)
-        else:
-            shift = running_mean.to(torch.float64, copy=True)  # read before the in-place update
-        payload = ext.pack_moments(input.detach(), shift)
-        if sync:
-            payload = _sum_over_group(payload, self.process_group)
-        if local_count <= 1 and int(payload[0]) == 1:  # every rank sees the same global count
-            raise ValueError(
-                "Expected more than 1 value per channel when training, got input size "
-                f"{tuple(input.shape)} on this rank and 1 value per channel over the process group"
-            )
-        return _SyncBatchNormCpuFunction.apply(
-            input, self.weight, self.bias, payload, shift, self, update_stats, sync, ext
+    def _forward_compiled(self, ext: Any, input: Tensor, sync: bool, update_stats: bool) -> Tensor:
+        """The synchronized training forward through the compiled CPU kernels (eager CPU), one call
+        (autograd-recorded, backward compiled too): the moments pass (which also counts the batch in
+        ``num_batches_tracked`` when ``update_stats``), the all_reduce (:func:`_sum_over_group`,
+        called back from C++), the normalization."""
+        return ext.sync_batch_norm(
+            input,
+            self.weight,
+            self.bias,
+            self.running_mean,
+            self.running_var,
+            self.num_batches_tracked,
+            self.momentum,
+            self.eps,
+            update_stats,
+            sync,
+            _group_key(self.process_group),
         )
 
     def _forward_synced(self, input: Tensor, sync: bool, update_stats: bool) -> Tensor:
@@ -613,10 +573,6 @@ class SyncBatchNorm(_BatchNorm):
         local_count = input.numel() // channels
         host = _on_host(input)
         ops = _get_backend(self.backend, input.device)
-        if host:
-            ext = self._cpu_extension(ops)
-            if ext is not None:
-                return self._forward_compiled(ext, input, sync, update_stats, local_count)
         with torch.no_grad():
             shift = self._shift(channels, input.device, host)
             count, mean, m2 = _global_moments(input.detach(), shift, self.process_group, ops, sync, host)

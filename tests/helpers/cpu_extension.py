@@ -1,4 +1,4 @@
-"""``require_cpu_extension()``: the compiled CPU glue of SyncBatchNorm, or a skip where it cannot exist.
+"""``require_cpu_extension()``: the compiled CPU kernels of SyncBatchNorm, or a skip where they cannot exist.
 
 Where a C++ compiler and ninja are installed (CI), the extension must build and load: a source that
 no longer compiles fails the tests instead of silently leaving every test on the Python path. Without

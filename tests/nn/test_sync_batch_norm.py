@@ -224,7 +224,7 @@ def _check_case(case_index, case, outs, large_mean=False):
 
 
 def _equivalence_worker(rank, world_size, compiled=True):
-    # The compiled CPU glue (lightning_ext.kernels.cpu_extension) or SyncBatchNorm's Python path.
+    # The compiled CPU kernels (lightning_ext.kernels.cpu_extension) or SyncBatchNorm's Python path.
     from lightning_ext.kernels import cpu_extension
 
     os.environ[cpu_extension.ENV_VAR] = "1" if compiled else "0"
