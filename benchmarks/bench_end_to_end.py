@@ -10,7 +10,7 @@ Ours, at the SAME arithmetic precision as the anchor (bf16 autocast): ``LossScal
 (``"16-mixed"``) and print it separately: fp16 autocast on CPU is much slower than bf16 (fp16
 conv backward, see DESIGN.md), which is a property of the CPU kernels, not of our plugin.
 
-Diagnostic rows: every feature with SyncBN's compiled CPU glue turned off (its Python path), every
+Diagnostic rows: every feature with SyncBN's compiled CPU kernels turned off (its pure-torch path), every
 feature except SyncBN, and every feature with SyncBN replaced by ATen's local
 batch norm plus SyncBN's two all_reduces per layer (the synchronization points without our maths;
 its buffers are left out of DDP's per-forward broadcast as ``SyncBatchNormPlugin`` does for SyncBN).
@@ -101,7 +101,7 @@ def run_once(config: str, max_steps: int, warmup: int) -> dict[str, float]:
     after ``warmup`` (this rank's clock)."""
     L.seed_everything(0, verbose=False)
     if config == "ours-python-glue":
-        # SyncBN's compiled CPU glue off for this run only: its Python path.
+        # SyncBN's compiled CPU kernels off for this run only: its pure-torch path.
         os.environ[cpu_extension.ENV_VAR] = "0"
         cpu_extension._reset_for_tests()
     try:
@@ -227,8 +227,8 @@ CONFIGS = {
     "plain": 'plain Lightning DDP (`precision="16-mixed"` → bf16 autocast on CPU), no callbacks',
     "ours-bf16": 'ours, all features, `LossScalingPrecision("bf16-mixed")` + SyncBN + TrainingStats + '
     "IterationTimer + LossMonitor + PreciseBN",
-    "ours-python-glue": "ours, all features (bf16), SyncBN's compiled CPU glue turned off "
-    "(`LIGHTNING_EXT_CPU_EXTENSION=0`: its Python path)",
+    "ours-python-glue": "ours, all features (bf16), SyncBN's compiled CPU kernels turned off "
+    "(`LIGHTNING_EXT_CPU_EXTENSION=0`: its pure-torch path)",
     "ours-no-syncbn": "ours, every feature except SyncBN (bf16) — the cost of the rest",
     "ours-collectives-only": "diagnostic: ours with SyncBN replaced by local ATen batch norm + SyncBN's "
     "two all_reduces per layer — the cost of the 6 synchronization points alone",
@@ -293,9 +293,10 @@ def main() -> None:
         "them out of the gloo broadcast of buffers that DDP runs at every forward (the model's only "
         "buffers here, so that broadcast is gone). The 'collectives only' row measures the six "
         "waits with ATen's maths (its buffers are also left out of DDP's broadcast), the 'except "
-        "SyncBN' row the cost of everything else (with DDP's broadcast, as plain). The Python-glue "
-        "row runs SyncBN's per-channel host arithmetic in Python instead of its C++ extension "
-        "(bit-identical results): its difference to 'ours' is what the compiled glue saves"
+        "SyncBN' row the cost of everything else (with DDP's broadcast, as plain). The pure-torch "
+        "row runs SyncBN on ATen ops driven from Python instead of its compiled kernels (one C++ "
+        "call per direction, one pass over the data per step of the algorithm; results agree to "
+        "rounding): its difference to 'ours' is what the compiled kernels save"
         + ("" if compiled else " — the extension was NOT available in this run, both rows are Python")
         + ". The fp16 row is "
         "slower because fp16 autocast kernels on CPU (conv backward above all) are slower than bf16 "

@@ -118,7 +118,7 @@ class _ComputeOnly(nn.Module):
 
 
 class _PythonGlue(SyncBatchNorm):
-    """Our layer with its compiled CPU glue turned off: the Python path (same results, bit for bit)."""
+    """Our layer with its compiled CPU kernels turned off: the pure-torch path (same results to rounding)."""
 
     def _cpu_extension(self, ops):
         return None
@@ -258,7 +258,7 @@ def main() -> None:
         "ours / local timed back to back. Target: ours <= 1.5x local ATen BatchNorm2d.",
         "",
         "| shape (N, C, H, W) | format | dtype | ours ms | local BatchNorm2d ms | ratio | paired ratio "
-        "| ours without collectives ms | ours, Python glue ms | ours collectives/step | ours bytes/layer "
+        "| ours without collectives ms | ours, pure-torch path ms | ours collectives/step | ours bytes/layer "
         "| torch all_gather scheme bytes/layer |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
@@ -283,10 +283,11 @@ def main() -> None:
         "step starts after a shared-memory all_reduce that aligns the ranks. Figures from a loaded machine",
         "are noisy; compare within one run.",
         "",
-        "'ours' runs the compiled CPU glue of SyncBatchNorm (`lightning_ext.kernels.cpu_extension`: the",
-        "per-channel host arithmetic around the all_reduces in C++, two calls per direction)"
+        "'ours' runs the compiled CPU kernels of SyncBatchNorm (`lightning_ext.kernels.cpu_extension`: one",
+        "C++ call per direction, one vectorized pass over the data per step of the algorithm)"
         + ("" if results[0][0]["compiled"] else " — NOT available in this run: both columns are Python")
-        + "; 'ours, Python glue' is the same layer on its Python path (bit-identical results).",
+        + "; 'ours, pure-torch path' is the same layer on ATen ops driven from Python (results agree "
+        "to rounding).",
         "",
         "Bytes are the buffers handed to the collectives per layer and step. Ours: 8(2C+1) forward (float64,",
         "for exactness with uneven shards) + 4·2C backward, independent of the world size W; torch's",
