@@ -563,28 +563,31 @@ class DynamicLossScaler:
         ``process_group`` when one is set. No host sync.
         """
         grads = self._params_with_grads(optimizer, allow_fp16)
-        if grads:
-            self._place(grads[0].device)
-        per_device: dict[torch.device, list[Tensor]] = defaultdict(list)
-        if grads and self._device.type == "cpu" and all(g.is_cpu for g in grads):
-            per_device[grads[0].device] = grads  # the common single-device case, without a dict pass
-        else:
-            for grad in grads:
-                per_device[grad.device].append(grad)
-        flags = []
-        with torch.no_grad():
-            for device, tensors in per_device.items():
-                backend = self._backends.get(device)
-                if backend is None:
-                    backend = self._backends[device] = get_backend(device=device)
-                if inv_scale is None:
-                    flags.append(backend.check_finite(tensors, self._device))
-                    continue
-                device_inv_scale = inv_scale if inv_scale.device == device else inv_scale.to(device)
-                flags.append(backend.unscale_and_check_(tensors, device_inv_scale).to(self._device))
-        if not flags:
+        if not grads:
             found_inf = torch.zeros((), dtype=torch.float32, device=self._device)
         else:
+            self._place(grads[0].device)
+            if self._device.type == "cpu" and all(g.is_cpu for g in grads):
+                per_device: Iterable = ((self._device, grads),)  # the common case, without a dict pass
+            else:
+                groups: dict[torch.device, list[Tensor]] = defaultdict(list)
+                for grad in grads:
+                    groups[grad.device].append(grad)
+                per_device = groups.items()
+            flags = []
+            # The backends' unchecked entry points: these are gradients of floating point parameters,
+            # which the public ones would validate again at every step.
+            with torch.no_grad():
+                for device, tensors in per_device:
+                    backend = self._backends.get(device)
+                    if backend is None:
+                        backend = self._backends[device] = get_backend(device=device)
+                    if inv_scale is None:
+                        flags.append(backend._check_finite(tensors, self._device))
+                        continue
+                    device_inv_scale = inv_scale if inv_scale.device == device else inv_scale.to(device)
+                    flag = backend._dispatch_unscale_and_check_(tensors, device_inv_scale.reshape(()))
+                    flags.append(flag.to(self._device))
             found_inf = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
         if self.process_group is not None and is_distributed():
             comm_device = collective_device(self.process_group)
