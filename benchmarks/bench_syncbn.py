@@ -41,6 +41,7 @@ if str(HERE) not in sys.path:
 
 from _common import align_ranks, write_result  # noqa: E402
 
+import lightning_ext.nn.sync_batch_norm as sbn  # noqa: E402
 from lightning_ext import shm_collectives  # noqa: E402
 from lightning_ext.nn import SyncBatchNorm  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
@@ -114,7 +115,12 @@ class _ComputeOnly(nn.Module):
         self.bn = bn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.bn._forward_synced(x, sync=False, update_stats=True)
+        bn = self.bn
+        ext = bn._cpu_extension(sbn._get_backend(bn.backend, x.device)) if x.is_cpu else None
+        if ext is not None:  # the compiled kernels, as SyncBatchNorm.forward takes them on CPU
+            return bn._forward_compiled(ext, x, sync=False, update_stats=True)
+        bn.num_batches_tracked.add_(1)
+        return bn._forward_synced(x, sync=False, update_stats=True)
 
 
 class _PythonGlue(SyncBatchNorm):
