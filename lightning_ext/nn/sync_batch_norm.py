@@ -51,6 +51,8 @@ recomputed by ``torch.utils.checkpoint``'s eager path).
 
 from __future__ import annotations
 
+import os
+import weakref
 from contextlib import nullcontext
 from typing import Any
 
@@ -237,6 +239,9 @@ def _reference_backend_type() -> type:
     return ReferenceBackend
 
 
+_KERNELS_ENV_VAR = "LIGHTNING_EXT_KERNELS"  # lightning_ext.kernels.registry.ENV_VAR (imported lazily there)
+# Per module: (what decides it, whether its eager CPU forward takes the compiled kernels).
+_COMPILED_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _REDUCE_GROUPS: dict[int, dist.ProcessGroup | None] = {}  # id(group) -> group (kept alive: ids stay unique)
 _reducer_registered_with: Any = None  # the extension module the reducer was registered with
 
@@ -498,7 +503,7 @@ class SyncBatchNorm(_BatchNorm):
         sync = bn_training and is_distributed() and get_world_size(process_group) > 1
         cumulative = self.training and self.track_running_stats and self.momentum is None
         if (sync or cumulative) and _on_host(input):
-            ext = self._cpu_extension(_get_backend(self.backend, input.device))
+            ext = self._compiled_kernels(input.device)
             if ext is not None:  # eager CPU: the compiled kernels (they count the batch too)
                 return self._forward_compiled(ext, input, sync, update_stats)
         if update_stats and self.num_batches_tracked is not None:
@@ -543,6 +548,27 @@ class SyncBatchNorm(_BatchNorm):
             if buffer is not None and buffer.dtype not in (torch.float32, torch.float64):
                 return None
         return _load_cpu_extension()
+
+    def _compiled_kernels(self, device: torch.device) -> Any:
+        """:meth:`_cpu_extension` of the backend for ``device`` (eager CPU input), with the decision
+        memoized per module: it runs at every forward, where the backend lookup and the checks cost
+        more than the layer's own host work. The memo is keyed on everything the decision reads
+        (``backend``, ``LIGHTNING_EXT_KERNELS``, the running buffers' dtypes); the extension itself
+        is asked for at every call (it can be turned off and on: ``cpu_extension``)."""
+        buffers = self._buffers
+        running_mean, running_var = buffers.get("running_mean"), buffers.get("running_var")
+        key = (
+            self.backend,
+            os.environ.get(_KERNELS_ENV_VAR),
+            None if running_mean is None else running_mean.dtype,
+            None if running_var is None else running_var.dtype,
+            type(self)._cpu_extension,
+        )
+        memo = _COMPILED_MEMO.get(self)
+        if memo is None or memo[0] != key:
+            memo = (key, self._cpu_extension(_get_backend(self.backend, device)) is not None)
+            _COMPILED_MEMO[self] = memo
+        return _load_cpu_extension() if memo[1] else None
 
     def _forward_compiled(self, ext: Any, input: Tensor, sync: bool, update_stats: bool) -> Tensor:
         """The synchronized training forward through the compiled CPU kernels (eager CPU), one call

@@ -170,6 +170,44 @@ def test_no_collective_in_backward_without_input_gradient(monkeypatch):
     assert_paths_agree(results[True][2], results[False][2], "dbias")
 
 
+def test_compiled_choice_follows_what_decides_it(monkeypatch):
+    """The per-module memo of the choice (compiled kernels or pure-torch path) is redone when what
+    decides it changes between forwards: the running buffers' dtype, the kernel backend setting,
+    the extension being turned off."""
+    require_cpu_extension()
+    _fake_group(monkeypatch, C)
+    used = []
+    original = SyncBatchNorm._forward_compiled
+    monkeypatch.setattr(
+        SyncBatchNorm, "_forward_compiled", lambda self, *a: used.append(1) or original(self, *a)
+    )
+    bn = SyncBatchNorm(C)
+    x = torch.randn(4, C, 3, generator=torch.Generator().manual_seed(5))
+
+    def compiled() -> bool:
+        used.clear()
+        bn(x)
+        return bool(used)
+
+    assert compiled()
+    bn.running_mean = bn.running_mean.to(torch.bfloat16)  # NumPy cannot view it: pure-torch path
+    bn.running_var = bn.running_var.to(torch.bfloat16)
+    assert not compiled()
+    bn.running_mean = bn.running_mean.float()
+    bn.running_var = bn.running_var.float()
+    assert compiled()
+    try:
+        monkeypatch.setenv(cpu_extension.ENV_VAR, "0")
+        cpu_extension._reset_for_tests()
+        assert not compiled()
+    finally:
+        monkeypatch.delenv(cpu_extension.ENV_VAR)
+        cpu_extension._reset_for_tests()
+    assert compiled()
+    monkeypatch.setattr(SyncBatchNorm, "_cpu_extension", lambda self, ops: None)
+    assert not compiled()
+
+
 def test_raises_on_one_value_per_channel_in_the_group(monkeypatch):
     require_cpu_extension()
     monkeypatch.setattr(sbn, "_sum_over_group", lambda t, g: t)
