@@ -677,6 +677,11 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
 
   static torch::autograd::variable_list backward(
       torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grad_outputs) {
+    // create_graph=True would get gradients without a graph (the passes record none): refuse, loudly.
+    TORCH_CHECK(
+        !at::GradMode::is_enabled(),
+        "SyncBatchNorm's compiled CPU backward is not differentiable (double backward / create_graph=True); "
+        "set LIGHTNING_EXT_CPU_EXTENSION=0 for the pure-torch path");
     const auto saved = ctx->get_saved_variables();
     const Tensor& x = saved[0];
     const std::optional<Tensor> weight = saved[1].defined() ? std::optional<Tensor>(saved[1]) : std::nullopt;

@@ -208,6 +208,19 @@ def test_compiled_choice_follows_what_decides_it(monkeypatch):
     assert not compiled()
 
 
+def test_double_backward_is_refused_not_silently_wrong(monkeypatch):
+    """The compiled backward records no graph: create_graph=True must raise, not return gradients
+    whose second derivatives would silently be missing."""
+    require_cpu_extension()
+    _fake_group(monkeypatch, C)
+    bn = SyncBatchNorm(C)
+    x = torch.randn(4, C, 3, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        torch.autograd.grad(bn(x).pow(2).sum(), x, create_graph=True)
+    (grad,) = torch.autograd.grad(bn(x).pow(2).sum(), x)  # a plain backward still works
+    assert torch.isfinite(grad).all()
+
+
 def test_raises_on_one_value_per_channel_in_the_group(monkeypatch):
     require_cpu_extension()
     monkeypatch.setattr(sbn, "_sum_over_group", lambda t, g: t)
