@@ -112,7 +112,7 @@ void dispatch_input(const Tensor& x, F&& f) {
 // ------------------------------------------------------------------------------ layout
 
 // A 2d-5d input seen as (N, C, S) channels-first or (R, C) rows of channels (channels_last(_3d),
-// and 2d input, whose rows are its samples). `contiguous(x)` gives the dense tensor the kernels read.
+// and 2d input, whose rows are its samples). `dense(x, x)` gives the dense tensor the kernels read.
 struct Layout {
   bool channels_last;
   int64_t n, c, s;  // channels-first: n samples, c channels, s spatial elements
@@ -173,48 +173,42 @@ at::ScalarType stat_type(const Tensor& x) {
 #define LE_CLONES
 #endif
 
+// The two per-channel sums of a pass, one element at a time (inlined into the loops below):
+// moments about a shift c, (x - c, (x - c)^2) with u = v = x; the backward's sums, (dy, dy (x - c))
+// with u = dy, v = x and c = the mean.
+struct MomentTerms {
+  template <typename T, typename Acc>
+  static inline void add(const T* u, const T*, int64_t i, Acc c, Acc& a1, Acc& a2) {
+    const Acc d = load(u, i) - c;
+    a1 += d;
+    a2 += d * d;
+  }
+};
+
+struct GradTerms {
+  template <typename T, typename Acc>
+  static inline void add(const T* u, const T* v, int64_t i, Acc c, Acc& a1, Acc& a2) {
+    const Acc g = load(u, i);
+    a1 += g;
+    a2 += g * (load(v, i) - c);
+  }
+};
+
 // Channels-first: the `runs` contiguous runs of `len` elements of one channel (one per sample,
 // `stride` elements apart), summed in float32 (float64 for float64 input) over at most BLOCK
 // elements and in float64 across blocks.
-template <typename T, typename Acc>
-LE_CLONES void channel_moments(
-    const T* x, int64_t runs, int64_t stride, int64_t len, Acc shift, double* s1, double* s2) {
+template <typename Terms, typename T, typename Acc>
+LE_CLONES void channel_terms(
+    const T* u, const T* v, int64_t runs, int64_t stride, int64_t len, Acc c, double* s1, double* s2) {
   double t1 = 0.0, t2 = 0.0;
   for (int64_t r = 0; r < runs; ++r) {
-    const T* run = x + r * stride;
+    const T* u_run = u + r * stride;
+    const T* v_run = v + r * stride;
     for (int64_t b0 = 0; b0 < len; b0 += BLOCK) {
       const int64_t end = std::min(len, b0 + BLOCK);
       Acc a1 = 0, a2 = 0;
 #pragma omp simd reduction(+ : a1, a2)
-      for (int64_t i = b0; i < end; ++i) {
-        const Acc d = load(run, i) - shift;
-        a1 += d;
-        a2 += d * d;
-      }
-      t1 += a1;
-      t2 += a2;
-    }
-  }
-  *s1 = t1;
-  *s2 = t2;
-}
-
-template <typename T, typename Acc>
-LE_CLONES void channel_grad_sums(
-    const T* dy, const T* x, int64_t runs, int64_t stride, int64_t len, Acc mean, double* s1, double* s2) {
-  double t1 = 0.0, t2 = 0.0;
-  for (int64_t r = 0; r < runs; ++r) {
-    const T* g_run = dy + r * stride;
-    const T* x_run = x + r * stride;
-    for (int64_t b0 = 0; b0 < len; b0 += BLOCK) {
-      const int64_t end = std::min(len, b0 + BLOCK);
-      Acc a1 = 0, a2 = 0;
-#pragma omp simd reduction(+ : a1, a2)
-      for (int64_t i = b0; i < end; ++i) {
-        const Acc g = load(g_run, i);
-        a1 += g;
-        a2 += g * (load(x_run, i) - mean);
-      }
+      for (int64_t i = b0; i < end; ++i) Terms::add(u_run, v_run, i, c, a1, a2);
       t1 += a1;
       t2 += a2;
     }
@@ -240,32 +234,14 @@ LE_CLONES void channel_affine(
   }
 }
 
-// Channels-last: `rows` consecutive rows of `c` channels, accumulated per channel into a1/a2.
-template <typename T, typename Acc>
-LE_CLONES void rows_moments(const T* x, int64_t rows, int64_t c, const Acc* shift, Acc* a1, Acc* a2) {
+// Channels-last: `rows` consecutive rows of `nc` channels, accumulated per channel into a1/a2
+// (c: the per-channel shift or mean).
+template <typename Terms, typename T, typename Acc>
+LE_CLONES void rows_terms(const T* u, const T* v, int64_t rows, int64_t nc, const Acc* c, Acc* a1, Acc* a2) {
   for (int64_t r = 0; r < rows; ++r) {
-    const T* row = x + r * c;
+    const int64_t base = r * nc;
 #pragma omp simd
-    for (int64_t k = 0; k < c; ++k) {
-      const Acc d = load(row, k) - shift[k];
-      a1[k] += d;
-      a2[k] += d * d;
-    }
-  }
-}
-
-template <typename T, typename Acc>
-LE_CLONES void rows_grad_sums(
-    const T* dy, const T* x, int64_t rows, int64_t c, const Acc* mean, Acc* a1, Acc* a2) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* g_row = dy + r * c;
-    const T* x_row = x + r * c;
-#pragma omp simd
-    for (int64_t k = 0; k < c; ++k) {
-      const Acc g = load(g_row, k);
-      a1[k] += g;
-      a2[k] += g * (load(x_row, k) - mean[k]);
-    }
+    for (int64_t k = 0; k < nc; ++k) Terms::add(u + base, v + base, k, c[k], a1[k], a2[k]);
   }
 }
 
@@ -389,10 +365,10 @@ std::tuple<Tensor, Tensor> pack_moments(
     channel_sums<Acc>(
         l, p + 1, p + 1 + c,
         [xp, fp, &l](int64_t k, double* s1, double* s2) {
-          channel_moments<T, Acc>(xp + k * l.s, l.n, l.c * l.s, l.s, fp[k], s1, s2);
+          channel_terms<MomentTerms, T, Acc>(xp + k * l.s, xp + k * l.s, l.n, l.c * l.s, l.s, fp[k], s1, s2);
         },
         [xp, fp, c](int64_t off, int64_t rows, Acc* a1, Acc* a2) {
-          rows_moments<T, Acc>(xp + off, rows, c, fp, a1, a2);
+          rows_terms<MomentTerms, T, Acc>(xp + off, xp + off, rows, c, fp, a1, a2);
         });
     const double count = static_cast<double>(n);
     for (int64_t k = 0; k < c; ++k) {
@@ -491,9 +467,7 @@ std::tuple<Tensor, Tensor, Tensor, double> forward_finish(
 
 // Local half of the backward: this shard's [sum(dy), sum(dy * (x - mean))] per channel, packed
 // (2C,) in the statistics' dtype (float32; float64 for float64 input) for the all_reduce.
-Tensor backward_local(
-    const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& invstd,
-    const std::optional<Tensor>& weight) {
+Tensor backward_local(const Tensor& dy, const Tensor& x, const Tensor& mean) {
   Guards guards;
   const int64_t c = x.size(1);
   const at::ScalarType st = stat_type(x);
@@ -514,10 +488,10 @@ Tensor backward_local(
       channel_sums<Acc>(
           l, s1.data(), s2.data(),
           [xp, gp, mup, &l](int64_t k, double* s1, double* s2) {
-            channel_grad_sums<T, Acc>(gp + k * l.s, xp + k * l.s, l.n, l.c * l.s, l.s, mup[k], s1, s2);
+            channel_terms<GradTerms, T, Acc>(gp + k * l.s, xp + k * l.s, l.n, l.c * l.s, l.s, mup[k], s1, s2);
           },
           [xp, gp, mup, c](int64_t off, int64_t rows, Acc* a1, Acc* a2) {
-            rows_grad_sums<T, Acc>(gp + off, xp + off, rows, c, mup, a1, a2);
+            rows_terms<GradTerms, T, Acc>(gp + off, xp + off, rows, c, mup, a1, a2);
           });
     });
   }
@@ -691,7 +665,7 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
     const bool need_x = ctx->needs_input_grad(0);
     const bool need_weight = ctx->needs_input_grad(1);
     const bool need_bias = ctx->needs_input_grad(2);
-    const Tensor packed = backward_local(dy, x, mean, invstd, weight);
+    const Tensor packed = backward_local(dy, x, mean);
     Tensor dx, grad_weight, grad_bias;
     {
       Guards guards;  // from the LOCAL sums, before the all_reduce sums them in place

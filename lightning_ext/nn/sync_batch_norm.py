@@ -554,7 +554,8 @@ class SyncBatchNorm(_BatchNorm):
         memoized per module: it runs at every forward, where the backend lookup and the checks cost
         more than the layer's own host work. The memo is keyed on everything the decision reads
         (``backend``, ``LIGHTNING_EXT_KERNELS``, the running buffers' dtypes); the extension itself
-        is asked for at every call (it can be turned off and on: ``cpu_extension``)."""
+        is asked for at every call (it can be turned off and on: ``cpu_extension``). Host only, no
+        device sync; returns the extension module or ``None`` (the pure-torch path)."""
         buffers = self._buffers
         running_mean, running_var = buffers.get("running_mean"), buffers.get("running_var")
         key = (
@@ -562,7 +563,6 @@ class SyncBatchNorm(_BatchNorm):
             os.environ.get(_KERNELS_ENV_VAR),
             None if running_mean is None else running_mean.dtype,
             None if running_var is None else running_var.dtype,
-            type(self)._cpu_extension,
         )
         memo = _COMPILED_MEMO.get(self)
         if memo is None or memo[0] != key:
