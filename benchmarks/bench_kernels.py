@@ -340,6 +340,11 @@ def bench_gpu(quick: bool) -> None:
         add_gpu(
             "unscale_and_check_", "ATen", case, t_a, gpu_time(lambda: aten_fn(sets[0])), 2 * nb, t_a, copy_gbs
         )
+        # What a pass over these tensors can reach: a multi-tensor copy of the same bytes.
+        pairs = [(g, [torch.empty_like(t) for t in g]) for g in sets]
+        copy_fn = lambda p: torch._foreach_copy_(p[1], p[0])
+        add_gpu("copy (same tensors)", "ATen", case, gpu_device_time(copy_fn, pairs),
+                gpu_time(lambda p=pairs[0]: copy_fn(p)), 2 * nb, t_a, copy_gbs)  # fmt: skip
         for be in (tri, ref):
             fn = lambda g, be=be: be.unscale_and_check_(g, inv)
             add_gpu("unscale_and_check_", be.name, case, gpu_device_time(fn, sets),

@@ -2,8 +2,10 @@
 # One lease of a lent GPU machine: the CUDA tests, the GPU benchmarks and the main job on a GPU.
 #
 # Usage (from the repository root, on the GPU machine): bash benchmarks/gpu_session.sh [STEP ...]
-# STEPs (default: all but profile, in this order): env tests kernels syncbn loss demo suite;
-# profile: op tables of one loss-scaler step; tune: launch-constant sweep of the kernels (diagnosis).
+# STEPs (default: all but profile and tune, in this order): env tests kernels unscale syncbn loss demo
+# suite; unscale: the unscale pass against copies of the same bytes, kernel versions and launch
+# constants (diagnosis); profile: op tables of one loss-scaler step; tune: launch-constant sweep of
+# the BatchNorm kernels (diagnosis).
 # Each step's log is appended to $OUT/session.log as it ends (default OUT: ./gpu_out), the GPU result
 # sections and the demo's summary.png are copied there (few files: the device tool returns at most 8);
 # each step has its own time limit so one slow step cannot eat the lease. The machine's own python3
@@ -18,7 +20,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 PY="${PYTHON:-python3}"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(env tests kernels syncbn loss demo suite)
+[ ${#steps[@]} -eq 0 ] && steps=(env tests kernels unscale syncbn loss demo suite)
 
 run() {  # run NAME LIMIT_S CMD...: log, append to $OUT/session.log, print the tail and the exit status
     local name=$1 limit=$2
@@ -47,6 +49,7 @@ for step in "${steps[@]}"; do
     syncbn) run syncbn 120 "$PY" benchmarks/bench_syncbn.py --gpu-only ;;
     loss) run loss 120 "$PY" benchmarks/bench_loss_scaling.py --device cuda ;;
     tune) run tune 240 "$PY" benchmarks/tune_kernels_gpu.py ;;
+    unscale) run unscale 240 "$PY" benchmarks/tune_unscale_gpu.py ;;
     profile) run profile 120 "$PY" benchmarks/bench_loss_scaling.py --device cuda --profile ;;
     demo)
         run demo 150 "$PY" -m lightning_ext.examples.digits --accelerator gpu --devices 1 \

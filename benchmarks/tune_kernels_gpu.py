@@ -1,7 +1,7 @@
 """Tile-size sweep of the Triton kernels on a GPU (diagnosis; the figures of record come from
 ``bench_kernels.py``). Prints, per variant of the launch constants, each op's time and its fraction
-of copy bandwidth at two ResNet-50 shapes in float16, NCHW and channels_last, and the multi-tensor
-unscale on 10.5M float32 elements.
+of copy bandwidth at two ResNet-50 shapes in float16, NCHW and channels_last, then the host cost of
+one eager launch. The multi-tensor unscale has its own script, ``tune_unscale_gpu.py``.
 
 Usage (GPU only): ``python benchmarks/tune_kernels_gpu.py``.
 """
@@ -76,20 +76,6 @@ def main() -> None:
     gsets = [[torch.randn(sh, device="cuda") * 1e-3 for sh in shapes_g] for _ in range(_n_sets(nb))]
     inv = torch.tensor(1.0, device="cuda")
     flag = torch.zeros((), device="cuda")
-    aten = gpu_device_time(lambda g: torch._amp_foreach_non_finite_check_and_unscale_(g, flag, inv), gsets)
-    print(f"unscale ATen {aten * 1e6:.1f}us {nb / aten / copy:.2f} of copy")
-    for block, warps in ((4096, 8), (2048, 4), (8192, 8), (16384, 8), (8192, 16), (4096, 4)):
-        us._BLOCK, us._NUM_WARPS = block, warps
-        us._META_CACHE.clear()
-        s = gpu_device_time(lambda g: us.unscale_and_check_triton(g, inv), gsets)
-        c = gpu_device_time(lambda g: us.check_finite_triton(g, torch.device("cuda")), gsets)
-        print(
-            f"unscale block {block} warps {warps}: {s * 1e6:.1f}us {nb / s / copy:.2f} of copy, "
-            f"{s / aten:.2f}x ATen; check_finite {c * 1e6:.1f}us {nb / 2 / c / copy:.2f} of copy",
-            flush=True,
-        )
-    us._BLOCK, us._NUM_WARPS = 4096, 8
-    us._META_CACHE.clear()
     # Host cost of one eager call (what a small layer pays when the GPU waits for the launch).
     x = torch.randn(64, 16, 32, 32, device="cuda")
     mean16, inv16 = torch.zeros(16, device="cuda"), torch.ones(16, device="cuda")

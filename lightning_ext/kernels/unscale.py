@@ -125,48 +125,54 @@ def check_finite_reference(tensors: list[Tensor], device: torch.device, small_nu
 # ---------------------------------------------------------------------------- Triton kernel
 # One launch per (device, dtype) bucket covers every tensor of the bucket (multi-tensor apply, as
 # ATen's ``_amp_foreach_non_finite_check_and_unscale_`` and Apex's ``multi_tensor_apply`` do): one
-# program per BLOCK elements of any tensor. A cached int64 table gives each tensor's element offset
-# from a base pointer, its numel and its first block, and for each program the tensor it works on.
+# program per BLOCK elements of any tensor. A cached int64 table holds one word per program: where
+# its block starts (elements from a base pointer) and how many of its BLOCK elements are valid, so a
+# program's first load is its own word and its second already reads the gradients (no chain of
+# table loads through a tensor index). The inf/NaN flag is a masked store by the offending lanes:
+# no reduction across the block, so no barrier between a program's loads and its stores.
+
+_VALID_BITS = 24  # low bits of a table word: valid elements of the block (BLOCK < 2**24)
 
 if HAS_TRITON:
 
     def _unscale_multi_kernel(
         base_ptr,  # the bucket's first tensor: sets the element type; every tensor is base + offset
-        meta_ptr,  # (3 * T + num_programs,) int64: offsets, numels, first blocks, tensor of each program
+        blocks_ptr,  # (num_programs,) int64: (block start from base_ptr, in elements) << 24 | valid
         inv_ptr,  # inv_scale: () fp32 (read only when WRITE)
-        found_ptr,  # found_inf: () fp32, set to 1.0 by any program that sees inf/NaN
-        T,
+        found_ptr,  # found_inf: () fp32, set to 1.0 by any lane that sees inf/NaN
         ACC: tl.constexpr, WRITE: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr,
+        VALID_BITS: tl.constexpr,
     ):  # fmt: skip
-        pid = tl.program_id(0)
-        t = tl.load(meta_ptr + 3 * T + pid)
-        # Every tensor starts 16-byte aligned (the launcher checks): VEC elements.
-        off = tl.multiple_of(tl.load(meta_ptr + t), VEC)
-        numel = tl.load(meta_ptr + T + t)
-        start = (pid - tl.load(meta_ptr + 2 * T + t)) * BLOCK
-        ptrs = base_ptr + off + start + tl.arange(0, BLOCK)
-        if start + BLOCK <= numel:  # a full block: unmasked, vectorized
+        word = tl.load(blocks_ptr + tl.program_id(0))
+        # Every tensor starts 16-byte aligned (the launcher checks) and BLOCK is a multiple of VEC.
+        start = tl.multiple_of(word >> VALID_BITS, VEC)  # arithmetic shift: starts may be negative
+        valid = word & ((1 << VALID_BITS) - 1)
+        lanes = tl.arange(0, BLOCK)
+        ptrs = base_ptr + start + lanes
+        if valid == BLOCK:  # a full block: unmasked, vectorized
             g = tl.load(ptrs)
         else:
-            mask = start + tl.arange(0, BLOCK) < numel
-            g = tl.load(ptrs, mask=mask, other=0.0)
+            g = tl.load(ptrs, mask=lanes < valid, other=0.0)
         v = g.to(ACC)
-        bad = tl.max(((v != v) | (tl.abs(v) == float("inf"))).to(tl.int32), axis=0)
-        if bad > 0:
-            tl.store(found_ptr, 1.0)  # every writer stores the same value: no atomic needed
+        # Every writer stores the same value: no atomic, and lanes without inf/NaN store nothing.
+        tl.store(
+            found_ptr + lanes * 0,
+            tl.full([BLOCK], 1.0, tl.float32),
+            mask=(v != v) | (tl.abs(v) == float("inf")),
+        )
         if WRITE:
             out = (v * tl.load(inv_ptr).to(ACC)).to(g.dtype)
-            if start + BLOCK <= numel:
+            if valid == BLOCK:
                 tl.store(ptrs, out)
             else:
-                tl.store(ptrs, out, mask=start + tl.arange(0, BLOCK) < numel)
+                tl.store(ptrs, out, mask=lanes < valid)
 
 
 # ---------------------------------------------------------------------------- launcher
 
 _BLOCK, _BLOCK_INTERPRET = 4096, 1024
 _NUM_WARPS = 8
-_Meta = tuple[Tensor | None, list[int], int]  # (device table, indices of the kernel's tensors, programs)
+_Meta = tuple[Tensor | None, list[int], int]  # (per-program table, indices of the kernel's tensors, programs)
 _META_CACHE: dict[tuple, _Meta] = {}  # bucket signature -> metadata
 _META_CACHE_SIZE = 64
 
@@ -182,16 +188,17 @@ def _is_dense(t: Tensor) -> bool:
 
 
 def _bucket_metadata(group: list[Tensor], block: int, small_numel: int) -> _Meta:
-    """``(meta, fast, total_blocks)`` for the tensors of one (device, dtype) bucket, cached.
+    """``(table, fast, programs)`` for the tensors of one (device, dtype) bucket, cached.
 
     ``fast``: indices of the tensors the kernel takes (non-empty, >= ``small_numel`` elements, dense,
-    16-byte aligned); ``meta``: their int64 table on the device (element offsets from the first one's
-    address, numels, first blocks, then the tensor index of each of the ``total_blocks`` programs).
-    Cached by the tensors' addresses and sizes (gradients keep their storage from step to step), so
-    a step builds no table and copies nothing to the device. Non-contiguous tensors are re-checked
-    for density on every call. On a miss the host builds 3 numbers per tensor and copies them
-    without a sync (pinned memory, ``non_blocking``); the per-program owners are computed on the
-    device (``searchsorted``), so the cost does not grow with the number of elements.
+    16-byte aligned); ``table``: one int64 word per program on the device, ``start << 24 | valid``
+    (``start``: the first element of its block, counted from the first fast tensor's address;
+    ``valid``: how many of the block's ``block`` elements belong to the tensor). Cached by the tensors'
+    addresses and sizes (gradients keep their storage from step to step), so a step builds no table
+    and copies nothing to the device. Non-contiguous tensors are re-checked for density on every call.
+    On a miss the host builds 3 numbers per tensor and copies them without a sync (pinned memory,
+    ``non_blocking``); the per-program words are computed on the device (``searchsorted`` for each
+    program's tensor), so the cost does not grow with the number of elements.
     """
     ptrs = tuple(map(Tensor.data_ptr, group))
     sizes = tuple(map(Tensor.numel, group))
@@ -222,10 +229,13 @@ def _bucket_metadata(group: list[Tensor], block: int, small_numel: int) -> _Meta
             total += -(-sizes[i] // block)
         device = group[0].device
         host = torch.tensor(offsets + numels + firsts, dtype=torch.int64, pin_memory=device.type == "cuda")
-        small = host.to(device, non_blocking=True)
+        offsets_d, numels_d, firsts_d = host.to(device, non_blocking=True).view(3, len(fast)).unbind()
         programs = torch.arange(total, dtype=torch.int64, device=device)
-        owner = torch.searchsorted(small[2 * len(fast) :], programs, right=True) - 1
-        entry = (torch.cat([small, owner]), fast, total)
+        owner = torch.searchsorted(firsts_d, programs, right=True) - 1
+        done = (programs - firsts_d[owner]) * block  # elements of the tensor before this block
+        valid = (numels_d[owner] - done).clamp_(max=block)
+        # start * 2**24 + valid == start << 24 | valid, negative starts included (two's complement).
+        entry = ((offsets_d[owner] + done) * (1 << _VALID_BITS) + valid, fast, total)
     if len(_META_CACHE) >= _META_CACHE_SIZE:
         _META_CACHE.pop(next(iter(_META_CACHE)))
     _META_CACHE[key] = entry
@@ -248,12 +258,12 @@ def _multi_tensor_pass(
     block = _BLOCK_INTERPRET if interpret else _BLOCK
     found = torch.zeros((), dtype=torch.float32, device=device)
     for dtype, group in by_dtype.items():
-        meta, fast, total = _bucket_metadata(group, block, small_numel)
+        table, fast, total = _bucket_metadata(group, block, small_numel)
         if fast:
             kernel(_unscale_multi_kernel, interpret)[(total,)](
-                group[fast[0]], meta, found if inv_scale is None else inv_scale, found, len(fast),
+                group[fast[0]], table, found if inv_scale is None else inv_scale, found,
                 ACC=tl_dtype(dtype == torch.float64), WRITE=inv_scale is not None,
-                VEC=16 // group[0].element_size(), BLOCK=block,
+                VEC=16 // group[0].element_size(), BLOCK=block, VALID_BITS=_VALID_BITS,
                 **({} if interpret else {"num_warps": _NUM_WARPS}),
             )  # fmt: skip
         if len(fast) < len(group):

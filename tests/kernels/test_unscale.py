@@ -137,7 +137,11 @@ def test_triton_multi_tensor_launch_covers_every_element(check_only):
     storage = torch.randn(6000, generator=gen)
     sizes = [5000, 1024, 1023, 1, 3001, 2048]
     tensors = [torch.randn(n, generator=gen) * 100 for n in sizes] + [storage[1:4001]]  # misaligned
-    for poison in [None, 0, 2, 3, 4, 6, None]:  # the same tensors each time: cached metadata
+    # Two aligned views of one storage, the second below the first: offsets from the kernel's base
+    # pointer (the first tensor's address) of either sign.
+    shared = torch.randn(9000, generator=gen)
+    tensors = [shared[4096:9000], *tensors, shared[:4000]]
+    for poison in [None, 0, 2, 3, 4, 6, 7, 8, None]:  # the same tensors each time: cached metadata
         for t in tensors:
             t.copy_(torch.randn(t.shape, generator=gen) * 100)
         if poison is not None:
