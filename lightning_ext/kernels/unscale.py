@@ -132,6 +132,9 @@ def check_finite_reference(tensors: list[Tensor], device: torch.device, small_nu
 # no reduction across the block, so no barrier between a program's loads and its stores.
 
 _VALID_BITS = 24  # low bits of a table word: valid elements of the block (BLOCK < 2**24)
+# The high bits hold a signed element offset from the base pointer: tensors farther than this from
+# the bucket's first one (2**38 elements, 512 GiB of fp16; never seen within one device) take ATen's op.
+_MAX_OFFSET = 1 << (63 - _VALID_BITS - 1)
 
 if HAS_TRITON:
 
@@ -191,9 +194,10 @@ def _bucket_metadata(group: list[Tensor], block: int, small_numel: int) -> _Meta
     """``(table, fast, programs)`` for the tensors of one (device, dtype) bucket, cached.
 
     ``fast``: indices of the tensors the kernel takes (non-empty, >= ``small_numel`` elements, dense,
-    16-byte aligned); ``table``: one int64 word per program on the device, ``start << 24 | valid``
-    (``start``: the first element of its block, counted from the first fast tensor's address;
-    ``valid``: how many of the block's ``block`` elements belong to the tensor). Cached by the tensors'
+    16-byte aligned, within ``_MAX_OFFSET`` elements of the first such tensor); ``table``: one int64
+    word per program on the device, ``start << 24 | valid`` (``start``: the first element of its
+    block, counted from the first fast tensor's address; ``valid``: how many of the block's ``block``
+    elements belong to the tensor). Cached by the tensors'
     addresses and sizes (gradients keep their storage from step to step), so a step builds no table
     and copies nothing to the device. Non-contiguous tensors are re-checked for density on every call.
     On a miss the host builds 3 numbers per tensor and copies them without a sync (pinned memory,
@@ -217,10 +221,12 @@ def _bucket_metadata(group: list[Tensor], block: int, small_numel: int) -> _Meta
         for i, (ptr, numel, ok) in enumerate(zip(ptrs, sizes, dense))
         if ok and numel > 0 and numel >= small_numel and ptr % 16 == 0
     ]
+    if fast:
+        base = ptrs[fast[0]]
+        fast = [i for i in fast if -_MAX_OFFSET < (ptrs[i] - base) // elsize < _MAX_OFFSET - sizes[i]]
     if not fast:
         entry: _Meta = (None, [], 0)
     else:
-        base = ptrs[fast[0]]
         offsets, numels, firsts, total = [], [], [], 0
         for i in fast:
             offsets.append((ptrs[i] - base) // elsize)

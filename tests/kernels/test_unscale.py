@@ -159,3 +159,26 @@ def test_triton_multi_tensor_launch_covers_every_element(check_only):
         assert found.item() == flag.item() == (0.0 if poison is None else 1.0)
         for i, (t, e) in enumerate(zip(tensors, expected)):
             torch.testing.assert_close(t, e, atol=0, rtol=0, equal_nan=True, msg=lambda m, i=i: f"{i}: {m}")
+
+
+def test_triton_tensors_beyond_the_table_offset_take_atens_op(monkeypatch):
+    """A table word holds a signed element offset in 39 bits; a tensor farther from the bucket's first
+    one than that must not be addressed by the kernel (it would wrap), but still be unscaled."""
+    pytest.importorskip("triton")
+    from lightning_ext.kernels import unscale as us
+
+    monkeypatch.setattr(us, "_MAX_OFFSET", 6000)
+    us._META_CACHE.clear()
+    shared = torch.randn(20000, generator=torch.Generator().manual_seed(3))
+    tensors = [shared[8192:12000], shared[:3000], shared[16384:]]  # offsets 0, -8192, +8192
+    tensors[2][-1] = math.inf
+    _, fast, _ = us._bucket_metadata(tensors, 1024, 0)
+    assert fast == [0]  # |offset| + numel >= 6000 for the other two
+    expected = [t.clone() for t in tensors]
+    flag, inv = torch.zeros(()), torch.tensor(0.125)
+    torch._amp_foreach_non_finite_check_and_unscale_(expected, flag, inv)
+    found = us.unscale_and_check_triton(tensors, inv, interpret=True)
+    assert found.item() == flag.item() == 1.0
+    for t, e in zip(tensors, expected):
+        torch.testing.assert_close(t, e, atol=0, rtol=0, equal_nan=True)
+    us._META_CACHE.clear()
