@@ -64,6 +64,42 @@ def test_triton_matches_reference_on_gpu(backends, shape, fmt, dtype, atol, rtol
         assert err_t <= 2 * err_r + allowance, f"{k}: triton error {err_t:.3g} > 2x reference {err_r:.3g}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_triton_multi_tensor_unscale_compiled(dtype):
+    """The compiled multi-tensor kernel over every tensor (``small_numel=0``): full and partial blocks,
+    views of one storage on either side of the base tensor, a poison in the first element of a full
+    block, the last element of a tensor or nowhere; bit-identical to ATen's op, the check read-only."""
+    from lightning_ext.kernels.unscale import _BLOCK, check_finite_triton, unscale_and_check_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    shared = torch.randn(4 * _BLOCK + 8000, device="cuda", generator=gen).to(dtype)
+    sizes = [3 * _BLOCK, _BLOCK + 1, 1, 999, 2 * _BLOCK - 8, 123_457]
+    tensors = [shared[2 * _BLOCK : 4 * _BLOCK + 4000]]
+    tensors += [(torch.randn(n, device="cuda", generator=gen) * 1e3).to(dtype) for n in sizes]
+    tensors += [shared[: _BLOCK + 5], torch.randn(64, 70, device="cuda", generator=gen).to(dtype).t()]
+    inv = torch.tensor(0.0625, device="cuda")
+    for poison in [None, (1, _BLOCK), (2, _BLOCK), (7, _BLOCK + 4), (8, 0), (0, 0), None]:
+        for t in tensors:
+            t.copy_(torch.randn(t.shape, device="cuda", generator=gen) * 1e3)
+        if poison is not None:
+            i, k = poison
+            value = float("inf") if i % 2 else float("nan")
+            if tensors[i].is_contiguous():
+                tensors[i].view(-1)[k] = value
+            else:
+                tensors[i][0, k] = value
+        expected = [t.clone() for t in tensors]
+        flag = torch.zeros((), device="cuda")
+        torch._amp_foreach_non_finite_check_and_unscale_(expected, flag, inv)
+        before = [t.clone() for t in tensors]
+        assert check_finite_triton(tensors, torch.device("cuda")).item() == flag.item()
+        for t, b in zip(tensors, before):
+            torch.testing.assert_close(t, b, atol=0, rtol=0, equal_nan=True)
+        assert unscale_and_check_triton(tensors, inv).item() == flag.item() == (poison is not None)
+        for i, (t, e) in enumerate(zip(tensors, expected)):
+            torch.testing.assert_close(t, e, atol=0, rtol=0, equal_nan=True, msg=lambda m, i=i: f"{i}: {m}")
+
+
 def test_triton_unscale_and_moments_on_gpu(backends):
     ref, tri = backends
     grads = [torch.randn(11_000_003, device="cuda"), torch.randn(257, 3, device="cuda").half().t()]
