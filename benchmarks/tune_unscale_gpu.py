@@ -14,6 +14,9 @@ float32 and float16, device time per call from CUDA-graph replays over input set
   and a block-wide max before the flag store (a barrier between a program's loads and its stores);
 - ``v2``: the library's kernel (one table word per program, flag by masked lane stores), at several
   block sizes and warp counts;
+- ``v3``: v2 whose flag is written once, by the last program to finish (an atomic ticket per
+  program, a self-resetting scratch pair), so the per-call flag needs no fill kernel;
+- every version is first checked against ATen's op (clean, poisoned, clean again), bit for bit;
 - kernel-only durations from the profiler (CUPTI) for copy, ATen and v2, i.e. without the flag's
   fill kernel and the gaps between graph nodes.
 
@@ -89,6 +92,71 @@ def v1_unscale(group, inv, tables, block, warps):
     return found
 
 
+@triton.jit
+def _v3_kernel(
+    base_ptr, blocks_ptr, inv_ptr, found_ptr, scratch_ptr, num_programs,
+    VEC: tl.constexpr, BLOCK: tl.constexpr, VALID_BITS: tl.constexpr,
+):  # fmt: skip
+    """v2 plus a flag written once by the last program to finish, so the caller's flag needs no
+    zeroing kernel: ``scratch`` (int32: [any inf/NaN, programs done]) starts at zero and the last
+    program resets it (the launch leaves it as it found it)."""
+    word = tl.load(blocks_ptr + tl.program_id(0))
+    start = tl.multiple_of(word >> VALID_BITS, VEC)
+    valid = word & ((1 << VALID_BITS) - 1)
+    lanes = tl.arange(0, BLOCK)
+    ptrs = base_ptr + start + lanes
+    if valid == BLOCK:
+        g = tl.load(ptrs)
+    else:
+        g = tl.load(ptrs, mask=lanes < valid, other=0.0)
+    v = g.to(tl.float32)
+    bad = (v != v) | (tl.abs(v) == float("inf"))
+    # Returning atomics: each lane waits until its update is performed, before the barrier below.
+    tl.atomic_max(scratch_ptr + lanes * 0, tl.full([BLOCK], 1, tl.int32), mask=bad, sem="acq_rel")
+    out = (v * tl.load(inv_ptr)).to(g.dtype)
+    if valid == BLOCK:
+        tl.store(ptrs, out)
+    else:
+        tl.store(ptrs, out, mask=lanes < valid)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(scratch_ptr + 1, 1, sem="acq_rel")
+    if ticket == num_programs - 1:
+        any_bad = tl.atomic_xchg(scratch_ptr, 0, sem="acq_rel")
+        tl.store(found_ptr, any_bad.to(tl.float32))
+        tl.atomic_xchg(scratch_ptr + 1, 0, sem="acq_rel")
+
+
+def v3_unscale(group, inv, tables, block, warps):
+    found = torch.empty((), dtype=torch.float32, device=DEVICE)
+    table, total, scratch = tables[id(group)]
+    _v3_kernel[(total,)](group[0], table, inv, found, scratch, total, VEC=16 // group[0].element_size(),
+                         BLOCK=block, VALID_BITS=us._VALID_BITS, num_warps=warps)  # fmt: skip
+    return found
+
+
+def v3_table(group: list[torch.Tensor], block: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """v2's table (the library's) and a zeroed scratch pair."""
+    table, fast, total = us._bucket_metadata(group, block, 0)
+    assert fast == list(range(len(group))), "every tensor dense and aligned"
+    return table, total, torch.zeros(2, dtype=torch.int32, device=DEVICE)
+
+
+def check(name, fn, group, inv) -> None:
+    """``fn`` against ATen's op on copies of ``group``: clean, then one inf in a 512-element
+    tensor's last element, then clean again (a stale flag would show), values bit for bit."""
+    for poison in (False, True, False):
+        grads = [t.clone() for t in group]
+        if poison:
+            grads[-1].view(-1)[-1] = float("inf")
+        expected = [t.clone() for t in grads]
+        flag = torch.zeros((), device=DEVICE)
+        torch._amp_foreach_non_finite_check_and_unscale_(expected, flag, inv)
+        found = fn(grads)
+        assert found.item() == flag.item() == float(poison), (name, poison, found.item())
+        for a, b in zip(grads, expected):
+            torch.testing.assert_close(a, b, atol=0, rtol=0, equal_nan=True, msg=name)
+
+
 def kernel_us(fn, sets, reps: int = 20) -> dict[str, float]:
     """Mean CUDA-kernel microseconds per call of ``fn(inputs)``, by kernel name (profiler, CUPTI)."""
     for inputs in sets:
@@ -153,22 +221,32 @@ def main() -> None:
             ),
         )
         for block, warps in ((4096, 8), (2048, 4), (8192, 8), (8192, 16), (16384, 16)):
-            tables = {id(g): v1_table(g, block) for g in sets}
-            row(f"v1 block {block} warps {warps}", lambda g: v1_unscale(g, inv, tables, block, warps))
             us._BLOCK, us._NUM_WARPS = block, warps
             us._META_CACHE.clear()
-            row(f"v2 block {block} warps {warps}", lambda g: us.unscale_and_check_triton(g, inv))
+            versions = {
+                "v1": lambda g, t: v1_unscale(g, inv, t, block, warps),
+                "v2": lambda g, t: us.unscale_and_check_triton(g, inv),
+                "v3": lambda g, t: v3_unscale(g, inv, t, block, warps),
+            }
+            make_table = {"v1": v1_table, "v2": lambda g, b: None, "v3": v3_table}
+            for version, fn in versions.items():
+                check(version, lambda g: fn(g, {id(g): make_table[version](g, block)}), sets[0], inv)
+                tables = {id(g): make_table[version](g, block) for g in sets}
+                fill = " (no fill)" if version == "v3" else ""
+                row(f"{version} block {block} warps {warps}{fill}", lambda g: fn(g, tables))
             row(f"v2 block {block} warps {warps}, check only",
                 lambda g: us.check_finite_triton(g, torch.device(DEVICE)))  # fmt: skip
         us._BLOCK, us._NUM_WARPS = 4096, 8
         us._META_CACHE.clear()
         tables = {id(g): v1_table(g, 4096) for g in sets}
+        tables3 = {id(g): v3_table(g, 4096) for g in sets}
         for name, fn, inputs in (
             ("copy, same tensors", lambda g: torch._foreach_copy_(dsts[id(g)], g), sets),
             ("copy, one tensor", lambda f: f[1].copy_(f[0]), flat),
             ("ATen op", lambda g: torch._amp_foreach_non_finite_check_and_unscale_(g, flag, inv), sets),
             ("v1 4096/8", lambda g: v1_unscale(g, inv, tables, 4096, 8), sets),
             ("v2 4096/8", lambda g: us.unscale_and_check_triton(g, inv), sets),
+            ("v3 4096/8", lambda g: v3_unscale(g, inv, tables3, 4096, 8), sets),
         ):
             kernels = kernel_us(fn, inputs)
             total = sum(kernels.values())
