@@ -175,7 +175,7 @@ if HAS_TRITON:
 
 _BLOCK, _BLOCK_INTERPRET = 4096, 1024
 _NUM_WARPS = 8
-_Meta = tuple[Tensor | None, list[int], int]  # (per-program table, indices of the kernel's tensors, programs)
+_Meta = tuple[Tensor | None, list[int], int]  # (per-program words, indices of the kernel's tensors, programs)
 _META_CACHE: dict[tuple, _Meta] = {}  # bucket signature -> metadata
 _META_CACHE_SIZE = 64
 
@@ -197,12 +197,12 @@ def _bucket_metadata(group: list[Tensor], block: int, small_numel: int) -> _Meta
     16-byte aligned, within ``_MAX_OFFSET`` elements of the first such tensor); ``table``: one int64
     word per program on the device, ``start << 24 | valid`` (``start``: the first element of its
     block, counted from the first fast tensor's address; ``valid``: how many of the block's ``block``
-    elements belong to the tensor). Cached by the tensors'
-    addresses and sizes (gradients keep their storage from step to step), so a step builds no table
-    and copies nothing to the device. Non-contiguous tensors are re-checked for density on every call.
-    On a miss the host builds 3 numbers per tensor and copies them without a sync (pinned memory,
-    ``non_blocking``); the per-program words are computed on the device (``searchsorted`` for each
-    program's tensor), so the cost does not grow with the number of elements.
+    elements belong to the tensor). Cached by the tensors' addresses and sizes (gradients keep their
+    storage from step to step), so a step builds no table and copies nothing to the device.
+    Non-contiguous tensors are re-checked for density on every call. On a miss the host builds 3
+    numbers per tensor and copies them without a sync (pinned memory, ``non_blocking``); the
+    per-program words are computed on the device (``searchsorted`` for each program's tensor), so the
+    cost does not grow with the number of elements.
     """
     ptrs = tuple(map(Tensor.data_ptr, group))
     sizes = tuple(map(Tensor.numel, group))
@@ -219,9 +219,9 @@ def _bucket_metadata(group: list[Tensor], block: int, small_numel: int) -> _Meta
     fast = [
         i
         for i, (ptr, numel, ok) in enumerate(zip(ptrs, sizes, dense))
-        if ok and numel > 0 and numel >= small_numel and ptr % 16 == 0
+        if ok and 0 < numel < _MAX_OFFSET and numel >= small_numel and ptr % 16 == 0
     ]
-    if fast:
+    if fast:  # the base tensor (offset 0, numel < _MAX_OFFSET) stays first
         base = ptrs[fast[0]]
         fast = [i for i in fast if -_MAX_OFFSET < (ptrs[i] - base) // elsize < _MAX_OFFSET - sizes[i]]
     if not fast:
