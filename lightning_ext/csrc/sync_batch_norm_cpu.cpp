@@ -28,9 +28,12 @@
 // tests/nn/test_sync_batch_norm.py). Work is split over channels (channels-first) or row blocks
 // (channels-last) with at::parallel_for.
 
-#include <torch/extension.h>
-
+// The three headers this file needs instead of <torch/extension.h> (all of libtorch's C++ API):
+// the first build compiles in ~26 s instead of ~39 s on 2 cores.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>

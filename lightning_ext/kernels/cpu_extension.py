@@ -97,7 +97,7 @@ def load(verbose: bool = False) -> ModuleType | None:
     """The compiled extension module, building it first if torch's cache does not hold this source.
 
     Args:
-        verbose: print the compiler's output (the first build takes about a minute on 2 cores).
+        verbose: print the compiler's output (the first build takes about 30 s on 2 cores).
 
     Returns:
         The module, or ``None`` when disabled by ``LIGHTNING_EXT_CPU_EXTENSION`` or when it cannot be
@@ -117,7 +117,7 @@ def load(verbose: bool = False) -> ModuleType | None:
                 from torch.utils.cpp_extension import load as _load
 
                 _clear_stale_lock()
-                # A first build stalls the first SyncBatchNorm forward for ~40 s: tell the user why.
+                # A first build stalls the first SyncBatchNorm forward for ~30 s: tell the user why.
                 announce = threading.Timer(ANNOUNCE_AFTER_SECONDS, _announce_build)
                 announce.daemon = True
                 announce.start()
