@@ -87,8 +87,8 @@ def _announce_build() -> None:
     from lightning.pytorch.utilities import rank_zero_info
 
     rank_zero_info(
-        f"lightning_ext: building the compiled CPU SyncBatchNorm kernels ({SOURCE.name}) once, about a "
-        "minute; torch caches it for later runs. `python -m lightning_ext.kernels.cpu_extension` "
+        f"lightning_ext: building the compiled CPU SyncBatchNorm kernels ({SOURCE.name}) once, about "
+        "30 s; torch caches it for later runs. `python -m lightning_ext.kernels.cpu_extension` "
         f"builds it ahead of time, {ENV_VAR}=0 skips it."
     )
 
@@ -128,8 +128,8 @@ def load(verbose: bool = False) -> ModuleType | None:
             except Exception as err:  # no compiler, no ninja, a read-only cache: Python path
                 warnings.warn(
                     f"lightning_ext: the compiled CPU SyncBatchNorm kernels could not be built or loaded "
-                    f"({type(err).__name__}: {err}); SyncBatchNorm uses its Python path on CPU (same "
-                    f"results, more host overhead per layer). Set {ENV_VAR}=0 to silence this.",
+                    f"({type(err).__name__}: {err}); SyncBatchNorm uses its pure-torch path on CPU "
+                    f"(results equal to rounding, slower per layer). Set {ENV_VAR}=0 to silence this.",
                     RuntimeWarning,
                     stacklevel=2,
                 )

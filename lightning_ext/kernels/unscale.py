@@ -319,8 +319,8 @@ def check_finite_triton(tensors: list[Tensor], device: torch.device, interpret: 
 
     Returns:
         float32 0-dim tensor on ``device``, 1.0 iff any element is inf or NaN. Reads each element
-        once (half the bytes of unscaling; 0.46-0.48x ATen's check at scale 1 on an H100,
-        ``benchmarks/bench_kernels.py``). No host sync.
+        once (half the bytes of unscaling; 0.46-0.48x ATen's check at scale 1 on an H100 with the
+        previous table layout, 2026-11-22, ``benchmarks/bench_kernels.py``). No host sync.
     """
     flags = [
         _multi_tensor_pass(by_dtype, None, dev, interpret, 0)
