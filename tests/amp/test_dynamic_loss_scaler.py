@@ -39,9 +39,10 @@ def _run_schedule(found_infs, init, **cfg):
     defaults.update(cfg)
 
     def state():
+        scale = torch.tensor(float(init))
         return [
-            torch.tensor(float(init)),
-            torch.tensor(math.log2(init), dtype=torch.float64),
+            scale,
+            torch.log2(scale.double()),  # as the scaler initializes it
             torch.tensor(0, dtype=torch.int32),
             torch.tensor(defaults["hysteresis"], dtype=torch.int32),
         ]
@@ -414,6 +415,35 @@ def test_load_grad_scaler_state_dict_and_log2_round_trip():
     copy_.load_state_dict(log2.state_dict())
     assert copy_.state_dict() == log2.state_dict() and copy_.schedule == "log2"
     assert log2.state_dict()["log2_scale"] == pytest.approx(16 + 3e-3 - 1)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "sgd-fused"])
+def test_counters_over_runs_of_overflows_and_clean_steps(fused):
+    """The counting writes only what changes: runs of overflows start from 0 again after a clean step."""
+    scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=100, telemetry=False)
+    poison = {1, 2, 3, 6, 9, 10}
+    expected_consecutive, run = [], 0
+    for step in range(12):
+        run = run + 1 if step in poison else 0
+        expected_consecutive.append(run)
+    seen = []
+    for step in range(12):
+        optimizer_fn = lambda p: torch.optim.SGD(p, lr=0.05, fused=fused)
+        _train(scaler, optimizer_fn, poison_steps={0} if step in poison else set(), steps=1)
+        seen.append(scaler.consecutive_overflows)
+        assert bool(scaler.last_step_skipped_tensor) == (step in poison) == scaler.last_step_skipped
+    assert seen == expected_consecutive
+    assert scaler.steps == 12 and scaler.skipped_steps == len(poison)
+    assert scaler.get_scale() == 2.0 ** (10 - len(poison))
+
+
+def test_load_state_dict_refuses_inconsistent_overflow_counters():
+    scaler = DynamicLossScaler(telemetry=False)
+    state = scaler.state_dict()
+    bad = dict(state, consecutive_overflows=2, last_step_skipped=False)
+    with pytest.raises(ValueError, match="consecutive_overflows=2 with last_step_skipped=False"):
+        scaler.load_state_dict(bad)
+    assert scaler.state_dict() == state  # nothing half-loaded
 
 
 # ------------------------------------------------------------------------------------------------
