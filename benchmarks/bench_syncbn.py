@@ -39,7 +39,7 @@ if str(HERE.parent) not in sys.path:
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import align_ranks, write_result  # noqa: E402
+from _common import align_ranks, rotated, write_result  # noqa: E402
 
 import lightning_ext.nn.sync_batch_norm as sbn  # noqa: E402
 from lightning_ext import shm_collectives  # noqa: E402
@@ -150,7 +150,7 @@ def _worker(rank: int, world_size: int, iters: int) -> list[dict]:
         times = {"ours": [], "local": [], "compute": [], "python": []}
         order = [("ours", ours), ("local", local), ("compute", compute_only), ("python", python)]
         for i in range(iters + 3):
-            for name, bn in order if i % 2 == 0 else order[::-1]:  # A B C D D C B A: no order bias
+            for name, bn in rotated(order, i):  # A B C D, B C D A, ...: no order bias
                 align_ranks()
                 start = time.perf_counter()
                 _step(bn, x, dy)
@@ -260,8 +260,8 @@ def main() -> None:
         f"CPU, {world_size} gloo ranks (1 thread each), per-rank shape and input dtype as given (bf16: "
         "float32 parameters, as under autocast), one layer's training "
         "step (forward + backward), median of "
-        f"{iters} interleaved steps on rank 0 (A B C D D C B A order); paired ratio = median over steps of "
-        "ours / local timed back to back. Target: ours <= 1.5x local ATen BatchNorm2d.",
+        f"{iters} interleaved steps on rank 0 (rotated order: A B C D, B C D A, ...); paired ratio = "
+        "median over steps of ours / local timed back to back. Target: ours <= 1.5x local ATen BatchNorm2d.",
         "",
         "| shape (N, C, H, W) | format | dtype | ours ms | local BatchNorm2d ms | ratio | paired ratio "
         "| ours without collectives ms | ours, pure-torch path ms | ours collectives/step | ours bytes/layer "
