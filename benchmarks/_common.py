@@ -60,15 +60,16 @@ def align_ranks() -> None:
         dist.barrier()
 
 
-def rotated(items: list, i: int) -> list:
-    """``items`` rotated left by ``i`` (A B C, B C A, C A B, ...): the order of interleaved run ``i``.
+def anchored_pairs(items: list) -> list[tuple]:
+    """One interleaved iteration: ``[a, b, c]`` -> ``[(a, b), (a, c)]``, run in that order (a b a c).
 
-    Over ``len(items)`` runs every entry takes every position once, and with three or more entries
-    none runs right after itself across a run boundary. A forward-then-reverse order (A B C C B A)
-    instead lets the outer entries follow their own previous step, whose code and data are still
-    warm in the caches, half the time and the middle ones never: in ``bench_loss_scaling.py`` on a
-    2-core machine "ours + telemetry" (more work, an outer entry) came out 1.5-6% faster than "ours"
-    (the middle one) on the SGD rows; rotated, the two are within 0.5%.
+    ``items[0]`` is the anchor (the implementation we compare against): it runs right before every
+    other entry, so each other entry always follows the anchor and the anchor always follows another
+    entry; no entry follows itself or a variant sharing its code, whose caches its own previous step
+    would have left warm. Pair each entry's time with the anchor run just before it (slow machine
+    drift cancels). A forward-then-reverse order (A B C C B A) instead let the outer entries follow
+    themselves half the time and the middle one never: in ``bench_loss_scaling.py`` on a 2-core
+    machine "ours + telemetry" (more work, an outer entry) came out 1.5-6% faster than "ours" (the
+    middle one) on the SGD rows.
     """
-    shift = i % len(items) if items else 0
-    return items[shift:] + items[:shift]
+    return [(items[0], other) for other in items[1:]]
