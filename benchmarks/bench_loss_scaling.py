@@ -5,7 +5,8 @@ magnitude, 1e-3 x N(0, 1) times the scale, so no denormals), same optimizer conf
 timed region per iteration: ``unscale_`` (one fused inf/NaN check + multiply) + ``step`` (including
 the skip decision) + ``update``. Gradients are refilled outside the timed region. Median of
 ``--iters`` iterations after warm-up, GradScaler running right before each other scaler step by
-step (G A G B ...); ratio = ours / GradScaler (< 1 means ours is faster).
+step (G A G B ...); ratio = ours / GradScaler (< 1 means ours is faster). A second GradScaler, timed
+the same way, is the A/A control: its paired ratio shows the noise floor of the run.
 
 Usage: ``python benchmarks/bench_loss_scaling.py [--iters 200] [--device cpu|cuda]``.
 """
@@ -135,6 +136,8 @@ def main() -> None:
         "GradScaler": lambda: torch.amp.GradScaler(DEVICE.type, init_scale=SCALE),
         "ours": lambda: DynamicLossScaler(init_scale=SCALE, telemetry=False),
         "ours + telemetry": lambda: DynamicLossScaler(init_scale=SCALE, telemetry=True),
+        # A/A control: a second GradScaler, timed like ours; its paired ratio is the noise floor.
+        "GradScaler #2": lambda: torch.amp.GradScaler(DEVICE.type, init_scale=SCALE),
     }
     rows = []
     for opt_name, opt_fn in optimizers.items():
@@ -143,7 +146,8 @@ def main() -> None:
         print(
             f"{opt_name:24s} GradScaler {ms['GradScaler']:7.2f} ms  ours {ms['ours']:7.2f} ms "
             f"({ms['ours'] / ms['GradScaler']:.2f}x, paired {ms['ours paired']:.3f}x)  "
-            f"ours+telemetry {ms['ours + telemetry']:7.2f} ms (paired {ms['ours + telemetry paired']:.3f}x)",
+            f"ours+telemetry {ms['ours + telemetry']:7.2f} ms (paired {ms['ours + telemetry paired']:.3f}x)  "
+            f"GradScaler #2 paired {ms['GradScaler #2 paired']:.3f}x",
             flush=True,
         )
 
@@ -156,16 +160,19 @@ def main() -> None:
         "them at scale 1. Non-fused: both run ATen's `_amp_foreach_non_finite_check_and_unscale_`.",
         "",
         "GradScaler runs right before each of ours, step by step (G A G B ...). Paired ratio: median "
-        "over iterations of ours / the GradScaler step timed right before it.",
+        "over iterations of ours / the GradScaler step timed right before it. A/A control: a second "
+        "GradScaler (own model and optimizer, like each of ours) timed the same way; how far its paired "
+        "ratio strays from 1 is the noise floor of the others.",
         "",
-        "| optimizer | GradScaler ms | ours ms | ratio | paired ratio | ours + telemetry ms | paired ratio |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| optimizer | GradScaler ms | ours ms | ratio | paired ratio | ours + telemetry ms | paired ratio "
+        "| A/A control paired ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for opt_name, ms in rows:
         g, o, t = ms["GradScaler"], ms["ours"], ms["ours + telemetry"]
         lines.append(
             f"| {opt_name} | {g:.2f} | {o:.2f} | {o / g:.3f}x | {ms['ours paired']:.3f}x | {t:.2f} | "
-            f"{ms['ours + telemetry paired']:.3f}x |"
+            f"{ms['ours + telemetry paired']:.3f}x | {ms['GradScaler #2 paired']:.3f}x |"
         )
     if DEVICE.type == "cuda":
         lines += [
