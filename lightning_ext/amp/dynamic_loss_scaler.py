@@ -476,6 +476,8 @@ class DynamicLossScaler:
             state[name] = torch.tensor(value, dtype=dtype)
         state["_per_optimizer_states"] = defaultdict(_new_optimizer_state)
         state["_backends"] = {}
+        # Derived from the configuration, so pickles of earlier versions (without it) load too.
+        state["_schedule_kwargs"] = {k: state["_config"][k] for k in _SCHEDULE_KEYS}
         self.__dict__.update(state)
 
     def _place(self, device: torch.device) -> None:

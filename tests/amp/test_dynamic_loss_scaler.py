@@ -507,6 +507,13 @@ def test_pickled_copy_is_independent_and_keeps_state():
     assert clone.state_dict() == scaler.state_dict()
     _train(clone, lambda p: torch.optim.SGD(p, lr=0.05), poison_steps={0}, steps=1)
     assert scaler.steps == 3 and clone.steps == 4
+    # A pickle of an earlier version, without the cached schedule arguments, loads and trains too.
+    state = scaler.__getstate__()
+    del state["_schedule_kwargs"]
+    old = DynamicLossScaler.__new__(DynamicLossScaler)
+    old.__setstate__(state)
+    _train(old, lambda p: torch.optim.SGD(p, lr=0.05), poison_steps={0}, steps=1)
+    assert old.steps == 4 and old.state_dict() == clone.state_dict()
 
 
 @pytest.mark.cuda
