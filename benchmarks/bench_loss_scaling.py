@@ -52,7 +52,8 @@ def _setup(scaler_fn: Callable[[], object], optimizer_fn: Callable) -> tuple:
     return params, grads, optimizer_fn(params), scaler
 
 
-def _one_step(params, grads, opt, scaler) -> float:
+def _one_step(params, grads, opt, scaler) -> tuple[float, float]:
+    """Seconds of the whole timed step, and host seconds of its ``update()`` call alone."""
     for p, g in zip(params, grads):
         if p.grad is None:
             p.grad = g.clone()
@@ -63,9 +64,11 @@ def _one_step(params, grads, opt, scaler) -> float:
     if not getattr(opt, "_step_supports_amp_scaling", False):
         scaler.unscale_(opt)
     scaler.step(opt)
+    before_update = time.perf_counter()
     scaler.update()
+    update = time.perf_counter() - before_update
     _sync()  # on CUDA: the device work of the step counts, not only its launch
-    return time.perf_counter() - start
+    return time.perf_counter() - start, update
 
 
 def _time(scaler_fns: dict[str, Callable], optimizer_fn: Callable, iters: int, warmup: int = 3) -> dict:
@@ -74,20 +77,24 @@ def _time(scaler_fns: dict[str, Callable], optimizer_fn: Callable, iters: int, w
     noise hits them alike and no scaler follows itself."""
     setups = {name: _setup(fn, optimizer_fn) for name, fn in scaler_fns.items()}
     times: dict[str, list[float]] = {name: [] for name in setups}
+    updates: dict[str, list[float]] = {name: [] for name in setups}
     ratios: dict[str, list[float]] = {name: [] for name in setups}
     for i in range(warmup + iters):
         for anchor, name in anchored_pairs(list(setups)):
-            before = _one_step(*setups[anchor])
-            elapsed = _one_step(*setups[name])
+            before, anchor_update = _one_step(*setups[anchor])
+            elapsed, update = _one_step(*setups[name])
             if i >= warmup:
                 times[anchor].append(before)
                 times[name].append(elapsed)
+                updates[anchor].append(anchor_update)
+                updates[name].append(update)
                 ratios[name].append(elapsed / before)
     for name, (_, _, _, scaler) in setups.items():
         assert scaler.get_scale() == SCALE, f"{name}: no step may overflow in this benchmark"
     out = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     for name, r in ratios.items():
         out[f"{name} paired"] = statistics.median(r) if r else 1.0
+        out[f"{name} update us"] = statistics.median(updates[name]) * 1e6
     return out
 
 
@@ -147,7 +154,8 @@ def main() -> None:
             f"{opt_name:24s} GradScaler {ms['GradScaler']:7.2f} ms  ours {ms['ours']:7.2f} ms "
             f"({ms['ours'] / ms['GradScaler']:.2f}x, paired {ms['ours paired']:.3f}x)  "
             f"ours+telemetry {ms['ours + telemetry']:7.2f} ms (paired {ms['ours + telemetry paired']:.3f}x)  "
-            f"GradScaler #2 paired {ms['GradScaler #2 paired']:.3f}x",
+            f"GradScaler #2 paired {ms['GradScaler #2 paired']:.3f}x  update() GradScaler "
+            f"{ms['GradScaler update us']:.0f} us, ours {ms['ours update us']:.0f} us",
             flush=True,
         )
 
@@ -162,17 +170,19 @@ def main() -> None:
         "GradScaler runs right before each of ours, step by step (G A G B ...). Paired ratio: median "
         "over iterations of ours / the GradScaler step timed right before it. A/A control: a second "
         "GradScaler (own model and optimizer, like each of ours) timed the same way; how far its paired "
-        "ratio strays from 1 is the noise floor of the others.",
+        "ratio strays from 1 is the noise floor of the others. update(): host time of that call alone, "
+        "median.",
         "",
         "| optimizer | GradScaler ms | ours ms | ratio | paired ratio | ours + telemetry ms | paired ratio "
-        "| A/A control paired ratio |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| A/A control paired ratio | GradScaler update() µs | ours update() µs |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for opt_name, ms in rows:
         g, o, t = ms["GradScaler"], ms["ours"], ms["ours + telemetry"]
         lines.append(
             f"| {opt_name} | {g:.2f} | {o:.2f} | {o / g:.3f}x | {ms['ours paired']:.3f}x | {t:.2f} | "
-            f"{ms['ours + telemetry paired']:.3f}x | {ms['GradScaler #2 paired']:.3f}x |"
+            f"{ms['ours + telemetry paired']:.3f}x | {ms['GradScaler #2 paired']:.3f}x | "
+            f"{ms['GradScaler update us']:.0f} | {ms['ours update us']:.0f} |"
         )
     if DEVICE.type == "cuda":
         lines += [

@@ -191,9 +191,10 @@ def _update_scale_on_host_(
     less than the ~20 small tensor ops of the device path. Only the tensors whose value changes are
     written: after a large optimizer step every distinct small op pays a cold-cache penalty of
     ~5-25 us on CPU, so a clean step that neither grows nor backs off writes one tracker instead of
-    four tensors (measured after an 11M-parameter SGD step, 2 cores: the whole ``update()`` 0.17-0.23
-    ms before this, GradScaler's fused one-op update 0.04 ms). The arithmetic mirrors the device
-    path bit for bit: float32 products and comparisons as ATen rounds them (``np.float32``), the
+    four tensors (``benchmarks/bench_loss_scaling.py``, after 11M-parameter steps on 2 cores: the
+    whole ``update()`` 125-166 us and GradScaler's one-op update 42-72 us in the same run; 191-245 us
+    in the same harness when every tensor was written). The arithmetic mirrors the device path bit
+    for bit: float32 products and comparisons as ATen rounds them (``np.float32``), the
     transcendental ``log2``/``exp2`` still by torch; ``log2_scale`` must hold ``log2(scale)`` on entry
     for ``"exponential"`` (the scaler keeps it so). ``tests/amp`` checks the equality on random
     overflow sequences.
