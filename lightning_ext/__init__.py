@@ -3,9 +3,10 @@
 Subpackages (imported lazily so ``import lightning_ext`` stays cheap):
 
 - :mod:`lightning_ext.stats` — ``report()`` / ``Collector``: distributed training statistics.
-- :mod:`lightning_ext.amp` — ``DynamicLossScaler``: GradScaler-compatible dynamic loss scaling.
+- :mod:`lightning_ext.amp` — ``DynamicLossScaler``: a ``torch.amp.GradScaler`` with more schedules.
 - :mod:`lightning_ext.nn` — ``SyncBatchNorm`` for every backend, with lossless convert/revert.
-- :mod:`lightning_ext.kernels` — kernel-backend registry (reference, Triton).
+- :mod:`lightning_ext.kernels` — the kernel-backend registry (reference, cpu, triton).
+- :mod:`lightning_ext.distributed` — process-group helpers and the one ``all_reduce_``.
 - :mod:`lightning_ext.callbacks` / :mod:`lightning_ext.plugins` — the Lightning adapters.
 """
 
@@ -15,7 +16,19 @@ from typing import Any
 __version__ = "0.1.0"
 
 _SUBMODULES = ("amp", "callbacks", "distributed", "examples", "kernels", "nn", "plugins", "stats")
-__all__ = ["__version__", *_SUBMODULES]
+__all__ = ["__version__", "reset", *_SUBMODULES]
+
+
+def reset() -> None:
+    """Clear every process-wide cache: pending statistics and collectors (:func:`lightning_ext.stats.reset`),
+    the kernel-backend selection (:func:`lightning_ext.kernels.reset`) and the shared-memory segments
+    (:func:`lightning_ext.distributed.reset`). For notebooks and tests that run several jobs in one
+    process; local, no collective (a later reduction sets its segment up again: call it on every rank)."""
+    from lightning_ext import distributed, kernels, stats
+
+    stats.reset()
+    kernels.reset()
+    distributed.reset()
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,4 @@
-"""lightning_ext.amp: dynamic loss scaling for fp16 training and NaN/Inf step skipping (torch only)."""
+"""lightning_ext.amp: dynamic loss scaling (a ``torch.amp.GradScaler`` subclass) and schedules. Pure torch."""
 
 from lightning_ext.amp.dynamic_loss_scaler import DynamicLossScaler
 

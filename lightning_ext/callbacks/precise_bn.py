@@ -14,9 +14,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
-from lightning_ext import shm_collectives
 from lightning_ext.callbacks.hook_base import HookBase
-from lightning_ext.distributed import collective_device, get_world_size, is_distributed
+from lightning_ext.distributed import all_reduce_, collective_device, get_world_size, is_distributed
 
 __all__ = ["PreciseBN", "merge_batch_statistics", "update_bn_stats"]
 
@@ -70,7 +69,7 @@ def _agree_has_batch(has_batch: bool) -> bool:
     if get_world_size() <= 1:
         return has_batch
     flag = torch.tensor([1.0 if has_batch else 0.0], device=collective_device())
-    shm_collectives.all_reduce(flag, op=dist.ReduceOp.MIN)
+    all_reduce_(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
 
@@ -180,7 +179,7 @@ def _write_population_stats(
             groups.setdefault(getattr(layer, "process_group", None), []).append(i)
     for group, indices in groups.items():
         packed = torch.stack([count_tensors[i] for i in indices]).to(collective_device(group))
-        shm_collectives.all_reduce(packed, group=group)
+        all_reduce_(packed, group=group)
         for row, i in zip(packed.cpu(), indices):
             count_tensors[i] = row
     for i, layer in enumerate(layers):

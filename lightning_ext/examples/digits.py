@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import RichProgressBar
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
@@ -346,7 +348,13 @@ def build_trainer(args: argparse.Namespace, run_dir: Path) -> tuple[L.Trainer, d
     # bf16-mixed and 32-true need no loss scaling: the plugin's default scaler then only skips
     # non-finite steps.
     scaler = (
-        DynamicLossScaler(init_scale=2.0**20, schedule="log2", log2_increment=0.02, log2_decrement=1.0)
+        DynamicLossScaler(
+            "cuda" if args.accelerator == "gpu" else "cpu",
+            init_scale=2.0**20,
+            schedule="log2",
+            log2_increment=0.02,
+            log2_decrement=1.0,
+        )
         if args.precision == "16-mixed"
         else None
     )
@@ -366,6 +374,7 @@ def build_trainer(args: argparse.Namespace, run_dir: Path) -> tuple[L.Trainer, d
     callbacks.append(
         ModelCheckpoint(dirpath=run_dir / "checkpoints", monitor="Accuracy/val", mode="max", save_last=True)
     )
+    callbacks.append(ProgressBar())
     plugins: list[Any] = [features["precision"]]
     if not args.no_sync_batchnorm and args.devices > 1:
         plugins.append(SyncBatchNormPlugin())
@@ -401,8 +410,27 @@ def _print_table(stats: Any, accuracy: float, console: Any) -> None:
     console.print(f"Validation accuracy: [bold]{accuracy:.4f}[/bold]")
 
 
+def quiet_dependency_warnings() -> None:
+    """Filter the warnings that come from dependencies and that a user of this job cannot act on."""
+    # Lightning's model summary knows no mixed precision (its own MixedPrecision warns alike).
+    warnings.filterwarnings("ignore", message=r"Precision .* is not supported by the model summary")
+    # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+
+
+class ProgressBar(RichProgressBar):
+    """Lightning's rich progress bar without the logger version (``v_num``), meaningless here."""
+
+    @override
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the main job; returns the process exit status (0, or 1 when accuracy < ``--min-accuracy``)."""
+    quiet_dependency_warnings()
     args = parse_args(argv)
     L.seed_everything(args.seed, workers=True)
     run_dir = Path(args.root) / args.name
@@ -411,17 +439,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = DigitsModule(lr=args.lr, width=args.width)
     trainer, features = build_trainer(args, run_dir)
     trainer.fit(model, datamodule=datamodule, ckpt_path=args.resume)
-    # PreciseBN recomputed the BatchNorm statistics at the end of training: validate once more
-    # so the reported accuracy is that of the final model.
-    trainer.validate(model, datamodule=datamodule, verbose=False)
+    # The last validation ran after PreciseBN's last update (it runs after an epoch's last batch):
+    # its accuracy is the final model's. A resumed run that trained nothing validates once.
+    if "Accuracy/val" not in trainer.callback_metrics:
+        trainer.validate(model, datamodule=datamodule, verbose=False)
     accuracy = float(trainer.callback_metrics["Accuracy/val"])
     if trainer.is_global_zero:
         from rich.console import Console
 
         console = Console()
-        _print_table(features["stats"], accuracy, console)
-        if features["timer"].summary:
-            console.print(features["timer"].summary)
+        _print_table(features["stats"], accuracy, console)  # IterationTimer logged its speed summary
         if not args.no_plot:
             png = plot_summary(run_dir / "metrics.csv", run_dir / "summary.png")
             console.print(f"Summary figure: {png}")

@@ -3,7 +3,7 @@
 Used by :func:`lightning_ext.stats.report`: ``acc = [count, sum(x - shift), sum((x - shift)^2), min, max]``.
 Subtracting a shift close to the data (the first value seen) before summing squares keeps the
 variance accurate (Chan, Golub & LeVeque 1983, "shifted data"). The Triton kernel does it in one
-launch with float64 atomics.
+launch with float64 atomics; the ``cpu`` backend's compiled kernel in one pass.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_ext.kernels._triton import HAS_TRITON, cdiv, kernel, sm_count, tl
+from lightning_ext.kernels._triton import HAS_TRITON, cdiv, sm_count, tl, triton
 
 __all__ = ["accumulate_moments_reference", "accumulate_moments_triton"]
 
@@ -20,7 +20,10 @@ __all__ = ["accumulate_moments_reference", "accumulate_moments_triton"]
 
 
 def accumulate_moments_reference(acc: Tensor, x: Tensor, shift: Tensor) -> None:
-    """float64 copy, shifted sum and dot product (BLAS), ``aminmax``; five in-place updates of ``acc``."""
+    """float64 copy, shifted sum and dot product (BLAS), ``aminmax``; in-place updates of ``acc``.
+
+    ``aminmax`` propagates NaN into the extremes, as the contract asks.
+    """
     # Out of place: for float64 ``x``, ``.to(float64)`` aliases ``x`` and ``sub_`` would modify it.
     xd = x.reshape(-1).to(torch.float64) - shift
     mn, mx = torch.aminmax(x.reshape(-1))
@@ -34,6 +37,7 @@ def accumulate_moments_reference(acc: Tensor, x: Tensor, shift: Tensor) -> None:
 
 if HAS_TRITON:
 
+    @triton.jit
     def _moments_kernel(
         x_ptr,  # x: (numel,) contiguous, any real dtype
         acc_ptr,  # acc: (5,) fp64 [count, sum(x - shift), sum((x - shift)^2), min, max], updated in place
@@ -77,18 +81,17 @@ if HAS_TRITON:
 # ---------------------------------------------------------------------------- launcher
 
 
-def accumulate_moments_triton(acc: Tensor, x: Tensor, shift: Tensor, interpret: bool = False) -> None:
+def accumulate_moments_triton(acc: Tensor, x: Tensor, shift: Tensor) -> None:
     """Launcher: ONE kernel launch of at most 4 programs per multiprocessor; float64 atomics combine
     the programs' partial sums and extremes.
 
-    Non-contiguous ``x`` is flattened with a copy first. NaN in ``x`` makes the sums NaN; min/max
-    follow the hardware atomics (NaN is not guaranteed to propagate there).
+    Non-contiguous ``x`` is flattened with a copy first. NaN in ``x`` makes the sums NaN; the
+    extremes are then set to NaN by one more op, since float atomics need not propagate NaN.
     """
     x = x.reshape(-1)
+    interpret = x.is_cpu  # Triton's interpreter: few, large programs
     block = 4096 if interpret else 1024
     blocks = cdiv(x.numel(), block)
-    if interpret:
-        programs = min(blocks, 3)
-    else:
-        programs = min(blocks, 4 * sm_count(x.device))
-    kernel(_moments_kernel, interpret)[(programs,)](x, acc, shift, x.numel(), blocks, BLOCK=block)
+    programs = min(blocks, 3 if interpret else 4 * sm_count(x.device))
+    _moments_kernel[(programs,)](x, acc, shift, x.numel(), blocks, BLOCK=block)
+    acc[3:].masked_fill_(torch.isnan(acc[2]), float("nan"))

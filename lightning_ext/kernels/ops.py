@@ -1,9 +1,9 @@
 """``torch.library`` custom ops (namespace ``lightning_ext``) so ``torch.compile`` traces every kernel op.
 
-Eager calls go straight to the backend (no dispatcher overhead); while ``torch.compile`` traces,
-:class:`~lightning_ext.kernels.backend.KernelBackend` calls these ops instead, which appear in the
-graph as single nodes with the fake (meta) implementations below giving output shapes, dtypes and
-strides. The last argument, ``backend``, is the key of the backend instance that runs the op.
+Eager calls go straight to the backend; while ``torch.compile`` traces,
+:meth:`~lightning_ext.kernels.KernelBackend._call` calls these ops instead, which appear in the graph
+as single nodes whose fake (meta) implementations give output shapes, dtypes and strides. The last
+argument, ``backend``, is the key of the backend instance that runs the op.
 """
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_ext.kernels.backend import _LIVE, KernelBackend, _stat_dtype
+from lightning_ext.kernels.backend import _LIVE, KernelBackend, stat_dtype
 
 __all__ = [
     "accumulate_moments_",
     "batch_norm_backward_elemt",
     "batch_norm_backward_reduce",
     "batch_norm_elemt",
-    "batch_norm_stats",
+    "batch_norm_moments",
+    "check_finite",
     "unscale_and_check_",
 ]
 
@@ -32,19 +33,15 @@ def _backend(key: str, device: torch.device) -> KernelBackend:
     return backend
 
 
-def _stats_like(x: Tensor) -> Tensor:
-    return x.new_empty((x.shape[1],), dtype=_stat_dtype(x))
+@torch.library.custom_op("lightning_ext::batch_norm_moments", mutates_args=())
+def batch_norm_moments(x: Tensor, shift: Tensor, backend: str) -> Tensor:
+    """Custom-op form of :meth:`KernelBackend.batch_norm_moments`."""
+    return _backend(backend, x.device)._batch_norm_moments(x, shift)
 
 
-@torch.library.custom_op("lightning_ext::batch_norm_stats", mutates_args=())
-def batch_norm_stats(x: Tensor, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    """Custom-op form of :meth:`KernelBackend.batch_norm_stats`."""
-    return _backend(backend, x.device)._batch_norm_stats(x)
-
-
-@batch_norm_stats.register_fake
-def _(x: Tensor, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    return _stats_like(x), _stats_like(x), _stats_like(x)
+@batch_norm_moments.register_fake
+def _(x, shift, backend):
+    return x.new_empty((2 * x.shape[1] + 1,), dtype=torch.float64)
 
 
 @torch.library.custom_op("lightning_ext::batch_norm_elemt", mutates_args=())
@@ -61,16 +58,14 @@ def _(x, mean, invstd, weight, bias, backend):
 
 
 @torch.library.custom_op("lightning_ext::batch_norm_backward_reduce", mutates_args=())
-def batch_norm_backward_reduce(
-    dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, backend: str
-) -> tuple[Tensor, Tensor]:
+def batch_norm_backward_reduce(dy: Tensor, x: Tensor, mean: Tensor, backend: str) -> Tensor:
     """Custom-op form of :meth:`KernelBackend.batch_norm_backward_reduce`."""
-    return _backend(backend, x.device)._batch_norm_backward_reduce(dy, x, mean, invstd)
+    return _backend(backend, x.device)._batch_norm_backward_reduce(dy, x, mean)
 
 
 @batch_norm_backward_reduce.register_fake
-def _(dy, x, mean, invstd, backend):
-    return _stats_like(x), _stats_like(x)
+def _(dy, x, mean, backend):
+    return x.new_empty((2 * x.shape[1],), dtype=stat_dtype(x))
 
 
 @torch.library.custom_op("lightning_ext::batch_norm_backward_elemt", mutates_args=())
@@ -80,32 +75,39 @@ def batch_norm_backward_elemt(
     mean: Tensor,
     invstd: Tensor,
     weight: Tensor | None,
-    sum_dy: Tensor,
-    sum_dy_xmu: Tensor,
+    sums: Tensor,
     count: Tensor,
     backend: str,
 ) -> Tensor:
     """Custom-op form of :meth:`KernelBackend.batch_norm_backward_elemt`."""
-    return _backend(backend, x.device)._batch_norm_backward_elemt(
-        dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count.contiguous()
-    )
+    return _backend(backend, x.device)._batch_norm_backward_elemt(dy, x, mean, invstd, weight, sums, count)
 
 
 @batch_norm_backward_elemt.register_fake
-def _(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count, backend):
+def _(dy, x, mean, invstd, weight, sums, count, backend):
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("lightning_ext::unscale_and_check_", mutates_args=("tensors",))
 def unscale_and_check_(tensors: list[Tensor], inv_scale: Tensor, backend: str) -> Tensor:
     """Custom-op form of :meth:`KernelBackend.unscale_and_check_` (mutates ``tensors``)."""
-    found = _backend(backend, inv_scale.device)._unscale_and_check_(tensors, inv_scale)
-    return found.clone()
+    return _backend(backend, inv_scale.device)._unscale_and_check_(tensors, inv_scale).clone()
 
 
 @unscale_and_check_.register_fake
 def _(tensors, inv_scale, backend):
     return inv_scale.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("lightning_ext::check_finite", mutates_args=())
+def check_finite(tensors: list[Tensor], device: torch.device, backend: str) -> Tensor:
+    """Custom-op form of :meth:`KernelBackend.check_finite`."""
+    return _backend(backend, device)._check_finite(tensors, device).clone()
+
+
+@check_finite.register_fake
+def _(tensors, device, backend):
+    return torch.empty((), dtype=torch.float32, device=device)
 
 
 @torch.library.custom_op("lightning_ext::accumulate_moments_", mutates_args=("acc",))

@@ -4,14 +4,15 @@ Selection for a device (after Liger-Kernel's ``ops/backends/registry.py``):
 
 1. an explicit ``name`` argument, else
 2. the ``LIGHTNING_EXT_KERNELS`` environment variable (``""`` or ``"auto"`` mean automatic), else
-3. automatic: the highest-priority registered backend that supports the device type and loads.
+3. automatic: the highest-priority registered backend that supports the device type and loads
+   (``triton`` 10 on CUDA, ``cpu`` 5 on CPU, ``reference`` 0 everywhere).
 
 An explicitly requested backend that is unknown, does not support the device or fails to load raises
 (``ValueError`` / ``RuntimeError``) naming the registered backends. An automatically selected backend
 that fails to load is skipped — in the end ``reference`` serves — with ONE ``RuntimeWarning`` per
 process. Factories run lazily on first use, once per process; the resolved backend is cached per
-(requested name, device type). Third-party packages add backends through the ``lightning_ext.kernels``
-entry-point group, read once on first use (see the package docstring).
+(requested name, device type) and cleared by :func:`reset`. Third-party packages add backends through
+the ``lightning_ext.kernels`` entry-point group, read once on first use (see the package docstring).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
     "available_backends",
     "get_backend",
     "register_backend",
+    "reset",
 ]
 
 ENV_VAR = "LIGHTNING_EXT_KERNELS"  # environment variable naming the backend to use
@@ -206,6 +208,69 @@ def _instantiate(entry: BackendEntry) -> KernelBackend:
     return backend
 
 
+def _as_device(device: torch.device | str | int | None) -> torch.device:
+    if device is None:
+        return torch.get_default_device()
+    if isinstance(device, torch.device):
+        return device
+    if not isinstance(device, str | int):
+        raise TypeError(f"`device` must be a torch.device, str or None, got {device!r}")
+    return torch.device(device)
+
+
+def _explicit(name: str, device: torch.device, source: str) -> KernelBackend:
+    """The backend ``name`` asked for by ``source``; raises when it is unknown, elsewhere or broken."""
+    registered = sorted(_entries)
+    entry = _entries.get(name)
+    if entry is None:
+        raise ValueError(
+            f"unknown kernel backend {name!r} (from {source}); registered backends: {registered}"
+        )
+    try:
+        backend = _instantiate(entry)
+    except Exception as exc:
+        raise RuntimeError(
+            f"kernel backend {name!r} (from {source}) failed to load: {exc!r}; "
+            f"registered backends: {registered}"
+        ) from exc
+    # Named explicitly, a backend also serves a device it supports beyond its registration (Triton's
+    # interpreter on CPU tensors).
+    if device.type not in entry.devices and not backend.supports(device.type):
+        raise ValueError(
+            f"kernel backend {name!r} (from {source}) supports devices {entry.devices}, not "
+            f"{device.type!r}; registered backends: {registered}"
+        )
+    return backend
+
+
+def _automatic(device: torch.device) -> KernelBackend:
+    """The highest-priority backend for ``device`` that loads (``reference`` last); one warning per
+    process when a preferred one fails to load."""
+    global _fallback_warned
+    candidates = sorted(
+        (e for e in _entries.values() if device.type in e.devices and e.name != "reference"),
+        key=lambda e: (-e.priority, e.name),
+    )
+    failed = []
+    for entry in [*candidates, _entries["reference"]]:
+        try:
+            backend = _instantiate(entry)
+        except Exception as exc:
+            failed.append(f"{entry.name!r} ({exc!r})")
+            continue
+        if failed and not _fallback_warned:
+            _fallback_warned = True
+            warnings.warn(
+                f"lightning_ext: kernel backend(s) {', '.join(failed)} failed to load for device "
+                f"{device.type!r}; using {backend.name!r} instead (warned once per process). "
+                f"HINT: set {ENV_VAR}={backend.name} to silence this.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return backend
+    raise RuntimeError(f"no kernel backend loads for {device.type!r}: {failed}")  # reference always does
+
+
 def get_backend(name: str | None = None, device: torch.device | str | None = None) -> KernelBackend:
     """The kernel backend to use for tensors on ``device``.
 
@@ -223,23 +288,17 @@ def get_backend(name: str | None = None, device: torch.device | str | None = Non
         TypeError: ``name`` not a string or ``device`` not a device.
 
     Warns:
-        RuntimeWarning: once per process, when an automatically selected backend fails to load and a
-            lower-priority one (in the end ``reference``) is used instead.
+        RuntimeWarning: once per process, when an automatically selected backend fails to load and
+            ``reference`` is used instead.
 
     Example::
 
         >>> get_backend("reference", device="cpu").name
         'reference'
     """
-    global _fallback_warned
     if name is not None and not isinstance(name, str):
         raise TypeError(f"`name` must be a backend name (str) or None, got {name!r}")
-    if device is None:
-        device = torch.get_default_device()
-    elif not isinstance(device, torch.device):
-        if not isinstance(device, str | int):
-            raise TypeError(f"`device` must be a torch.device, str or None, got {device!r}")
-        device = torch.device(device)
+    device = _as_device(device)
     source = "argument `name`"
     if name is None:
         env = os.environ.get(ENV_VAR, "").strip()
@@ -251,63 +310,16 @@ def get_backend(name: str | None = None, device: torch.device | str | None = Non
         return cached
     _load_entry_points()
     with _lock:
-        registered = sorted(_entries)
-        if name is not None:
-            entry = _entries.get(name)
-            if entry is None:
-                raise ValueError(
-                    f"unknown kernel backend {name!r} (from {source}); registered backends: {registered}"
-                )
-            if device.type not in entry.devices:
-                hint = ""
-                if name == "triton" and device.type == "cpu":
-                    hint = (
-                        " HINT: on CPU, build `TritonBackend(interpret=True)` from "
-                        "lightning_ext.kernels.triton_backend (Triton's interpreter) explicitly."
-                    )
-                raise ValueError(
-                    f"kernel backend {name!r} (from {source}) supports devices {entry.devices}, "
-                    f"not {device.type!r}; registered backends: {registered}.{hint}"
-                )
-            try:
-                backend = _instantiate(entry)
-            except Exception as exc:
-                raise RuntimeError(
-                    f"kernel backend {name!r} (from {source}) failed to load: {exc!r}; "
-                    f"registered backends: {registered}"
-                ) from exc
-        else:
-            candidates = sorted(
-                (e for e in _entries.values() if device.type in e.devices),
-                key=lambda e: (-e.priority, e.name != "reference", e.name),
-            )
-            if "reference" not in [e.name for e in candidates]:
-                candidates.append(_entries["reference"])
-            failed = []
-            backend = None
-            for entry in candidates:
-                try:
-                    backend = _instantiate(entry)
-                    break
-                except Exception as exc:
-                    failed.append(f"{entry.name!r} ({exc!r})")
-            if backend is None:  # pragma: no cover - reference cannot fail to build
-                raise RuntimeError(f"no kernel backend loads for {device.type!r}: {failed}")
-            if failed and not _fallback_warned:
-                _fallback_warned = True
-                warnings.warn(
-                    f"lightning_ext: kernel backend(s) {', '.join(failed)} failed to load for device "
-                    f"{device.type!r}; using {backend.name!r} instead (warned once per process). "
-                    f"HINT: set {ENV_VAR}={backend.name} to silence this.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+        backend = _automatic(device) if name is None else _explicit(name, device, source)
         _cache[key] = backend
         return backend
 
 
-def _reset_for_tests() -> None:
-    """Forget loaded backends, failures, the cache and the fallback warning (tests only)."""
+def reset() -> None:
+    """Forget loaded backends, failures, the selection cache and the fallback warning.
+
+    The next :func:`get_backend` resolves (and builds) backends again. Registrations stay.
+    """
     global _fallback_warned
     with _lock:
         _instances.clear()
@@ -322,14 +334,18 @@ def _make_reference() -> KernelBackend:
     return ReferenceBackend()
 
 
+def _make_cpu() -> KernelBackend:
+    from lightning_ext.kernels.cpu import CpuBackend
+
+    return CpuBackend()
+
+
 def _make_triton() -> KernelBackend:
     from lightning_ext.kernels.triton_backend import TritonBackend
 
     return TritonBackend()
 
 
-# Built-in backends. A C++/CUDA extension backend would register here as
-# `register_backend("cuda", _make_cuda, devices=("cuda",), priority=20)` with a factory that
-# JIT-builds / imports the extension (torch.utils.cpp_extension.load) and raises when it cannot.
 register_backend("reference", _make_reference, devices=("cpu", "cuda", "mps", "xpu", "meta"), priority=0)
+register_backend("cpu", _make_cpu, devices=("cpu",), priority=5)
 register_backend("triton", _make_triton, devices=("cuda",), priority=10)

@@ -1,125 +1,55 @@
-"""Fused gradient unscaling with an inf/NaN check: ``unscale_and_check_``.
+"""Fused gradient unscaling with an inf/NaN check: ``unscale_and_check_`` and ``check_finite``.
 
 Reference: ATen's ``_amp_foreach_non_finite_check_and_unscale_`` (what ``torch.amp.GradScaler``
-uses), one call per (device, dtype) bucket. The Triton kernel does the same in one launch per bucket:
-it reads each element once, writes it scaled, and raises a device-side flag; ``check_finite_triton``
-runs it read-only for fused optimizers.
+uses). The Triton kernel does the same in one launch per dtype: it reads each element once, writes it
+scaled and raises a device-side flag; with its stores off it is the read-only ``check_finite``.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 from torch import Tensor
 
-from lightning_ext.kernels._triton import HAS_TRITON, kernel, tl, tl_dtype
+from lightning_ext.kernels._triton import HAS_TRITON, tl, tl_dtype, triton
 
 __all__ = [
-    "bucket_by_device_and_dtype",
     "check_finite_reference",
     "check_finite_triton",
-    "combine_found_inf",
     "unscale_and_check_reference",
     "unscale_and_check_triton",
 ]
 
 
-def bucket_by_device_and_dtype(tensors: list[Tensor]) -> dict[torch.device, dict[torch.dtype, list[Tensor]]]:
-    """Group ``tensors`` by device, then dtype, keeping their order (no copies).
-
-    Uses torch's C++ grouping (what ``torch.optim``'s foreach paths use), ~1.5x faster than a
-    Python loop for a few dozen tensors.
-    """
-    buckets: dict[torch.device, dict[torch.dtype, list[Tensor]]] = defaultdict(dict)
-    if not tensors:
-        return buckets
-    grouped = torch._C._group_tensors_by_device_and_dtype([list(tensors)], False)
-    for (device, dtype), (lists, _) in grouped.items():
-        buckets[device][dtype] = lists[0]
-    return buckets
-
-
-def combine_found_inf(flags: list[Tensor], device: torch.device) -> Tensor:
-    """Combine per-device float32 0-dim flags into one on ``device`` (``non_blocking`` copies, no sync)."""
-    if len(flags) == 1 and flags[0].device == device:
-        return flags[0]
-    if not flags:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    moved = [f.to(device, non_blocking=True) for f in flags]
-    return torch.stack(moved).amax()
+def _by_dtype(tensors: list[Tensor]) -> dict[torch.dtype, list[Tensor]]:
+    groups: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return groups
 
 
 # ---------------------------------------------------------------------------- reference (pure torch)
 
 
 def unscale_and_check_reference(tensors: list[Tensor], inv_scale: Tensor) -> Tensor:
-    """One ``_amp_foreach_non_finite_check_and_unscale_`` per (device, dtype) bucket (one in all
-    on CPU, whose kernel takes mixed dtypes)."""
-    if inv_scale.is_cpu and all(t.is_cpu for t in tensors):
-        found = torch.zeros((), dtype=torch.float32)
-        if tensors:
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv_scale)
-        return found
-    flags = []
-    for device, by_dtype in bucket_by_device_and_dtype(tensors).items():
-        found = torch.zeros((), dtype=torch.float32, device=device)
-        inv = inv_scale if inv_scale.device == device else inv_scale.to(device, non_blocking=True)
-        for group in by_dtype.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
-        flags.append(found)
-    return combine_found_inf(flags, inv_scale.device)
+    """ATen's multi-tensor op: one call on CPU (its kernel takes mixed dtypes), one per dtype elsewhere."""
+    found = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
+    groups = [tensors] if inv_scale.is_cpu else list(_by_dtype(tensors).values())
+    for group in groups:
+        if group:
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale)
+    return found
 
 
-_CPU_ONE: Tensor | None = None
+def check_finite_reference(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """Read-only: one ``aminmax`` per non-empty tensor (NaN propagates into the extremes, inf is one).
 
-
-def _cpu_one() -> Tensor:
-    """A float32 0-dim CPU tensor holding 1.0, made once (only ever read, as the unscale factor)."""
-    global _CPU_ONE
-    if _CPU_ONE is None:
-        _CPU_ONE = torch.ones((), dtype=torch.float32)
-    return _CPU_ONE
-
-
-def check_finite_reference(tensors: list[Tensor], device: torch.device, small_numel: int = 1 << 16) -> Tensor:
-    """``found_inf`` of ``tensors`` without writing them: what fused optimizers need before their step.
-
-    GradScaler checks gradients for fused optimizers with the same multiply-and-check op as
-    ``unscale_``, at scale 1, which rewrites every gradient. On CPU, tensors of at least
-    ``small_numel`` elements are instead checked with one read-only ``aminmax`` each (NaN
-    propagates into min/max, inf shows as an infinite extreme; ``benchmarks/bench_kernels.py`` times
-    it against GradScaler's check); smaller ones, where one op per tensor would cost more than the
-    writes, and other devices go through the multi-tensor op at scale 1 (multiplying by 1 leaves
-    every value bitwise unchanged). Returns float32 0-dim on ``device``, 1.0 iff any inf/NaN. No host sync.
+    GradScaler checks for fused optimizers with its multiply-and-check op at scale 1, which writes
+    every tensor: it fails on overlapping (expanded) tensors and, on CPU, rewrites bfloat16 NaNs' bits.
     """
-    if device.type == "cpu" and all(t.is_cpu and t.numel() < small_numel for t in tensors):
-        # The common CPU case in one op: ATen's CPU kernel takes tensors of mixed dtypes.
-        found = torch.zeros((), dtype=torch.float32)
-        if tensors:
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, _cpu_one())
-        return found
-    flags = []
-    one = torch.ones((), dtype=torch.float32, device=device)
-    for dev, by_dtype in bucket_by_device_and_dtype(tensors).items():
-        found = torch.zeros((), dtype=torch.float32, device=dev)
-        inv = one if dev == device else one.to(dev, non_blocking=True)
-        extremes: list[Tensor] = []
-        for group in by_dtype.values():
-            if dev.type == "cpu":
-                small = [t for t in group if t.numel() < small_numel]
-                for t in group:
-                    if t.numel() >= small_numel:
-                        extremes.extend(torch.aminmax(t))
-            else:
-                small = group
-            if small:
-                torch._amp_foreach_non_finite_check_and_unscale_(small, found, inv)
-        if extremes:
-            bad = ~torch.isfinite(torch.stack([e.float() for e in extremes])).all()
-            found = torch.maximum(found, bad.float())
-        flags.append(found)
-    return combine_found_inf(flags, device)
+    finite = [torch.isfinite(torch.stack(torch.aminmax(t))).all() for t in tensors if t.numel()]
+    if not finite:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.logical_not(torch.stack(finite).all()).to(torch.float32)
 
 
 # ---------------------------------------------------------------------------- Triton kernel
@@ -138,6 +68,7 @@ _MAX_OFFSET = 1 << (63 - _VALID_BITS - 1)
 
 if HAS_TRITON:
 
+    @triton.jit
     def _unscale_multi_kernel(
         base_ptr,  # the bucket's first tensor: sets the element type; every tensor is base + offset
         blocks_ptr,  # (num_programs,) int64: (block start from base_ptr, in elements) << 24 | valid
@@ -173,7 +104,7 @@ if HAS_TRITON:
 
 # ---------------------------------------------------------------------------- launcher
 
-_BLOCK, _BLOCK_INTERPRET = 4096, 1024
+_BLOCK, _BLOCK_INTERPRET = 4096, 1024  # elements per program (the interpreter: fewer, faster)
 _NUM_WARPS = 8
 _Meta = tuple[Tensor | None, list[int], int]  # (per-program words, indices of the kernel's tensors, programs)
 _META_CACHE: dict[tuple, _Meta] = {}  # bucket signature -> metadata
@@ -190,10 +121,10 @@ def _is_dense(t: Tensor) -> bool:
     return True
 
 
-def _bucket_metadata(group: list[Tensor], block: int, small_numel: int) -> _Meta:
+def _bucket_metadata(group: list[Tensor], block: int) -> _Meta:
     """``(table, fast, programs)`` for the tensors of one (device, dtype) bucket, cached.
 
-    ``fast``: indices of the tensors the kernel takes (non-empty, >= ``small_numel`` elements, dense,
+    ``fast``: indices of the tensors the kernel takes (non-empty, dense,
     16-byte aligned, within ``_MAX_OFFSET`` elements of the first such tensor); ``table``: one int64
     word per program on the device, ``start << 24 | valid`` (``start``: the first element of its
     block, counted from the first fast tensor's address; ``valid``: how many of the block's ``block``
@@ -206,7 +137,7 @@ def _bucket_metadata(group: list[Tensor], block: int, small_numel: int) -> _Meta
     """
     ptrs = tuple(map(Tensor.data_ptr, group))
     sizes = tuple(map(Tensor.numel, group))
-    head = (group[0].device, group[0].dtype, block, small_numel)
+    head = (group[0].device, group[0].dtype, block)
     if all(map(Tensor.is_contiguous, group)):
         key: tuple = (*head, ptrs, sizes)
     else:
@@ -214,12 +145,12 @@ def _bucket_metadata(group: list[Tensor], block: int, small_numel: int) -> _Meta
     hit = _META_CACHE.get(key)
     if hit is not None:
         return hit
-    dense = key[6] if len(key) > 6 else (True,) * len(group)
+    dense = key[5] if len(key) > 5 else (True,) * len(group)
     elsize = group[0].element_size()
     fast = [
         i
         for i, (ptr, numel, ok) in enumerate(zip(ptrs, sizes, dense))
-        if ok and 0 < numel < _MAX_OFFSET and numel >= small_numel and ptr % 16 == 0
+        if ok and 0 < numel < _MAX_OFFSET and ptr % 16 == 0
     ]
     if fast:  # the base tensor (offset 0, numel < _MAX_OFFSET) stays first
         base = ptrs[fast[0]]
@@ -248,82 +179,44 @@ def _bucket_metadata(group: list[Tensor], block: int, small_numel: int) -> _Meta
     return entry
 
 
-def _multi_tensor_pass(
-    by_dtype: dict[torch.dtype, list[Tensor]],
-    inv_scale: Tensor | None,
-    device: torch.device,
-    interpret: bool,
-    small_numel: int,
-) -> Tensor:
-    """found_inf (float32 0-dim on ``device``) of the tensors on ``device``, by dtype; each is multiplied
-    by ``inv_scale`` in place unless it is None.
+def _multi_tensor_pass(tensors: list[Tensor], inv_scale: Tensor | None, device: torch.device) -> Tensor:
+    """found_inf (float32 0-dim on ``device``) of ``tensors``; each is multiplied by ``inv_scale`` in
+    place unless it is None.
 
-    One kernel launch per dtype bucket for the dense, aligned tensors; the others go through ATen's
-    multi-tensor op (at scale 1 when only checking: values unchanged).
+    One kernel launch per dtype for the dense, 16-byte aligned tensors; the others go through ATen's
+    multi-tensor op, or :func:`check_finite_reference` when only checking.
     """
-    block = _BLOCK_INTERPRET if interpret else _BLOCK
+    block = _BLOCK_INTERPRET if device.type == "cpu" else _BLOCK
     found = torch.zeros((), dtype=torch.float32, device=device)
-    for dtype, group in by_dtype.items():
-        table, fast, total = _bucket_metadata(group, block, small_numel)
+    for dtype, group in _by_dtype(tensors).items():
+        table, fast, total = _bucket_metadata(group, block)
         if fast:
-            kernel(_unscale_multi_kernel, interpret)[(total,)](
+            _unscale_multi_kernel[(total,)](
                 group[fast[0]], table, found if inv_scale is None else inv_scale, found,
                 ACC=tl_dtype(dtype == torch.float64), WRITE=inv_scale is not None,
                 VEC=16 // group[0].element_size(), BLOCK=block, VALID_BITS=_VALID_BITS,
-                **({} if interpret else {"num_warps": _NUM_WARPS}),
+                **({} if device.type == "cpu" else {"num_warps": _NUM_WARPS}),
             )  # fmt: skip
-        if len(fast) < len(group):
-            taken = set(fast)
-            others = [t for i, t in enumerate(group) if i not in taken and t.numel() > 0]
-            if others:
-                one = inv_scale if inv_scale is not None else torch.ones((), device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(others, found, one)
+        taken = set(fast)
+        others = [t for i, t in enumerate(group) if i not in taken and t.numel() > 0]
+        if others and inv_scale is not None:
+            torch._amp_foreach_non_finite_check_and_unscale_(others, found, inv_scale)
+        elif others:  # read-only, also for overlapping (expanded) tensors
+            torch.maximum(found, check_finite_reference(others, device), out=found)
     return found
 
 
-def unscale_and_check_triton(
-    tensors: list[Tensor], inv_scale: Tensor, interpret: bool = False, small_numel: int = 0
-) -> Tensor:
+def unscale_and_check_triton(tensors: list[Tensor], inv_scale: Tensor) -> Tensor:
     """Multiply every tensor in place by ``inv_scale`` and report whether any element is inf/NaN.
 
-    One multi-tensor Triton launch per (device, dtype) bucket: each element read once, written once.
-    Tensors with fewer than ``small_numel`` elements (default 0: none), non-dense and not 16-byte
-    aligned ones go through ATen's multi-tensor op.
-
-    Args:
-        tensors: floating point tensors of any shape, dtype and (CUDA, or CPU with ``interpret``)
-            device; updated in place. Validation is the caller's (``KernelBackend.unscale_and_check_``).
-        inv_scale: float32 0-dim tensor, ``1 / scale``.
-        interpret: run in Triton's interpreter (CPU tensors; needs Triton >= 3.9).
-        small_numel: tensors below this many elements take ATen's op.
-
-    Returns:
-        ``found_inf``: float32 0-dim tensor on ``inv_scale``'s device, 1.0 iff any element was inf or
-        NaN (before scaling). The per-device flags are combined without host sync; a first call for a
-        new set of tensors copies a small table to the device (pinned, non-blocking: no sync).
+    One multi-tensor Triton launch per dtype: each element read once, written once. Non-dense and
+    misaligned tensors go through ATen's multi-tensor op. A first call for a new set of tensors
+    copies a small table to the device (pinned, non-blocking: no sync).
     """
-    flags = []
-    for device, by_dtype in bucket_by_device_and_dtype(tensors).items():
-        inv = inv_scale if inv_scale.device == device else inv_scale.to(device, non_blocking=True)
-        flags.append(_multi_tensor_pass(by_dtype, inv, device, interpret, small_numel))
-    return combine_found_inf(flags, inv_scale.device)
+    return _multi_tensor_pass(tensors, inv_scale, inv_scale.device)
 
 
-def check_finite_triton(tensors: list[Tensor], device: torch.device, interpret: bool = False) -> Tensor:
-    """``found_inf`` of ``tensors`` without writing them: the multi-tensor kernel with its stores off.
-
-    Args:
-        tensors: floating point tensors of any shape and dtype (CUDA, or CPU with ``interpret``).
-        device: where to return the flag.
-        interpret: run in Triton's interpreter (CPU tensors; needs Triton >= 3.9).
-
-    Returns:
-        float32 0-dim tensor on ``device``, 1.0 iff any element is inf or NaN. Reads each element
-        once (half the bytes of unscaling; 0.46-0.48x ATen's check at scale 1 on an H100 with the
-        previous table layout, 2026-11-22, ``benchmarks/bench_kernels.py``). No host sync.
-    """
-    flags = [
-        _multi_tensor_pass(by_dtype, None, dev, interpret, 0)
-        for dev, by_dtype in bucket_by_device_and_dtype(tensors).items()
-    ]
-    return combine_found_inf(flags, device)
+def check_finite_triton(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """``found_inf`` of ``tensors`` without writing them: the multi-tensor kernel with its stores off
+    (half the bytes of unscaling). No host sync."""
+    return _multi_tensor_pass(tensors, None, device)

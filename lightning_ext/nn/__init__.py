@@ -1,7 +1,7 @@
-"""lightning_ext.nn: SyncBatchNorm on every torch.distributed backend, and its (lossless) conversion."""
+"""lightning_ext.nn: SyncBatchNorm on every torch.distributed backend, lossless conversion. Pure torch."""
 
+from lightning_ext.distributed import create_process_groups
 from lightning_ext.nn.convert import convert_sync_batchnorm, revert_sync_batchnorm
-from lightning_ext.nn.process_groups import create_process_groups
 from lightning_ext.nn.sync_batch_norm import SyncBatchNorm, sync_batch_norm_stats
 
 __all__ = [

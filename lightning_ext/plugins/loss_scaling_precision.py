@@ -83,9 +83,10 @@ class LossScalingPrecision(Precision):
 
     Args:
         precision: ``"16-mixed"``, ``"bf16-mixed"`` or ``"32-true"``.
-        scaler: the scaler; default ``DynamicLossScaler()`` for ``"16-mixed"`` and
-            ``DynamicLossScaler(enabled=False)`` otherwise. Must be enabled for ``"16-mixed"`` and
-            disabled for the others.
+        scaler: the scaler; default ``DynamicLossScaler(device)`` (GradScaler's schedule) for
+            ``"16-mixed"`` and ``DynamicLossScaler(device, enabled=False, skip_nonfinite=True)``
+            otherwise, ``device`` being ``"cuda"`` when CUDA is available, else ``"cpu"``. Must be
+            enabled for ``"16-mixed"`` and disabled for the others.
         device: ``torch.autocast`` device type (``"cpu"``, ``"cuda"``); default: the model's.
         skip_nonfinite: for ``"bf16-mixed"``/``"32-true"`` without ``scaler``: skip non-finite steps.
 
@@ -95,7 +96,7 @@ class LossScalingPrecision(Precision):
 
     Example::
 
-        >>> plugin = LossScalingPrecision("16-mixed", scaler=DynamicLossScaler(schedule="log2"))
+        >>> plugin = LossScalingPrecision("16-mixed", scaler=DynamicLossScaler("cpu", schedule="log2"))
         >>> plugin.scaler.schedule, plugin.precision
         ('log2', '16-mixed')
     """
@@ -114,20 +115,24 @@ class LossScalingPrecision(Precision):
                 f"`scaler` must be a lightning_ext.amp.DynamicLossScaler, got {type(scaler).__name__}. "
                 "HINT: torch.amp.GradScaler works with Lightning's own MixedPrecision plugin."
             )
+        scaler_device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if precision == "16-mixed":
-            scaler = scaler if scaler is not None else DynamicLossScaler()
+            scaler = scaler if scaler is not None else DynamicLossScaler(scaler_device)
             if not scaler.is_enabled():
                 raise ValueError(
-                    "`precision='16-mixed'` needs an enabled scaler, got DynamicLossScaler(enabled=False). "
-                    "HINT: use 'bf16-mixed' or '32-true' for unscaled training with NaN/Inf skipping."
+                    f"`precision='16-mixed'` needs an enabled scaler, got a disabled {scaler!r}. "
+                    "HINT: on CPU build it as DynamicLossScaler('cpu') (GradScaler's default device "
+                    "'cuda' disables it without CUDA); use 'bf16-mixed' or '32-true' for unscaled "
+                    "training with NaN/Inf skipping."
                 )
         else:
             if scaler is None and skip_nonfinite:
-                scaler = DynamicLossScaler(enabled=False, skip_nonfinite=True)
+                scaler = DynamicLossScaler(scaler_device, enabled=False, skip_nonfinite=skip_nonfinite)
             if scaler is not None and scaler.is_enabled():
                 raise ValueError(
                     f"`precision={precision!r}` does not scale the loss, got an enabled {scaler!r}. "
-                    "HINT: pass DynamicLossScaler(enabled=False) to keep NaN/Inf step skipping."
+                    "HINT: pass DynamicLossScaler(device, enabled=False, skip_nonfinite=True) to keep "
+                    "NaN/Inf step skipping."
                 )
         self.precision = precision  # type: ignore[assignment]
         self.scaler = scaler

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_ext import shm_collectives
+from lightning_ext.distributed import all_reduce_
 from lightning_ext.stats import reporting as _report
 from lightning_ext.stats.moments import (
     empty_moments,
@@ -57,7 +57,7 @@ class Collector:
     redone with aligned rows, the SUM around the largest rank mean. So the steady state costs two
     all-reduces (one round trip, as they overlap) whatever the number of names. Over a gloo group
     whose ranks share a host, the all-reduces go through shared memory
-    (:mod:`lightning_ext.shm_collectives`: 25-35 µs instead of 0.3-0.5 ms each). Per-device partial
+    (:func:`lightning_ext.distributed.all_reduce_`). Per-device partial
     results are merged locally first (see :mod:`lightning_ext.stats.moments`). Every rank computes
     the same numbers from the same reduced tensors, so the published statistics are identical on all
     ranks. Without ``torch.distributed`` (or after ``init_multiprocessing(rank, None)``) there are no
@@ -222,11 +222,11 @@ class Collector:
         names = self._agreed
         rows = self._aligned(names, local, device)
         payload = self._max_payload(fingerprint(candidate), rows)
-        works = [shm_collectives.all_reduce(payload, op=dist.ReduceOp.MAX, group=group, async_op=True)]
+        works = [all_reduce_(payload, op=dist.ReduceOp.MAX, group=group, async_op=True)]
         shift = self._shifts(names, device)
         sums = shifted_for_allreduce(rows, shift)
         if names:
-            works.append(shm_collectives.all_reduce(sums, op=dist.ReduceOp.SUM, group=group, async_op=True))
+            works.append(all_reduce_(sums, op=dist.ReduceOp.SUM, group=group, async_op=True))
         for work in works:
             work.wait()
         fp_max, neg_fp_min = payload[:2].tolist()  # host sync; identical on every rank
@@ -242,10 +242,10 @@ class Collector:
         if names is not self._agreed:  # same decision on every rank (it follows from the reduced head)
             rows = self._aligned(names, local, device)
             payload = self._max_payload(fingerprint(names), rows)
-            shm_collectives.all_reduce(payload, op=dist.ReduceOp.MAX, group=group)
+            all_reduce_(payload, op=dist.ReduceOp.MAX, group=group)
             shift = payload[2 + 2 * r : 2 + 3 * r]  # the largest rank mean: inside the data range
             sums = shifted_for_allreduce(rows, shift)
-            shm_collectives.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+            all_reduce_(sums, op=dist.ReduceOp.SUM, group=group)
         hi, lo = payload[2 : 2 + r], -payload[2 + r : 2 + 2 * r]
         mean_max, neg_mean_min = payload[2 + 2 * r : 2 + 3 * r], payload[2 + 3 * r :]
         spread = mean_max + neg_mean_min
@@ -255,7 +255,7 @@ class Collector:
         if bool(needs_recentering(result, spread, distance).any()):  # rare; same on every rank
             shift = mean_max
             sums = shifted_for_allreduce(rows, shift)
-            shm_collectives.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+            all_reduce_(sums, op=dist.ReduceOp.SUM, group=group)
             result = moments_from_allreduce(sums, shift, lo, hi, spread)
         return names, result
 

@@ -3,24 +3,22 @@
 Follows the design of NVIDIA's ``torch_utils/training_stats.py`` (StyleGAN2-ADA/StyleGAN3/EDM):
 code anywhere calls :func:`report` with a name and some values, and every
 :class:`~lightning_ext.stats.Collector` whose regex matches the name receives them at its next
-``update()``, which reduces them across devices and ranks. Fixed weaknesses of the original:
+``update()``, which reduces them across devices and ranks. Differences from the original:
 
-* Python numbers take a fast path (no tensor is created); tensors accumulate on their own device
-  through the kernel backend's ``accumulate_moments_`` with no host-device sync.
-* Values accumulate as float64 shifted sums plus min/max, so ``std`` stays exact when
-  ``|mean| ≫ std`` (see :mod:`lightning_ext.stats.moments`).
-* Ranks may report different name sets in any order and names may appear mid-run (the original
-  required every rank to report every name in the same order or it deadlocked/misaligned).
+* Every value becomes a tensor at the boundary and accumulates in one way, on its own device, through
+  the kernel backend's ``accumulate_moments_`` (count, float64 shifted sums, min, max; one pass, no
+  host-device sync), so ``std`` stays exact when ``|mean| >> std`` (see
+  :mod:`lightning_ext.stats.moments`).
+* Ranks may report different name sets in any order and names may appear mid-run.
 * Each collector receives exactly the values reported since *its* previous ``update()`` (or its
-  creation), whatever other collectors do: every ``update()`` first *drains* the pending values
-  into one immutable table that is handed to every live collector.
+  creation): every ``update()`` first *drains* the pending values into one immutable table that is
+  handed to every live collector.
 
 Only the ``update()`` of a collector issues collectives; ``report``/``report0`` never do.
 """
 
 from __future__ import annotations
 
-import math
 import numbers
 import weakref
 from typing import Any, Protocol, TypeVar
@@ -30,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_ext import distributed as _dist
-from lightning_ext.stats.moments import EMPTY_ROW, merge_moments, moments_from_shifted
+from lightning_ext.kernels import get_backend
+from lightning_ext.stats.moments import EMPTY_ROW, empty_moments, merge_moments, moments_from_shifted
 
 __all__ = ["init_multiprocessing", "report", "report0", "reset"]
 
@@ -52,31 +51,12 @@ _settings: tuple[int, torch.device | None, Any] | None = None
 _pending: dict[str, _Accumulator] = {}  # name => values reported since the last drain
 _sinks: list[weakref.ref[_Sink]] = []  # live collectors; each receives every drained table
 _wanted: dict[str, bool] = {}  # name => some live collector's regex matches it (cache)
-_backends: dict[torch.device, Any] = {}  # device => kernel backend providing accumulate_moments_
-_HOST_PATH_MAX_NUMEL = 16  # CPU tensors up to this many elements take the Python number path
-# Larger CPU tensors up to this many elements are summed by NumPy on the host: 12-14 us for 1,000
-# elements against 42-77 us through the kernel backend's moment ops (benchmarks/bench_stats.py).
-_HOST_ARRAY_MAX_NUMEL = 1 << 16
 
 
-class _Accumulator:
-    """Values of one name since the last drain: Python numbers and tensors per device.
-
-    Python part: ``n`` count, ``s1`` = Σ(x - shift), ``s2`` = Σ(x - shift)², ``lo``/``hi`` min/max,
-    ``shift`` = first Python value. Tensor part: device => (float64 (5,) acc, float64 0-dim shift),
-    layout of ``accumulate_moments_``.
-    """
-
-    __slots__ = ("hi", "lo", "n", "s1", "s2", "shift", "tensors")
-
-    def __init__(self) -> None:
-        self.n = 0
-        self.s1 = 0.0
-        self.s2 = 0.0
-        self.lo = math.inf
-        self.hi = -math.inf
-        self.shift = 0.0
-        self.tensors: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+class _Accumulator(dict):
+    """Values of one name since the last drain: device => (float64 ``(5,)`` sums, float64 0-dim shift)
+    in the layout of ``accumulate_moments_``; the shift is the first value seen on that device (0 if
+    that value is not finite)."""
 
 
 class _Table:
@@ -178,90 +158,52 @@ def _is_wanted(name: str) -> bool:
 # Reporting.
 
 
-def _backend(device: torch.device) -> Any:
-    backend = _backends.get(device)
-    if backend is None:
-        from lightning_ext.kernels import get_backend
+def _as_tensor(name: str, value: Any) -> torch.Tensor:
+    """``value`` as a real tensor (detached; bool as uint8), else TypeError naming ``name``."""
+    if isinstance(value, torch.Tensor):
+        if value.is_complex():
+            raise TypeError(
+                f"report({name!r}, value): complex tensors are not supported, got dtype {value.dtype}"
+            )
+        x = value.detach()
+        return x.to(torch.uint8) if x.dtype == torch.bool else x
+    if isinstance(value, numbers.Real) and not isinstance(value, np.ndarray):
+        return torch.tensor(float(value), dtype=torch.float64)
+    return torch.from_numpy(_as_array(name, value))
 
-        backend = _backends[device] = get_backend(device=device)
-    return backend
 
-
-def _add_tensor(acc: _Accumulator, name: str, value: torch.Tensor) -> None:
-    if value.is_complex():
-        raise TypeError(
-            f"report({name!r}, value): complex tensors are not supported, got dtype {value.dtype}"
-        )
-    x = value.detach()
-    if x.numel() == 0:
-        return
-    if not x.is_floating_point():
-        x = x.to(torch.float64)
-    entry = acc.tensors.get(x.device)
+def _accumulate(acc: _Accumulator, x: torch.Tensor) -> None:
+    entry = acc.get(x.device)
     if entry is None:
         # Normal (not inference) tensors, so the first report may come from Lightning's validation
         # loop (inference_mode) and later ones from training.
         with torch.inference_mode(False):
-            moments = torch.zeros(5, dtype=torch.float64, device=x.device)
-            moments[3] = math.inf
-            moments[4] = -math.inf
-            shift = x.reshape(-1)[0].to(torch.float64, copy=True)  # a data value: keeps the sums small
-        entry = acc.tensors[x.device] = (moments, shift)
-    _backend(x.device).accumulate_moments_(entry[0], x, entry[1])
-
-
-def _add_number(acc: _Accumulator, x: float) -> None:
-    if acc.n == 0:
-        acc.shift = x
-    d = x - acc.shift
-    acc.n += 1
-    acc.s1 += d
-    acc.s2 += d * d
-    if x < acc.lo:
-        acc.lo = x
-    if x > acc.hi:
-        acc.hi = x
-    if x != x:  # NaN propagates to min and max as it does for tensors
-        acc.lo = acc.hi = x
-
-
-def _add_array(acc: _Accumulator, x: np.ndarray) -> None:
-    """:func:`_add_number` for a non-empty float64 1-D array, vectorized (same shifted sums)."""
-    if acc.n == 0:
-        acc.shift = float(x[0])
-    d = x - acc.shift
-    acc.n += x.size
-    acc.s1 += float(d.sum())
-    acc.s2 += float(np.dot(d, d))
-    lo, hi = float(x.min()), float(x.max())  # NaN if any element is NaN
-    if lo != lo:  # NaN propagates to min and max as it does for tensors
-        acc.lo = acc.hi = lo
-        return
-    if lo < acc.lo:
-        acc.lo = lo
-    if hi > acc.hi:
-        acc.hi = hi
+            sums = torch.tensor(EMPTY_ROW, dtype=torch.float64, device=x.device)
+            # A data value keeps the sums small; a non-finite one would turn every later value's
+            # difference into NaN (inf - inf), so it becomes 0.
+            first = x.reshape(-1)[0].to(torch.float64)
+            shift = torch.nan_to_num(first, nan=0.0, posinf=0.0, neginf=0.0)
+        entry = acc[x.device] = (sums, shift)
+    get_backend(device=x.device).accumulate_moments_(entry[0], x, entry[1])
 
 
 def _check_name(name: Any) -> None:
-    if not isinstance(name, str):
-        raise TypeError(f"report(name, value): name must be a str, got {type(name).__name__} {name!r}")
+    if not isinstance(name, str) or not name:
+        raise TypeError(
+            f"report(name, value): name must be a non-empty str, got {type(name).__name__} {name!r}"
+        )
 
 
 def report(name: str, value: T) -> T:
     """Accumulate ``value`` under ``name`` for every collector whose regex matches; return ``value``.
 
-    Callable anywhere (loss code, ``nn.Module.forward``, under autocast or ``torch.no_grad``) on any
-    subset of ranks, in any order. A name nobody collects costs a dict lookup. Python numbers
-    take a fast path without tensors (≈1 µs), and so do CPU tensors of at most 16 elements (read
-    from host memory with ``tolist()``: no device is involved, so this is no host-device sync);
-    CPU tensors of up to 65536 elements are summed in float64 by NumPy on the host. Other tensors
-    are detached, flattened and accumulated on their own device in float64 (count, shifted sums,
-    min, max) by the kernel backend's ``accumulate_moments_`` (no sync). An empty
-    value registers the name (it appears in the collectors' ``names()``, NaN until it gets values)
-    and adds nothing.
-
-    Does not synchronize host and device and issues no collective. Not thread-safe.
+    Callable anywhere (loss code, ``nn.Module.forward``, under autocast, ``torch.no_grad`` or
+    inference mode) on any subset of ranks, in any order. A name nobody collects costs a dict lookup
+    and a type check. Otherwise the value becomes a tensor (Python numbers and NumPy data on the CPU,
+    tensors detached, where they are) and is accumulated on its device in float64 — count, shifted
+    sums, min, max — by the kernel backend's ``accumulate_moments_``: one pass, no host-device sync.
+    An empty value registers the name (it appears in the collectors' ``names()``, NaN until it gets
+    values) and adds nothing. Issues no collective. Not thread-safe.
 
     Args:
         name: statistic name, conventionally ``"Group/quantity_unit"`` (e.g. ``"Loss/total"``).
@@ -272,7 +214,8 @@ def report(name: str, value: T) -> T:
         ``value`` itself, unchanged.
 
     Raises:
-        TypeError: ``name`` is not a str, or ``value`` is not numeric (str, object, complex, ...).
+        TypeError: ``name`` is not a non-empty str, or ``value`` is not numeric (str, object,
+            complex, ...).
 
     Example::
 
@@ -283,40 +226,16 @@ def report(name: str, value: T) -> T:
         >>> c.update(); c.mean("Loss/total"), c.num("Loss/total")
         (4.0, 3)
     """
-    try:
-        acc = _pending.get(name)
-    except TypeError:  # unhashable name
-        acc = None
+    acc = _pending.get(name) if isinstance(name, str) else None
     if acc is None:
         _check_name(name)
         if not _is_wanted(name):
             _check_value(name, value)
             return value
         acc = _pending[name] = _Accumulator()
-    kind = type(value)
-    if kind is float or kind is int:
-        _add_number(acc, float(value))
-    elif isinstance(value, torch.Tensor):
-        numel = value.numel()
-        if value.is_cpu and numel <= _HOST_ARRAY_MAX_NUMEL and not value.is_complex():
-            # A CPU tensor lives in host memory: reading it involves no device, so no sync. A small
-            # one (typically a 0-dim loss) goes through the Python number path (~50x cheaper than
-            # the moment ops), a larger one through NumPy in float64 (3-6x cheaper at 1,000 elements).
-            if value.dim() == 0:
-                _add_number(acc, float(value.item()))
-            elif numel <= _HOST_PATH_MAX_NUMEL:
-                for v in value.tolist() if value.dim() == 1 else value.detach().reshape(-1).tolist():
-                    _add_number(acc, float(v))
-            elif numel:
-                _add_array(acc, value.detach().reshape(-1).to(torch.float64).numpy())
-        else:
-            _add_tensor(acc, name, value)
-    elif isinstance(value, numbers.Real) and not isinstance(value, np.ndarray):
-        _add_number(acc, float(value))
-    else:
-        array = _as_array(name, value)
-        if array.size:
-            _add_tensor(acc, name, torch.from_numpy(array))
+    x = _as_tensor(name, value)
+    if x.numel():
+        _accumulate(acc, x)
     return value
 
 
@@ -338,16 +257,14 @@ def _as_array(name: str, value: Any) -> np.ndarray:
 
 
 def _check_value(name: str, value: Any) -> None:
-    """Validate a value that is not accumulated (nobody collects ``name``), without host sync."""
-    if type(value) is float or type(value) is int or isinstance(value, numbers.Real):
-        return
+    """Validate a value that is not accumulated (nobody collects ``name``), without converting it."""
     if isinstance(value, torch.Tensor):
         if value.is_complex():
             raise TypeError(
                 f"report({name!r}, value): complex tensors are not supported, got dtype {value.dtype}"
             )
-        return
-    _as_array(name, value)
+    elif not isinstance(value, numbers.Real) or isinstance(value, np.ndarray):
+        _as_array(name, value)
 
 
 def report0(name: str, value: T) -> T:
@@ -377,23 +294,13 @@ def report0(name: str, value: T) -> T:
 def _to_table(pending: dict[str, _Accumulator], device: torch.device) -> _Table:
     """Convert accumulators to one table of moment rows on ``device`` (syncs host and device)."""
     names = sorted(pending)
-    python_rows = []
-    for name in names:
-        acc = pending[name]
-        if acc.n:
-            n = float(acc.n)
-            python_rows.append(
-                (n, acc.shift + acc.s1 / n, max(acc.s2 - acc.s1 * acc.s1 / n, 0.0), acc.lo, acc.hi)
-            )
-        else:
-            python_rows.append(EMPTY_ROW)
-    rows = torch.tensor(python_rows, dtype=torch.float64).reshape(len(names), 5).to(device)
+    rows = empty_moments(len(names), device)
     by_device: dict[torch.device, tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
     for i, name in enumerate(names):
-        for dev, (moments, shift) in pending[name].tensors.items():
+        for dev, (sums, shift) in pending[name].items():
             index, accs, shifts = by_device.setdefault(dev, ([], [], []))
             index.append(i)
-            accs.append(moments)
+            accs.append(sums)
             shifts.append(shift)
     for index, accs, shifts in by_device.values():
         converted = moments_from_shifted(torch.stack(accs), torch.stack(shifts)).to(device)
@@ -430,4 +337,3 @@ def reset() -> None:
     _pending = {}
     _sinks.clear()
     _wanted.clear()
-    _backends.clear()

@@ -1,125 +1,27 @@
-"""DynamicLossScaler: schedules vs hand-computed sequences, GradScaler equivalence, protocol, state."""
+"""DynamicLossScaler: schedules vs hand-computed sequences and Megatron-LM, GradScaler equivalence,
+counters, skip-only mode, bounds, telemetry, state, pickling, process groups, per-optimizer scales."""
 
 from __future__ import annotations
 
 import copy
 import math
+import pickle
+import random
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_ext.amp import DynamicLossScaler
-from lightning_ext.amp.dynamic_loss_scaler import _update_scale_, _update_scale_on_host_
+from lightning_ext.amp import DynamicLossScaler, schedules
 from lightning_ext.stats import Collector
 from tests.helpers.distributed import run_distributed
 
-# ------------------------------------------------------------------------------------------------
-# Pure schedule maths
-# ------------------------------------------------------------------------------------------------
-
-
-def _run_schedule(found_infs, init, **cfg):
-    """Scales and floor hits along ``found_infs``, from the device path AND the CPU host path.
-
-    Both paths must leave every state tensor bit-identical after every step.
-    """
-    defaults = dict(
-        schedule="exponential",
-        growth_factor=2.0,
-        backoff_factor=0.5,
-        growth_interval=3,
-        log2_increment=0.25,
-        log2_decrement=1.0,
-        hysteresis=1,
-        min_scale=1.0,
-        max_scale=1024.0,
-    )
-    defaults.update(cfg)
-
-    def state():
-        scale = torch.tensor(float(init))
-        return [
-            scale,
-            torch.log2(scale.double()),  # as the scaler initializes it
-            torch.tensor(0, dtype=torch.int32),
-            torch.tensor(defaults["hysteresis"], dtype=torch.int32),
-        ]
-
-    device, host = state(), state()
-    scales, floors = [], []
-    for step, f in enumerate(found_infs):
-        hit = _update_scale_(*device, torch.tensor(float(f)), **defaults)
-        host_hit = _update_scale_on_host_(*host, bool(f), **defaults)
-        for name, a, b in zip(("scale", "log2_scale", "growth_tracker", "hysteresis_tracker"), device, host):
-            assert a.dtype == b.dtype and torch.equal(a, b), (step, name, a, b)
-        assert bool(hit) == host_hit, step
-        scale, log2 = device[0], device[1]
-        scales.append(scale.item())
-        floors.append(bool(hit))
-        assert log2.item() == pytest.approx(math.log2(scale.item()), abs=1e-6)
-    return scales, floors
-
-
-@pytest.mark.parametrize("schedule", ["exponential", "log2"])
-@pytest.mark.parametrize("hysteresis", [1, 3])
-def test_host_update_path_equals_device_path_on_random_sequences(schedule, hysteresis):
-    """The CPU fast path of update() mirrors the tensor path bit for bit, also with odd factors."""
-    g = torch.Generator().manual_seed(hysteresis)
-    for trial in range(4):
-        found = (torch.rand(300, generator=g) < 0.15 * (trial + 1)).tolist()
-        _run_schedule(
-            found,
-            init=3.7e3,
-            schedule=schedule,
-            growth_factor=1.0 + 0.37 * (trial + 1),
-            backoff_factor=0.3 + 0.13 * trial,
-            growth_interval=1 + 3 * trial,
-            log2_increment=0.013 * (trial + 1),
-            log2_decrement=0.71,
-            hysteresis=hysteresis,
-            min_scale=1.5,
-            max_scale=2.0**20 if trial < 3 else float("inf"),
-        )
-
-
-def test_exponential_schedule_matches_hand_computed_sequence():
-    scales, floors = _run_schedule([0, 0, 0, 1, 0, 0, 0, 0, 1, 1], init=8)
-    assert scales == [8, 8, 16, 8, 8, 8, 16, 16, 8, 4]
-    assert not any(floors)
-
-
-def test_log2_schedule_matches_hand_computed_sequence_and_floor():
-    scales, floors = _run_schedule([0, 0, 1, 0, 1, 1, 1], init=8, schedule="log2")
-    expected_log2 = [3.25, 3.5, 2.5, 2.75, 1.75, 0.75, 0.0]
-    assert [math.log2(s) for s in scales] == pytest.approx(expected_log2, abs=1e-6)
-    # 0.75 - 1 < log2(min_scale) = 0: the last overflow hit the floor and was clamped.
-    assert floors == [False] * 6 + [True]
-
-
-def test_hysteresis_backs_off_on_kth_overflow_and_resets_on_growth():
-    scales, _ = _run_schedule([1, 1, 1, 0, 0, 1, 1, 1, 1], init=8, growth_interval=2, hysteresis=3)
-    # Overflows 1-2 tolerated, the 3rd backs off; growth resets the tracker to 3; once exhausted
-    # every further overflow backs off (Megatron-LM).
-    assert scales == [8, 8, 4, 4, 8, 8, 8, 4, 2]
-
-
-def test_log2_hysteresis_counts_consecutive_overflows():
-    scales, _ = _run_schedule([1, 0, 1, 1], init=8, schedule="log2", hysteresis=2)
-    assert [math.log2(s) for s in scales] == pytest.approx([3.0, 3.25, 3.25, 2.25])
-
-
-def test_max_scale_clamps_growth_and_min_scale_clamps_backoff():
-    scales, floors = _run_schedule([0, 0, 0], init=512, growth_interval=1)
-    assert scales == [1024, 1024, 1024] and not any(floors)
-    scales, floors = _run_schedule([1, 1, 1], init=4, min_scale=2.0)
-    assert scales == [2, 2, 2]
-    assert floors == [False, True, True]
+INF, NAN = float("inf"), float("nan")
 
 
 # ------------------------------------------------------------------------------------------------
-# Against torch.amp.GradScaler
+# Helpers
 # ------------------------------------------------------------------------------------------------
 
 
@@ -130,7 +32,8 @@ def _model_and_data(seed=0):
     return model, x, y
 
 
-def _train(scaler, optimizer_fn, poison_steps, steps=10, seed=0, poison=float("inf")):
+def _train(scaler, optimizer_fn, poison_steps, steps=10, seed=0, poison=INF):
+    """A plain GradScaler loop; ``poison`` is written into one gradient on ``poison_steps``."""
     model, x, y = _model_and_data(seed)
     opt = optimizer_fn(model.parameters())
     scales = []
@@ -146,25 +49,242 @@ def _train(scaler, optimizer_fn, poison_steps, steps=10, seed=0, poison=float("i
     return model, opt, scales
 
 
-@pytest.mark.parametrize(
-    "optimizer_fn",
-    [
-        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
-        lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True),
-        lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
-    ],
-    ids=["sgd", "adam-foreach", "adam-fused"],
-)
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.05)
+
+
+_OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    "sgd-fused": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, fused=True),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True),
+    "adam-fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+}
+
+
+def _count_step_calls(opt):
+    """Wrap ``opt.step`` (instance attribute) to count how often the scaler calls it."""
+    calls = []
+    step = opt.step
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return step(*args, **kwargs)
+
+    opt.step = counted
+    return calls
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure schedule maths (lightning_ext.amp.schedules)
+# ------------------------------------------------------------------------------------------------
+
+
+def _run_schedule(found_infs, init, schedule="exponential", min_scale=None, max_scale=None, **cfg):
+    """Scales, floor hits and log2 scales along ``found_infs`` through the pure schedule functions."""
+    kw = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=3, increment=0.25, decrement=1.0)
+    kw.update(cfg)
+    hysteresis = kw.pop("hysteresis", 1)
+    scale = torch.tensor(float(init))
+    log2_scale = torch.log2(scale.double())
+    growth_tracker = torch.tensor(0, dtype=torch.int32)
+    hysteresis_tracker = torch.tensor(hysteresis, dtype=torch.int32)
+    scales, floors, log2s = [], [], []
+    for f in found_infs:
+        found_inf = torch.tensor(float(f))
+        if schedule == "log2":
+            back_off = schedules.log2_(scale, log2_scale, growth_tracker, hysteresis_tracker, found_inf,
+                                       kw["increment"], kw["decrement"], hysteresis)  # fmt: skip
+        else:
+            back_off = schedules.exponential_(
+                scale, growth_tracker, hysteresis_tracker, found_inf,
+                kw["growth_factor"], kw["backoff_factor"], kw["growth_interval"], hysteresis,
+            )  # fmt: skip
+        assert back_off.dtype == torch.bool and back_off.dim() == 0
+        log2 = log2_scale if schedule == "log2" else None
+        hit = schedules.clamp_(scale, log2, back_off, min_scale, max_scale)
+        scales.append(scale.item())
+        floors.append(bool(hit))
+        log2s.append(log2_scale.item())
+        if schedule == "log2":
+            assert scale.item() == float(torch.exp2(log2_scale).float())
+    return scales, floors, log2s
+
+
+def test_exponential_schedule_matches_hand_computed_sequence():
+    scales, floors, _ = _run_schedule([0, 0, 0, 1, 0, 0, 0, 0, 1, 1], init=8)
+    assert scales == [8, 8, 16, 8, 8, 8, 16, 16, 8, 4]
+    assert not any(floors)
+
+
+def test_log2_schedule_matches_hand_computed_sequence_and_floor():
+    _, floors, log2s = _run_schedule([0, 0, 1, 0, 1, 1, 1], init=8, schedule="log2", min_scale=1.0)
+    # Increments of 0.25 and 1 are exact in binary: the float64 log2 values are exact.
+    assert log2s == [3.25, 3.5, 2.5, 2.75, 1.75, 0.75, 0.0]
+    # 0.75 - 1 < log2(min_scale) = 0: the last overflow hit the floor and was clamped.
+    assert floors == [False] * 6 + [True]
+
+
+def test_log2_hysteresis_counts_consecutive_overflows():
+    """log2: the tracker refills on every clean step, so only ``hysteresis`` overflows in a row back off."""
+    _, _, log2s = _run_schedule([1, 0, 1, 1], init=8, schedule="log2", hysteresis=2)
+    assert log2s == [3.0, 3.25, 3.25, 2.25]
+
+
+def test_max_scale_clamps_growth_and_min_scale_clamps_backoff():
+    scales, floors, _ = _run_schedule([0, 0, 0], init=512, growth_interval=1, max_scale=1024.0)
+    assert scales == [1024, 1024, 1024] and not any(floors)
+    scales, floors, _ = _run_schedule([1, 1, 1], init=4, min_scale=2.0)
+    assert scales == [2, 2, 2]
+    assert floors == [False, True, True]
+    scales, _, log2s = _run_schedule([0] * 4, init=8, schedule="log2", increment=0.5, max_scale=16.0)
+    assert log2s == [3.5, 4.0, 4.0, 4.0] and scales[1:] == [16, 16, 16]
+
+
+def test_count_counts_steps_skips_and_runs():
+    steps, skipped, run = (torch.zeros((), dtype=torch.float64) for _ in range(3))
+    seen = []
+    for f in [1, 1, 0, 1, 0, 0, 1, 1, 1]:
+        schedules.count_(steps, skipped, run, torch.tensor(float(f)))
+        seen.append(int(run))
+    assert seen == [1, 2, 0, 1, 0, 0, 1, 2, 3]
+    assert int(steps) == 9 and int(skipped) == 6
+
+
+def _megatron_scales(found_infs, init, growth_factor, backoff_factor, growth_interval, hysteresis):
+    """Megatron-LM's ``DynamicGradScaler.update`` (megatron/core/optimizer/grad_scaler.py), transcribed
+    without its min_scale (ours is unbounded unless ``min_scale`` is given); float32 scale as there."""
+    scale = torch.tensor(float(init))
+    growth_tracker, hysteresis_tracker = 0, hysteresis
+    scales = []
+    for found_inf in found_infs:
+        if found_inf:
+            growth_tracker = 0
+            hysteresis_tracker -= 1
+            if hysteresis_tracker <= 0:
+                scale = scale * backoff_factor
+        else:
+            growth_tracker += 1
+            if growth_tracker == growth_interval:
+                growth_tracker = 0
+                hysteresis_tracker = hysteresis
+                scale = scale * growth_factor
+        scales.append(scale.item())
+    return scales
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2, 3, 5])
+def test_exponential_hysteresis_equals_megatron_on_random_patterns(hysteresis):
+    """Bitwise: the factors are exact in float32, so each multiply rounds once in both. The patterns
+    keep the scale a normal float32 (Megatron has no overflow guard on growth)."""
+    rng = random.Random(hysteresis)
+    for trial, (p, interval) in enumerate(zip([0.05, 0.1, 0.2, 0.3, 0.4, 0.45], [8, 6, 4, 3, 2, 2])):
+        found = [rng.random() < p for _ in range(300)]
+        cfg = dict(growth_factor=[2.0, 3.0][trial % 2], backoff_factor=[0.5, 0.375][trial % 2],
+                   growth_interval=interval, hysteresis=hysteresis)  # fmt: skip
+        ours, _, _ = _run_schedule(found, init=2.0**12, **cfg)
+        reference = _megatron_scales(found, 2.0**12, **cfg)
+        assert ours == reference, (trial, cfg)
+        assert all(2.0**-126 <= s < 2.0**128 for s in reference), (trial, cfg)
+        moves = [b / a for a, b in zip([2.0**12, *reference], reference)]
+        assert cfg["growth_factor"] in moves and cfg["backoff_factor"] in moves, (trial, cfg)
+
+
+# ------------------------------------------------------------------------------------------------
+# Schedules through the scaler, in a training loop
+# ------------------------------------------------------------------------------------------------
+
+
+def test_hysteresis_in_a_training_loop_follows_megatron_by_hand():
+    """hysteresis=3, growth_interval=2, init 8 (Megatron-LM's DynamicGradScaler, worked by hand):
+    every overflow is skipped; the 3rd overflow since the last growth backs off, and once the tracker is
+    exhausted so does every further one, until a growth refills it; a tolerated overflow restarts the
+    growth count; the overflows need not be consecutive (steps 15, 17, 19)."""
+    poison = {0, 1, 2, 5, 6, 7, 8, 12, 15, 17, 19}
+    scaler = DynamicLossScaler("cpu", init_scale=8.0, growth_interval=2, hysteresis=3, telemetry=False)
+    _, _, scales = _train(scaler, _sgd, poison, steps=20)
+    #           s0 s1 s2 s3 s4 s5 s6 s7 s8 s9 10 11 12 13 14 15 16 17 18 19
+    assert scales == [8, 8, 4, 4, 8, 8, 8, 4, 2, 2, 4, 4, 4, 4, 8, 8, 8, 8, 8, 4]
+    assert scaler.steps == 20 and scaler.skipped_steps == len(poison)
+    state = scaler.state_dict()
+    assert state["_hysteresis_tracker"] == 0 and state["_growth_tracker"] == 0
+
+
+def test_log2_schedule_in_a_training_loop():
+    scaler = DynamicLossScaler("cpu", init_scale=8.0, schedule="log2", log2_increment=0.25, telemetry=False)
+    _, _, scales = _train(scaler, _sgd, poison_steps={2, 4, 5}, steps=7)
+    expected = [3.25, 3.5, 2.5, 2.75, 1.75, 0.75, 1.0]  # exact binary fractions
+    for s, e in zip(scales, expected, strict=True):
+        # The scale is float32(2 ** log2) from float64 exp2: within one float32 rounding of 2 ** e.
+        assert s == pytest.approx(2.0**e, rel=2**-24)
+    assert scaler.state_dict()["log2_scale"] == expected[-1]
+
+
+def test_bounds_are_opt_in():
+    """GradScaler's arguments only: no floor below 1 and no cap, as GradScaler."""
+    low = DynamicLossScaler("cpu", init_scale=1.0, telemetry=False)
+    _, _, scales = _train(low, _sgd, poison_steps={0, 1, 2}, steps=3)
+    assert scales == [0.5, 0.25, 0.125]
+    high = DynamicLossScaler("cpu", init_scale=2.0**24, growth_interval=1, telemetry=False)
+    _, _, scales = _train(high, _sgd, poison_steps=set(), steps=2)
+    assert scales == [2.0**25, 2.0**26]
+    capped = DynamicLossScaler(
+        "cpu", init_scale=2.0**24, growth_interval=1, max_scale=2.0**25, telemetry=False
+    )
+    _, _, scales = _train(capped, _sgd, poison_steps=set(), steps=2)
+    assert scales == [2.0**25, 2.0**25]
+
+
+def test_on_min_scale_policies():
+    def run(policy):
+        scaler = DynamicLossScaler("cpu", init_scale=4.0, min_scale=1.0, on_min_scale=policy, telemetry=False)
+        _train(scaler, _sgd, poison_steps={0, 1, 2}, steps=3)  # 4 -> 2 -> 1 -> floor
+        return scaler
+
+    with pytest.raises(FloatingPointError, match=r"hit its floor min_scale=1\.0 after 3 consecutive"):
+        run("raise")
+    with pytest.warns(RuntimeWarning, match=r"hit its floor min_scale=1\.0 after 3 consecutive"):
+        assert run("warn").get_scale() == 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        clamped = run("clamp")
+        assert clamped.get_scale() == 1.0 and clamped.skipped_steps == 3
+        # Without min_scale the policy has nothing to act on (no floor, no warning).
+        free = DynamicLossScaler("cpu", init_scale=4.0, on_min_scale="raise", telemetry=False)
+        _train(free, _sgd, poison_steps={0, 1, 2, 3}, steps=4)
+        assert free.get_scale() == 0.25
+
+
+def test_update_new_scale_respects_explicit_bounds():
+    scaler = DynamicLossScaler("cpu", init_scale=4.0, min_scale=1.0, max_scale=1024.0, telemetry=False)
+    _train(scaler, _sgd, poison_steps=set(), steps=1)
+    model, x, y = _model_and_data()
+    opt = _sgd(model.parameters())
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    scaler.step(opt)
+    with pytest.raises(ValueError, match=r"`new_scale` must be a float > 0 in \[1\.0, 1024\.0\], got 0\.5"):
+        scaler.update(new_scale=0.5)
+    scaler.update(new_scale=torch.tensor(4096.0))  # a tensor is GradScaler's path, then clamped
+    assert scaler.get_scale() == 1024.0 and scaler.state_dict()["log2_scale"] == 10.0
+
+
+# ------------------------------------------------------------------------------------------------
+# Against torch.amp.GradScaler
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer_fn", list(_OPTIMIZERS.values()), ids=list(_OPTIMIZERS))
 def test_exponential_schedule_equals_grad_scaler(optimizer_fn):
     poison = {1, 4, 5}
     cfg = dict(init_scale=2.0**4, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
     ref = torch.amp.GradScaler("cpu", **cfg)
-    ref_model, _, ref_scales = _train(ref, optimizer_fn, poison)
-    ours = DynamicLossScaler(**cfg, telemetry=False)
-    model, _, scales = _train(ours, optimizer_fn, poison)
+    ref_model, ref_opt, ref_scales = _train(ref, optimizer_fn, poison)
+    ours = DynamicLossScaler("cpu", **cfg, telemetry=False)
+    model, opt, scales = _train(ours, optimizer_fn, poison)
     assert scales == ref_scales
-    for p, q in zip(model.parameters(), ref_model.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+        for key, value in ref_opt.state[q].items():
+            assert torch.equal(opt.state[p][key], value), key
     assert ours.steps == 10 and ours.skipped_steps == 3
     assert ours.state_dict()["_growth_tracker"] == ref.state_dict()["_growth_tracker"]
 
@@ -172,12 +292,12 @@ def test_exponential_schedule_equals_grad_scaler(optimizer_fn):
 def test_skipped_step_leaves_params_and_optimizer_state_bit_identical():
     model, x, y = _model_and_data()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    scaler = DynamicLossScaler(init_scale=256.0, telemetry=False)
+    scaler = DynamicLossScaler("cpu", init_scale=256.0, telemetry=False)
     for step in range(3):
         opt.zero_grad()
         scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
         if step == 2:
-            model[2].bias.grad[1] = float("nan")
+            model[2].bias.grad[1] = NAN
             params = [p.detach().clone() for p in model.parameters()]
             state = copy.deepcopy(opt.state_dict())
         scaler.step(opt)
@@ -199,180 +319,266 @@ def test_sparse_gradients_are_unscaled_and_checked():
     emb = torch.nn.Embedding(10, 3, sparse=True)
     dense = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD([*emb.parameters(), *dense.parameters()], lr=0.1)
-    scaler = DynamicLossScaler(init_scale=8.0, telemetry=False)
+    scaler = DynamicLossScaler("cpu", init_scale=8.0, telemetry=False)
     idx = torch.tensor([1, 4, 4])
     scaler.scale(dense(emb(idx)).sum()).backward()
     expected = emb.weight.grad.coalesce().values() / 8.0
     scaler.unscale_(opt)
-    torch.testing.assert_close(emb.weight.grad.coalesce().values(), expected)
+    assert torch.equal(emb.weight.grad.coalesce().values(), expected)  # division by a power of two
     before = emb.weight.detach().clone()
     scaler.step(opt)
     scaler.update()
     assert not scaler.last_step_skipped and not torch.equal(emb.weight, before)
     opt.zero_grad()
     scaler.scale(dense(emb(idx)).sum()).backward()
-    emb.weight.grad._values()[0, 0] = math.inf
+    emb.weight.grad._values()[0, 0] = INF
     before = emb.weight.detach().clone()
     scaler.step(opt)
     scaler.update()
     assert scaler.last_step_skipped and torch.equal(emb.weight, before)
 
 
-def test_unscale_before_step_gives_true_gradients():
+def test_unscale_before_step_gives_true_gradients_bitwise():
+    """A power-of-two scale commutes exactly with every op of the backward (no overflow or
+    denormals at this size), so the unscaled gradients equal the unscaled backward's bit for bit."""
     model, x, y = _model_and_data()
     ref = copy.deepcopy(model)
     torch.nn.functional.mse_loss(ref(x), y).backward()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = DynamicLossScaler(init_scale=2.0**10, telemetry=False)
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**10, telemetry=False)
     scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
     scaler.unscale_(opt)
     for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad.double(), q.grad.double(), rtol=1e-6, atol=1e-7)
+        assert torch.equal(p.grad, q.grad)
 
 
 def test_several_optimizers_skip_only_the_overflowing_one_and_update_once():
     torch.manual_seed(0)
     a, b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
-    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
-    scaler = DynamicLossScaler(init_scale=64.0, growth_interval=1, telemetry=False)
+    opt_a, opt_b = _sgd(a.parameters()), _sgd(b.parameters())
+    scaler = DynamicLossScaler("cpu", init_scale=64.0, growth_interval=1, telemetry=False)
     x = torch.randn(4, 3)
     scaler.scale((a(x) + b(x)).square().mean()).backward()
-    a.weight.grad[0, 0] = float("inf")
+    a.weight.grad[0, 0] = INF
     wa, wb = a.weight.detach().clone(), b.weight.detach().clone()
     assert scaler.step(opt_a) is None
     scaler.step(opt_b)
     scaler.update()
     assert torch.equal(a.weight, wa) and not torch.equal(b.weight, wb)
-    assert scaler.get_scale() == 32.0 and scaler.steps == 1 and scaler.skipped_steps == 1
+    # One scale move for both (combined found_inf); each optimizer step counted.
+    assert scaler.get_scale() == 32.0 and scaler.steps == 2 and scaler.skipped_steps == 1
 
 
-# ------------------------------------------------------------------------------------------------
-# Protocol misuse and bad arguments
-# ------------------------------------------------------------------------------------------------
-
-
-def _ready():
-    model, x, y = _model_and_data()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = DynamicLossScaler(telemetry=False)
-    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
-    return model, opt, scaler
-
-
-def test_protocol_misuse_raises():
-    _, opt, scaler = _ready()
-    with pytest.raises(RuntimeError, match="no optimizer called step"):
+def test_update_for_one_optimizer_consumes_only_its_step_shared_scale():
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    opt_a, opt_b = _sgd(a.parameters()), _sgd(b.parameters())
+    scaler = DynamicLossScaler("cpu", init_scale=64.0, growth_interval=1, telemetry=False)
+    x = torch.randn(4, 3)
+    scaler.scale((a(x) + b(x)).square().mean()).backward()
+    b.weight.grad[0, 0] = INF
+    scaler.step(opt_a)
+    scaler.step(opt_b)
+    scaler.update(optimizer=opt_a)  # a's clean step: grow
+    assert scaler.get_scale() == 128.0 and scaler.steps == 1 and not scaler.last_step_skipped
+    with pytest.raises(RuntimeError, match=r"step\(\) has already been called since the last update"):
+        scaler.step(opt_b)  # b's step is still pending
+    scaler.update(optimizer=opt_b)  # b's overflow: back off
+    assert scaler.get_scale() == 64.0 and scaler.steps == 2 and scaler.last_step_skipped
+    with pytest.raises(AssertionError, match="No inf checks were recorded prior to update"):
         scaler.update()
+
+
+# ------------------------------------------------------------------------------------------------
+# Counters and fused optimizers
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", list(_OPTIMIZERS))
+def test_counters_over_runs_of_overflows_and_clean_steps(optimizer):
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**10, growth_interval=100, telemetry=False)
+    poison = {1, 2, 3, 6, 9, 10}
+    model, x, y = _model_and_data()
+    opt = _OPTIMIZERS[optimizer](model.parameters())
+    calls = _count_step_calls(opt)
+    expected_run, run, seen = [], 0, []
+    for step in range(12):
+        run = run + 1 if step in poison else 0
+        expected_run.append(run)
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if step in poison:
+            model[0].weight.grad[0, 0] = INF if step % 2 else NAN
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        same = all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+        assert same == (step in poison), step
+        assert bool(scaler.last_step_skipped_tensor) == (step in poison) == scaler.last_step_skipped, step
+        seen.append(scaler.consecutive_overflows)
+    assert seen == expected_run
+    assert scaler.steps == 12 and scaler.skipped_steps == len(poison)
+    assert scaler.get_scale() == 2.0 ** (10 - len(poison))
+    # Fused optimizers take found_inf and skip on the device: called on every step; the others are
+    # not called when the step is skipped (the skip decision read on the host).
+    assert len(calls) == (12 if optimizer.endswith("fused") else 12 - len(poison))
+
+
+# ------------------------------------------------------------------------------------------------
+# Skip-only mode: enabled=False, skip_nonfinite=True
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", list(_OPTIMIZERS))
+def test_skip_only_mode_skips_nonfinite_steps_bitwise(optimizer):
+    model, x, y = _model_and_data()
+    opt = _OPTIMIZERS[optimizer](model.parameters())
+    calls = _count_step_calls(opt)
+    scaler = DynamicLossScaler("cpu", enabled=False, skip_nonfinite=True, telemetry=False)
+    for step in range(4):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        assert scaler.scale(loss) is loss
+        loss.backward()
+        if step == 2:
+            model[0].bias.grad[0] = NAN
+        params = [p.detach().clone() for p in model.parameters()]
+        state = copy.deepcopy(opt.state_dict()["state"])
+        scaler.step(opt)
+        scaler.update()
+        same = all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+        assert same == (step == 2) == scaler.last_step_skipped, step
+        if step == 2:
+            after = opt.state_dict()["state"]
+            assert all(torch.equal(after[k][n], t) for k, v in state.items() for n, t in v.items())
+    assert scaler.get_scale() == 1.0 and not scaler.is_enabled()
+    assert scaler.steps == 4 and scaler.skipped_steps == 1
+    assert len(calls) == (4 if optimizer.endswith("fused") else 3)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_disabled_scaler_without_skip_nonfinite_is_grad_scalers_pass_through():
+    model, x, y = _model_and_data()
+    opt = _sgd(model.parameters())
+    scaler = DynamicLossScaler("cpu", enabled=False, telemetry=False)
+    assert not scaler.skip_nonfinite
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    model[0].bias.grad[0] = NAN
+    scaler.unscale_(opt)  # no-op
+    scaler.step(opt)
+    scaler.update()  # no-op, no error
+    assert torch.isnan(model[0].bias).any()
+    assert scaler.state_dict() == {} == torch.amp.GradScaler("cpu", enabled=False).state_dict()
+    assert scaler.steps == 0 and not scaler.last_step_skipped
+
+
+def test_skip_only_checks_without_changing_gradients(monkeypatch):
+    """Skip-only, unscale_ is the inf/NaN check alone: gradients bitwise as they were, a clean step
+    taken (the read-only ``check_finite`` path, not a multiply by 1)."""
+    from lightning_ext.kernels import KernelBackend
+
+    def no_rewrite(*args, **kwargs):
+        raise AssertionError("the skip-only mode must not run the multiply-and-check op")
+
+    monkeypatch.setattr(KernelBackend, "unscale_and_check_", no_rewrite)
+    model, x, y = _model_and_data()
+    opt = _sgd(model.parameters())
+    scaler = DynamicLossScaler("cpu", enabled=False, skip_nonfinite=True, telemetry=False)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    model[0].weight.grad[0, 0] = -0.0  # a multiply would keep it too; the values must not move at all
+    grads = [p.grad.clone() for p in model.parameters()]
     scaler.unscale_(opt)
-    with pytest.raises(RuntimeError, match="already been called on this optimizer"):
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g) and torch.equal(p.grad.signbit(), g.signbit())
+    before = [p.detach().clone() for p in model.parameters()]
+    assert scaler.step(opt) is None  # SGD.step returns None too: check that it stepped
+    scaler.update()
+    assert scaler.skipped_steps == 0 and scaler.steps == 1
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_skip_only_protocol_misuse_raises_grad_scalers_errors():
+    model, x, y = _model_and_data()
+    opt = _sgd(model.parameters())
+    scaler = DynamicLossScaler("cpu", enabled=False, skip_nonfinite=True, telemetry=False)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) has already been called on this optimizer"):
         scaler.unscale_(opt)
     scaler.step(opt)
-    with pytest.raises(RuntimeError, match="unscale_\\(\\) is being called after step"):
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) is being called after step\(\)"):
         scaler.unscale_(opt)
-    with pytest.raises(RuntimeError, match="step\\(\\) has already been called"):
+    with pytest.raises(RuntimeError, match=r"step\(\) has already been called since the last update"):
         scaler.step(opt)
     scaler.update()
-    with pytest.raises(RuntimeError, match="Closure use is not supported"):
+    with pytest.raises(RuntimeError, match="Closure use is not currently supported"):
         scaler.step(opt, closure=lambda: None)
-    half = torch.nn.Linear(2, 2).half()
-    half.weight.grad = torch.ones(2, 2, dtype=torch.float16)
-    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
-        scaler.unscale_(torch.optim.SGD(half.parameters(), lr=0.1))
-    with pytest.raises(ValueError, match=r"`new_scale` must be a float in \[1.0, 16777216.0\], got 0.5"):
-        scaler.step(opt)
-        scaler.update(new_scale=0.5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input
+# ------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        (dict(growth_factor=1.0), ValueError, "`growth_factor` must be > 1, got 1.0"),
-        (dict(backoff_factor=1.0), ValueError, r"`backoff_factor` must be in \(0, 1\), got 1.0"),
-        (dict(backoff_factor=0.0), ValueError, r"`backoff_factor` must be in \(0, 1\), got 0.0"),
-        (dict(growth_interval=0), ValueError, "`growth_interval` must be >= 1, got 0"),
-        (dict(growth_interval=2.5), TypeError, "`growth_interval` must be an int, got 2.5"),
-        (dict(hysteresis=0), ValueError, "`hysteresis` must be >= 1, got 0"),
+        (dict(device=0), TypeError, r"`device` must be a device type str such as 'cuda' or 'cpu', got 0"),
+        (dict(device="cuda:0"), ValueError, r"`device` must be a device type .*\(no index\), got 'cuda:0'"),
+        (dict(device="gpu"), ValueError, r"`device` must be a device type .*got 'gpu'"),
+        (dict(init_scale="1"), TypeError, r"`init_scale` must be a finite float, got '1'"),
+        (dict(init_scale=math.inf), TypeError, r"`init_scale` must be a finite float, got inf"),
+        (dict(init_scale=0.0), ValueError, r"`init_scale` must be > 0\.0, got 0\.0"),
+        (dict(growth_factor=1.0), ValueError, r"`growth_factor` must be > 1\.0, got 1\.0"),
+        (dict(growth_factor=None), TypeError, r"`growth_factor` must be a finite float, got None"),
+        (dict(backoff_factor=1.0), ValueError, r"`backoff_factor` must be in \(0, 1\), got 1\.0"),
+        (dict(backoff_factor=0.0), ValueError, r"`backoff_factor` must be > 0\.0, got 0\.0"),
+        (dict(growth_interval=0), ValueError, r"`growth_interval` must be >= 1, got 0"),
+        (dict(growth_interval=2.5), TypeError, r"`growth_interval` must be a finite int, got 2\.5"),
+        (dict(enabled="yes"), TypeError, r"`enabled` must be a bool, got 'yes'"),
+        (dict(schedule="linear"), ValueError, r"`schedule` must be one of \('exponential', 'log2'\), got 'l"),
+        (dict(log2_increment=0.0), ValueError, r"`log2_increment` must be > 0\.0, got 0\.0"),
+        (dict(log2_decrement=-1.0), ValueError, r"`log2_decrement` must be > 0\.0, got -1\.0"),
+        (dict(log2_decrement="1"), TypeError, r"`log2_decrement` must be a finite float, got '1'"),
+        (dict(hysteresis=0), ValueError, r"`hysteresis` must be >= 1, got 0"),
+        (dict(hysteresis=True), TypeError, r"`hysteresis` must be a finite int, got True"),
+        (dict(min_scale="1"), TypeError, r"`min_scale` must be a finite float, got '1'"),
+        (dict(min_scale=0.0), ValueError, r"`min_scale` must be > 0\.0, got 0\.0"),
+        (dict(max_scale=-1.0), ValueError, r"`max_scale` must be > 0\.0, got -1\.0"),
         (
             dict(min_scale=8.0, max_scale=4.0, init_scale=4.0),
             ValueError,
-            "`min_scale` must be <= `max_scale`",
+            r"need min_scale <= init_scale <= max_scale, got min_scale=8\.0, init_scale=4\.0, max_scale=4\.0",
         ),
-        (dict(init_scale=2.0**30), ValueError, r"`init_scale` must lie in \[min_scale, max_scale\]"),
-        (dict(schedule="linear"), ValueError, "`schedule` must be one of .*got 'linear'"),
-        (dict(on_min_scale="ignore"), ValueError, "`on_min_scale` must be one of .*got 'ignore'"),
-        (dict(log2_increment=0.0), ValueError, "`log2_increment` must be > 0, got 0.0"),
-        (dict(min_scale="1"), TypeError, "`min_scale` must be a float, got '1'"),
+        (dict(max_scale=2.0**10), ValueError, r"need min_scale <= init_scale <= max_scale, .*=65536\.0"),
+        (dict(on_min_scale="no"), ValueError,
+         r"`on_min_scale` must be one of \('warn', 'raise', 'clamp'\), got 'no'"),
+        (dict(skip_nonfinite=1), TypeError, r"`skip_nonfinite` must be a bool, got 1"),
+        (dict(process_group="w"), TypeError,
+         r"`process_group` must be a torch\.distributed\.ProcessGroup or None, got 'w'"),
+        (dict(telemetry=None), TypeError, r"`telemetry` must be a bool, got None"),
+        (dict(per_optimizer="yes"), TypeError, r"`per_optimizer` must be a bool, got 'yes'"),
     ],
-)
+)  # fmt: skip
 def test_bad_arguments_raise(kwargs, error, match):
     with pytest.raises(error, match=match):
-        DynamicLossScaler(**kwargs)
+        DynamicLossScaler(**{"device": "cpu", **kwargs})
 
 
-def test_on_min_scale_policies():
-    def run(policy):
-        scaler = DynamicLossScaler(init_scale=4.0, min_scale=1.0, on_min_scale=policy, telemetry=False)
-        _, opt, _ = _ready()
-        p = opt.param_groups[0]["params"][0]
-        p.grad = torch.full_like(p, float("inf"))
-        for _ in range(3):
-            scaler.step(opt)
-            scaler.update()  # 4 -> 2 -> 1 -> floor
-        return scaler
-
-    with pytest.raises(FloatingPointError, match=r"hit its floor min_scale=1\.0 after 3 consecutive"):
-        run("raise")
-    with pytest.warns(RuntimeWarning, match=r"hit its floor min_scale=1\.0 after 3 consecutive"):
-        run("warn")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert run("clamp").get_scale() == 1.0
+@pytest.mark.parametrize("enabled", [True, False])
+def test_unscale_and_step_refuse_a_non_optimizer(enabled):
+    scaler = DynamicLossScaler("cpu", enabled=enabled, skip_nonfinite=not enabled, telemetry=False)
+    for method in (scaler.unscale_, scaler.step):
+        with pytest.raises(TypeError, match=r"`optimizer` must be a torch\.optim\.Optimizer, got str 'sgd'"):
+            method("sgd")
 
 
-def test_disabled_scaler_keeps_scale_one_and_still_skips_nonfinite_steps():
-    model, x, y = _model_and_data()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = DynamicLossScaler(enabled=False, telemetry=False)
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    assert scaler.scale(loss) is loss and not scaler.is_enabled()
-    loss.backward()
-    model[0].bias.grad[0] = float("nan")
-    before = [p.detach().clone() for p in model.parameters()]
-    assert scaler.step(opt) is None
-    scaler.update()
-    assert scaler.get_scale() == 1.0 and scaler.skipped_steps == 1
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
-    passthrough = DynamicLossScaler(enabled=False, skip_nonfinite=False, telemetry=False)
-    passthrough.step(opt)
-    passthrough.update()  # no-op, no error
-    assert torch.isnan(model[0].bias).any()
-
-
-def test_disabled_scaler_checks_without_changing_gradients(monkeypatch):
-    """Disabled, unscale_ is the inf/NaN check alone: gradients bitwise as they were, a clean step
-    taken (the read-only ``check_finite`` path, not a multiply by 1)."""
-    from lightning_ext.kernels import KernelBackend
-
-    def no_rewrite(*args, **kwargs):
-        raise AssertionError("a disabled scaler must not run the multiply-and-check op")
-
-    monkeypatch.setattr(KernelBackend, "unscale_and_check_", no_rewrite)
-    model, x, y = _model_and_data()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = DynamicLossScaler(enabled=False, telemetry=False)
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    model[0].weight.grad[0, 0] = -0.0  # a multiply would keep it too; the values must not move at all
-    grads = [p.grad.clone() for p in model.parameters()]
-    scaler.unscale_(opt)
-    assert all(
-        torch.equal(p.grad, g) and p.grad.view(-1)[0].signbit() == g.view(-1)[0].signbit()
-        for p, g in zip(model.parameters(), grads)
-    )
-    before = [p.detach().clone() for p in model.parameters()]
-    assert scaler.step(opt) is None  # SGD.step returns None too: check that it stepped
-    scaler.update()
-    assert scaler.skipped_steps == 0
-    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+def test_cuda_device_without_cuda_disables_with_grad_scalers_warning():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: the scaler stays enabled")
+    with pytest.warns(UserWarning, match="CUDA is not available.  Disabling"):
+        scaler = DynamicLossScaler()
+    assert not scaler.is_enabled() and not scaler.skip_nonfinite
 
 
 # ------------------------------------------------------------------------------------------------
@@ -382,68 +588,113 @@ def test_disabled_scaler_checks_without_changing_gradients(monkeypatch):
 
 def test_state_dict_round_trip_continues_identically():
     cfg = dict(init_scale=2.0**6, growth_interval=2, hysteresis=2, schedule="exponential", telemetry=False)
-    first = DynamicLossScaler(**cfg)
-    _, _, _ = _train(first, lambda p: torch.optim.SGD(p, lr=0.05), poison_steps={1, 2, 3}, steps=5)
+    first = DynamicLossScaler("cpu", **cfg)
+    _train(first, _sgd, poison_steps={1, 2, 3}, steps=5)
     state = first.state_dict()
-    second = DynamicLossScaler(telemetry=False)  # other settings: the state dict carries the config
+    second = DynamicLossScaler("cpu", telemetry=False)  # other settings: the state dict carries the config
     second.load_state_dict(copy.deepcopy(state))
     assert second.state_dict() == state
     assert state["steps"] == 5 and state["skipped_steps"] == 3 and state["hysteresis"] == 2
-    _, _, s1 = _train(first, lambda p: torch.optim.SGD(p, lr=0.05), poison_steps={0, 3}, steps=6)
-    _, _, s2 = _train(second, lambda p: torch.optim.SGD(p, lr=0.05), poison_steps={0, 3}, steps=6)
+    assert state["log2_scale"] == math.log2(state["scale"])
+    _, _, s1 = _train(first, _sgd, poison_steps={0, 3}, steps=6)
+    _, _, s2 = _train(second, _sgd, poison_steps={0, 3}, steps=6)
     assert s1 == s2 and first.state_dict() == second.state_dict()
 
 
-def test_load_grad_scaler_state_dict_and_log2_round_trip():
+def test_log2_state_dict_round_trip():
+    log2 = DynamicLossScaler("cpu", schedule="log2", log2_increment=1e-3, telemetry=False)
+    _train(log2, _sgd, poison_steps={2}, steps=4)
+    assert log2.state_dict()["log2_scale"] == pytest.approx(16 + 3e-3 - 1, abs=1e-12)
+    copied = DynamicLossScaler("cpu", telemetry=False)
+    copied.load_state_dict(log2.state_dict())
+    assert copied.state_dict() == log2.state_dict() and copied.schedule == "log2"
+    _, _, s1 = _train(log2, _sgd, poison_steps={1}, steps=3)
+    _, _, s2 = _train(copied, _sgd, poison_steps={1}, steps=3)
+    assert s1 == s2 and copied.state_dict() == log2.state_dict()
+
+
+def test_skip_only_state_dict_round_trip():
+    first = DynamicLossScaler("cpu", enabled=False, skip_nonfinite=True, telemetry=False)
+    _train(first, _sgd, poison_steps={1, 2}, steps=3)
+    state = first.state_dict()
+    assert "scale" not in state and state["steps"] == 3 and state["skipped_steps"] == 2
+    second = DynamicLossScaler("cpu", enabled=False, skip_nonfinite=True, telemetry=False)
+    second.load_state_dict(state)
+    assert second.state_dict() == state
+
+
+def test_grad_scaler_state_dicts_load_both_ways():
     ref = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
-    _train(ref, lambda p: torch.optim.SGD(p, lr=0.05), poison_steps={0}, steps=3)
-    ours = DynamicLossScaler(hysteresis=2, telemetry=False)
+    _train(ref, _sgd, poison_steps={0}, steps=3)
+    ours = DynamicLossScaler("cpu", hysteresis=2, telemetry=False)
     ours.load_state_dict(ref.state_dict())
     state = ours.state_dict()
     assert state["scale"] == ref.get_scale() == 2.0**7
     assert state["_growth_tracker"] == 2 and state["growth_interval"] == 3
     assert state["hysteresis"] == 2 and state["_hysteresis_tracker"] == 2 and state["steps"] == 0
-    # GradScaler can read ours back.
+    # Both continue identically from there (hysteresis aside: no overflow follows).
+    _, _, ours_scales = _train(ours, _sgd, poison_steps=set(), steps=4)
+    _, _, ref_scales = _train(ref, _sgd, poison_steps=set(), steps=4)
+    assert ours_scales == ref_scales == [2.0**8, 2.0**8, 2.0**8, 2.0**9]
+    # GradScaler reads ours back.
     back = torch.amp.GradScaler("cpu")
-    back.load_state_dict(state)
-    assert back.get_scale() == 2.0**7
-    with pytest.raises(ValueError, match="`state_dict` is empty"):
+    back.load_state_dict(ours.state_dict())
+    assert back.state_dict() == ref.state_dict()
+    with pytest.raises(RuntimeError, match="The source state dict is empty"):
         ours.load_state_dict({})
-    log2 = DynamicLossScaler(schedule="log2", log2_increment=1e-3, telemetry=False)
-    _train(log2, lambda p: torch.optim.SGD(p, lr=0.05), poison_steps={2}, steps=4)
-    copy_ = DynamicLossScaler(telemetry=False)
-    copy_.load_state_dict(log2.state_dict())
-    assert copy_.state_dict() == log2.state_dict() and copy_.schedule == "log2"
-    assert log2.state_dict()["log2_scale"] == pytest.approx(16 + 3e-3 - 1)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "sgd-fused"])
-def test_counters_over_runs_of_overflows_and_clean_steps(fused):
-    """The counting writes only what changes: runs of overflows start from 0 again after a clean step."""
-    scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=100, telemetry=False)
-    poison = {1, 2, 3, 6, 9, 10}
-    expected_consecutive, run = [], 0
-    for step in range(12):
-        run = run + 1 if step in poison else 0
-        expected_consecutive.append(run)
-    seen = []
-    for step in range(12):
-        optimizer_fn = lambda p: torch.optim.SGD(p, lr=0.05, fused=fused)
-        _train(scaler, optimizer_fn, poison_steps={0} if step in poison else set(), steps=1)
-        seen.append(scaler.consecutive_overflows)
-        assert bool(scaler.last_step_skipped_tensor) == (step in poison) == scaler.last_step_skipped
-    assert seen == expected_consecutive
-    assert scaler.steps == 12 and scaler.skipped_steps == len(poison)
-    assert scaler.get_scale() == 2.0 ** (10 - len(poison))
-
-
-def test_load_state_dict_refuses_inconsistent_overflow_counters():
-    scaler = DynamicLossScaler(telemetry=False)
+def test_load_state_dict_refuses_inconsistent_overflow_counters_and_loads_nothing():
+    scaler = DynamicLossScaler("cpu", init_scale=8.0, telemetry=False)
+    _train(scaler, _sgd, poison_steps={1}, steps=3)
     state = scaler.state_dict()
-    bad = dict(state, consecutive_overflows=2, last_step_skipped=False)
+    bad = dict(
+        state, scale=1024.0, _growth_tracker=5, steps=9, consecutive_overflows=2, last_step_skipped=False
+    )
     with pytest.raises(ValueError, match="consecutive_overflows=2 with last_step_skipped=False"):
         scaler.load_state_dict(bad)
     assert scaler.state_dict() == state  # nothing half-loaded
+    missing = {k: v for k, v in state.items() if k != "steps"}
+    with pytest.raises(ValueError, match=r"`state_dict` misses the keys \['steps'\]"):
+        scaler.load_state_dict(missing)
+    assert scaler.state_dict() == state
+
+
+# ------------------------------------------------------------------------------------------------
+# Pickling
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(init_scale=2.0**6, hysteresis=2),
+        dict(init_scale=2.0**6, schedule="log2", log2_increment=0.125),
+        dict(enabled=False, skip_nonfinite=True),
+    ],
+    ids=["exponential", "log2", "skip-only"],
+)
+def test_pickled_copy_is_independent_and_keeps_state(cfg):
+    fresh = pickle.loads(pickle.dumps(DynamicLossScaler("cpu", **cfg, telemetry=False)))
+    assert fresh.state_dict() == DynamicLossScaler("cpu", **cfg, telemetry=False).state_dict()
+    scaler = DynamicLossScaler("cpu", **cfg, telemetry=False)
+    _train(scaler, _sgd, poison_steps={0, 1}, steps=3)
+    clone = pickle.loads(pickle.dumps(scaler))  # after use
+    assert clone.state_dict() == scaler.state_dict()
+    _, _, s1 = _train(clone, _sgd, poison_steps={0}, steps=2)
+    assert scaler.steps == 3 and clone.steps == 5
+    _, _, s2 = _train(scaler, _sgd, poison_steps={0}, steps=2)
+    assert s1 == s2 and clone.state_dict() == scaler.state_dict()
+
+
+def test_pickling_mid_iteration_is_refused_as_grad_scaler():
+    model, x, y = _model_and_data()
+    opt = _sgd(model.parameters())
+    scaler = DynamicLossScaler("cpu", telemetry=False)
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    scaler.step(opt)
+    with pytest.raises(AssertionError, match="may only be pickled at the beginning of an iteration"):
+        pickle.dumps(scaler)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -451,17 +702,79 @@ def test_load_state_dict_refuses_inconsistent_overflow_counters():
 # ------------------------------------------------------------------------------------------------
 
 
-def test_telemetry_reports_scale_overflow_and_skipped_steps():
+def _per_step_telemetry(names, run_step, steps):
+    """Each step's reported value per name (a collector updated after every step)."""
+    collector = Collector(regex="AMP/.*", keep_previous=False)
+    collector.update()  # drop what earlier code reported
+    values = {name: [] for name in names}
+    for step in range(steps):
+        run_step(step)
+        collector.update()
+        for name in names:
+            assert collector.num(name) == 1, (name, step)
+            values[name].append(collector.mean(name))
+    return values, collector
+
+
+def test_telemetry_reports_scale_overflow_and_skipped_steps_per_step():
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**4, growth_interval=2)
+    model, x, y = _model_and_data()
+    opt = _sgd(model.parameters())
+
+    def run_step(step):
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if step in (1, 3):
+            model[0].weight.grad[0, 0] = INF
+        scaler.step(opt)
+        scaler.update()
+
+    names = ("AMP/loss_scale_log2", "AMP/overflow", "AMP/skipped_steps")
+    values, collector = _per_step_telemetry(names, run_step, 6)
+    assert values["AMP/loss_scale_log2"] == [4, 3, 3, 2, 2, 3]
+    assert values["AMP/overflow"] == [0, 1, 0, 1, 0, 0]
+    assert values["AMP/skipped_steps"] == [0, 1, 1, 2, 2, 2]
+    assert collector.names() == sorted(names)
+
+
+def _nan_at_step_1(scaler):
+    model, x, y = _model_and_data()
+    opt = _sgd(model.parameters())
+
+    def run_step(step):
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if step == 1:
+            model[0].weight.grad[0, 0] = NAN
+        scaler.step(opt)
+        scaler.update()
+
+    return run_step
+
+
+@pytest.mark.parametrize(
+    ("cfg", "expected_log2"),
+    [
+        (dict(init_scale=8.0, schedule="log2", log2_increment=0.25), [3.25, 2.25, 2.5]),
+        (dict(enabled=False, skip_nonfinite=True), [0.0, 0.0, 0.0]),  # scale 1
+    ],
+    ids=["log2", "skip-only"],
+)
+def test_telemetry_of_log2_schedule_and_skip_only_mode(cfg, expected_log2):
+    run_step = _nan_at_step_1(DynamicLossScaler("cpu", **cfg))
+    values, _ = _per_step_telemetry(("AMP/loss_scale_log2", "AMP/overflow", "AMP/skipped_steps"), run_step, 3)
+    assert values["AMP/loss_scale_log2"] == expected_log2
+    assert values["AMP/overflow"] == [0, 1, 0] and values["AMP/skipped_steps"] == [0, 1, 1]
+
+
+def test_telemetry_off_reports_nothing():
     collector = Collector(regex="AMP/.*")
-    scaler = DynamicLossScaler(init_scale=2.0**4, growth_interval=100)
-    _train(scaler, lambda p: torch.optim.SGD(p, lr=0.05), poison_steps={1, 3}, steps=4)
     collector.update()
-    assert collector.num("AMP/overflow") == 4
-    assert collector.mean("AMP/overflow") == pytest.approx(0.5)
-    assert collector.max("AMP/skipped_steps") == 2
-    # log2 scale per step: 4, 3, 3, 2
-    assert collector.mean("AMP/loss_scale_log2") == pytest.approx(3.0)
-    assert collector.min("AMP/loss_scale_log2") == 2
+    run_step = _nan_at_step_1(DynamicLossScaler("cpu", init_scale=8.0, telemetry=False))
+    for step in range(3):
+        run_step(step)
+    collector.update()
+    assert collector.names() == []
 
 
 # ------------------------------------------------------------------------------------------------
@@ -476,11 +789,11 @@ def _sharded_worker(rank, world_size):
     for use_group in (True, False):
         opt = torch.optim.SGD(shard.parameters(), lr=0.1)
         scaler = DynamicLossScaler(
-            init_scale=8.0, process_group=dist.group.WORLD if use_group else None, telemetry=False
+            "cpu", init_scale=8.0, process_group=dist.group.WORLD if use_group else None, telemetry=False
         )
         scaler.scale(shard(torch.ones(2, 4)).sum()).backward()
         if rank == 1:
-            shard.weight.grad[0, 0] = float("inf")
+            shard.weight.grad[0, 0] = INF
         before = shard.weight.detach().clone()
         scaler.step(opt)
         scaler.update()
@@ -489,6 +802,7 @@ def _sharded_worker(rank, world_size):
     return results
 
 
+@pytest.mark.timeout(180)
 def test_process_group_makes_every_rank_skip_when_one_shard_overflows():
     results = run_distributed(_sharded_worker, 2, timeout=120)
     for rank in range(2):
@@ -498,22 +812,218 @@ def test_process_group_makes_every_rank_skip_when_one_shard_overflows():
     assert results[1][False] == (True, True, 4.0)
 
 
-def test_pickled_copy_is_independent_and_keeps_state():
-    import pickle
+# ------------------------------------------------------------------------------------------------
+# per_optimizer=True: one scale per optimizer (StyleGAN2-ADA)
+# ------------------------------------------------------------------------------------------------
 
-    scaler = DynamicLossScaler(init_scale=2.0**6, hysteresis=2, telemetry=False)
-    _train(scaler, lambda p: torch.optim.SGD(p, lr=0.05), poison_steps={0, 1}, steps=3)
+
+class _Gan:
+    """A tiny GAN-like setup: G maps noise to samples, D scores them; each has its own optimizer."""
+
+    def __init__(self, seed=0):
+        torch.manual_seed(seed)
+        self.G = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+        self.D = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        self.opt_G = torch.optim.Adam(self.G.parameters(), lr=1e-3)
+        self.opt_D = torch.optim.Adam(self.D.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(seed)
+        self.data = [(torch.randn(8, 4, generator=g), torch.randn(8, 4, generator=g) + 1) for _ in range(16)]
+
+    def step(self, scaler, step, poison_D=(), per_step_update=True):
+        """One D step (inf written into D's gradient on ``poison_D`` steps), then one G step. Returns
+        whether D's and G's parameters changed."""
+        z, real = self.data[step % len(self.data)]
+        d_before = [p.detach().clone() for p in self.D.parameters()]
+        g_before = [p.detach().clone() for p in self.G.parameters()]
+        self.opt_D.zero_grad()
+        loss_D = torch.nn.functional.softplus(self.D(self.G(z).detach())).mean()
+        loss_D = loss_D + torch.nn.functional.softplus(-self.D(real)).mean()
+        scaler.scale(loss_D, optimizer=self.opt_D).backward()
+        if step in poison_D:
+            self.D[0].weight.grad[0, 0] = INF
+        scaler.step(self.opt_D)
+        if per_step_update:
+            scaler.update(optimizer=self.opt_D)
+        self.opt_G.zero_grad()
+        loss_G = torch.nn.functional.softplus(-self.D(self.G(z))).mean()
+        scaler.scale(loss_G, optimizer=self.opt_G).backward()
+        scaler.step(self.opt_G)
+        if per_step_update:
+            scaler.update(optimizer=self.opt_G)
+        else:
+            scaler.update()
+        d_moved = not all(torch.equal(p, q) for p, q in zip(self.D.parameters(), d_before))
+        g_moved = not all(torch.equal(p, q) for p, q in zip(self.G.parameters(), g_before))
+        return d_moved, g_moved
+
+
+def _per_optimizer_scaler(gan, register=True, **kw):
+    scaler = DynamicLossScaler(
+        "cpu", **{"init_scale": 2.0**10, "growth_interval": 100, **kw}, per_optimizer=True
+    )
+    if register:
+        scaler.register_optimizer(gan.opt_G, "G")
+        scaler.register_optimizer(gan.opt_D, "D")
+    return scaler
+
+
+@pytest.mark.parametrize("per_step_update", [True, False], ids=["update-per-optimizer", "update-all"])
+def test_per_optimizer_gan_skips_and_backs_off_only_d(per_step_update):
+    gan = _Gan()
+    scaler = _per_optimizer_scaler(gan, telemetry=False)
+    poison_D = {1, 2, 5}
+    for step in range(8):
+        d_moved, g_moved = gan.step(scaler, step, poison_D, per_step_update)
+        assert d_moved == (step not in poison_D) and g_moved, step
+        assert scaler.optimizer_scaler(gan.opt_D).last_step_skipped == (step in poison_D)
+    scaler_D, scaler_G = scaler.optimizer_scaler(gan.opt_D), scaler.optimizer_scaler(gan.opt_G)
+    assert scaler_D.get_scale() == 2.0 ** (10 - len(poison_D))  # backed off exactly 3 times
+    assert scaler_G.get_scale() == 2.0**10
+    assert (scaler_D.steps, scaler_D.skipped_steps) == (8, len(poison_D))
+    assert (scaler_G.steps, scaler_G.skipped_steps) == (8, 0)
+    assert scaler.steps == 16 and scaler.skipped_steps == len(poison_D)
+    assert all(torch.isfinite(p).all() for p in [*gan.G.parameters(), *gan.D.parameters()])
+
+
+def test_per_optimizer_scales_follow_their_own_schedules_when_both_grow():
+    gan = _Gan()
+    scaler = _per_optimizer_scaler(gan, growth_interval=2, telemetry=False)
+    scales = []
+    for step in range(6):
+        gan.step(scaler, step, poison_D={2})
+        scales.append(
+            (scaler.optimizer_scaler(gan.opt_D).get_scale(), scaler.optimizer_scaler(gan.opt_G).get_scale())
+        )
+    k = 2.0**10
+    assert scales == [(k, k), (2 * k, 2 * k), (k, 2 * k), (k, 4 * k), (2 * k, 4 * k), (2 * k, 8 * k)]
+
+
+def test_per_optimizer_telemetry_names_and_values():
+    gan = _Gan()
+    scaler = _per_optimizer_scaler(gan)
+    names = [f"AMP/{n}/{k}" for n in ("D", "G") for k in ("loss_scale_log2", "overflow", "skipped_steps")]
+    values, collector = _per_step_telemetry(names, lambda step: gan.step(scaler, step, poison_D={1, 2}), 4)
+    assert collector.names() == sorted(names)  # no shared AMP/loss_scale_log2
+    assert values["AMP/D/overflow"] == [0, 1, 1, 0] and values["AMP/G/overflow"] == [0, 0, 0, 0]
+    assert values["AMP/D/loss_scale_log2"] == [10, 9, 8, 8] and values["AMP/G/loss_scale_log2"] == [10] * 4
+    assert values["AMP/D/skipped_steps"] == [0, 1, 2, 2] and values["AMP/G/skipped_steps"] == [0] * 4
+
+
+def test_register_optimizer_names_and_errors():
+    gan = _Gan()
+    auto = _per_optimizer_scaler(gan, register=False, telemetry=False)
+    gan.step(auto, 0)
+    assert sorted(auto.state_dict()["per_optimizer"]) == ["0", "1"]  # in order of first use: D, G
+    assert auto.optimizer_scaler(gan.opt_D)._name == "0"
+    named = _per_optimizer_scaler(gan, telemetry=False)
+    named.register_optimizer(gan.opt_G, "G")  # the same name again: fine
+    gan.step(named, 0)
+    assert sorted(named.state_dict()["per_optimizer"]) == ["D", "G"]
+    with pytest.raises(ValueError, match="`name` 'G' already names another optimizer's scale"):
+        named.register_optimizer(gan.opt_D, "G")
+    with pytest.raises(TypeError, match="`name` must be a non-empty str, got ''"):
+        named.register_optimizer(gan.opt_D, "")
+    with pytest.raises(TypeError, match=r"`optimizer` must be a torch\.optim\.Optimizer, got str"):
+        named.register_optimizer("D", "D")
+    shared = DynamicLossScaler("cpu", telemetry=False)
+    with pytest.raises(
+        ValueError, match=r"register_optimizer\(\) needs DynamicLossScaler\(per_optimizer=True\)"
+    ):
+        shared.register_optimizer(gan.opt_D, "D")
+    with pytest.raises(
+        ValueError, match=r"optimizer_scaler\(\) needs DynamicLossScaler\(per_optimizer=True\)"
+    ):
+        shared.optimizer_scaler(gan.opt_D)
+
+
+def test_per_optimizer_scale_needs_the_optimizer():
+    gan = _Gan()
+    scaler = _per_optimizer_scaler(gan)
+    with pytest.raises(
+        ValueError, match=r"scale\(outputs, optimizer=\.\.\.\) needs the optimizer that will step"
+    ):
+        scaler.scale(torch.ones(()))
+
+
+def test_per_optimizer_update_for_one_optimizer_moves_only_its_scale():
+    gan = _Gan()
+    scaler = _per_optimizer_scaler(gan, growth_interval=1, telemetry=False)
+    gan.step(scaler, 0, per_step_update=False)  # both grow once: 2**11 each
+    _, real = gan.data[0]
+    for opt, net in ((gan.opt_D, gan.D), (gan.opt_G, gan.G)):
+        opt.zero_grad()
+        scaler.scale(net(real).square().mean(), optimizer=opt).backward()
+        scaler.step(opt)
+    scaler.update(optimizer=gan.opt_D)
+    scaler_D, scaler_G = scaler.optimizer_scaler(gan.opt_D), scaler.optimizer_scaler(gan.opt_G)
+    assert scaler_D.get_scale() == 2.0**12 and scaler_G.get_scale() == 2.0**11
+    assert scaler_D.steps == 2 and scaler_G.steps == 1
+    scaler.update(optimizer=gan.opt_G)
+    assert scaler_G.get_scale() == 2.0**12 and scaler_G.steps == 2
+
+
+def test_per_optimizer_state_dict_round_trip_restores_scales_at_first_use():
+    gan = _Gan()
+    scaler = _per_optimizer_scaler(gan, growth_interval=3, telemetry=False)
+    for step in range(5):
+        gan.step(scaler, step, poison_D={1, 2})
+    state = scaler.state_dict()
+    assert state["per_optimizer"]["D"]["scale"] == 2.0**8 and state["per_optimizer"]["G"]["scale"] == 2.0**11
+    assert state["per_optimizer"]["D"]["skipped_steps"] == 2 and state["per_optimizer"]["G"]["steps"] == 5
+
+    resumed_gan = copy.deepcopy(gan)
+    fresh = _per_optimizer_scaler(resumed_gan, telemetry=False)  # other settings: the states carry them
+    fresh.load_state_dict(copy.deepcopy(state))
+    assert fresh.state_dict() == state  # pending until each optimizer's first use
+    assert fresh.optimizer_scaler(resumed_gan.opt_D).get_scale() == 2.0**8  # restored at first use
+    assert fresh.optimizer_scaler(resumed_gan.opt_G).get_scale() == 2.0**11
+    assert fresh.state_dict() == state
+    for step in range(5, 10):  # both continue identically, overflows included
+        assert gan.step(scaler, step, poison_D={6}) == resumed_gan.step(fresh, step, poison_D={6})
+    assert fresh.state_dict() == scaler.state_dict()
+    for p, q in zip(gan.D.parameters(), resumed_gan.D.parameters()):
+        assert torch.equal(p, q)
+
+    # Loaded into a scaler already in use: applied to the existing per-optimizer scales at once.
+    used_gan = _Gan()
+    used = _per_optimizer_scaler(used_gan, telemetry=False)
+    used_gan.step(used, 0)
+    used.load_state_dict(state)
+    assert used.state_dict() == state
+
+    with pytest.raises(ValueError, match=r"`state_dict` lacks per-optimizer scales .* per_optimizer=True"):
+        fresh.load_state_dict(DynamicLossScaler("cpu").state_dict())
+    with pytest.raises(ValueError, match=r"`state_dict` has per-optimizer scales .* per_optimizer=False"):
+        DynamicLossScaler("cpu").load_state_dict(state)
+
+
+def test_per_optimizer_pickle_after_use():
+    gan = _Gan()
+    scaler = _per_optimizer_scaler(gan, register=False, telemetry=False)
+    for step in range(3):
+        gan.step(scaler, step, poison_D={1})
     clone = pickle.loads(pickle.dumps(scaler))
     assert clone.state_dict() == scaler.state_dict()
-    _train(clone, lambda p: torch.optim.SGD(p, lr=0.05), poison_steps={0}, steps=1)
-    assert scaler.steps == 3 and clone.steps == 4
-    # A pickle of an earlier version, without the cached schedule arguments, loads and trains too.
-    state = scaler.__getstate__()
-    del state["_schedule_kwargs"]
-    old = DynamicLossScaler.__new__(DynamicLossScaler)
-    old.__setstate__(state)
-    _train(old, lambda p: torch.optim.SGD(p, lr=0.05), poison_steps={0}, steps=1)
-    assert old.steps == 4 and old.state_dict() == clone.state_dict()
+    clone_gan = copy.deepcopy(gan)
+    # Auto names map back by order of first use (D, then G).
+    for step in range(3, 6):
+        assert gan.step(scaler, step, poison_D={4}) == clone_gan.step(clone, step, poison_D={4})
+    assert clone.state_dict() == scaler.state_dict()
+    # Registered names: optimizer ids mean nothing after unpickling, so the names are registered again.
+    named = _per_optimizer_scaler(gan, telemetry=False)
+    gan.step(named, 0, poison_D={0})
+    clone = pickle.loads(pickle.dumps(named))
+    clone_gan = copy.deepcopy(gan)
+    clone.register_optimizer(clone_gan.opt_G, "G")
+    clone.register_optimizer(clone_gan.opt_D, "D")
+    assert gan.step(named, 1) == clone_gan.step(clone, 1)
+    assert sorted(clone.state_dict()["per_optimizer"]) == ["D", "G"]
+    assert clone.state_dict() == named.state_dict()
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA (skipped without a GPU)
+# ------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.cuda
@@ -533,16 +1043,16 @@ def test_cuda_state_lives_on_the_device_and_matches_grad_scaler():
                 loss = model(x).float().square().mean()
             scaler.scale(loss).backward()
             if step in poison:
-                model.weight.grad[0, 0] = float("nan")
+                model.weight.grad[0, 0] = NAN
             scaler.step(opt)
             scaler.update()
         return model, scaler
 
     ref_model, ref = train(torch.amp.GradScaler("cuda", **cfg))
-    model, ours = train(DynamicLossScaler(**cfg, telemetry=False))
+    model, ours = train(DynamicLossScaler("cuda", **cfg, telemetry=False))
     assert ours.scale_tensor.device.type == "cuda" and ours.last_step_skipped_tensor.device.type == "cuda"
     assert ours.get_scale() == ref.get_scale() and ours.skipped_steps == 2
-    torch.testing.assert_close(model.weight, ref_model.weight, rtol=0, atol=0)
+    assert torch.equal(model.weight, ref_model.weight)
 
 
 @pytest.mark.cuda
@@ -558,23 +1068,21 @@ def test_cuda_state_lives_on_the_device_and_matches_grad_scaler():
     ids=["exponential", "hysteresis", "log2"],
 )
 def test_cuda_schedule_and_counters_match_the_cpu_state(cfg, fused):
-    """The device update (CUDA state) and the host update (CPU state) give the same scale, trackers
-    and counters for one overflow pattern, with the skip decision on the host (non-fused) or not."""
-    import warnings
-
+    """The same update on CUDA and on CPU state gives the same scale, trackers and counters for one
+    overflow pattern, with the skip decision on the host (non-fused) or on the device (fused)."""
     poison = {1, 2, 3, 6, 7, 8, 9}
 
     def run(device):
         torch.manual_seed(0)
         model = torch.nn.Linear(6, 2).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, **({"fused": True} if fused else {}))
-        scaler = DynamicLossScaler(init_scale=2.0**8, telemetry=False, **cfg)
+        scaler = DynamicLossScaler(device, init_scale=2.0**8, telemetry=False, **cfg)
         x = torch.randn(8, 6, device=device)
         for step in range(12):
             opt.zero_grad()
             scaler.scale(model(x).square().mean()).backward()
             if step in poison:
-                model.weight.grad[0, 0] = float("inf")
+                model.weight.grad[0, 0] = INF
             scaler.step(opt)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
@@ -583,10 +1091,5 @@ def test_cuda_schedule_and_counters_match_the_cpu_state(cfg, fused):
 
     cuda, cpu = run("cuda"), run("cpu")
     assert cuda.scale_tensor.device.type == "cuda"
-    state_cuda, state_cpu = cuda.state_dict(), cpu.state_dict()
-    if cfg["schedule"] == "exponential":
-        # log2_scale is derived there by torch.log2 in float64, and CUDA's double log2 is not exact at
-        # powers of two (log2(8) = 2.9999999999999996 on an H100): equal to the last bit.
-        assert state_cuda.pop("log2_scale") == pytest.approx(state_cpu.pop("log2_scale"), rel=1e-15)
-    assert state_cuda == state_cpu
+    assert cuda.state_dict() == cpu.state_dict()
     assert cuda.skipped_steps == len(poison) and cuda.last_step_skipped == cpu.last_step_skipped

@@ -1,28 +1,38 @@
-"""Fixtures for the kernel tests: every backend that can run here, on CPU.
+"""Fixtures for the kernel tests: every backend that can run here.
 
-The Triton backend runs in Triton's interpreter (``TritonBackend(interpret=True)``), chosen per
-backend instance, so no ``TRITON_INTERPRET`` environment variable has to be set before ``import
-triton`` and the other tests of the session keep compiled Triton untouched.
+``triton`` runs on CUDA when a GPU is present, else on CPU tensors in Triton's interpreter (the root
+``conftest.py`` sets ``TRITON_INTERPRET=1`` before ``triton`` is imported).
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightning_ext.kernels import KernelBackend, get_backend
 from lightning_ext.kernels._triton import HAS_TRITON
+from tests.helpers.cpu_extension import require_cpu_backend
 
-BACKENDS = ["reference", "triton-interpret"]
+BACKENDS = ["reference", "cpu", "triton"]
 
 
 def make_backend(name: str) -> KernelBackend:
-    if name == "reference":
-        return get_backend("reference", device="cpu")
-    if not HAS_TRITON:
+    if name == "triton" and not HAS_TRITON:
         pytest.skip("triton is not installed (extra `triton`)")
-    from lightning_ext.kernels.triton_backend import TritonBackend
+    if name == "triton":
+        from lightning_ext.kernels import TritonBackend
 
-    return TritonBackend(interpret=True)
+        return TritonBackend()
+    if name == "cpu":
+        return require_cpu_backend()
+    return get_backend("reference", device="cpu")
+
+
+def backend_device(backend: KernelBackend) -> torch.device:
+    """Where the backend's test tensors live: CUDA for compiled Triton, else the CPU."""
+    if backend.name == "triton" and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
 
 
 @pytest.fixture(params=BACKENDS)

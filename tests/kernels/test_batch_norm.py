@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 from lightning_ext.kernels import KernelBackend
+from tests.kernels.conftest import backend_device
 
 # (dtype, atol, rtol) of an op's result in that dtype, relative to the scale of its terms.
 DTYPES = [
@@ -25,7 +24,7 @@ CASES = [
     ((1, 7, 3, 5, 3), torch.channels_last_3d, False),
     ((2, 7, 3, 5, 3), torch.contiguous_format, False),
     ((2101, 7), torch.contiguous_format, False),
-    ((4, 9, 64, 33), torch.contiguous_format, False),  # >= 64Ki elements: reference's two-pass stats
+    ((4, 9, 64, 33), torch.contiguous_format, False),  # >= 64Ki elements: several blocks per channel
     ((3, 7, 9, 5), torch.contiguous_format, True),  # x[..., ::2]: spatial dims not collapsible
     ((0, 7, 5, 3), torch.contiguous_format, False),
     ((3, 7, 0), torch.contiguous_format, False),
@@ -68,144 +67,161 @@ def assert_close_scaled(actual, truth, scale, atol, rtol, what):
         )
 
 
-def _truths(x, dy, mean, invstd, weight, bias, sum_dy, sum_dy_xmu, count, dtype=torch.float64):
+def _truths(x, dy, shift, mean, invstd, weight, bias, sums, count, dtype=torch.float64):
     """Ground truth of every op computed in ``dtype`` (float64: the truth; the input dtype: the
     "reference run in that dtype" of the low-precision rule), with the scale of the summed terms.
     """
-    nd = x.dim()
+    nd, c = x.dim(), x.shape[1]
     dims = [0, *range(2, nd)]
     xd, dyd = x.to(dtype), dy.to(dtype)
     mu, inv, w, b = (_bc(t.to(dtype), nd) for t in (mean, invstd, weight, bias))
-    sum_dy, sum_dy_xmu, count = sum_dy.to(dtype), sum_dy_xmu.to(dtype), count.to(dtype)
-    n = xd.numel() // xd.shape[1]
-    t_mean = xd.mean(dims) if n else torch.zeros(x.shape[1], dtype=dtype)
-    xm = xd - _bc(t_mean, nd)
-    a = _bc(sum_dy, nd) / count
-    bb = _bc(sum_dy_xmu, nd) * inv * inv / count
-    c = inv * w
+    sums, count = sums.to(dtype), count.to(dtype)
+    n = xd.numel() // c
+    xs = xd - _bc(shift.to(dtype), nd)
+    a = _bc(sums[:c], nd) / count
+    bb = _bc(sums[c:], nd) * inv * inv / count
+    scale = inv * w
+    head = torch.full((1,), float(n), dtype=dtype)
     return {
-        "mean": (t_mean, xd.abs().sum(dims) / max(n, 1)),
-        "m2": ((xm * xm).sum(dims), (xd * xd).sum(dims)),
+        "moments": (
+            torch.cat([head, xs.sum(dims), (xs * xs).sum(dims)]),
+            torch.cat([head, xs.abs().sum(dims), (xs * xs).sum(dims)]),
+        ),
         "y": ((xd - mu) * inv * w + b, (xd - mu).abs() * (inv * w).abs() + b.abs()),
-        "sum_dy": (dyd.sum(dims), dyd.abs().sum(dims)),
-        "sum_dy_xmu": ((dyd * (xd - mu)).sum(dims), (dyd * (xd - mu)).abs().sum(dims)),
-        "dx": ((dyd - a - (xd - mu) * bb) * c, (dyd.abs() + a.abs() + (xd - mu).abs() * bb.abs()) * c.abs()),
+        "sums": (
+            torch.cat([dyd.sum(dims), (dyd * (xd - mu)).sum(dims)]),
+            torch.cat([dyd.abs().sum(dims), (dyd * (xd - mu)).abs().sum(dims)]),
+        ),
+        "dx": (
+            (dyd - a - (xd - mu) * bb) * scale,
+            (dyd.abs() + a.abs() + (xd - mu).abs() * bb.abs()) * scale.abs(),
+        ),
     }
 
 
-def _run(be: KernelBackend, x, dy, mean, invstd, weight, bias, sum_dy, sum_dy_xmu, count):
-    cnt, m, m2 = be.batch_norm_stats(x)
-    y = be.batch_norm_elemt(x, mean, invstd, weight, bias)
-    s1, s2 = be.batch_norm_backward_reduce(dy, x, mean, invstd)
-    dx = be.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count)
-    return {"count": cnt, "mean": m, "m2": m2, "y": y, "sum_dy": s1, "sum_dy_xmu": s2, "dx": dx}
+def _run(be: KernelBackend, x, dy, shift, mean, invstd, weight, bias, sums, count):
+    return {
+        "moments": be.batch_norm_moments(x, shift),
+        "y": be.batch_norm_elemt(x, mean, invstd, weight, bias),
+        "sums": be.batch_norm_backward_reduce(dy, x, mean),
+        "dx": be.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sums, count),
+    }
 
 
-@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES, ids=lambda v: str(v).replace("torch.", ""))
-@pytest.mark.parametrize(("shape", "fmt", "sliced"), CASES, ids=lambda v: str(v).replace("torch.", ""))
-def test_batch_norm_ops(backend, reference, shape, fmt, sliced, dtype, atol, rtol):
+def _args(shape, fmt, sliced, dtype, device):
     x = _make(shape, fmt, sliced, dtype, seed=1)
     # dy in another layout than x for the 4-d cases: the kernels take both strides.
     dy = _make(shape, torch.contiguous_format, sliced, dtype, seed=2)
     c = x.shape[1]
     gen = torch.Generator().manual_seed(3)
     sdt = torch.float64 if dtype == torch.float64 else torch.float32
-    mean, invstd = _vec(c, gen, -0.5, 0.5, sdt), _vec(c, gen, 0.5, 2.0, sdt)
+    shift = _vec(c, gen, 0.0, 1.5, torch.float64)  # near the data's mean 0.7, as the running mean
+    mean, invstd = _vec(c, gen, -0.5, 0.5, torch.float64), _vec(c, gen, 0.5, 2.0, torch.float64)
     weight, bias = _vec(c, gen, dtype=sdt), _vec(c, gen, dtype=sdt)
-    sum_dy, sum_dy_xmu = _vec(c, gen, -30, 30, sdt), _vec(c, gen, -30, 30, sdt)
-    n = x.numel() // c
-    count = torch.tensor(float(n + 5), dtype=sdt)  # global count: this shard and others
-    args = (x, dy, mean, invstd, weight, bias, sum_dy, sum_dy_xmu, count)
+    sums = _vec(2 * c, gen, -30, 30, sdt)
+    count = torch.tensor(float(x.numel() // c + 5), dtype=torch.float64)  # this shard and others
+    return [t.to(device) for t in (x, dy, shift, mean, invstd, weight, bias, sums, count)]
 
-    out = _run(backend, *args)
+
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES, ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize(("shape", "fmt", "sliced"), CASES, ids=lambda v: str(v).replace("torch.", ""))
+def test_batch_norm_ops(backend, reference, shape, fmt, sliced, dtype, atol, rtol):
+    args = _args(shape, fmt, sliced, dtype, backend_device(backend))
+    x, c = args[0], args[0].shape[1]
+    out = {k: v.cpu() for k, v in _run(backend, *args).items()}
+    args = [t.cpu() for t in args]
     truth = _truths(*args)
+    sdt = torch.float64 if dtype == torch.float64 else torch.float32
 
     # Contract: dtypes, shapes, memory format.
-    for k in ("count", "mean", "m2", "sum_dy", "sum_dy_xmu"):
-        assert out[k].dtype == sdt and out[k].shape == (c,), k
+    assert out["moments"].dtype == torch.float64 and out["moments"].shape == (2 * c + 1,)
+    assert out["sums"].dtype == sdt and out["sums"].shape == (2 * c,)
     for k in ("y", "dx"):
         assert out[k].dtype == dtype and out[k].shape == x.shape, k
         if x.numel() and not sliced:
             assert out[k].stride() == x.stride(), f"{k} lost the memory format of x"
-    assert torch.equal(out["count"], torch.full((c,), float(n), dtype=sdt))
     if x.numel() == 0:
-        for k in ("mean", "m2", "sum_dy", "sum_dy_xmu"):
-            assert torch.equal(out[k], torch.zeros(c, dtype=sdt)), k
+        assert torch.equal(out["moments"], torch.zeros(2 * c + 1, dtype=torch.float64))
+        assert torch.equal(out["sums"], torch.zeros(2 * c, dtype=sdt))
         return
 
-    # Statistics are float32 whatever the input dtype: fp32 tolerances (inputs are exact).
+    # Sums of exact inputs: float32 tolerances whatever the input dtype (accumulated in float32 at least).
     s_atol, s_rtol = (atol, rtol) if dtype == torch.float64 else (1e-5, 1e-5)
-    for k in ("mean", "m2", "sum_dy", "sum_dy_xmu"):
-        assert_close_scaled(out[k], *truth[k], s_atol, s_rtol, f"{backend.key} {k}")
+    for k in ("moments", "sums"):
+        assert_close_scaled(out[k], *truth[k], s_atol, s_rtol, f"{backend.name} {k}")
     for k in ("y", "dx"):
-        assert_close_scaled(out[k], *truth[k], atol, rtol, f"{backend.key} {k}")
-
-    if backend.key != "reference":
-        # Close to the reference backend.
+        assert_close_scaled(out[k], *truth[k], atol, rtol, f"{backend.name} {k}")
+    if backend.name != "reference":  # close to the reference backend
         ref = _run(reference, *args)
         for k, v in ref.items():
-            if k in truth:
-                assert_close_scaled(out[k], v.double(), 2 * truth[k][1], 4 * s_atol, 4 * s_rtol + 2 * rtol, k)
+            assert_close_scaled(out[k], v.double(), 2 * truth[k][1], 4 * s_atol, 4 * s_rtol + 2 * rtol, k)
     if dtype in (torch.float16, torch.bfloat16):
         # Low precision: error vs float64 at most 2x that of the maths run in the input dtype.
         lowp = _truths(*args, dtype=dtype)
-        for k, (t, scale) in truth.items():
+        for k in ("y", "dx"):
+            t, scale = truth[k]
             err_k, err_l = _err(out[k], t).max().item(), _err(lowp[k][0], t).max().item()
             tiny = 1e-6 * scale.max().item()
             assert err_k <= 2 * err_l + tiny, (
-                f"{backend.key} {k}: error {err_k:.3g} > 2x {dtype} maths {err_l:.3g}"
+                f"{backend.name} {k}: error {err_k:.3g} > 2x {dtype} maths {err_l:.3g}"
             )
+
+
+def _moments_to_stats(payload: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    c = shift.shape[0]
+    n, s1, s2 = payload[0], payload[1 : c + 1], payload[c + 1 :]
+    return shift + s1 / n, s2 - s1 * s1 / n
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["", "autocast"])
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=str)
 @pytest.mark.parametrize("shape", [(4, 9, 64, 33), (2, 3, 40000), (3, 5, 7, 9, 60)])
-def test_stats_stable_when_the_mean_dominates(backend, shape, fmt, autocast):
-    """float32 ``m2`` stays exact to float32 rounding when |mean| / std ~ 1e3 (no E[x^2] - E[x]^2),
-    also for float32 input under bfloat16 autocast (a SyncBatchNorm after a float32 op in an
-    autocast region), which must not lower the statistics' precision."""
+def test_moments_stable_when_the_mean_dominates(backend, shape, fmt, autocast):
+    """The mean and ``M2`` from the moments stay exact to float32 rounding when |mean| / std ~ 1e3,
+    about a shift far from the data (zero: the first step) and near it (the running mean), also for
+    float32 input under bfloat16 autocast, which must not lower the sums' precision."""
     gen = torch.Generator().manual_seed(7)
     x = (1e3 + torch.randn(shape, generator=gen, dtype=torch.float64)).float()
     if x.dim() == 4:
         x = x.contiguous(memory_format=fmt)
     elif fmt == torch.channels_last:
         pytest.skip("channels_last needs 4 dims")
-    if backend.key == "reference" and fmt == torch.channels_last:
+    if backend.name == "reference" and fmt == torch.channels_last:
         pytest.skip("ATen's channels-last CPU statistics sum the mean in float32 (1.2e-6 relative here)")
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        _, mean, m2 = backend.batch_norm_stats(x)
     xd = x.double()
     dims = [0, *range(2, x.dim())]
     t_mean = xd.mean(dims)
     t_m2 = ((xd - _bc(t_mean, x.dim())) ** 2).sum(dims)
-    assert_close_scaled(mean, t_mean, t_mean.abs(), 0.0, 1e-6, "mean")
-    assert_close_scaled(m2, t_m2, t_m2, 0.0, 1e-5, "m2")
+    device = backend_device(backend)
+    for shift in (torch.zeros_like(t_mean), t_mean + 0.5):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            payload = backend.batch_norm_moments(x.to(device), shift.to(device)).cpu()
+        mean, m2 = _moments_to_stats(payload, shift)
+        assert_close_scaled(mean, t_mean, t_mean.abs(), 0.0, 1e-6, "mean")
+        # ATen's float32 statistics (reference) sum in float32: 2e-5 of M2; the kernels: float32 blocks.
+        assert_close_scaled(m2, t_m2, t_m2, 0.0, 2e-5, "m2")
 
 
-def test_weight_bias_none_and_vector_count(backend):
-    x = _make((4, 7, 3, 3), torch.channels_last, False, torch.float32, seed=4)
-    dy = _make((4, 7, 3, 3), torch.channels_last, False, torch.float32, seed=5)
-    gen = torch.Generator().manual_seed(6)
-    mean, invstd = _vec(7, gen), _vec(7, gen, 0.5, 2.0)
+def test_weight_bias_none_and_the_local_batch_gradient(backend):
+    """Without weight and bias, and with the batch's own statistics and count, the ops give ATen's
+    training-mode batch norm output and input gradient."""
+    device = backend_device(backend)
+    x = _make((4, 7, 3, 3), torch.channels_last, False, torch.float32, seed=4).to(device)
+    dy = _make((4, 7, 3, 3), torch.channels_last, False, torch.float32, seed=5).to(device)
+    payload = backend.batch_norm_moments(x, torch.zeros(7, dtype=torch.float64, device=device))
+    mean, m2 = _moments_to_stats(payload, torch.zeros(7, dtype=torch.float64, device=device))
+    invstd = (m2 / 36 + 1e-5).rsqrt()
     y = backend.batch_norm_elemt(x, mean, invstd, None, None)
-    torch.testing.assert_close(y, (x - mean.view(-1, 1, 1)) * invstd.view(-1, 1, 1), atol=1e-5, rtol=1e-5)
-    s1, s2 = backend.batch_norm_backward_reduce(dy, x, mean, invstd)
-    count = torch.full((7,), 36.0)
-    dx_vec = backend.batch_norm_backward_elemt(dy, x, mean, invstd, None, s1, s2, count)
-    dx_0d = backend.batch_norm_backward_elemt(dy, x, mean, invstd, None, s1, s2, torch.tensor(36.0))
-    torch.testing.assert_close(dx_vec, dx_0d)
-    # Local training-mode batch norm: with the batch's own statistics this is ATen's input gradient.
-    _, bmean, m2 = backend.batch_norm_stats(x)
-    binv = (m2 / 36 + 1e-5).rsqrt()
     xr = x.detach().clone().requires_grad_()
-    torch.nn.functional.batch_norm(xr, None, None, training=True, eps=1e-5).backward(dy)
-    s1, s2 = backend.batch_norm_backward_reduce(dy, x, bmean, binv)
-    dx = backend.batch_norm_backward_elemt(dy, x, bmean, binv, None, s1, s2, count)
+    ref = torch.nn.functional.batch_norm(xr, None, None, training=True, eps=1e-5)
+    ref.backward(dy)
+    torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+    sums = backend.batch_norm_backward_reduce(dy, x, mean)
+    dx = backend.batch_norm_backward_elemt(dy, x, mean, invstd, None, sums, payload[0])
     torch.testing.assert_close(dx, xr.grad, atol=1e-4, rtol=1e-4)
 
 
-# (dtype, tolerance relative to the scale of dx's terms) for the group backward: fp32 and below add
-# the rounding of the local gradient and of the correction (reference backend on the CPU).
+# (dtype, tolerance relative to the scale of dx's terms) for the sharded backward.
 GROUP_DTYPES = [(torch.float64, 1e-12), (torch.float32, 2e-5), (torch.float16, 4e-3), (torch.bfloat16, 3e-2)]
 
 
@@ -221,38 +237,30 @@ GROUP_DTYPES = [(torch.float64, 1e-12), (torch.float32, 2e-5), (torch.float16, 4
     ],
     ids=str,
 )
-def test_group_backward_matches_whole_batch(backend, shape, fmt, shards, dtype, tol):
-    """``batch_norm_backward`` of each shard, its sums added over the shards by ``sum_over_group``,
-    equals float64 training-mode batch-norm maths on the whole batch (global statistics and count)."""
-    x = _make(shape, fmt, False, dtype, seed=11)
-    dy = _make(shape, fmt, False, dtype, seed=12)
+def test_sharded_backward_matches_whole_batch(backend, shape, fmt, shards, dtype, tol):
+    """Each shard's ``backward_reduce``, summed over the shards (what the all_reduce does), then each
+    shard's ``backward_elemt`` with the global count equal float64 batch-norm maths on the whole batch."""
+    device = backend_device(backend)
+    x = _make(shape, fmt, False, dtype, seed=11).to(device)
+    dy = _make(shape, fmt, False, dtype, seed=12).to(device)
     gen = torch.Generator().manual_seed(13)
     c, nd = x.shape[1], x.dim()
-    weight = _vec(c, gen, 0.5, 1.5)
+    weight = _vec(c, gen, 0.5, 1.5).to(device)
     dims = [0, *range(2, nd)]
-    xd, dyd = x.double(), dy.double()
-    mean64 = xd.mean(dims)
-    invstd64 = (xd.var(dims, unbiased=False) + 1e-5).rsqrt()
-    mean, invstd = mean64.float(), invstd64.float()
+    xd, dyd = x.double().cpu(), dy.double().cpu()
+    mean = xd.mean(dims).to(device)
+    invstd = (xd.var(dims, unbiased=False) + 1e-5).rsqrt().to(device)
     n = xd.numel() // c
-    count = torch.tensor(float(n))
+    count = torch.tensor(float(n), dtype=torch.float64, device=device)
     parts = list(zip(x.split(list(shards)), dy.split(list(shards))))
-    # Every shard's local sums first (what the other ranks would contribute), then each shard's call.
-    local = [backend.batch_norm_backward_reduce(d, xs, mean, invstd) for xs, d in parts]
-    packed = [torch.cat(s) for s in local]
-    outs = []
-    for i, (xs, d) in enumerate(parts):
-        others = sum((p for j, p in enumerate(packed) if j != i), torch.zeros_like(packed[i]))
-        group = (lambda mine, others=others: mine + others) if len(parts) > 1 else None
-        dx, sum_dy, sum_dy_xmu = backend.batch_norm_backward(d, xs, mean, invstd, weight, count, group)
+    total = sum(backend.batch_norm_backward_reduce(d, xs, mean) for xs, d in parts)
+    outs = [backend.batch_norm_backward_elemt(d, xs, mean, invstd, weight, total, count) for xs, d in parts]
+    for (xs, _), dx in zip(parts, outs):
         assert dx.dtype == xs.dtype and dx.shape == xs.shape
         if xs.dim() > 2 and xs.numel():
             assert dx.is_contiguous(memory_format=fmt)
-        for got, want, what in zip((sum_dy, sum_dy_xmu), local[i], ("sum_dy", "sum_dy_xmu")):
-            assert_close_scaled(got, want.double(), want.abs().double(), 1e-4, 1e-5, what)
-        outs.append(dx)
-    dx = torch.cat(outs)
-    mu, inv, w = (_bc(t, nd) for t in (mean.double(), invstd.double(), weight.double()))
+    dx = torch.cat(outs).cpu()
+    mu, inv, w = (_bc(t.double().cpu(), nd) for t in (mean, invstd, weight))
     a = _bc(dyd.sum(dims), nd) / n
     b = _bc((dyd * (xd - mu)).sum(dims), nd) * inv * inv / n
     truth = (dyd - a - (xd - mu) * b) * inv * w
@@ -260,79 +268,75 @@ def test_group_backward_matches_whole_batch(backend, shape, fmt, shards, dtype, 
     assert_close_scaled(dx, truth, scale, tol, tol, f"dx {dtype} shards {shards}")
 
 
-def test_group_backward_takes_a_stride_zero_gradient(backend):
+def test_backward_takes_a_stride_zero_gradient(backend):
     """The gradient of ``y.sum()`` arrives expanded (all strides 0): same result as a dense one."""
-    x = _make((4, 5, 3, 3), torch.channels_last, False, torch.bfloat16, seed=21)
-    mean, invstd, count = torch.zeros(5), torch.ones(5), torch.tensor(36.0)
-    expanded = torch.ones((), dtype=x.dtype).expand(x.shape)
+    device = backend_device(backend)
+    x = _make((4, 5, 3, 3), torch.channels_last, False, torch.bfloat16, seed=21).to(device)
+    mean, invstd = torch.zeros(5, device=device), torch.ones(5, device=device)
+    count = torch.tensor(36.0, device=device)
+    expanded = torch.ones((), dtype=x.dtype, device=device).expand(x.shape)
     dense = torch.ones_like(x)
-    got = backend.batch_norm_backward(expanded, x, mean, invstd, None, count)
-    want = backend.batch_norm_backward(dense, x, mean, invstd, None, count)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w)
-    assert got[0].is_contiguous(memory_format=torch.channels_last)
-
-
-def test_group_backward_rejects_a_non_callable(reference):
-    x = torch.randn(4, 3)
-    with pytest.raises(TypeError, match=r"`sum_over_group` must be a callable or None, got int"):
-        reference.batch_norm_backward(x, x, torch.zeros(3), torch.ones(3), None, torch.tensor(4.0), 5)
-
-
-def test_gradcheck_float64(backend):
-    """Autograd of batch_norm_stats and batch_norm_elemt (built from the backend's own ops)."""
-    gradcheck = functools.partial(torch.autograd.gradcheck, fast_mode=True)
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(2, 4, 2, 3, generator=gen, dtype=torch.float64).to(memory_format=torch.channels_last)
-    x.requires_grad_()
-    mean = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
-    invstd = (torch.rand(4, generator=gen, dtype=torch.float64) + 0.5).requires_grad_()
-    weight = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
-    bias = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
-    assert gradcheck(lambda *a: backend.batch_norm_elemt(*a), (x, mean, invstd, weight, bias))
-    assert gradcheck(lambda *a: backend.batch_norm_elemt(a[0], a[1], a[2], None, None), (x, mean, invstd))
-    assert gradcheck(lambda t: backend.batch_norm_stats(t)[1:], (x,))
-    cnt, _, _ = backend.batch_norm_stats(x)
-    assert not cnt.requires_grad
+    for dy in (expanded, dense):
+        sums = backend.batch_norm_backward_reduce(dy, x, mean)
+        dx = backend.batch_norm_backward_elemt(dy, x, mean, invstd, None, sums, count)
+        assert dx.is_contiguous(memory_format=torch.channels_last)
+        if dy is expanded:
+            got = (sums, dx)
+    torch.testing.assert_close(got[0], sums)
+    torch.testing.assert_close(got[1], dx)
 
 
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [
         (
-            lambda b: b.batch_norm_stats(torch.zeros(3)),
+            lambda b: b.batch_norm_moments(torch.zeros(3), torch.zeros(3)),
             ValueError,
             r"`x` must have shape \(N, C, \*\).*\(3,\)",
         ),
-        (lambda b: b.batch_norm_stats([1.0]), TypeError, r"`x` must be a torch.Tensor.*list"),
         (
-            lambda b: b.batch_norm_stats(torch.zeros(2, 3, dtype=torch.int64)),
+            lambda b: b.batch_norm_moments([1.0], torch.zeros(1)),
+            TypeError,
+            r"`x` must be a torch.Tensor.*list",
+        ),
+        (
+            lambda b: b.batch_norm_moments(torch.zeros(2, 3, dtype=torch.int64), torch.zeros(3)),
             TypeError,
             r"`x` must be.*int64",
         ),
         (
+            lambda b: b.batch_norm_moments(torch.zeros(2, 3), torch.zeros(3, dtype=torch.float16)),
+            TypeError,
+            r"`shift` must be a float32/float64 tensor of shape \(3,\), got torch.float16",
+        ),
+        (
             lambda b: b.batch_norm_elemt(torch.zeros(2, 3), torch.zeros(4), torch.ones(3), None, None),
             ValueError,
-            r"`mean` must have shape \(C,\)=\(3,\), got shape \(4,\)",
+            r"`mean` must have shape \(3,\) on cpu, got \(4,\)",
         ),
         (
             lambda b: b.batch_norm_elemt(torch.zeros(2, 3), torch.zeros(3), torch.ones(3), 1.0, None),
             TypeError,
-            r"`weight` must be a torch.Tensor or None",
+            r"`weight` must be a float32/float64 tensor of shape \(3,\) or None, got 'float'",
         ),
         (
-            lambda b: b.batch_norm_backward_reduce(
-                torch.zeros(2, 4), torch.zeros(2, 3), torch.zeros(3), torch.ones(3)
-            ),
+            lambda b: b.batch_norm_backward_reduce(torch.zeros(2, 4), torch.zeros(2, 3), torch.zeros(3)),
             ValueError,
-            r"`dy` must have the shape of `x` \(2, 3\), got shape \(2, 4\)",
+            r"`dy` must have the shape and device of `x` \(2, 3\) on cpu, got \(2, 4\)",
         ),
         (
             lambda b: b.batch_norm_backward_elemt(
-                *[torch.zeros(2, 3)] * 2, *[torch.ones(3)] * 2, None, *[torch.ones(3)] * 2, torch.ones(2)
+                *[torch.zeros(2, 3)] * 2, *[torch.ones(3)] * 2, None, torch.ones(6), torch.ones(2)
             ),
             ValueError,
-            r"`count` must be a tensor of shape \(\) or \(C,\)=\(3,\), got \(2,\)",
+            r"`count` must be a 0-dim tensor on cpu",
+        ),
+        (
+            lambda b: b.batch_norm_backward_elemt(
+                *[torch.zeros(2, 3)] * 2, *[torch.ones(3)] * 2, None, torch.ones(3), torch.tensor(2.0)
+            ),
+            ValueError,
+            r"`sums` must have shape \(6,\)",
         ),
     ],
 )

@@ -1,4 +1,5 @@
-"""Registry: resolution order, explicit failures, one-warning auto fallback, entry points, validation."""
+"""Registry: resolution order, explicit failures, one-warning auto fallback, entry points, validation,
+``reset()``."""
 
 from __future__ import annotations
 
@@ -13,13 +14,16 @@ import torch
 from lightning_ext.kernels import (
     ENV_VAR,
     BackendEntry,
+    CpuBackend,
     KernelBackend,
     ReferenceBackend,
     available_backends,
     get_backend,
     register_backend,
     registry,
+    reset,
 )
+from tests.helpers.cpu_extension import require_cpu_backend
 
 
 @pytest.fixture(autouse=True)
@@ -28,12 +32,14 @@ def clean_registry(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     saved = dict(registry._entries)
     saved_ep = registry._entry_points_loaded
-    registry._reset_for_tests()
+    for name in set(saved) - {"reference", "cpu", "triton"}:  # e.g. a doctest's registration
+        del registry._entries[name]
+    reset()
     yield
     registry._entries.clear()
     registry._entries.update(saved)
     registry._entry_points_loaded = saved_ep
-    registry._reset_for_tests()
+    reset()
 
 
 def _broken():
@@ -44,28 +50,74 @@ class _CpuReference(ReferenceBackend):
     name = "cpu_ref"
 
 
+class _CudaOnly(ReferenceBackend):
+    name = "cuda_only"
+
+    def supports(self, device_type: str) -> bool:
+        return device_type == "cuda"
+
+
 def test_builtin_backends_and_resolution(monkeypatch):
     entries = available_backends()
-    assert list(entries)[:2] == ["triton", "reference"]  # highest priority first
+    assert list(entries)[:3] == ["triton", "cpu", "reference"]  # highest priority first
     assert entries["triton"].devices == ("cuda",) and entries["triton"].priority == 10
-    # Auto on CPU: triton does not support it, reference does. Cached per process and device type.
-    backend = get_backend(device=torch.device("cpu"))
-    assert isinstance(backend, ReferenceBackend)
-    assert get_backend(device="cpu") is backend is get_backend("reference", "cpu")
+    assert entries["cpu"].devices == ("cpu",) and entries["cpu"].priority == 5
+    assert entries["reference"].priority == 0 and "meta" in entries["reference"].devices
+    # Auto on a device only `reference` supports; cached per process and device type.
+    backend = get_backend(device=torch.device("meta"))
+    assert type(backend) is ReferenceBackend
+    assert get_backend(device="meta") is backend is get_backend("reference", "meta")
     # The environment variable beats auto; the explicit argument beats the environment variable.
     register_backend("cpu_ref", _CpuReference, devices=("cpu",), priority=-1)
     monkeypatch.setenv(ENV_VAR, "cpu_ref")
     assert isinstance(get_backend(device="cpu"), _CpuReference)
     assert type(get_backend("reference", device="cpu")) is ReferenceBackend
     monkeypatch.setenv(ENV_VAR, "auto")
-    assert type(get_backend(device="cpu")) is ReferenceBackend
+    assert type(get_backend(device="meta")) is ReferenceBackend
+
+
+def test_auto_selects_the_compiled_cpu_backend_on_cpu():
+    """On CPU, `cpu` (priority 5) beats `reference` (0); `triton` (CUDA only) is not a candidate even
+    where its interpreter could run CPU tensors."""
+    require_cpu_backend()
+    backend = get_backend(device="cpu")
+    assert type(backend) is CpuBackend and backend.name == "cpu"
+    assert get_backend(device="cpu") is backend is get_backend("cpu", "cpu")
+    assert type(get_backend("reference", "cpu")) is ReferenceBackend
+
+
+def test_reset_forgets_instances_failures_cache_and_the_warning():
+    """After `reset()` the next lookup builds backends again (a failed factory is retried) and the
+    fallback warns again; registrations stay."""
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) == 1:
+            raise ImportError("not yet")
+        return _CpuReference()
+
+    register_backend("flaky", flaky, devices=("meta",), priority=100)
+    with pytest.warns(RuntimeWarning, match=r"'flaky' \(ImportError\('not yet'\)\) failed to load"):
+        assert type(get_backend(device="meta")) is ReferenceBackend
+    registry._cache.clear()
+    assert type(get_backend(device="meta")) is ReferenceBackend and len(calls) == 1  # failure cached
+    first = get_backend("reference", "meta")
+    reset()
+    assert "flaky" in available_backends()
+    assert type(get_backend(device="meta")) is _CpuReference and len(calls) == 2  # retried
+    assert get_backend("reference", "meta") is not first  # built again
+    register_backend("broken", _broken, devices=("xpu",), priority=100)
+    reset()
+    with pytest.warns(RuntimeWarning, match=r"'broken' .* failed to load for device 'xpu'"):
+        assert type(get_backend(device="xpu")) is ReferenceBackend
 
 
 def test_explicit_failures_raise(monkeypatch):
     with pytest.raises(
         ValueError,
         match=r"unknown kernel backend 'nope' \(from argument `name`\); "
-        r"registered backends: \[.*'reference', 'triton'\]",
+        r"registered backends: \['cpu', 'reference', 'triton'\]",
     ):
         get_backend("nope", "cpu")
     monkeypatch.setenv(ENV_VAR, "nope")
@@ -74,11 +126,13 @@ def test_explicit_failures_raise(monkeypatch):
     ):
         get_backend(device="cpu")
     monkeypatch.delenv(ENV_VAR)
+    register_backend("cuda_only", _CudaOnly, devices=("cuda",))
     with pytest.raises(
         ValueError,
-        match=r"kernel backend 'triton' .* supports devices \('cuda',\), not 'cpu'.*HINT: .*interpret=True",
+        match=r"kernel backend 'cuda_only' \(from argument `name`\) supports devices \('cuda',\), not 'cpu'; "
+        r"registered backends: \['cpu', 'cuda_only', 'reference', 'triton'\]",
     ):
-        get_backend("triton", "cpu")
+        get_backend("cuda_only", "cpu")
     register_backend("broken", _broken, devices=("cpu",), priority=100)
     with pytest.raises(
         RuntimeError,
@@ -97,18 +151,18 @@ def test_explicit_failures_raise(monkeypatch):
 
 
 def test_auto_fallback_warns_once_per_process():
-    register_backend("broken", _broken, devices=("cpu", "meta"), priority=100)
+    register_backend("broken", _broken, devices=("meta", "xpu"), priority=100)
     with pytest.warns(
         RuntimeWarning,
-        match=r"kernel backend\(s\) 'broken' \(ImportError.*\) failed to load for device 'cpu'; "
-        r"using 'reference'",
+        match=r"kernel backend\(s\) 'broken' \(ImportError.*\) failed to load for device 'meta'; "
+        r"using 'reference' instead \(warned once per process\). HINT: set LIGHTNING_EXT_KERNELS=reference",
     ):
-        assert type(get_backend(device="cpu")) is ReferenceBackend
+        assert type(get_backend(device="meta")) is ReferenceBackend
     registry._cache.clear()  # even when resolution runs again, or for another device: no second warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert type(get_backend(device="cpu")) is ReferenceBackend
         assert type(get_backend(device="meta")) is ReferenceBackend
+        assert type(get_backend(device="xpu")) is ReferenceBackend
 
 
 def test_register_and_validate_entries():
@@ -174,27 +228,45 @@ def test_entry_point_backends(tmp_path, monkeypatch):
     assert "plugin_hook" in names and "plugin_broken" not in names
     backend = get_backend("plugin", device="cpu")
     assert isinstance(backend, KernelBackend) and type(backend).__name__ == "PluginBackend"
-    count, mean, m2 = backend.batch_norm_stats(torch.tensor([[1.0], [3.0]]))
-    assert (count.item(), mean.item(), m2.item()) == (2.0, 2.0, 2.0)
+    moments = backend.batch_norm_moments(torch.tensor([[1.0], [3.0]]), torch.zeros(1))
+    assert moments.tolist() == [2.0, 4.0, 10.0]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
-def test_triton_without_gpu_raises_explicitly_and_falls_back_automatically(monkeypatch):
+def test_triton_without_gpu_raises_unless_interpreting(monkeypatch):
+    """Without a GPU, `triton` fails to load (explicitly: raises; automatically: `reference` with the
+    warning) unless TRITON_INTERPRET=1, which `TritonBackend.__init__` reads: then it runs CPU tensors."""
+    pytest.importorskip("triton")
+    from lightning_ext.kernels import TritonBackend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(
-        RuntimeError, match=r"kernel backend 'triton' \(from argument `name`\) failed to load: .*needs"
+        RuntimeError,
+        match=r"kernel backend 'triton' \(from argument `name`\) failed to load: "
+        r"RuntimeError\(.*needs a CUDA device",
     ):
         get_backend("triton", "cuda")
-    registry._reset_for_tests()
+    reset()
     with pytest.warns(
         RuntimeWarning, match=r"'triton' .* failed to load for device 'cuda'; using 'reference'"
     ):
         assert type(get_backend(device="cuda")) is ReferenceBackend
-    pytest.importorskip("triton")
-    from lightning_ext.kernels.triton_backend import TritonBackend
-
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(RuntimeError, match=r"needs a CUDA device .* HINT: TritonBackend\(interpret=True\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"needs a CUDA device \(torch.cuda.is_available\(\) is False\). "
+        r"HINT: TRITON_INTERPRET=1, set before triton is imported, runs its kernels on CPU tensors.",
+    ):
         TritonBackend()
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     backend = TritonBackend()
-    assert backend.interpret and backend.key == "triton-interpret" and backend.supports("cpu")
+    assert backend.key == "triton" and backend.supports("cpu") and backend.supports("cuda")
+    moments = backend.batch_norm_moments(torch.tensor([[1.0], [3.0]]), torch.zeros(1))
+    assert moments.dtype == torch.float64 and moments.tolist() == [2.0, 4.0, 10.0]
+    reset()
+    assert type(get_backend("triton", "cpu")) is TritonBackend  # named explicitly: serves CPU tensors
+    with pytest.raises(
+        ValueError, match=r"kernel backend 'triton' .* supports devices \('cuda',\), not 'meta'"
+    ):
+        get_backend("triton", "meta")  # but no device it does not support
+    assert get_backend(device="cpu").name != "triton"  # automatic selection never picks the interpreter

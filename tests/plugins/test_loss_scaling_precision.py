@@ -27,16 +27,27 @@ def _data(n=96, batch_size=16):
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
 
 
+def _sgd_momentum(params, lr):
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
 class _Regression(LightningModule):
     """Tiny MLP; ``poison`` maps global_step -> value injected into this rank's local gradient of net[0]."""
 
-    def __init__(self, poison: dict[int, float] | None = None, poison_rank: int | None = None, lr=0.05):
+    def __init__(
+        self,
+        poison: dict[int, float] | None = None,
+        poison_rank: int | None = None,
+        lr=0.05,
+        optimizer_fn=None,
+    ):
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
         self.poison = poison or {}
         self.poison_rank = poison_rank
         self.lr = lr
+        self.optimizer_fn = optimizer_fn or _sgd_momentum
         self.losses: list[float] = []
         self.output_dtypes: set[torch.dtype] = set()
 
@@ -56,7 +67,7 @@ class _Regression(LightningModule):
 
     @override
     def configure_optimizers(self):
-        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        opt = self.optimizer_fn(self.parameters(), self.lr)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.97)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -91,8 +102,9 @@ class _Recorder(Callback):
                 "skipped": scaler.last_step_skipped,
                 "params_same": all(torch.equal(p, q) for p, q in zip(pl_module.parameters(), self._params)),
                 "state_same": all(
-                    torch.equal(state[k]["momentum_buffer"], v["momentum_buffer"])
+                    torch.equal(state[k][name], value)
                     for k, v in self._state.items()
+                    for name, value in v.items()
                 )
                 and len(state) == len(self._state),
                 "lr_before": self._lr,
@@ -124,7 +136,7 @@ def test_fault_injection_skips_holds_lr_backs_off_and_converges():
     poison = {0: float("inf"), 7: float("nan"), 8: float("inf"), 15: float("nan")}
     model = _Regression(poison=poison)
     recorder = _Recorder()
-    scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=4)
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**10, growth_interval=4)
     plugin = LossScalingPrecision("16-mixed", scaler=scaler)
     collector = Collector(regex="AMP/.*")
     steps = 30
@@ -160,6 +172,40 @@ def test_fault_injection_skips_holds_lr_backs_off_and_converges():
     assert collector.max("AMP/loss_scale_log2") <= 10 + 2 and collector.min("AMP/loss_scale_log2") >= 8
 
 
+@pytest.mark.parametrize(
+    "optimizer_fn",
+    [
+        lambda params, lr: torch.optim.Adam(params, lr=lr / 10, fused=True),
+        lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9, fused=True),
+    ],
+    ids=["adam-fused", "sgd-fused"],
+)
+def test_fused_optimizers_skip_on_the_device_and_hold_lr(optimizer_fn):
+    poison = {1: float("inf"), 2: float("nan"), 5: float("inf")}
+    model = _Regression(poison=poison, optimizer_fn=optimizer_fn)
+    recorder = _Recorder()
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**10, growth_interval=100, telemetry=False)
+    steps = 8
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(LossScalingPrecision("16-mixed", scaler=scaler), [recorder], max_steps=steps).fit(
+            model, _data()
+        )
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+    assert model.output_dtypes == {torch.float16}
+    for step, row in enumerate(recorder.rows):
+        skipped = step in poison
+        assert row["skipped"] == row["params_same"] == row["state_same"] == skipped, step
+        expected_lr = row["lr_before"] if skipped else row["lr_before"] * 0.97
+        assert row["lr_after"] == pytest.approx(expected_lr, rel=1e-12), step
+        # Fused optimizers unscale inside their step: on_before_optimizer_step sees scaled gradients.
+        assert math.isfinite(row["grad_norm"]) != skipped, step
+    assert scaler.steps == steps and scaler.skipped_steps == len(poison)
+    assert scaler.get_scale() == 2.0 ** (10 - len(poison))
+    assert model.trainer.lr_scheduler_configs[0].scheduler.last_epoch == steps - len(poison)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 class _ScaleAtBatchStart(Callback):
     def __init__(self):
         self.scales: list[float] = []
@@ -171,7 +217,7 @@ class _ScaleAtBatchStart(Callback):
 
 def test_gradient_accumulation_changes_scale_only_at_boundary():
     rec = _ScaleAtBatchStart()
-    scaler = DynamicLossScaler(init_scale=4.0, growth_interval=1, telemetry=False)
+    scaler = DynamicLossScaler("cpu", init_scale=4.0, growth_interval=1, telemetry=False)
     _trainer(
         LossScalingPrecision("16-mixed", scaler=scaler), [rec], max_steps=3, accumulate_grad_batches=2
     ).fit(_Regression(), _data())
@@ -208,11 +254,12 @@ class _TwoOptimizers(LightningModule):
 
 
 def test_manual_optimization_with_two_optimizers_updates_once_per_training_step():
-    scaler = DynamicLossScaler(init_scale=4.0, growth_interval=1, telemetry=False)
+    scaler = DynamicLossScaler("cpu", init_scale=4.0, growth_interval=1, telemetry=False)
     model = _TwoOptimizers(poison_step=2)
     _trainer(LossScalingPrecision("16-mixed", scaler=scaler), max_steps=8).fit(model, _data())
-    # 4 training steps (global_step counts both optimizers): grow, grow, back off, grow.
-    assert scaler.steps == 4 and scaler.skipped_steps == 1
+    # 4 training steps (global_step counts both optimizers), one update each at the end of
+    # training_step: grow, grow, back off, grow. The scaler counts every optimizer step (2 per update).
+    assert scaler.steps == 8 and scaler.skipped_steps == 1
     assert scaler.get_scale() == 4.0 * 2 * 2 / 2 * 2
     assert torch.equal(model.weights_a[2], model.weights_a[1])  # a's step skipped
     assert not torch.equal(model.weights_a[3], model.weights_a[2])
@@ -223,7 +270,7 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path: Path):
 
     def plugin():
         return LossScalingPrecision(
-            "16-mixed", scaler=DynamicLossScaler(init_scale=2.0**8, growth_interval=3)
+            "16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**8, growth_interval=3)
         )
 
     # One batch per epoch, so the data of a step does not depend on how Lightning re-enters the
@@ -262,10 +309,12 @@ def test_bf16_and_fp32_skip_nonfinite_steps_without_scaling():
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match=r"`precision` must be one of .*got '16-true'"):
         LossScalingPrecision("16-true")
-    with pytest.raises(ValueError, match="needs an enabled scaler"):
-        LossScalingPrecision("16-mixed", scaler=DynamicLossScaler(enabled=False))
+    with pytest.raises(
+        ValueError, match=r"needs an enabled scaler.*HINT: on CPU build it as DynamicLossScaler\('cpu'\)"
+    ):
+        LossScalingPrecision("16-mixed", scaler=DynamicLossScaler("cpu", enabled=False))
     with pytest.raises(ValueError, match="does not scale the loss"):
-        LossScalingPrecision("bf16-mixed", scaler=DynamicLossScaler())
+        LossScalingPrecision("bf16-mixed", scaler=DynamicLossScaler("cpu"))
     with pytest.raises(
         TypeError, match=r"`scaler` must be a lightning_ext\.amp\.DynamicLossScaler, got GradScaler"
     ):
@@ -273,11 +322,30 @@ def test_bad_arguments_raise():
     assert LossScalingPrecision("32-true", skip_nonfinite=False).scaler is None
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU defaults")
+def test_default_scalers_on_cpu():
+    """GradScaler's default device 'cuda' would disable the scaler without CUDA: the plugin builds its
+    default on 'cpu' (GradScaler's schedule, enabled) and the skip-only scaler for the others."""
+    default = LossScalingPrecision("16-mixed").scaler
+    assert default.is_enabled() and default._device == "cpu" and default.schedule == "exponential"
+    assert (default.get_scale(), default.min_scale, default.max_scale) == (2.0**16, None, None)
+    for precision in ("bf16-mixed", "32-true"):
+        skip_only = LossScalingPrecision(precision).scaler
+        assert not skip_only.is_enabled() and skip_only.skip_nonfinite and skip_only._device == "cpu"
+
+
 def test_clipping_with_fused_optimizer_is_refused():
     plugin = LossScalingPrecision("16-mixed")
     opt = torch.optim.Adam(nn.Linear(2, 2).parameters(), fused=True)
     with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
         plugin.clip_gradients(opt, clip_val=1.0)
+
+
+def test_lbfgs_is_refused():
+    model = _Regression()
+    plugin = LossScalingPrecision("16-mixed", scaler=DynamicLossScaler("cpu", telemetry=False))
+    with pytest.raises(TypeError, match="LossScalingPrecision cannot step LBFGS: its closure re-evaluates"):
+        plugin.optimizer_step(torch.optim.LBFGS(model.parameters()), model, closure=lambda: None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -310,7 +378,7 @@ class _RankResults(Callback):
 @pytest.mark.timeout(240)
 def test_ddp_spawn_one_poisoned_rank_skips_on_both(tmp_path: Path):
     model = _Regression(poison={1: float("inf"), 2: float("nan")}, poison_rank=1)
-    plugin = LossScalingPrecision("16-mixed", scaler=DynamicLossScaler(init_scale=2.0**8))
+    plugin = LossScalingPrecision("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
     trainer = _trainer(
         plugin, [_RankResults(str(tmp_path))], max_steps=4, strategy="ddp_spawn", devices=2, num_nodes=1
     )
@@ -326,7 +394,7 @@ def test_ddp_spawn_one_poisoned_rank_skips_on_both(tmp_path: Path):
 def test_scaler_drops_into_lightnings_own_mixed_precision_plugin():
     from lightning.pytorch.plugins import MixedPrecision
 
-    scaler = DynamicLossScaler(init_scale=2.0**8, telemetry=False)
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**8, telemetry=False)
     model = _Regression(poison={1: float("inf")})
     recorder = _Recorder()
     with warnings.catch_warnings():

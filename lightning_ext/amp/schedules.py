@@ -1,0 +1,151 @@
+"""Loss-scale schedules as pure functions on 0-dim device tensors: one step each, in place, no host sync.
+
+Three models:
+
+* ``torch.amp.GradScaler`` — :func:`exponential_`: ``scale *= growth_factor`` after
+  ``growth_interval`` clean steps in a row, ``scale *= backoff_factor`` on an overflow
+  (``torch._amp_update_scale_``, GradScaler's own op, so the scales agree bit for bit).
+* StyleGAN2-ADA's training loop (Karras et al. 2020) — :func:`log2_`: ``log2(scale)`` grows by
+  ``increment`` per clean step and drops by ``decrement`` per back-off; ``log2(scale)`` is kept in
+  float64 so that small increments accumulate exactly.
+* Megatron-LM / DeepSpeed ``DynamicGradScaler`` — ``hysteresis``, for both: an overflow decrements a
+  tracker that starts at ``hysteresis``; the scale backs off on an overflow that leaves it ``<= 0``;
+  the tracker is refilled when the scale grows. ``hysteresis=1`` backs off on every overflow.
+
+Every overflowing step is skipped whatever the schedule decides (the scaler's business). Each
+function returns the bool 0-dim tensor ``back_off`` (this step backed the scale off), for the floor
+policy of :func:`clamp_`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["clamp_", "count_", "exponential_", "log2_"]
+
+
+def _hysteresis(overflow: Tensor, tracker: Tensor) -> tuple[Tensor, Tensor]:
+    """``(back_off, tracker after the overflow)``: Megatron-LM's rule."""
+    after = tracker - overflow.to(tracker.dtype)
+    return overflow & (after <= 0), after
+
+
+def exponential_(
+    scale: Tensor,
+    growth_tracker: Tensor,
+    hysteresis_tracker: Tensor,
+    found_inf: Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+) -> Tensor:
+    """GradScaler's schedule with hysteresis, one optimizer step.
+
+    Args:
+        scale: float32 0-dim, updated in place (growth that would not be finite is refused, as
+            GradScaler does).
+        growth_tracker: int32 0-dim, clean steps since the last growth or overflow; in place.
+        hysteresis_tracker: int32 0-dim, overflows still tolerated; in place (untouched for
+            ``hysteresis == 1``, where every overflow backs off).
+        found_inf: float32 0-dim, nonzero iff the step's gradients had an inf/NaN.
+        growth_factor, backoff_factor, growth_interval: GradScaler's.
+        hysteresis: the tracker's value after a growth, ``>= 1``.
+
+    Returns:
+        bool 0-dim ``back_off`` on the scale's device.
+    """
+    overflow = found_inf > 0
+    if hysteresis == 1:
+        torch._amp_update_scale_(
+            scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval
+        )
+        return overflow
+    back_off, after = _hysteresis(overflow, hysteresis_tracker)
+    # A tolerated overflow resets the growth count without backing off: from -1, GradScaler's op
+    # (told "clean") leaves the tracker at 0 and cannot grow (growth_interval >= 1).
+    growth_tracker.copy_(torch.where(overflow & ~back_off, -1, growth_tracker))
+    torch._amp_update_scale_(
+        scale, growth_tracker, back_off.float(), growth_factor, backoff_factor, growth_interval
+    )
+    grew = ~overflow & (growth_tracker == 0)
+    hysteresis_tracker.copy_(torch.where(grew, hysteresis, after))
+    return back_off
+
+
+def log2_(
+    scale: Tensor,
+    log2_scale: Tensor,
+    growth_tracker: Tensor,
+    hysteresis_tracker: Tensor,
+    found_inf: Tensor,
+    increment: float,
+    decrement: float,
+    hysteresis: int,
+) -> Tensor:
+    """StyleGAN2-ADA's schedule with hysteresis, one optimizer step.
+
+    Args:
+        scale: float32 0-dim, set to ``2 ** log2_scale``.
+        log2_scale: float64 0-dim, the authoritative value; in place.
+        growth_tracker: int32 0-dim, clean steps in a row; in place.
+        hysteresis_tracker: int32 0-dim, overflows still tolerated; refilled on every clean step.
+        found_inf: float32 0-dim, nonzero iff the step's gradients had an inf/NaN.
+        increment, decrement: ``log2(scale)`` change per clean step / per back-off.
+        hysteresis: the tracker's value after a clean step, ``>= 1``.
+
+    Returns:
+        bool 0-dim ``back_off`` on the scale's device.
+    """
+    overflow = found_inf > 0
+    back_off, after = _hysteresis(overflow, hysteresis_tracker)
+    log2_scale.add_(
+        torch.full_like(log2_scale, increment).masked_fill_(overflow, 0.0).masked_fill_(back_off, -decrement)
+    )
+    growth_tracker.copy_(torch.where(overflow, 0, growth_tracker + 1))
+    hysteresis_tracker.copy_(torch.where(overflow, after, hysteresis))
+    scale.copy_(torch.exp2(log2_scale))
+    return back_off
+
+
+def clamp_(
+    scale: Tensor,
+    log2_scale: Tensor | None,
+    back_off: Tensor,
+    min_scale: float | None,
+    max_scale: float | None,
+) -> Tensor:
+    """Keep the scale in ``[min_scale, max_scale]`` (``None``: unbounded) after a schedule step.
+
+    Args:
+        scale: float32 0-dim, clamped in place.
+        log2_scale: float64 0-dim, clamped in place for the log2 schedule (``None`` otherwise).
+        back_off: the schedule's return value.
+        min_scale, max_scale: the bounds.
+
+    Returns:
+        bool 0-dim: this step backed off below ``min_scale`` (the floor was hit).
+    """
+    hit_floor = back_off & (scale < min_scale) if min_scale is not None else torch.zeros_like(back_off)
+    if min_scale is None and max_scale is None:  # torch's clamp_ needs one bound
+        return hit_floor
+    if log2_scale is not None:
+        low = math.log2(min_scale) if min_scale is not None else None
+        high = math.log2(max_scale) if max_scale is not None else None
+        log2_scale.clamp_(low, high)
+        scale.copy_(torch.exp2(log2_scale))
+    else:
+        scale.clamp_(min_scale, max_scale)
+    return hit_floor
+
+
+def count_(steps: Tensor, skipped_steps: Tensor, consecutive_overflows: Tensor, found_inf: Tensor) -> None:
+    """Count one optimizer step (float64 0-dim counters, in place): taken or skipped, and the run of
+    skipped steps ending here."""
+    overflow = (found_inf > 0).to(steps.dtype)
+    steps.add_(1)
+    skipped_steps.add_(overflow)
+    consecutive_overflows.mul_(overflow).add_(overflow)

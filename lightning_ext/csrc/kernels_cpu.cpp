@@ -1,0 +1,586 @@
+// The `cpu` kernel backend of lightning_ext (lightning_ext/kernels/cpu.py): one vectorized pass over
+// the data per op, for CPU tensors.
+//
+// Batch norm (the ops of lightning_ext.kernels.KernelBackend, composed by nn.SyncBatchNorm):
+//   batch_norm_moments          one pass: [n, sum(x - c), sum((x - c)^2)] per channel, float64 (2C+1,)
+//                               (shifted-data algorithm, Chan, Golub & LeVeque 1983);
+//   batch_norm_elemt            one pass: y = x * scale + offset (scale = invstd * weight);
+//   batch_norm_backward_reduce  one pass: [sum(dy), sum(dy * (x - mean))] per channel, (2C,);
+//   batch_norm_backward_elemt   one pass: dx = (dy - G1 / n - (x - mean) invstd^2 G2 / n) invstd w.
+// ATen has no fused CPU kernel for the synchronized backward and its float32 NCHW statistics walk
+// each channel with a scalar loop; these loops are vectorized per channel.
+// Loss scaling: check_finite reads the gradients once without writing them.
+// Statistics: accumulate_moments_ adds count, shifted sums (float64) and extremes of any real tensor.
+//
+// Arithmetic: float32 per element (float64 for float64 input), accumulated in blocks of at most BLOCK
+// elements and summed across blocks in float64; float16/bfloat16 values are read and written with
+// round-to-nearest-even, as ATen. Work is split over channels (channels-first) or row blocks
+// (channels-last, and over elements elsewhere) with at::parallel_for.
+
+// The headers this file needs instead of <torch/extension.h> (all of libtorch's C++ API): a shorter
+// first build.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+namespace py = pybind11;
+using at::Tensor;
+
+constexpr int64_t BLOCK = 2048;  // elements per float32 partial sum before it joins the float64 total
+constexpr int64_t ROW_BLOCK = 64;  // channels-last rows per parallel task / per partial sum
+
+// Guards every entry point: no autograd recording and no autocast (the kernels see the input's own
+// dtype).
+struct Guards {
+  c10::NoGradGuard no_grad;
+  c10::impl::ExcludeDispatchKeyGuard no_autocast{c10::autocast_dispatch_keyset};
+};
+
+// ------------------------------------------------------------------------------ element access
+
+template <typename T>
+struct AccOf {
+  using type = float;
+};
+template <>
+struct AccOf<double> {
+  using type = double;
+};
+
+inline float load(const c10::BFloat16* p, int64_t i) {
+  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float load(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline double load(const double* p, int64_t i) { return p[i]; }
+
+inline void store(c10::BFloat16* p, int64_t i, float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  // Round to nearest even (c10::BFloat16's rule); NaN stays a quiet NaN.
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  reinterpret_cast<uint16_t*>(p)[i] = std::isnan(v) ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
+}
+inline void store(c10::Half* p, int64_t i, float v) { p[i] = static_cast<c10::Half>(v); }
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(double* p, int64_t i, double v) { p[i] = v; }
+
+template <typename F>
+void dispatch_input(const Tensor& x, F&& f) {
+  switch (x.scalar_type()) {
+    case at::kBFloat16:
+      f(static_cast<c10::BFloat16*>(nullptr));
+      break;
+    case at::kHalf:
+      f(static_cast<c10::Half*>(nullptr));
+      break;
+    case at::kFloat:
+      f(static_cast<float*>(nullptr));
+      break;
+    case at::kDouble:
+      f(static_cast<double*>(nullptr));
+      break;
+    default:
+      TORCH_CHECK(false, "lightning_ext cpu kernels: unsupported dtype ", x.scalar_type());
+  }
+}
+
+// ------------------------------------------------------------------------------ layout
+
+// A 2d-5d input seen as (N, C, S) channels-first or (R, C) rows of channels (channels_last(_3d),
+// and 2d input, whose rows are its samples). `dense(x, x)` gives the dense tensor the kernels read.
+struct Layout {
+  bool channels_last;
+  int64_t n, c, s;  // channels-first: n samples, c channels, s spatial elements
+  int64_t rows;     // channels-last: rows of c channels
+};
+
+at::MemoryFormat memory_format(const Tensor& x) {
+  if (x.dim() == 4 && !x.is_contiguous() && x.is_contiguous(at::MemoryFormat::ChannelsLast)) {
+    return at::MemoryFormat::ChannelsLast;
+  }
+  if (x.dim() == 5 && !x.is_contiguous() && x.is_contiguous(at::MemoryFormat::ChannelsLast3d)) {
+    return at::MemoryFormat::ChannelsLast3d;
+  }
+  return at::MemoryFormat::Contiguous;
+}
+
+Layout layout_of(const Tensor& x) {
+  Layout l;
+  l.n = x.size(0);
+  l.c = x.size(1);
+  l.s = 1;
+  for (int64_t d = 2; d < x.dim(); ++d) l.s *= x.size(d);
+  l.channels_last = x.dim() == 2 || memory_format(x) != at::MemoryFormat::Contiguous;
+  l.rows = l.n * l.s;
+  return l;
+}
+
+// A (C,) parameter as float64 values (float32/float64 read directly, other dtypes converted).
+std::vector<double> values(const std::optional<Tensor>& t, int64_t c, double fill) {
+  std::vector<double> out(c, fill);
+  if (!t.has_value()) return out;
+  Tensor u = (t->scalar_type() == at::kFloat || t->scalar_type() == at::kDouble) ? t->contiguous()
+                                                                                  : t->to(at::kDouble).contiguous();
+  if (u.scalar_type() == at::kFloat) {
+    const float* p = u.data_ptr<float>();
+    for (int64_t k = 0; k < c; ++k) out[k] = p[k];
+  } else {
+    const double* p = u.data_ptr<double>();
+    for (int64_t k = 0; k < c; ++k) out[k] = p[k];
+  }
+  return out;
+}
+
+Tensor dense(const Tensor& t, const Tensor& like) { return t.contiguous(memory_format(like)); }
+
+at::ScalarType stat_type(const Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// ------------------------------------------------------------------------------ row kernels
+// The loops over the data, compiled twice where GCC can (AVX2 and the baseline, picked at load
+// time by the CPU's features: function multi-versioning), so the build runs on any x86-64 CPU.
+// `omp simd` (-fopenmp-simd: the pragma only, no OpenMP runtime) lets the reductions vectorize.
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define LE_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define LE_CLONES
+#endif
+
+// The two per-channel sums of a pass, one element at a time (inlined into the loops below):
+// moments about a shift c, (x - c, (x - c)^2) with u = v = x; the backward's sums, (dy, dy (x - c))
+// with u = dy, v = x and c = the mean.
+struct MomentTerms {
+  template <typename T, typename Acc>
+  static inline void add(const T* u, const T*, int64_t i, Acc c, Acc& a1, Acc& a2) {
+    const Acc d = load(u, i) - c;
+    a1 += d;
+    a2 += d * d;
+  }
+};
+
+struct GradTerms {
+  template <typename T, typename Acc>
+  static inline void add(const T* u, const T* v, int64_t i, Acc c, Acc& a1, Acc& a2) {
+    const Acc g = load(u, i);
+    a1 += g;
+    a2 += g * (load(v, i) - c);
+  }
+};
+
+// Channels-first: the `runs` contiguous runs of `len` elements of one channel (one per sample,
+// `stride` elements apart), summed in float32 (float64 for float64 input) over at most BLOCK
+// elements and in float64 across blocks.
+template <typename Terms, typename T, typename Acc>
+LE_CLONES void channel_terms(
+    const T* u, const T* v, int64_t runs, int64_t stride, int64_t len, Acc c, double* s1, double* s2) {
+  double t1 = 0.0, t2 = 0.0;
+  for (int64_t r = 0; r < runs; ++r) {
+    const T* u_run = u + r * stride;
+    const T* v_run = v + r * stride;
+    for (int64_t b0 = 0; b0 < len; b0 += BLOCK) {
+      const int64_t end = std::min(len, b0 + BLOCK);
+      Acc a1 = 0, a2 = 0;
+#pragma omp simd reduction(+ : a1, a2)
+      for (int64_t i = b0; i < end; ++i) Terms::add(u_run, v_run, i, c, a1, a2);
+      t1 += a1;
+      t2 += a2;
+    }
+  }
+  *s1 = t1;
+  *s2 = t2;
+}
+
+template <typename T, typename Acc>
+LE_CLONES void channel_affine(
+    const T* u, const T* v, T* out, int64_t runs, int64_t stride, int64_t len, Acc a, Acc b, Acc d) {
+  for (int64_t r = 0; r < runs; ++r) {
+    const T* u_run = u + r * stride;
+    T* o_run = out + r * stride;
+    if (v == nullptr) {
+#pragma omp simd
+      for (int64_t i = 0; i < len; ++i) store(o_run, i, a * load(u_run, i) + d);
+    } else {
+      const T* v_run = v + r * stride;
+#pragma omp simd
+      for (int64_t i = 0; i < len; ++i) store(o_run, i, a * load(u_run, i) + b * load(v_run, i) + d);
+    }
+  }
+}
+
+// Channels-last: `rows` consecutive rows of `nc` channels, accumulated per channel into a1/a2
+// (c: the per-channel shift or mean).
+template <typename Terms, typename T, typename Acc>
+LE_CLONES void rows_terms(const T* u, const T* v, int64_t rows, int64_t nc, const Acc* c, Acc* a1, Acc* a2) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t base = r * nc;
+#pragma omp simd
+    for (int64_t k = 0; k < nc; ++k) Terms::add(u + base, v + base, k, c[k], a1[k], a2[k]);
+  }
+}
+
+template <typename T, typename Acc>
+LE_CLONES void rows_affine(
+    const T* u, const T* v, T* out, int64_t rows, int64_t c, const Acc* a, const Acc* b, const Acc* d) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t base = r * c;
+    if (v == nullptr) {
+#pragma omp simd
+      for (int64_t k = 0; k < c; ++k) store(out + base, k, a[k] * load(u + base, k) + d[k]);
+    } else {
+#pragma omp simd
+      for (int64_t k = 0; k < c; ++k) {
+        store(out + base, k, a[k] * load(u + base, k) + b[k] * load(v + base, k) + d[k]);
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------ passes
+
+// Per-channel sums (out1[k], out2[k]) of one pass over the data: float64 totals of float32
+// (float64 for float64 input) partial sums over at most BLOCK elements (channels-first) or ROW_BLOCK
+// rows (channels-last, per-thread totals combined at the end). `channel(k, &s1, &s2)` sums channel k
+// of channels-first data; `rows(offset, nrows, a1, a2)` adds channels-last rows into a1/a2.
+template <typename Acc, typename Channel, typename Rows>
+void channel_sums(const Layout& l, double* out1, double* out2, Channel channel, Rows rows) {
+  if (!l.channels_last) {
+    at::parallel_for(0, l.c, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t k = c0; k < c1; ++k) channel(k, out1 + k, out2 + k);
+    });
+    return;
+  }
+  const int64_t c = l.c;
+  const int threads = at::get_num_threads();
+  std::vector<double> totals(static_cast<size_t>(2 * c * threads), 0.0);
+  at::parallel_for(0, l.rows, ROW_BLOCK, [&](int64_t r0, int64_t r1) {
+    double* tot = totals.data() + 2 * c * at::get_thread_num();
+    std::vector<Acc> a1(c), a2(c);
+    for (int64_t b0 = r0; b0 < r1; b0 += ROW_BLOCK) {
+      std::fill(a1.begin(), a1.end(), Acc(0));
+      std::fill(a2.begin(), a2.end(), Acc(0));
+      rows(b0 * c, std::min(ROW_BLOCK, r1 - b0), a1.data(), a2.data());
+      for (int64_t k = 0; k < c; ++k) {
+        tot[k] += a1[k];
+        tot[c + k] += a2[k];
+      }
+    }
+  });
+  for (int64_t k = 0; k < c; ++k) {
+    double t1 = 0.0, t2 = 0.0;
+    for (int t = 0; t < threads; ++t) {
+      t1 += totals[2 * c * t + k];
+      t2 += totals[2 * c * t + c + k];
+    }
+    out1[k] = t1;
+    out2[k] = t2;
+  }
+}
+
+// out = a[k] * u + b[k] * v + d[k] elementwise (channel k; v may be null: out = a[k] * u + d[k]).
+template <typename T, typename Acc>
+void affine_pass(const Layout& l, const T* u, const T* v, T* out, const Acc* a, const Acc* b, const Acc* d) {
+  if (!l.channels_last) {
+    at::parallel_for(0, l.c, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t k = c0; k < c1; ++k) {
+        const int64_t base = k * l.s;
+        channel_affine<T, Acc>(
+            u + base, v == nullptr ? nullptr : v + base, out + base, l.n, l.c * l.s, l.s, a[k], b[k], d[k]);
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, l.rows, ROW_BLOCK, [&](int64_t r0, int64_t r1) {
+    const int64_t base = r0 * l.c;
+    rows_affine<T, Acc>(u + base, v == nullptr ? nullptr : v + base, out + base, r1 - r0, l.c, a, b, d);
+  });
+}
+
+// ------------------------------------------------------------------------------ batch norm
+
+// [n, sum(x - shift), sum((x - shift)^2)] per channel, float64 (2C+1,).
+Tensor batch_norm_moments(const Tensor& x, const Tensor& shift) {
+  Guards guards;
+  const int64_t c = x.size(1);
+  const std::vector<double> s = values(shift, c, 0.0);
+  Tensor payload = at::zeros({2 * c + 1}, at::TensorOptions().dtype(at::kDouble));
+  double* p = payload.data_ptr<double>();
+  const int64_t n = c > 0 ? x.numel() / c : 0;
+  p[0] = static_cast<double>(n);
+  if (n == 0) return payload;
+  const Tensor xd = dense(x, x);
+  const Layout l = layout_of(xd);
+  dispatch_input(xd, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using Acc = typename AccOf<T>::type;
+    const T* xp = xd.data_ptr<T>();
+    // The pass sums about a LOCAL shift f, a value of the channel itself (its first element if finite),
+    // so that the float32 partial sums see deviations of the data's own spread even when the
+    // common shift (the running mean) is far from the data; the float64 totals are then moved to
+    // the common shift c: sum(x - c) = t1 + n d, sum((x - c)^2) = t2 + 2 d t1 + n d^2, d = f - c.
+    std::vector<Acc> local(c);
+    for (int64_t k = 0; k < c; ++k) {
+      const Acc first = load(xp, l.channels_last ? k : k * l.s);
+      local[k] = std::isfinite(first) ? first : static_cast<Acc>(s[k]);  // inf/NaN: no inf - inf
+    }
+    const Acc* fp = local.data();
+    channel_sums<Acc>(
+        l, p + 1, p + 1 + c,
+        [xp, fp, &l](int64_t k, double* s1, double* s2) {
+          channel_terms<MomentTerms, T, Acc>(xp + k * l.s, xp + k * l.s, l.n, l.c * l.s, l.s, fp[k], s1, s2);
+        },
+        [xp, fp, c](int64_t off, int64_t rows, Acc* a1, Acc* a2) {
+          rows_terms<MomentTerms, T, Acc>(xp + off, xp + off, rows, c, fp, a1, a2);
+        });
+    const double count = static_cast<double>(n);
+    for (int64_t k = 0; k < c; ++k) {
+      const double d = static_cast<double>(local[k]) - s[k];
+      const double t1 = p[1 + k];
+      p[1 + k] = t1 + count * d;
+      p[1 + c + k] = p[1 + c + k] + 2.0 * d * t1 + count * d * d;
+    }
+  });
+  return payload;
+}
+
+// y = (x - mean) * invstd * w + b = x * scale + (b - mean * scale), coefficients in float64.
+Tensor batch_norm_elemt(
+    const Tensor& x, const Tensor& mean, const Tensor& invstd, const std::optional<Tensor>& weight,
+    const std::optional<Tensor>& bias) {
+  Guards guards;
+  if (x.numel() == 0) return at::empty_like(x);
+  const int64_t c = x.size(1);
+  const std::vector<double> m = values(mean, c, 0.0), is = values(invstd, c, 1.0);
+  const std::vector<double> w = values(weight, c, 1.0), b = values(bias, c, 0.0);
+  const Tensor xd = dense(x, x);
+  Tensor y = at::empty_like(xd);
+  const Layout l = layout_of(xd);
+  dispatch_input(xd, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using Acc = typename AccOf<T>::type;
+    std::vector<Acc> scale(c), offset(c);
+    for (int64_t k = 0; k < c; ++k) {
+      const double sc = is[k] * w[k];
+      scale[k] = static_cast<Acc>(sc);
+      offset[k] = static_cast<Acc>(b[k] - m[k] * sc);
+    }
+    affine_pass<T, Acc>(l, xd.data_ptr<T>(), nullptr, y.data_ptr<T>(), scale.data(), scale.data(), offset.data());
+  });
+  return y;
+}
+
+// This shard's [sum(dy), sum(dy * (x - mean))] per channel, (2C,) in the statistics' dtype.
+Tensor batch_norm_backward_reduce(const Tensor& dy, const Tensor& x, const Tensor& mean) {
+  Guards guards;
+  const int64_t c = x.size(1);
+  std::vector<double> s1(c, 0.0), s2(c, 0.0);
+  if (x.numel() > 0) {
+    const Tensor xd = dense(x, x);
+    const Tensor dyd = dense(dy.scalar_type() == x.scalar_type() ? dy : dy.to(x.scalar_type()), xd);
+    const Layout l = layout_of(xd);
+    const std::vector<double> m = values(mean, c, 0.0);
+    dispatch_input(xd, [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      using Acc = typename AccOf<T>::type;
+      const T* xp = xd.data_ptr<T>();
+      const T* gp = dyd.data_ptr<T>();
+      std::vector<Acc> mu(m.begin(), m.end());
+      const Acc* mup = mu.data();
+      channel_sums<Acc>(
+          l, s1.data(), s2.data(),
+          [xp, gp, mup, &l](int64_t k, double* t1, double* t2) {
+            channel_terms<GradTerms, T, Acc>(gp + k * l.s, xp + k * l.s, l.n, l.c * l.s, l.s, mup[k], t1, t2);
+          },
+          [xp, gp, mup, c](int64_t off, int64_t rows, Acc* a1, Acc* a2) {
+            rows_terms<GradTerms, T, Acc>(gp + off, xp + off, rows, c, mup, a1, a2);
+          });
+    });
+  }
+  s1.insert(s1.end(), s2.begin(), s2.end());
+  return at::tensor(s1, at::TensorOptions().dtype(at::kDouble)).to(stat_type(x));
+}
+
+// dx = dy * A + x * B + D with A = invstd w, B = -A invstd^2 G2 / n, D = -A G1 / n - B mean
+// (float64 coefficients, rounded once to the element precision).
+Tensor batch_norm_backward_elemt(
+    const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& invstd,
+    const std::optional<Tensor>& weight, const Tensor& sums, const Tensor& count) {
+  Guards guards;
+  if (x.numel() == 0) return at::empty_like(x);
+  const int64_t c = x.size(1);
+  const Tensor xd = dense(x, x);
+  const Tensor dyd = dense(dy.scalar_type() == x.scalar_type() ? dy : dy.to(x.scalar_type()), xd);
+  Tensor dx = at::empty_like(xd);
+  const Layout l = layout_of(xd);
+  const std::vector<double> g = values(sums, 2 * c, 0.0);
+  const std::vector<double> m = values(mean, c, 0.0), is = values(invstd, c, 1.0), w = values(weight, c, 1.0);
+  const double n = count.item<double>();
+  dispatch_input(xd, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using Acc = typename AccOf<T>::type;
+    std::vector<Acc> a(c), b(c), d(c);
+    for (int64_t k = 0; k < c; ++k) {
+      const double ak = is[k] * w[k];
+      const double bk = -ak * is[k] * is[k] * g[c + k] / n;
+      a[k] = static_cast<Acc>(ak);
+      b[k] = static_cast<Acc>(bk);
+      d[k] = static_cast<Acc>(-ak * g[k] / n - bk * m[k]);
+    }
+    affine_pass<T, Acc>(l, dyd.data_ptr<T>(), xd.data_ptr<T>(), dx.data_ptr<T>(), a.data(), b.data(), d.data());
+  });
+  return dx;
+}
+
+// ------------------------------------------------------------------------------ loss scaling
+
+// Whether any of n elements is inf/NaN: its exponent bits are all ones (bit patterns, so it
+// vectorizes; `mask` is the exponent mask of the type, U its unsigned integer of the same width).
+template <typename U>
+LE_CLONES bool any_nonfinite(const U* p, int64_t n, U mask) {
+  U bad = 0;
+#pragma omp simd reduction(| : bad)
+  for (int64_t i = 0; i < n; ++i) bad |= static_cast<U>((p[i] & mask) == mask);
+  return bad != 0;
+}
+
+template <typename U>
+bool tensor_nonfinite(const Tensor& t, U mask) {
+  const Tensor d = t.contiguous();
+  const U* p = static_cast<const U*>(d.const_data_ptr());
+  bool found = false;
+  at::parallel_for(0, d.numel(), 1 << 16, [&](int64_t i0, int64_t i1) {
+    if (any_nonfinite<U>(p + i0, i1 - i0, mask)) found = true;  // a benign race: only ever set
+  });
+  return found;
+}
+
+// float32 0-dim: 1.0 iff any element of any tensor is inf or NaN. Reads each element once.
+Tensor check_finite(const std::vector<Tensor>& tensors) {
+  Guards guards;
+  bool found = false;
+  for (const Tensor& t : tensors) {
+    if (found) break;
+    switch (t.scalar_type()) {
+      case at::kFloat: found = tensor_nonfinite<uint32_t>(t, 0x7F800000u); break;
+      case at::kDouble: found = tensor_nonfinite<uint64_t>(t, 0x7FF0000000000000ull); break;
+      case at::kHalf: found = tensor_nonfinite<uint16_t>(t, 0x7C00u); break;
+      case at::kBFloat16: found = tensor_nonfinite<uint16_t>(t, 0x7F80u); break;
+      default: found = !t.isfinite().all().item<bool>();  // other floating types: ATen
+    }
+  }
+  return at::scalar_tensor(found ? 1.0 : 0.0, at::TensorOptions().dtype(at::kFloat));
+}
+
+// ------------------------------------------------------------------------------ statistics
+
+constexpr int LANES = 8;  // independent partial sums per reduction (two AVX2 registers of doubles)
+
+struct Moments {
+  double s1 = 0.0, s2 = 0.0;
+  double lo = std::numeric_limits<double>::infinity(), hi = -std::numeric_limits<double>::infinity();
+};
+
+template <typename T>
+inline double value(const T* p, int64_t i) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>) {
+    return static_cast<double>(load(p, i));
+  } else {
+    return static_cast<double>(p[i]);
+  }
+}
+
+// Shifted sums and extremes of p[0..n) in float64, LANES partial sums at a time.
+template <typename T>
+LE_CLONES Moments moments_range(const T* p, int64_t n, double shift) {
+  double s1[LANES] = {}, s2[LANES] = {}, lo[LANES], hi[LANES];
+  for (int j = 0; j < LANES; ++j) {
+    lo[j] = std::numeric_limits<double>::infinity();
+    hi[j] = -std::numeric_limits<double>::infinity();
+  }
+  const int64_t body = n - n % LANES;
+  for (int64_t i = 0; i < body; i += LANES) {
+#pragma omp simd
+    for (int j = 0; j < LANES; ++j) {
+      const double v = value(p, i + j);
+      const double d = v - shift;
+      s1[j] += d;
+      s2[j] += d * d;
+      lo[j] = v < lo[j] ? v : lo[j];
+      hi[j] = v > hi[j] ? v : hi[j];
+    }
+  }
+  Moments m;
+  for (int j = 0; j < LANES; ++j) {
+    m.s1 += s1[j];
+    m.s2 += s2[j];
+    m.lo = std::min(m.lo, lo[j]);
+    m.hi = std::max(m.hi, hi[j]);
+  }
+  for (int64_t i = body; i < n; ++i) {
+    const double v = value(p, i);
+    const double d = v - shift;
+    m.s1 += d;
+    m.s2 += d * d;
+    m.lo = std::min(m.lo, v);
+    m.hi = std::max(m.hi, v);
+  }
+  return m;
+}
+
+// acc (float64 (5,)) += [numel, sum(x - shift), sum((x - shift)^2)], acc[3] = min, acc[4] = max.
+// NaN in x: the sums are NaN (a square is never NaN otherwise), and the extremes are set to NaN.
+void accumulate_moments_(Tensor& acc, const Tensor& x, const Tensor& shift) {
+  Guards guards;
+  const Tensor xd = x.contiguous();
+  const int64_t n = xd.numel();
+  const double c = shift.item<double>();
+  const int chunks = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n >> 16, 1)));
+  std::vector<Moments> parts(chunks);
+  AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, xd.scalar_type(), "accumulate_moments_", [&] {
+    const scalar_t* p = xd.const_data_ptr<scalar_t>();
+    const int64_t per = (n + chunks - 1) / chunks;
+    at::parallel_for(0, chunks, 1, [&](int64_t k0, int64_t k1) {
+      for (int64_t k = k0; k < k1; ++k) {
+        const int64_t i0 = k * per, i1 = std::min(n, i0 + per);
+        if (i0 < i1) parts[k] = moments_range<scalar_t>(p + i0, i1 - i0, c);
+      }
+    });
+  });
+  double* a = acc.data_ptr<double>();
+  a[0] += static_cast<double>(n);
+  for (const Moments& m : parts) {  // fixed order: the same result for the same thread count
+    a[1] += m.s1;
+    a[2] += m.s2;
+    a[3] = std::min(a[3], m.lo);
+    a[4] = std::max(a[4], m.hi);
+  }
+  if (std::isnan(a[2])) a[3] = a[4] = std::numeric_limits<double>::quiet_NaN();
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "The cpu kernel backend of lightning_ext (see lightning_ext/kernels/cpu.py).";
+  m.def("batch_norm_moments", &batch_norm_moments);
+  m.def("batch_norm_elemt", &batch_norm_elemt);
+  m.def("batch_norm_backward_reduce", &batch_norm_backward_reduce);
+  m.def("batch_norm_backward_elemt", &batch_norm_backward_elemt);
+  m.def("check_finite", &check_finite);
+  m.def("accumulate_moments_", &accumulate_moments_);
+}

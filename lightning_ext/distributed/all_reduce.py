@@ -1,0 +1,135 @@
+"""``all_reduce_``: the one place that decides how a small reduction travels between ranks.
+
+:class:`~lightning_ext.nn.SyncBatchNorm` (one call per layer and direction),
+:class:`~lightning_ext.stats.Collector` (two per flush) and the loss scaler (one per step with
+sharded gradients) reduce a few hundred numbers at a time, where a collective's latency, not its
+bandwidth, is the cost. On CPU ranks of one host, such reductions go through a shared-memory segment
+(:mod:`lightning_ext.distributed.shm`); everything else goes to the process group's own
+``all_reduce``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import threading
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_ext.distributed import shm
+from lightning_ext.distributed.groups import collective_device
+
+__all__ = ["ENV_VAR", "all_reduce_", "reset", "shm_available"]
+
+ENV_VAR = "LIGHTNING_EXT_SHM_COLLECTIVES"  # "0" turns the shared-memory path off (on every rank)
+_X86 = platform.machine().lower() in ("x86_64", "amd64")  # total store order: see shm's docstring
+
+_segments: weakref.WeakKeyDictionary[Any, shm.ShmGroup | None] = weakref.WeakKeyDictionary()
+_segments_lock = threading.Lock()  # process group -> its segment, or None when it cannot have one
+
+
+class _Done:
+    """The already completed work handle of ``async_op=True`` on the shared-memory path."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _segment(tensor: torch.Tensor, op: Any, group: Any) -> shm.ShmGroup | None:
+    """The shared-memory segment that reduces ``tensor`` over ``group``, or ``None`` for the group's path.
+
+    The decision: shared memory exactly for a dense CPU tensor of at most ``shm.SLOT_BYTES`` bytes,
+    a ``SUM``/``MAX``/``MIN``/``PRODUCT`` over a gloo group of several ranks that all run on this
+    host (the segment's set-up maps one ``/dev/shm`` file on every rank or gives up on all),
+    on x86-64, outside ``torch.compile`` tracing, unless ``LIGHTNING_EXT_SHM_COLLECTIVES=0``. It
+    depends only on what every rank shares (size, dtype, op, group), so all ranks decide alike.
+    """
+    eligible = (
+        _X86
+        and tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and tensor.numel() * tensor.element_size() <= shm.SLOT_BYTES
+        and op in shm.OPS
+        and not torch.compiler.is_compiling()
+        and os.environ.get(ENV_VAR, "1") != "0"
+        and dist.get_world_size(group) > 1
+        and "gloo" in str(dist.get_backend(group)).lower()
+    )
+    if not eligible:
+        return None
+    with _segments_lock:
+        if group in _segments:
+            return _segments[group]
+    segment = shm.create(group)  # a collective over the group, once
+    with _segments_lock:
+        _segments[group] = segment
+    return segment
+
+
+def all_reduce_(
+    tensor: torch.Tensor,
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Any:
+    """``torch.distributed.all_reduce`` of ``tensor`` in place, on any device, by the fastest transport.
+
+    Same contract as ``torch.distributed.all_reduce``: every rank of ``group`` calls it in the same
+    order with a tensor of the same shape and dtype. A tensor on another device than the group's
+    collective device (e.g. CUDA with gloo) is reduced through a copy there and written back. See
+    :func:`_segment` for when shared memory is used: then ranks reduce in rank order, so the result
+    is bitwise identical on every rank (it may differ from gloo's order in the last bits), and the
+    first call on a group sets the segment up (a broadcast, two all_reduces and a barrier, once).
+
+    Args:
+        tensor: any shape and dtype; reduced in place.
+        op: ``torch.distributed.ReduceOp``.
+        group: process group (default: WORLD).
+        async_op: return a handle with ``wait()`` (already completed on the shared-memory path).
+
+    Returns:
+        ``None``, or the work handle when ``async_op``.
+
+    Raises:
+        RuntimeError: a rank did not join within the group's timeout, or its process exited
+            (shared memory), naming the ranks; or what ``torch.distributed.all_reduce`` raises.
+
+    Synchronizes host and device only when ``tensor`` must move to the collective device.
+    """
+    group = group if group is not None else dist.group.WORLD
+    device = collective_device(group)
+    if tensor.device != device:
+        moved = tensor.to(device)
+        all_reduce_(moved, op, group)
+        tensor.copy_(moved)
+        return _Done() if async_op else None
+    segment = _segment(tensor, op, group)
+    if segment is None:
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    if tensor.numel():
+        segment.all_reduce_(tensor, op)
+    return _Done() if async_op else None
+
+
+def shm_available(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether :func:`all_reduce_` of a small float tensor over ``group`` takes the shared-memory path.
+
+    ``False`` when not distributed. The first call for an eligible group sets the segment up: a
+    collective that every rank of ``group`` must join. No host sync.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    group = group if group is not None else dist.group.WORLD
+    return _segment(torch.zeros(1), dist.ReduceOp.SUM, group) is not None
+
+
+def reset() -> None:
+    """Forget the shared-memory segments (local; the next reduction over a group sets it up again)."""
+    with _segments_lock:
+        _segments.clear()

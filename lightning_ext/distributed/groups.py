@@ -1,0 +1,112 @@
+"""Small helpers around ``torch.distributed`` shared by every module of the pack.
+
+They accept ``process_group=None`` for the default (WORLD) group and work when ``torch.distributed``
+is not available or not initialized, in which case the process is a world of one (rank 0, world
+size 1). Only :func:`create_process_groups` issues collectives; none synchronizes host and device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "collective_device",
+    "create_process_groups",
+    "get_process_group",
+    "get_rank",
+    "get_world_size",
+    "is_distributed",
+]
+
+
+def is_distributed() -> bool:
+    """``True`` when ``torch.distributed`` is available and its default group is initialized."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_process_group(process_group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+    """``process_group``, or the default (WORLD) group when it is ``None``; ``None`` when not distributed."""
+    if not is_distributed():
+        return None
+    return process_group if process_group is not None else dist.group.WORLD
+
+
+def get_rank(process_group: dist.ProcessGroup | None = None) -> int:
+    """Rank of this process in ``process_group`` (default group when ``None``); 0 when not distributed."""
+    if not is_distributed():
+        return 0
+    return dist.get_rank(group=get_process_group(process_group))
+
+
+def get_world_size(process_group: dist.ProcessGroup | None = None) -> int:
+    """Number of ranks in ``process_group`` (default group when ``None``); 1 when not distributed."""
+    if not is_distributed():
+        return 1
+    return dist.get_world_size(group=get_process_group(process_group))
+
+
+def collective_device(process_group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device that tensors passed to collectives of ``process_group`` must live on.
+
+    ``cuda:<current device>`` for NCCL groups, CPU for gloo (and when not distributed). A group with
+    several backends (``"cpu:gloo,cuda:nccl"``) prefers CUDA when it is available.
+
+    Example::
+
+        >>> collective_device()
+        device(type='cpu')
+    """
+    if not is_distributed():
+        return torch.device("cpu")
+    backend = str(dist.get_backend(get_process_group(process_group))).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def create_process_groups(group_size: int) -> dist.ProcessGroup | None:
+    """Create ``world_size // group_size`` groups of consecutive ranks and return this rank's group.
+
+    Ranks ``[0, group_size)`` form the first group, ``[group_size, 2 * group_size)`` the second, and
+    so on (the layout of apex's ``create_syncbn_process_group``), e.g. to synchronize batch norm
+    within a node. Every rank calls ``torch.distributed.new_group`` for EVERY block in the same
+    order, as ``new_group`` requires: call it on every rank of the default group. No host sync.
+
+    Args:
+        group_size: ranks per group, a positive divisor of the world size.
+
+    Returns:
+        The process group holding this rank, or ``None`` when not distributed.
+
+    Raises:
+        TypeError: ``group_size`` is not an ``int``.
+        ValueError: ``group_size < 1``, or it does not divide the world size.
+
+    Example::
+
+        >>> create_process_groups(1) is None  # not distributed: a world of one
+        True
+    """
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(
+            f"`group_size` must be an int, got {group_size!r} of type {type(group_size).__name__}"
+        )
+    if group_size < 1:
+        raise ValueError(f"`group_size` must be >= 1, got {group_size!r}")
+    if not is_distributed():
+        return None
+    world_size = get_world_size()
+    if world_size % group_size != 0:
+        raise ValueError(
+            f"`group_size`={group_size!r} must divide the world size {world_size}. "
+            "HINT: use the number of processes per node."
+        )
+    rank = get_rank()
+    mine: dist.ProcessGroup | None = None
+    for start in range(0, world_size, group_size):
+        ranks = list(range(start, start + group_size))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine

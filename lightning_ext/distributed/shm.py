@@ -1,0 +1,224 @@
+"""A shared-memory segment per process group: the ``all_reduce`` of small CPU tensors of one host.
+
+A gloo ``all_reduce`` of a few hundred numbers between two processes of one machine goes through a
+worker thread and TCP loopback; writing them into shared memory does not. This follows the
+shared-memory all-reduce DeepSpeed uses for CPU ranks of one node (``deepspeed/csrc/cpu/comm/shm.cpp``):
+each rank writes its tensor into its slot of a shared segment, raises its sequence counter, waits
+until every counter reached the same sequence and reduces the slots itself, in rank order, so every
+rank computes the bitwise same result.
+
+Set-up, once per group (a collective, :func:`create`): group rank 0 creates a file in ``/dev/shm``
+and broadcasts its path, a random token and its host name; every other rank maps the file
+(``torch.from_file(shared=True)``) only if its own host name matches and the token reads back; two
+``all_reduce(MIN)`` agree that every rank could and that every rank sees every other rank's process
+(so a waiter can tell a dead peer from a slow one). Any failure gives ``None`` on every rank, and
+the group keeps using its own ``all_reduce``. Rank 0 then unlinks the file (the mappings stay).
+Layout::
+
+    header: per rank one 64-byte cache line (no false sharing): int64 sequence counter, int64 pid
+    data:   2 (double buffer by sequence parity) x W slots x SLOT_BYTES
+
+Double buffering makes one counter per rank enough: a rank writes buffer ``s % 2`` for sequence
+``s`` only after it saw every counter reach ``s - 1``, i.e. after every rank finished reading buffer
+``s % 2`` of sequence ``s - 2``. The counter is published after the data by one aligned 8-byte store,
+which x86-64's total store order makes visible after the data (other machines use gloo).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["OPS", "SLOT_BYTES", "ShmGroup", "create", "process_alive"]
+
+SLOT_BYTES = 1 << 17  # 128 KiB per rank and buffer: larger tensors go through the process group
+_LINE = 64  # bytes per rank header line (sequence counter, pid)
+_SPIN_YIELDS = 20_000  # sched_yield polls before a waiter starts sleeping
+_TIMEOUT_SECONDS = 1800.0  # gloo's default collective timeout
+_LIVENESS_PERIOD = 0.5  # seconds between checks, while sleeping, that the missing ranks still run
+
+
+class ShmGroup:
+    """The shared segment of one process group: sequence counters and double-buffered rank slots.
+
+    Args:
+        storage: uint8 tensor mapping the segment (``W * 64 + 2 * W * SLOT_BYTES`` bytes).
+        rank, world_size: this process's rank in the group and the group's size.
+        pids: process id of every rank (a waiter checks that missing ranks still run).
+    """
+
+    def __init__(self, storage: torch.Tensor, rank: int, world_size: int, pids: list[int]) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.pids = pids
+        header = world_size * _LINE
+        self.counters = storage[:header].view(torch.int64)[:: _LINE // 8]  # (W,) int64, 64 bytes apart
+        self.data = storage[header:].view(2, world_size, SLOT_BYTES)  # (buffer, rank, bytes) uint8
+        self._counter = self.counters[rank]  # this rank's counter, written with one 8-byte store
+        self.seq = int(self._counter)
+        self.lock = threading.Lock()
+        self.timeout = _TIMEOUT_SECONDS
+
+    def all_reduce_(self, tensor: torch.Tensor, op: dist.ReduceOp) -> None:
+        """Reduce ``tensor`` (CPU, at most ``SLOT_BYTES`` bytes, non-empty) in place over the group.
+
+        Raises:
+            RuntimeError: a rank did not join within ``timeout`` seconds, or its process exited.
+        """
+        flat = tensor.reshape(-1)  # a view of a contiguous tensor, else a copy written back below
+        nbytes = flat.numel() * flat.element_size()
+        reduce = _REDUCE[op]
+        with self.lock:
+            self.seq += 1
+            slots = self.data[self.seq % 2, :, :nbytes]  # (W, nbytes)
+            slots[self.rank].copy_(flat.view(torch.uint8))
+            self._counter.fill_(self.seq)  # publish after the data
+            self._wait_all(self.seq)
+            rows = slots.view(flat.dtype)  # (W, numel), combined in rank order on every rank
+            reduce(rows[0], rows[1], out=flat)
+            for row in rows[2:]:
+                reduce(flat, row, out=flat)
+        if not tensor.is_contiguous():
+            tensor.copy_(flat.view(tensor.shape))
+
+    def _wait_all(self, seq: int) -> None:
+        polls = 0
+        deadline = next_check = 0.0
+        sleep = 1e-5
+        while min(self.counters.tolist()) < seq:
+            polls += 1
+            if polls < _SPIN_YIELDS:
+                os.sched_yield()
+                continue
+            now = time.monotonic()
+            if polls == _SPIN_YIELDS:
+                deadline, next_check = now + self.timeout, now
+            missing = [r for r, s in enumerate(self.counters.tolist()) if s < seq]
+            if now >= next_check:  # a dead peer fails the wait now, as a closed gloo socket would
+                next_check = now + _LIVENESS_PERIOD
+                dead = [r for r in missing if not process_alive(self.pids[r])]
+                if dead:
+                    raise RuntimeError(
+                        f"shared-memory all_reduce #{seq}: group ranks {dead} (pids "
+                        f"{[self.pids[r] for r in dead]}) exited without joining it"
+                    )
+            if now > deadline:
+                raise RuntimeError(
+                    f"shared-memory all_reduce #{seq} timed out after {self.timeout:.0f}s waiting for "
+                    f"group ranks {missing}: every rank of the group must call the same collectives "
+                    "in the same order"
+                )
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 1e-3)
+
+
+_REDUCE = {  # ReduceOp -> out-of-place op taking out=
+    dist.ReduceOp.SUM: torch.add,
+    dist.ReduceOp.MAX: torch.maximum,
+    dist.ReduceOp.MIN: torch.minimum,
+    dist.ReduceOp.PRODUCT: torch.mul,
+}
+OPS = tuple(_REDUCE)  # the reductions the segment implements
+
+
+def create(group: Any) -> ShmGroup | None:
+    """Collective over ``group``: map one shared segment on every rank, or agree that it cannot be done.
+
+    Four collectives, once per group: a broadcast of (path, token, host name), a MIN all_reduce
+    (every rank mapped the segment on the same host and read the token), a MIN all_reduce (every
+    rank sees every other rank's process: one pid namespace), a barrier (the token is cleared).
+    """
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    size = world_size * _LINE + 2 * world_size * SLOT_BYTES
+    info: list[Any] = [_create_file(size) if rank == 0 else None]
+    dist.broadcast_object_list(info, src=dist.get_global_rank(group, 0), group=group)
+    storage = _map(info[0], size) if info[0] is not None else None
+    if storage is not None:
+        _pid_words(storage, world_size)[rank] = os.getpid()
+    ok = _all_ranks_agree(storage is not None, group)
+    if rank == 0 and info[0] is not None:
+        try:
+            os.unlink(info[0][0])  # the mappings stay valid; nothing is left behind on disk
+        except OSError:
+            pass
+    if not ok:
+        return None
+    pids = _pid_words(storage, world_size).tolist()
+    if not _all_ranks_agree(all(process_alive(pid) for pid in pids), group):
+        return None
+    if rank == 0:
+        storage[:8].zero_()  # the token shared rank 0's counter
+    dist.barrier(group=group)  # nobody publishes before rank 0 cleared its counter
+    return ShmGroup(storage, rank, world_size, pids)
+
+
+def _create_file(size: int) -> tuple[str, int, str] | None:
+    """Rank 0: a ``/dev/shm`` file of ``size`` bytes holding a token; ``(path, token, host)`` or ``None``."""
+    if not os.path.isdir("/dev/shm"):  # a temp dir could be a network file system: no shared path
+        return None
+    path = os.path.join("/dev/shm", f"lightning_ext_shm_{uuid.uuid4().hex}")
+    token = secrets.randbits(62)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:  # reserve the pages: a full tmpfs fails here, not with a SIGBUS at the first write
+            os.posix_fallocate(fd, 0, size)
+        finally:
+            os.close(fd)
+        storage = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        storage[:8].view(torch.int64).fill_(token)  # in rank 0's counter, cleared before first use
+    except (OSError, RuntimeError):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return None
+    return path, token, socket.gethostname()
+
+
+def _map(info: tuple[str, int, str], size: int) -> torch.Tensor | None:
+    """Map rank 0's file when this rank runs on the same host and reads its token back; else ``None``."""
+    path, token, host = info
+    try:
+        if host != socket.gethostname() or os.path.getsize(path) != size:
+            return None
+        storage = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    except (OSError, RuntimeError):
+        return None
+    return storage if int(storage[:8].view(torch.int64)) == token else None
+
+
+def _all_ranks_agree(flag: bool, group: Any) -> bool:
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+    return bool(value)
+
+
+def _pid_words(storage: torch.Tensor, world_size: int) -> torch.Tensor:
+    """(W,) int64 view of the second word of each rank's header line: that rank's process id."""
+    return storage[: world_size * _LINE].view(torch.int64)[1 :: _LINE // 8]
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X", b"x")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True

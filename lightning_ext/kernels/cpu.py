@@ -1,0 +1,140 @@
+"""The ``cpu`` backend: compiled C++ kernels for CPU tensors (``lightning_ext/csrc/kernels_cpu.cpp``).
+
+On CPU the batch-norm ops of the ``reference`` backend cost passes over the data that ATen cannot
+fuse (it has no fused CPU kernel for the synchronized backward, and its float32 NCHW statistics walk
+each channel with a scalar loop), and ``report()``'s moments cost five float64 passes. This backend
+runs each op as ONE vectorized pass (float32 arithmetic per element, float64 for float64 input and
+for the statistics' sums), compiled for AVX2 and the baseline and picked by the CPU at load time; the
+gradient check reads each element once. ``unscale_and_check_`` is ATen's one-pass op, as in
+``reference``.
+
+The extension is built just in time by :func:`torch.utils.cpp_extension.load` (a C++ compiler and
+``ninja``) the first time a process builds this backend, cached by torch in ``TORCH_EXTENSIONS_DIR``
+(default ``~/.cache/torch_extensions``) keyed on the source, and loaded from there by later
+processes. ``python -m lightning_ext.kernels.cpu`` builds it ahead of time. When it cannot be built,
+automatic backend selection falls back to ``reference`` with one warning
+(:func:`~lightning_ext.kernels.get_backend`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import ClassVar
+
+from typing_extensions import override
+
+from lightning_ext.kernels.reference import ReferenceBackend
+
+__all__ = ["SOURCE", "CpuBackend", "load"]
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "kernels_cpu.cpp"
+_NAME = "lightning_ext_kernels_cpu"
+# -fopenmp-simd: the `#pragma omp simd` loop annotations only, no OpenMP runtime. No -march: the
+# build must run on any CPU that shares the extension cache (target_clones picks AVX2 at load time).
+_CFLAGS = ["-O3", "-fopenmp-simd"]
+_ANNOUNCE_AFTER_SECONDS = 3.0  # a load taking longer than this is a build: say so
+_STALE_LOCK_SECONDS = 600.0  # a build takes ~30 s; a lock file this old was left by a killed build
+
+_lock = threading.Lock()
+_module: ModuleType | None = None  # the loaded extension (one per process)
+
+
+def _clear_stale_lock() -> None:
+    """Wait while another process builds; remove a lock file left by a killed build.
+
+    torch's build lock waits for the lock file to disappear without a time limit, so an interrupted
+    build would make every later process hang; a lock older than ``_STALE_LOCK_SECONDS`` is removed.
+    """
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(_NAME, verbose=False)) / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > _STALE_LOCK_SECONDS:
+            log.warning("lightning_ext: removing the stale build lock %s (%.0f s old)", lock, age)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(0.5)
+
+
+def _announce() -> None:
+    if os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0":
+        log.warning(
+            "lightning_ext: building the compiled CPU kernels (%s) once, about 30 s; torch caches them. "
+            "`python -m lightning_ext.kernels.cpu` builds them ahead of time.",
+            SOURCE.name,
+        )
+
+
+def load(verbose: bool = False) -> ModuleType:
+    """The compiled extension, built first when torch's cache does not hold this source.
+
+    Thread-safe; processes building at once wait for each other (torch's file lock).
+
+    Args:
+        verbose: print the compiler's output.
+
+    Raises:
+        RuntimeError (or what the build raises): no compiler, no ninja, a read-only cache.
+    """
+    global _module
+    with _lock:
+        if _module is None:
+            from torch.utils.cpp_extension import load as build
+
+            _clear_stale_lock()
+            announce = threading.Timer(_ANNOUNCE_AFTER_SECONDS, _announce)
+            announce.daemon = True
+            announce.start()
+            try:
+                _module = build(name=_NAME, sources=[str(SOURCE)], extra_cflags=_CFLAGS, verbose=verbose)
+            finally:
+                announce.cancel()
+        return _module
+
+
+class CpuBackend(ReferenceBackend):
+    """The ops of :class:`~lightning_ext.kernels.KernelBackend` as compiled one-pass CPU kernels.
+
+    Raises:
+        RuntimeError (or what the build raises): the extension cannot be built or loaded.
+
+    Example::
+
+        >>> import torch
+        >>> CpuBackend().batch_norm_moments(torch.tensor([[1.0], [3.0]]), torch.zeros(1)).tolist()
+        [2.0, 4.0, 10.0]
+    """
+
+    name: ClassVar[str] = "cpu"
+    devices: ClassVar[tuple[str, ...]] = ("cpu",)
+
+    def __init__(self) -> None:
+        ext = load()
+        self._batch_norm_moments = ext.batch_norm_moments
+        self._batch_norm_elemt = ext.batch_norm_elemt
+        self._batch_norm_backward_reduce = ext.batch_norm_backward_reduce
+        self._batch_norm_backward_elemt = ext.batch_norm_backward_elemt
+        self._check_finite = lambda tensors, device: ext.check_finite(tensors)
+        self._accumulate_moments_ = ext.accumulate_moments_
+        super().__init__()
+
+    @override
+    def supports(self, device_type: str) -> bool:
+        return device_type == "cpu"
+
+
+if __name__ == "__main__":
+    start = time.perf_counter()
+    module = load(verbose=True)
+    print(f"lightning_ext cpu kernels ready ({time.perf_counter() - start:.1f} s): {module.__file__}")

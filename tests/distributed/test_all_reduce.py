@@ -1,0 +1,277 @@
+"""``all_reduce_`` (shared memory between CPU ranks of one host, else the process group) vs gloo's own
+``all_reduce``, on spawned gloo workers (world sizes 2 and 3)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_ext.distributed import ENV_VAR, all_reduce_, reset, shm, shm_available
+from lightning_ext.distributed import all_reduce as all_reduce_module
+from tests.helpers.distributed import run_distributed
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+needs_shm = pytest.mark.skipif(
+    not X86, reason="the shared-memory path is x86-64 only (elsewhere all_reduce_ is gloo's)"
+)
+
+_OPS = [dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT]
+_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32]
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=generator, dtype=torch.float64) * 3).to(dtype)
+    return torch.randint(-50, 50, shape, generator=generator, dtype=dtype)
+
+
+def _assert_matches_gloo(ours: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, op, world_size: int) -> None:
+    """``ours`` equals gloo's ``ref`` up to the order of the floating point operations.
+
+    Integers, MAX and MIN are exact. A SUM of W values in two orders differs by at most
+    (W - 1) * eps * sum_r |x_r| (each order is within (W - 1) * eps/2 * sum_r |x_r| of the exact sum,
+    Higham 4.2; results that underflow are exact); a PRODUCT by (W - 1) * eps * |product| (each order
+    rounds W - 1 times by a relative eps/2). ``sum_r |x_r|`` is itself all-reduced by gloo.
+    """
+    if not x.dtype.is_floating_point or op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN):
+        assert torch.equal(ours, ref), (x.dtype, tuple(x.shape), op, ours, ref)
+        return
+    eps = torch.finfo(x.dtype).eps
+    if op == dist.ReduceOp.SUM:
+        scale = x.detach().abs().double().contiguous()
+        dist.all_reduce(scale)
+    else:
+        scale = ref.abs().double() * (1 + 4 * world_size * eps)  # |exact product|, to first order
+    err = (ours.double() - ref.double()).abs()
+    bound = (world_size - 1) * eps * scale
+    assert bool((err <= bound).all()), (x.dtype, tuple(x.shape), op, (err - bound).max().item())
+
+
+def _matches_gloo(rank: int, world_size: int) -> list[torch.Tensor]:
+    assert shm_available()
+    generator = torch.Generator().manual_seed(1234 + rank)
+    results = []
+    shapes = [(), (1,), (7,), (3, 5), (1023,), (0,), (4, 4, 4)]
+    for dtype in _DTYPES:
+        for shape in shapes:
+            for op in _OPS:
+                if op == dist.ReduceOp.PRODUCT and dtype in (torch.bfloat16, torch.float16):
+                    continue
+                x = _random(shape, dtype, generator)
+                ours, ref = x.clone(), x.clone()
+                assert all_reduce_(ours, op) is None
+                dist.all_reduce(ref, op=op)
+                _assert_matches_gloo(ours, ref, x, op, world_size)
+                results.append(ours)
+    # Any memory layout, different on every rank (rank 0 dense, the others strided): reduced in the
+    # logical order of the elements, written back in the caller's layout; the results agree bit for bit
+    # on every rank (checked by the parent).
+    for x in (
+        _random((6, 4), torch.float64, generator).t(),
+        _random((2, 3, 4, 5), torch.float32, generator).contiguous(memory_format=torch.channels_last),
+        _random((9,), torch.float64, generator)[::2],
+        _random((5, 6), torch.float16, generator).t(),
+    ):
+        ours, ref = x.clone(memory_format=torch.preserve_format), x.contiguous().clone()
+        if rank == 0:  # layouts differ between ranks
+            ours = ours.contiguous()
+        stride_before, ptr_before = ours.stride(), ours.data_ptr()
+        all_reduce_(ours)
+        dist.all_reduce(ref)
+        _assert_matches_gloo(ours, ref, x, dist.ReduceOp.SUM, world_size)
+        assert ours.stride() == stride_before and ours.data_ptr() == ptr_before
+        results.append(ours.contiguous())
+    # Larger than a slot: goes to gloo, same answer.
+    big = _random((shm.SLOT_BYTES // 8 + 1,), torch.float64, generator)
+    ref = big.clone()
+    x = big.clone()
+    all_reduce_(big)
+    dist.all_reduce(ref)
+    _assert_matches_gloo(big, ref, x, dist.ReduceOp.SUM, world_size)
+    # async_op gives a waitable handle on both paths.
+    for n in (3, shm.SLOT_BYTES // 4 + 1):
+        x = torch.ones(n)
+        work = all_reduce_(x, async_op=True)
+        assert work.wait()
+        assert torch.equal(x, torch.full((n,), float(world_size)))
+    # Many back-to-back calls exercise both buffers of the double buffer.
+    acc = torch.zeros(5, dtype=torch.float64)
+    for step in range(200):
+        y = torch.full((5,), float(rank + step), dtype=torch.float64)
+        all_reduce_(y)
+        acc += y
+    expected = sum(float(r + s) for r in range(world_size) for s in range(200))
+    assert torch.equal(acc, torch.full((5,), expected, dtype=torch.float64))  # integers: exact
+    return results
+
+
+@needs_shm
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_reduce_matches_gloo_and_is_identical_on_every_rank(world_size: int) -> None:
+    per_rank = run_distributed(_matches_gloo, world_size, timeout=150)
+    for other in per_rank[1:]:
+        for a, b in zip(per_rank[0], other):
+            assert torch.equal(a, b)  # bitwise: every rank reduces the same slots in rank order
+
+
+def _written_back(rank: int, world_size: int, device: str) -> list[torch.Tensor]:
+    """Tensors of every size and layout on ``device``, reduced over the gloo group: the caller's tensor
+    (same object, same storage, same strides) holds the sum afterwards."""
+    results = []
+    for shape, layout in (((5,), "dense"), ((6, 4), "transposed"), ((shm.SLOT_BYTES // 4 + 7,), "dense")):
+        base = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.float32).reshape(shape) + rank
+        x = (base.t().contiguous().t() if layout == "transposed" else base.clone()).to(device)
+        strides, ptr = x.stride(), x.data_ptr()
+        work = all_reduce_(x, async_op=True)
+        assert work.wait()
+        assert x.device.type == device and x.stride() == strides and x.data_ptr() == ptr
+        expected = sum(base - rank + r for r in range(world_size))  # integers below 2**24: exact
+        assert torch.equal(x.cpu(), expected), (shape, layout)
+        y = (base.clone()).to(device)
+        assert all_reduce_(y, dist.ReduceOp.MAX) is None
+        assert torch.equal(y.cpu(), base - rank + world_size - 1)
+        results.append(x.cpu())
+    return results
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",  # the collective device of gloo: reduced in place, through shared memory or gloo
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.cuda,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            ],
+        ),  # not gloo's device: reduced through a copy on the CPU and written back
+    ],
+)
+def test_all_reduce_writes_the_result_into_the_callers_tensor(device: str) -> None:
+    per_rank = run_distributed(_written_back, 2, device, timeout=150)
+    for a, b in zip(*per_rank):
+        assert torch.equal(a, b)
+
+
+def _reset_and_reduce(rank: int, world_size: int) -> list[float]:
+    world = dist.group.WORLD
+    sums = []
+    x = torch.tensor([float(rank + 1)])
+    all_reduce_(x)
+    sums.append(float(x))
+    first = all_reduce_module._segments[world]
+    assert first is not None and first.seq == 1
+    reset()  # every rank, between the same two reductions
+    assert world not in all_reduce_module._segments
+    for _ in range(3):  # the first of these sets the segment up again (a collective on every rank)
+        x = torch.tensor([float(rank + 1)])
+        all_reduce_(x)
+        sums.append(float(x))
+    second = all_reduce_module._segments[world]
+    assert second is not None and second is not first and second.seq == 3  # a fresh segment
+    assert shm_available()
+    return sums
+
+
+@needs_shm
+@pytest.mark.timeout(120)
+def test_reset_sets_the_segment_up_again_on_the_next_reduction() -> None:
+    assert run_distributed(_reset_and_reduce, 2, timeout=90) == [[3.0] * 4] * 2
+
+
+def _subgroup(rank: int, world_size: int) -> list[float]:
+    group = dist.new_group([0, 2])
+    sums = []
+    if rank in (0, 2):
+        assert shm_available(group)
+        for _ in range(20):
+            x = torch.tensor([float(rank + 1)], dtype=torch.float64)
+            all_reduce_(x, group=group)
+            sums.append(float(x))
+    # The WORLD group has its own segment; the subgroup's sequence is independent of it.
+    y = torch.tensor([1.0])
+    all_reduce_(y)
+    assert float(y) == world_size
+    return sums
+
+
+@needs_shm
+@pytest.mark.timeout(120)
+def test_subgroup_with_a_rank_outside() -> None:
+    assert run_distributed(_subgroup, 3, timeout=90) == [[4.0] * 20, [], [4.0] * 20]
+
+
+def _disabled(rank: int, world_size: int) -> bool:
+    os.environ[ENV_VAR] = "0"
+    x = torch.tensor([1.0])
+    all_reduce_(x)
+    assert float(x) == world_size
+    return shm_available()
+
+
+@pytest.mark.timeout(120)
+def test_environment_switch_uses_gloo() -> None:
+    assert run_distributed(_disabled, 2, timeout=90) == [False, False]
+
+
+def _missing_rank(rank: int, world_size: int) -> str:
+    assert shm_available()  # sets the segment up together (a collective)
+    if rank == 1:
+        dist.barrier()
+        return "absent"
+    all_reduce_module._segments[dist.group.WORLD].timeout = 0.5
+    try:
+        all_reduce_(torch.ones(2))
+    except RuntimeError as err:
+        message = str(err)
+    else:  # pragma: no cover - the test fails below
+        message = "no error"
+    dist.barrier()
+    return message
+
+
+@needs_shm
+@pytest.mark.timeout(120)
+def test_a_rank_that_never_joins_raises_naming_it_instead_of_hanging() -> None:
+    message, absent = run_distributed(_missing_rank, 2, timeout=90)
+    assert absent == "absent"
+    assert "timed out" in message and "[1]" in message and "same order" in message
+
+
+def test_single_process_takes_the_process_group_path() -> None:
+    assert not shm_available()  # not distributed
+    reset()  # nothing to forget: a no-op
+
+
+def test_process_alive_tells_running_from_exited_processes() -> None:
+    assert shm.process_alive(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: the pid no longer exists
+    assert not shm.process_alive(child.pid)
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while shm.process_alive(zombie.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)  # exited but not reaped yet: a zombie counts as exited
+    assert not shm.process_alive(zombie.pid)
+    zombie.wait()
+
+
+@pytest.mark.timeout(60)
+def test_waiting_for_a_rank_whose_process_exited_raises_at_once() -> None:
+    """A 2-rank segment whose rank 1 is a process that already exited: rank 0 fails fast, naming it."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    world_size = 2
+    storage = torch.zeros(world_size * shm._LINE + 2 * world_size * shm.SLOT_BYTES, dtype=torch.uint8)
+    group = shm.ShmGroup(storage, 0, world_size, [os.getpid(), child.pid])
+    with pytest.raises(RuntimeError, match=rf"group ranks \[1\] \(pids \[{child.pid}\]\) exited"):
+        group.all_reduce_(torch.ones(3), dist.ReduceOp.SUM)
