@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --disable-pip-version-check -q -c constraints.txt
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench bench-gpu clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -19,10 +19,10 @@ $(VENV)/.examples-installed: pyproject.toml constraints.txt | $(PY)
 	$(PIP) -e ".[examples]"
 	touch $@
 
-# The compiled CPU kernels of SyncBatchNorm, built once ahead of the runs (~40 s on 2 cores) instead of
-# at the first forward; torch caches it by source. Without a compiler SyncBatchNorm uses its Python path.
-$(VENV)/.cpu-extension: lightning_ext/csrc/sync_batch_norm_cpu.cpp | $(VENV)/.examples-installed
-	$(PY) -m lightning_ext.kernels.cpu_extension || echo "CPU extension not built: SyncBatchNorm uses its Python path"
+# The `cpu` kernel backend (compiled C++), built once ahead of the runs instead of at its first use;
+# torch caches it by source. Without a compiler the `reference` backend serves CPU tensors.
+$(VENV)/.cpu-extension: lightning_ext/csrc/kernels_cpu.cpp | $(VENV)/.examples-installed
+	$(PY) -m lightning_ext.kernels.cpu || echo "the cpu kernel backend was not built: reference serves CPU tensors"
 	touch $@
 
 demo: $(VENV)/.examples-installed $(VENV)/.cpu-extension
@@ -36,8 +36,16 @@ test: lint $(VENV)/.cpu-extension
 	$(PY) -m pytest --nbmake lightning_ext tests notebooks; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
+# Every benchmark script; each rewrites its own sections of benchmarks/RESULTS.md.
 bench: $(VENV)/.dev-installed $(VENV)/.cpu-extension
 	$(PY) benchmarks/run_all.py
+
+# The CUDA tests and the GPU sections of the benchmarks, on a CUDA machine (elsewhere it says so and
+# exits 0). GPU_PYTHON: an interpreter with a CUDA build of torch, e.g. `make bench-gpu GPU_PYTHON=python3`
+# for the machine's own (the checkout goes on its PYTHONPATH); by default the development environment.
+GPU_PYTHON ?= $(PY)
+bench-gpu: $(if $(filter $(PY),$(GPU_PYTHON)),$(VENV)/.dev-installed)
+	$(GPU_PYTHON) benchmarks/run_gpu.py
 
 clean:
 	rm -rf $(VENV) runs lightning_logs .pytest_cache

@@ -1,12 +1,13 @@
-"""Latency of a small all_reduce between CPU ranks of one host: gloo's own vs ``shm_collectives``.
+"""Latency of a small all_reduce between CPU ranks of one host: gloo's own vs ours through shared memory.
 
 Two spawned gloo ranks (1 thread each) all-reduce (SUM) float64 tensors of the sizes SyncBatchNorm
-and the Collector send (2C + 1 for C = 64 and 256, a K = 100 collector's payload, one scalar),
-back to back, in alternating blocks of 100 calls per transport (the first 5 of a block untimed).
-Median and 90th percentile of the per-call time on rank 0; ratio = gloo / shared memory (> 1: ours
-is faster).
+and the Collector send (2C + 1 for C = 64 and 256, a K = 100 collector's payload, one scalar) with
+``torch.distributed.all_reduce`` (the anchor) and with ``lightning_ext.distributed.all_reduce_``
+(which takes its shared-memory path for these tensors), back to back, in alternating blocks of 100
+calls per transport (the first 5 of a block untimed). Median and 90th percentile of the per-call
+time on rank 0; ratio = gloo / shared memory (> 1: ours is faster).
 
-Usage: ``python benchmarks/bench_shm_collectives.py [--iters 2000]``.
+Usage: ``python benchmarks/bench_all_reduce.py [--quick] [--iters 2000]``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ if str(HERE) not in sys.path:
 
 from _common import write_result  # noqa: E402
 
-from lightning_ext import shm_collectives  # noqa: E402
+from lightning_ext.distributed import all_reduce_, shm_available  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
 SIZES = {
@@ -42,13 +43,14 @@ BLOCK = 100  # calls per transport before switching: a call right after the othe
 
 
 def _worker(rank: int, world_size: int, iters: int) -> dict[str, dict[str, float]]:
-    assert shm_collectives.shm_available()
+    if not shm_available():
+        raise RuntimeError("the shared-memory path of all_reduce_ is not available on this machine")
     out = {}
     for label, n in SIZES.items():
         x = torch.randn(n, dtype=torch.float64)
         times: dict[str, list[float]] = {"gloo": [], "shm": []}
         for _ in range(max(1, iters // BLOCK)):
-            for name, fn in (("gloo", dist.all_reduce), ("shm", shm_collectives.all_reduce)):
+            for name, fn in (("gloo", dist.all_reduce), ("shm", all_reduce_)):
                 for i in range(BLOCK + 5):
                     start = time.perf_counter()
                     fn(x)
@@ -65,15 +67,19 @@ def _worker(rank: int, world_size: int, iters: int) -> dict[str, dict[str, float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--iters", type=int, default=2000)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="200 calls per transport (smoke run)")
+    parser.add_argument("--iters", type=int, default=2000, help="calls per transport and payload")
     args = parser.parse_args()
+    if args.quick:
+        args.iters = 200
     result = run_distributed(_worker, 2, args.iters, timeout=600)[0]
     lines = [
-        "## Small all_reduce latency between 2 CPU ranks of one host (`bench_shm_collectives.py`)",
+        "## Small all_reduce latency between 2 CPU ranks of one host (`bench_all_reduce.py`)",
         "",
         f"float64 SUM, {args.iters} calls per transport in alternating blocks of {BLOCK}, µs per call on "
-        "rank 0. What one SyncBatchNorm layer pays per step and direction, and a Collector per flush.",
+        "rank 0: `torch.distributed.all_reduce` (gloo) vs `lightning_ext.distributed.all_reduce_` (shared "
+        "memory). What one SyncBatchNorm layer pays per step and direction, and a Collector per flush.",
         "",
         "| payload | gloo median | gloo p90 | shared memory median | shared memory p90 | median ratio |",
         "|---|---:|---:|---:|---:|---:|",
@@ -85,7 +91,7 @@ def main() -> None:
         )
     markdown = "\n".join(lines)
     print(markdown)
-    write_result("shm_collectives", markdown)
+    write_result("all_reduce", markdown, quick=args.quick)
 
 
 if __name__ == "__main__":

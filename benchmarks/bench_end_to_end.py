@@ -1,19 +1,20 @@
 """End-to-end: the digits model on 2 CPU ranks, every lightning_ext feature on vs plain Lightning DDP.
 
-Anchor ("plain"): ``Trainer(strategy="ddp_spawn", devices=2, precision="16-mixed")`` — Lightning's
+Anchor ("plain"): ``Trainer(strategy="ddp", devices=2, precision="16-mixed")`` — Lightning's
 default ``MixedPrecision`` (which on CPU silently runs bf16 autocast), plain per-rank BatchNorm, no
 callbacks, no logger.
 
 Ours, at the SAME arithmetic precision as the anchor (bf16 autocast): ``LossScalingPrecision
 ("bf16-mixed")`` (skip-only scaler), ``SyncBatchNormPlugin``, ``TrainingStats``,
 ``IterationTimer``, ``LossMonitor``, ``PreciseBN``. We also time ours with real fp16 loss scaling
-(``"16-mixed"``) and print it separately: fp16 autocast on CPU is much slower than bf16 (fp16
-conv backward, see DESIGN.md), which is a property of the CPU kernels, not of our plugin.
+(``"16-mixed"``) and print it separately: fp16 autocast on CPU is much slower than bf16 (above all
+ATen's fp16 convolution backward), which is a property of the CPU kernels, not of our plugin.
 
-Diagnostic rows: every feature with SyncBN's compiled CPU kernels turned off (its pure-torch path), every
-feature except SyncBN, and every feature with SyncBN replaced by ATen's local
-batch norm plus SyncBN's two all_reduces per layer (the synchronization points without our maths;
-its buffers are left out of DDP's per-forward broadcast as ``SyncBatchNormPlugin`` does for SyncBN).
+Diagnostic rows: every feature on the ``reference`` kernel backend instead of the automatically
+chosen one (``cpu`` where it builds; ``LIGHTNING_EXT_KERNELS=reference`` for that run), every feature
+except SyncBN, and every feature with SyncBN replaced by ATen's local batch norm plus SyncBN's two
+all_reduces per layer (the synchronization points without our maths; its buffers are left out of
+DDP's per-forward broadcast as ``SyncBatchNormPlugin`` does for SyncBN).
 
 Per-step time = median interval between consecutive ``on_train_batch_start`` calls on rank 0
 after a warm-up, validation disabled; the forward / backward / rest phases are timed on rank 0
@@ -23,6 +24,9 @@ already initialized process group), so that a run costs its steps, not a process
 runs, interleaved (every configuration once per repeat, the order reversed every other repeat),
 so that the VM's drift hits all configurations alike; the paired ratio divides each run by the
 plain run next to it in time. Prints the table and the ratio; target: ours <= 1.05x plain.
+
+Usage: ``python benchmarks/bench_end_to_end.py [--quick] [--steps 80] [--repeats 20] [--warmup 10]
+[--no-fp16]``.
 """
 
 from __future__ import annotations
@@ -46,12 +50,16 @@ import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_result
+HERE = Path(__file__).resolve().parent
+for _path in (HERE.parent, HERE):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
-from lightning_ext import shm_collectives
-from lightning_ext.examples.digits import DigitsDataModule, DigitsModule
-from lightning_ext.kernels import cpu_extension
+from _common import environ, write_result  # noqa: E402
+
+from lightning_ext import kernels  # noqa: E402
+from lightning_ext.distributed import all_reduce_  # noqa: E402
+from lightning_ext.examples.digits import DigitsDataModule, DigitsModule  # noqa: E402
 
 
 class StepClock(Callback):
@@ -100,16 +108,10 @@ def run_once(config: str, max_steps: int, warmup: int) -> dict[str, float]:
     """Train ``config`` for ``max_steps`` steps in this worker; median seconds per step and per phase
     after ``warmup`` (this rank's clock)."""
     L.seed_everything(0, verbose=False)
-    if config == "ours-python-glue":
-        # SyncBN's compiled CPU kernels off for this run only: its pure-torch path.
-        os.environ[cpu_extension.ENV_VAR] = "0"
-        cpu_extension._reset_for_tests()
-    try:
+    if config != "ours-reference":
         return _run_once(config, max_steps, warmup)
-    finally:
-        if config == "ours-python-glue":
-            os.environ[cpu_extension.ENV_VAR] = "1"
-            cpu_extension._reset_for_tests()
+    with environ(**{kernels.ENV_VAR: "reference"}):  # read at every backend lookup: this run only
+        return _run_once(config, max_steps, warmup)
 
 
 def _run_once(config: str, max_steps: int, warmup: int) -> dict[str, float]:
@@ -158,8 +160,9 @@ def _worker(
     """One of the two ranks: every run of every configuration, in this process."""
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", NODE_RANK="0",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{cpu_extension.ENV_VAR: "1"},
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )  # fmt: skip
+    os.environ.pop(kernels.ENV_VAR, None)  # automatic backend choice, except in the reference row
     torch.set_num_threads(1)
     for name in ("lightning.pytorch", "lightning.fabric"):  # one banner per run otherwise
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -169,7 +172,8 @@ def _worker(
         # A B C ... C B A: alternate the order so that drift in the VM's speed hits no row more.
         for config in configs if repeat % 2 == 0 else configs[::-1]:
             # The fp16 row (~8x slower per step, printed apart) takes fewer steps: its median needs no more.
-            samples[config].append(run_once(config, warmup + 30 if config == "ours-fp16" else steps, warmup))
+            n = min(steps, warmup + 30) if config == "ours-fp16" else steps
+            samples[config].append(run_once(config, n, warmup))
         if rank == 0:
             print(f"repeat {repeat + 1}/{repeats}: " + " ".join(
                 f"{c} {samples[c][-1]['step'] * 1e3:.1f}" for c in configs), flush=True)  # fmt: skip
@@ -194,17 +198,17 @@ class _CollectiveOnly(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        shm_collectives.all_reduce(torch.zeros(2 * ctx.channels))
+        all_reduce_(torch.zeros(2 * ctx.channels))
         return grad, None
 
 
 class CollectivesOnlyBatchNorm(torch.nn.BatchNorm2d):
     """Diagnostic: ATen's local batch norm plus SyncBatchNorm's two all_reduces (same sizes, same
-    places, shared-memory path), without its maths — the cost of the synchronization points alone."""
+    places, same transport), without its maths — the cost of the synchronization points alone."""
 
     @override
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        shm_collectives.all_reduce(torch.zeros(2 * self.num_features + 1, dtype=torch.float64))
+        all_reduce_(torch.zeros(2 * self.num_features + 1, dtype=torch.float64))
         return _CollectiveOnly.apply(super().forward(input), self.num_features)
 
 
@@ -227,8 +231,8 @@ CONFIGS = {
     "plain": 'plain Lightning DDP (`precision="16-mixed"` → bf16 autocast on CPU), no callbacks',
     "ours-bf16": 'ours, all features, `LossScalingPrecision("bf16-mixed")` + SyncBN + TrainingStats + '
     "IterationTimer + LossMonitor + PreciseBN",
-    "ours-python-glue": "ours, all features (bf16), SyncBN's compiled CPU kernels turned off "
-    "(`LIGHTNING_EXT_CPU_EXTENSION=0`: its pure-torch path)",
+    "ours-reference": "ours, all features (bf16), every kernel on the `reference` backend "
+    "(`LIGHTNING_EXT_KERNELS=reference`)",
     "ours-no-syncbn": "ours, every feature except SyncBN (bf16) — the cost of the rest",
     "ours-collectives-only": "diagnostic: ours with SyncBN replaced by local ATen batch norm + SyncBN's "
     "two all_reduces per layer — the cost of the 6 synchronization points alone",
@@ -238,12 +242,16 @@ CONFIGS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="2 repeats of 15 steps (smoke run)")
+    parser.add_argument("--steps", type=int, default=80, help="steps per run")
+    parser.add_argument("--repeats", type=int, default=20, help="runs per configuration")
+    parser.add_argument("--warmup", type=int, default=10, help="first steps of a run left out")
     parser.add_argument("--no-fp16", action="store_true", help="skip the fp16 timing")
     args = parser.parse_args()
-    compiled = cpu_extension.load() is not None  # built here once, loaded by every rank
+    if args.quick:
+        args.steps, args.repeats, args.warmup = 15, 2, 5
+    with environ(**{kernels.ENV_VAR: None}):  # builds the cpu backend here once; every rank loads it
+        backend = kernels.get_backend(None, "cpu").name
     configs = [c for c in CONFIGS if c != "ours-fp16" or not args.no_fp16]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "samples.json")
@@ -260,7 +268,8 @@ def main() -> None:
         'same two worker processes (`strategy="ddp"`, the processes started once by the script; the order '
         "of the configurations reversed every other repeat; 'paired' = median over repeats of each "
         "run's step time over the plain run of the same repeat) "
-        f"(first {args.warmup} steps excluded; the fp16 row: runs of {args.warmup + 30} steps), "
+        f"(first {args.warmup} steps excluded; the fp16 row: runs of {min(args.steps, args.warmup + 30)} "
+        "steps), "
         "per-rank batch 32, validation off; phases on rank 0 "
         "(forward with the loss; backward with DDP's gradient all_reduce; the rest: optimizer step, "
         "callbacks, next batch; medians, so they need not add up to the step). The mean over all "
@@ -287,24 +296,24 @@ def main() -> None:
         f"Target: ours (same precision) ≤ 1.05× plain — {'met' if ratio <= 1.05 else 'NOT met'} "
         f"({(ratio - 1) * 100:+.1f}%). SyncBN adds, by its nature, one blocking all_reduce per "
         "BatchNorm layer and direction (6 per step for the 3 layers here) that plain DDP does not "
-        "have: they go through shared memory (~25 µs each, `lightning_ext.shm_collectives`), but "
-        "each is a point where the faster rank waits for the slower one. It also removes one: "
+        "have: they go through shared memory (`lightning_ext.distributed.all_reduce_`; "
+        "`bench_all_reduce.py` times them), but each is a point where the faster rank waits for the "
+        "slower one. It also removes one: "
         "SyncBN keeps its running statistics equal on every rank, so `SyncBatchNormPlugin` takes "
         "them out of the gloo broadcast of buffers that DDP runs at every forward (the model's only "
         "buffers here, so that broadcast is gone). The 'collectives only' row measures the six "
         "waits with ATen's maths (its buffers are also left out of DDP's broadcast), the 'except "
-        "SyncBN' row the cost of everything else (with DDP's broadcast, as plain). The pure-torch "
-        "row runs SyncBN on ATen ops driven from Python instead of its compiled kernels (one C++ "
-        "call per direction, one pass over the data per step of the algorithm; results agree to "
-        "rounding): its difference to 'ours' is what the compiled kernels save"
-        + ("" if compiled else " — the extension was NOT available in this run, both rows are Python")
-        + ". The fp16 row is "
+        "SyncBN' row the cost of everything else (with DDP's broadcast, as plain). "
+        f"'ours' runs the automatically chosen kernel backend (`{backend}` in this run); the "
+        "`reference` row runs every kernel (SyncBN, the loss scaler's gradient check, `report()`) "
+        "on ATen ops driven from Python instead (results agree to rounding): its difference to "
+        "'ours' is what the compiled kernels save. The fp16 row is "
         "slower because fp16 autocast kernels on CPU (conv backward above all) are slower than bf16 "
         "ones; Lightning's own `16-mixed` cannot run fp16 on CPU at all.",
     ]
     text = "\n".join(lines)
     print(text)
-    write_result("end_to_end", text)
+    write_result("end_to_end", text, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ A first-positioned probe callback timestamps every ``on_train_batch_start``; the
 median of consecutive differences after 10 warm-up steps (everything included: data, forward,
 backward, DDP all-reduce, optimizer, every callback). The hooks' own cost is also measured directly
 by timing their Lightning batch-hook methods (wrapped per instance in this script; amortized
-agreement collective included). Target (issue 6): overhead ≤ 2% of the step time.
+agreement collective included). Target: overhead ≤ 2% of the step time.
 
 Usage: ``python benchmarks/bench_hooks.py [--quick]``.
 """
@@ -126,7 +126,7 @@ def _worker(rank: int, init_file: str, repeats: int, steps: int, out_file: str) 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats and steps")
+    parser.add_argument("--quick", action="store_true", help="2 repeats of 40 steps (smoke run)")
     args = parser.parse_args()
     repeats, steps = (2, 40) if args.quick else (5, 90)
     import warnings
@@ -134,13 +134,15 @@ def main() -> int:
     warnings.filterwarnings("ignore")
     with tempfile.TemporaryDirectory() as tmp:
         out_file = os.path.join(tmp, "results.pt")
-        os.environ["OMP_NUM_THREADS"] = "1"
-        mp.spawn(
-            _worker,
-            args=(os.path.join(tmp, "store"), repeats, steps, out_file),
-            nprocs=WORLD_SIZE,
-            join=True,
-        )
+        from _common import environ
+
+        with environ(OMP_NUM_THREADS="1"):
+            mp.spawn(
+                _worker,
+                args=(os.path.join(tmp, "store"), repeats, steps, out_file),
+                nprocs=WORLD_SIZE,
+                join=True,
+            )
         results = torch.load(out_file)
 
     def summary(config: str) -> tuple[float, float, float]:
@@ -148,7 +150,7 @@ def main() -> int:
 
     base_step = summary("baseline")[0]
     lines = [
-        "## Hooks: IterationTimer + LossMonitor overhead (issue 6)",
+        "## Hooks: IterationTimer + LossMonitor overhead (`bench_hooks.py`)",
         "",
         f'Digits CNN (`DigitsModule(width=32)`, batch 64 per rank), `Trainer(strategy="ddp")` on 2 gloo '
         f"CPU ranks, {steps} steps per run, {repeats} interleaved runs per configuration; step time = median "
@@ -173,14 +175,14 @@ def main() -> int:
             )
     lines += [
         "",
-        "The step-time difference between configurations is within run-to-run noise on a shared machine; "
-        "the time inside the hooks is the direct measure of their cost.",
+        "Step-time differences between configurations carry the run-to-run noise of the machine; the "
+        "time inside the hooks is the direct measure of their cost.",
     ]
     markdown = "\n".join(lines)
     print(markdown)
     from _common import write_result
 
-    print(f"wrote {write_result('hooks', markdown)}")
+    write_result("hooks", markdown, quick=args.quick)
     return 0
 
 

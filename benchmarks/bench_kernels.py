@@ -1,20 +1,21 @@
 """Kernel backends: time, effective bandwidth and ratios to ATen and to a copy, per op and backend.
 
-CPU (always): the ``reference`` backend at a BatchNorm2d shape (fp32/bf16/fp16, NCHW and channels
-last, and a bf16 layer of the digits demo) against ATen's fused BatchNorm (the building blocks
-``torch.batch_norm_stats`` & co. are CUDA-only) — the backward both as reduce + elemt and as the
-whole ``batch_norm_backward`` op SyncBatchNorm calls —, ``unscale_and_check_`` against
-``torch.amp.GradScaler("cpu").unscale_`` on 11M parameters, ``accumulate_moments_`` against ATen's
-reductions. Triton's interpreter is not timed (it is a debugging tool).
+CPU (always): the ``cpu`` backend (compiled C++, when it builds) and ``reference`` at a BatchNorm2d
+shape (fp32/bf16/fp16, NCHW and channels last, and a bf16 layer of the digits demo) against ATen's
+fused BatchNorm (``torch.batch_norm_update_stats`` for the moments, eval ``torch.batch_norm`` for
+``elemt``, training ``torch.batch_norm`` for the forward pair, ``native_batch_norm_backward`` for the
+backward; the ``torch.batch_norm_stats`` building blocks are CUDA-only); ``unscale_and_check_`` and
+``check_finite`` against ``torch.amp.GradScaler("cpu")`` on 12M parameters; ``accumulate_moments_``
+against ATen's reductions. Triton's interpreter is not timed (it is a debugging tool).
+
 GPU (only with CUDA): ``triton`` and ``reference`` at ResNet-50 shapes against ATen's CUDA building
 blocks (``torch.batch_norm_stats``, ``batch_norm_elemt``, ``batch_norm_backward_reduce``,
 ``batch_norm_backward_elemt``, ``_amp_foreach_non_finite_check_and_unscale_``): device time from CUDA
 graph replays over input sets larger than L2 (launch cost excluded), and per-call time with
-``triton.testing.do_bench`` (launch cost included); targets: >= 80% of copy bandwidth and <= 1.0x
-ATen's time.
+``triton.testing.do_bench`` (launch cost included). Targets: every Triton op >= 0.80 of copy
+bandwidth and <= 1.0x ATen's time; ``unscale_and_check_`` >= 0.85 of copy.
 
-Usage: ``python benchmarks/bench_kernels.py [--quick] [--gpu-only]``; CPU rows go to ``results/kernels.md``,
-GPU rows to ``results/kernels_gpu.md``.
+Usage: ``python benchmarks/bench_kernels.py [--quick] [--gpu-only]``.
 """
 
 # ruff: noqa: B023  (every lambda is timed at once, inside the iteration that defines it)
@@ -29,21 +30,24 @@ from pathlib import Path
 import torch
 import torch.utils.benchmark as tb
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+HERE = Path(__file__).resolve().parent
+for _path in (HERE.parent, HERE):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
-from _common import write_result
+from _common import write_result  # noqa: E402
 
-from lightning_ext.kernels import get_backend
+from lightning_ext.kernels import get_backend  # noqa: E402
 
 ROWS: list[tuple] = []  # CPU rows: (section, op, backend, case, ms, GB/s, vs ATen, vs copy)
+MIN_RUN_TIME = 0.5  # seconds per CPU timing (--quick: less)
 
 
-def cpu_time(fn, min_run_time=0.5) -> float:
-    """Median seconds per call (torch.utils.benchmark, warm-up included)."""
+def cpu_time(fn) -> float:
+    """Median seconds per call (torch.utils.benchmark at the default thread count, warm-up included)."""
     return (
         tb.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-        .blocked_autorange(min_run_time=min_run_time)
+        .blocked_autorange(min_run_time=MIN_RUN_TIME)
         .median
     )
 
@@ -76,8 +80,29 @@ def copy_bandwidth(device, timer, mib: int = 64) -> float:
 # ---------------------------------------------------------------------------- CPU
 
 
+def cpu_backends() -> list:
+    """The ``cpu`` backend when it builds, then ``reference``."""
+    backends = []
+    try:
+        backends.append(get_backend("cpu", "cpu"))
+    except Exception as err:  # no compiler or ninja: only reference serves CPU tensors
+        print(f"the cpu kernel backend is not available ({err}); timing reference only")
+    backends.append(get_backend("reference", "cpu"))
+    return backends
+
+
+def _statistics(payload: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """count (0-dim), mean and invstd (float64 ``(C,)``) from ``batch_norm_moments``, as SyncBatchNorm."""
+    c = shift.numel()
+    count = payload[0]
+    dev = payload[1 : c + 1] / count
+    var = payload[c + 1 :] / count - dev * dev
+    return count, shift + dev, (var + 1e-5).rsqrt()
+
+
 def bench_cpu(quick: bool) -> None:
-    ref = get_backend("reference", "cpu")
+    backends = cpu_backends()
+    ref = backends[-1]
     copy_gbs = copy_bandwidth("cpu", cpu_time)
     print(f"CPU copy bandwidth: {copy_gbs:.1f} GB/s")
     cases = [
@@ -85,52 +110,45 @@ def bench_cpu(quick: bool) -> None:
         for dtype in (torch.float32, torch.bfloat16, torch.float16)
         for fmt in (torch.contiguous_format, torch.channels_last)
     ] + [((32, 64, 8, 8), torch.bfloat16, torch.contiguous_format)]  # a layer of the digits demo
-    for shape, dtype, fmt in cases:
+    for shape, dtype, fmt in cases[:1] if quick else cases:
         x = (torch.randn(shape) * 2 + 1).to(dtype).contiguous(memory_format=fmt)
         dy = torch.randn(shape).to(dtype).contiguous(memory_format=fmt)
         c = shape[1]
         case = f"{tuple(shape)} {str(dtype)[6:]} {'CL' if fmt == torch.channels_last else 'NCHW'}"
-        count, mean, m2 = ref.batch_norm_stats(x)
-        invstd = (m2 / count + 1e-5).rsqrt()
+        shift = torch.zeros(c, dtype=torch.float64)  # the running mean at the first step
+        count, mean, invstd = _statistics(ref.batch_norm_moments(x, shift), shift)
         w, b = torch.randn(c), torch.randn(c)
-        s1, s2 = ref.batch_norm_backward_reduce(dy, x, mean, invstd)
-        # ATen's fused BatchNorm pieces: training forward (stats + normalize), eval forward
-        # (normalize), full backward (reduce + elementwise).
+        sums = ref.batch_norm_backward_reduce(dy, x, mean)
+        # ATen's fused BatchNorm pieces, with float32 statistics: moments (batch_norm_update_stats),
+        # training forward (moments + normalize), eval forward (normalize), backward (the two sums
+        # alone; the whole input gradient).
+        mean32, invstd32 = mean.float(), invstd.float()
+        rm, rv = torch.zeros(c), torch.ones(c)
+        t_moments = cpu_time(lambda: torch.batch_norm_update_stats(x, rm, rv, 0.0))
         t_fwd = cpu_time(lambda: torch.batch_norm(x, w, b, None, None, True, 0.0, 1e-5, False))
-        rv = invstd.pow(-2)
-        t_eval = cpu_time(lambda: torch.batch_norm(x, w, b, mean, rv, False, 0.0, 0.0, False))
+        rvar = invstd32.pow(-2)
+        t_eval = cpu_time(lambda: torch.batch_norm(x, w, b, mean32, rvar, False, 0.0, 0.0, False))
+        aten_bwd = torch.ops.aten.native_batch_norm_backward
+        t_red = cpu_time(
+            lambda: aten_bwd(dy, x, w, None, None, mean32, invstd32, True, 1e-5, [False, True, True])
+        )
         t_bwd = cpu_time(
-            lambda: torch.ops.aten.native_batch_norm_backward(
-                dy, x, w, None, None, mean, invstd, True, 1e-5, [True, True, True]
-            )
+            lambda: aten_bwd(dy, x, w, None, None, mean32, invstd32, True, 1e-5, [True, True, True])
         )
-        t_stats = cpu_time(lambda: ref.batch_norm_stats(x))
-        t_elemt = cpu_time(lambda: ref.batch_norm_elemt(x, mean, invstd, w, b))
-        t_red = cpu_time(lambda: ref.batch_norm_backward_reduce(dy, x, mean, invstd))
-        t_bel = cpu_time(lambda: ref.batch_norm_backward_elemt(dy, x, mean, invstd, w, s1, s2, count))
-        add("cpu", "batch_norm_stats", "reference", case, t_stats, nbytes(x), None, copy_gbs)
-        add("cpu", "batch_norm_elemt", "reference", case, t_elemt, 2 * nbytes(x), t_eval, copy_gbs)
-        add(
-            "cpu",
-            "stats+elemt (fwd)",
-            "reference",
-            case,
-            t_stats + t_elemt,
-            3 * nbytes(x),
-            t_fwd,
-            copy_gbs,
-        )
-        add("cpu", "batch_norm_backward_reduce", "reference", case, t_red, 2 * nbytes(x), None, copy_gbs)
-        add("cpu", "batch_norm_backward_elemt", "reference", case, t_bel, 3 * nbytes(x), None, copy_gbs)
-        add("cpu", "reduce+elemt (bwd)", "reference", case, t_red + t_bel, 5 * nbytes(x), t_bwd, copy_gbs)
-        # The whole group backward as SyncBatchNorm calls it (no group here): for fp16/bf16 the
-        # reference backend's fused local backward + correction, for fp32 reduce + elemt.
-        t_group = cpu_time(lambda: ref.batch_norm_backward(dy, x, mean, invstd, w, count, None))
-        add("cpu", "batch_norm_backward (bwd)", "reference", case, t_group, 3 * nbytes(x), t_bwd, copy_gbs)
-        if quick:
-            break
+        nb = nbytes(x)
+        for be in backends:
+            t_m = cpu_time(lambda: be.batch_norm_moments(x, shift))
+            t_e = cpu_time(lambda: be.batch_norm_elemt(x, mean, invstd, w, b))
+            t_r = cpu_time(lambda: be.batch_norm_backward_reduce(dy, x, mean))
+            t_be = cpu_time(lambda: be.batch_norm_backward_elemt(dy, x, mean, invstd, w, sums, count))
+            add("cpu", "batch_norm_moments", be.name, case, t_m, nb, t_moments, copy_gbs)
+            add("cpu", "batch_norm_elemt", be.name, case, t_e, 2 * nb, t_eval, copy_gbs)
+            add("cpu", "moments+elemt (fwd)", be.name, case, t_m + t_e, 3 * nb, t_fwd, copy_gbs)
+            add("cpu", "batch_norm_backward_reduce", be.name, case, t_r, 2 * nb, t_red, copy_gbs)
+            add("cpu", "batch_norm_backward_elemt", be.name, case, t_be, 3 * nb, None, copy_gbs)
+            add("cpu", "reduce+elemt (bwd)", be.name, case, t_r + t_be, 5 * nb, t_bwd, copy_gbs)
 
-    # unscale_and_check_ vs GradScaler("cpu").unscale_ on 11M parameters with realistic gradients
+    # unscale_and_check_ vs GradScaler("cpu").unscale_ on 12M parameters with realistic gradients
     # (N(0, 1e-3), as after a few steps; no denormals). Scale 1.0 so repeated unscaling is stable.
     gen = torch.Generator().manual_seed(0)
     shapes = [(512, 512, 3, 3)] * 4 + [(2048, 1024)] * 1 + [(1000, 512)] * 1 + [(512,)] * 40
@@ -149,56 +167,33 @@ def bench_cpu(quick: bool) -> None:
 
     grads = [p.grad for p in params]
     inv = torch.tensor(1.0)
-    t_gs = cpu_time(gradscaler_unscale)
-    t_us = cpu_time(lambda: ref.unscale_and_check_(grads, inv))
-    t_read = cpu_time(lambda: torch._foreach_norm(grads, 1))
-    add("cpu", "unscale_and_check_", "reference", case, t_us, 2 * nbytes(*grads), t_gs, copy_gbs)
-    add("cpu", "GradScaler.unscale_ (anchor)", "aten", case, t_gs, 2 * nbytes(*grads), t_gs, copy_gbs)
-    add("cpu", "read grads once (foreach_norm)", "aten", case, t_read, nbytes(*grads), None, copy_gbs)
-    # The fused-optimizer check: GradScaler runs its unscale op at scale 1 (rewrites every gradient);
-    # ours reads them (check_finite).
     found = torch.zeros(())
+    t_gs = cpu_time(gradscaler_unscale)
+    # The fused-optimizer check: GradScaler runs its unscale op at scale 1 (rewrites every gradient).
     t_gs_check = cpu_time(lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv))
-    t_check = cpu_time(lambda: ref.check_finite(grads))
-    add(
-        "cpu",
-        "check_finite (fused optimizers)",
-        "reference",
-        case,
-        t_check,
-        nbytes(*grads),
-        t_gs_check,
-        copy_gbs,
-    )
-    add(
-        "cpu",
-        "GradScaler check at scale 1 (anchor)",
-        "aten",
-        case,
-        t_gs_check,
-        2 * nbytes(*grads),
-        t_gs_check,
-        copy_gbs,
-    )
+    t_read = cpu_time(lambda: torch._foreach_norm(grads, 1))
+    add("cpu", "GradScaler.unscale_ (anchor)", "aten", case, t_gs, 2 * nbytes(*grads), t_gs, copy_gbs)
+    add("cpu", "GradScaler check at scale 1 (anchor)", "aten", case, t_gs_check, 2 * nbytes(*grads),
+        t_gs_check, copy_gbs)  # fmt: skip
+    add("cpu", "read grads once (foreach_norm)", "aten", case, t_read, nbytes(*grads), None, copy_gbs)
+    for be in backends:
+        t_us = cpu_time(lambda: be.unscale_and_check_(grads, inv))
+        t_check = cpu_time(lambda: be.check_finite(grads, "cpu"))
+        add("cpu", "unscale_and_check_", be.name, case, t_us, 2 * nbytes(*grads), t_gs, copy_gbs)
+        add("cpu", "check_finite (fused optimizers)", be.name, case, t_check, nbytes(*grads), t_gs_check,
+            copy_gbs)  # fmt: skip
 
     # accumulate_moments_ (report()) vs the ATen reductions it needs, on a 1M-element activation.
     x = torch.randn(2**20) + 3
-    acc = torch.tensor([0, 0, 0, math.inf, -math.inf], dtype=torch.float64)
     shift = torch.tensor(3.0, dtype=torch.float64)
-    t_m = cpu_time(lambda: ref.accumulate_moments_(acc, x, shift))
     t_a = cpu_time(lambda: (x.sum(), (x * x).sum(), torch.aminmax(x)))
-    add("cpu", "accumulate_moments_", "reference", "1M fp32 (float64 sums)", t_m, nbytes(x), t_a, copy_gbs)
-    t_small = cpu_time(lambda: ref.accumulate_moments_(acc, torch.ones(()), shift))
-    add(
-        "cpu",
-        "accumulate_moments_",
-        "reference",
-        "scalar loss (per-call overhead)",
-        t_small,
-        4,
-        None,
-        copy_gbs,
-    )
+    one = torch.ones(())
+    for be in backends:
+        acc = torch.tensor([0, 0, 0, math.inf, -math.inf], dtype=torch.float64)
+        t_m = cpu_time(lambda: be.accumulate_moments_(acc, x, shift))
+        add("cpu", "accumulate_moments_", be.name, "1M fp32 (float64 sums)", t_m, nbytes(x), t_a, copy_gbs)
+        t_small = cpu_time(lambda: be.accumulate_moments_(acc, one, shift))
+        add("cpu", "accumulate_moments_", be.name, "scalar (per-call overhead)", t_small, 4, None, copy_gbs)
 
 
 # ---------------------------------------------------------------------------- GPU
@@ -276,9 +271,12 @@ def bench_gpu(quick: bool) -> None:
                     s1, s2, _, _ = torch.batch_norm_backward_reduce(
                         dy, x, mean, invstd, w, True, False, False
                     )
-                    sets.append((x, dy, mean, invstd, w, b, cnt, cnt.float(), s1, s2))
+                    count = torch.tensor(float(numel // c), device="cuda")
+                    sums = torch.cat([s1, s2]).float()
+                    shift = torch.zeros(c, device="cuda", dtype=torch.float64)
+                    sets.append((x, dy, mean, invstd, w, b, cnt, count, s1, s2, sums, shift))
                 aten_calls = {
-                    "batch_norm_stats": lambda a: torch.batch_norm_stats(a[0], 1e-5),
+                    "batch_norm_moments": lambda a: torch.batch_norm_stats(a[0], 1e-5),
                     "batch_norm_elemt": lambda a: torch.batch_norm_elemt(a[0], a[4], a[5], a[2], a[3], 1e-5),
                     "batch_norm_backward_reduce": lambda a: torch.batch_norm_backward_reduce(
                         a[1], a[0], a[2], a[3], a[4], True, False, False
@@ -289,7 +287,7 @@ def bench_gpu(quick: bool) -> None:
                 }
                 nb = numel * torch.finfo(dtype).bits // 8
                 moved = {
-                    "batch_norm_stats": nb,
+                    "batch_norm_moments": nb,
                     "batch_norm_elemt": 2 * nb,
                     "batch_norm_backward_reduce": 2 * nb,
                     "batch_norm_backward_elemt": 3 * nb,
@@ -308,15 +306,15 @@ def bench_gpu(quick: bool) -> None:
                     )
                 for be in (tri, ref):
                     calls = {
-                        "batch_norm_stats": lambda a, be=be: be.batch_norm_stats(a[0]),
+                        "batch_norm_moments": lambda a, be=be: be.batch_norm_moments(a[0], a[11]),
                         "batch_norm_elemt": lambda a, be=be: be.batch_norm_elemt(
                             a[0], a[2], a[3], a[4], a[5]
                         ),
                         "batch_norm_backward_reduce": lambda a, be=be: be.batch_norm_backward_reduce(
-                            a[1], a[0], a[2], a[3]
+                            a[1], a[0], a[2]
                         ),
                         "batch_norm_backward_elemt": lambda a, be=be: be.batch_norm_backward_elemt(
-                            a[1], a[0], a[2], a[3], a[4], a[8], a[9], a[7]
+                            a[1], a[0], a[2], a[3], a[4], a[10], a[7]
                         ),
                     }
                     for op, fn in calls.items():
@@ -349,7 +347,7 @@ def bench_gpu(quick: bool) -> None:
             fn = lambda g, be=be: be.unscale_and_check_(g, inv)
             add_gpu("unscale_and_check_", be.name, case, gpu_device_time(fn, sets),
                     gpu_time(lambda fn=fn: fn(sets[0])), 2 * nb, t_a, copy_gbs)  # fmt: skip
-            fn = lambda g, be=be: be.check_finite(g)
+            fn = lambda g, be=be: be.check_finite(g, g[0].device)
             add_gpu("check_finite (read only)", be.name, case, gpu_device_time(fn, sets),
                     gpu_time(lambda fn=fn: fn(sets[0])), nb, t_a, copy_gbs)  # fmt: skip
         del sets
@@ -375,7 +373,7 @@ def _gpu_table() -> str:
         "bytes read + written / device time; 'of copy' relative to a 1 GiB device-to-device copy; 'vs ATen'",
         "= device time / the ATen building block's (`torch.batch_norm_stats` & co.,",
         "`_amp_foreach_non_finite_check_and_unscale_`; for `accumulate_moments_`, sum + sum of squares +",
-        "aminmax). Targets (issues 3 and 5): every Triton op >= 0.80 of copy and <= 1.00x ATen;",
+        "aminmax). Targets: every Triton op >= 0.80 of copy and <= 1.00x ATen;",
         "`unscale_and_check_` >= 0.85 of copy.",
         "",
         "| op | backend | case | device us | per call us | GB/s | vs ATen | of copy |",
@@ -393,11 +391,13 @@ def _cpu_table() -> str:
     lines = [
         "## Kernel backends, CPU (`bench_kernels.py`)",
         "",
-        "Time per call (median), effective bandwidth (bytes read + written / time), time relative to the",
-        "ATen op doing the same work (< 1 is faster; fused BatchNorm forward/backward, eval BatchNorm for",
-        "`elemt`, `GradScaler.unscale_` for `unscale_and_check_`) and bandwidth relative to a 64 MiB copy.",
-        "The GPU section (Triton vs ATen at ResNet-50 shapes) is in 'Kernel backends, GPU' when a GPU was",
-        "available to a run.",
+        f"Time per call (`torch.utils.benchmark` median, {torch.get_num_threads()} threads), effective",
+        "bandwidth (bytes read + written / time), time relative to the ATen op doing the same work (< 1 is",
+        "faster: `batch_norm_update_stats` for the moments, eval BatchNorm for `elemt`, training BatchNorm",
+        "for the forward pair, `native_batch_norm_backward` for the sums and the whole backward,",
+        "`GradScaler.unscale_` for `unscale_and_check_`, its multi-tensor op at scale 1 for `check_finite`,",
+        "sum + sum of squares + aminmax for `accumulate_moments_`) and bandwidth relative to a 64 MiB copy.",
+        "Backends: `cpu` (compiled C++) and `reference` (ATen ops from Python).",
         "",
         "| dev | op | backend | case | ms | GB/s | vs ATen | of copy |",
         "|---|---|---|---|---:|---:|---:|---:|",
@@ -409,17 +409,27 @@ def _cpu_table() -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="fewer cases (smoke run)")
-    parser.add_argument("--gpu-only", action="store_true", help="skip the CPU section")
+    global MIN_RUN_TIME
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer cases, shorter timings (smoke run)")
+    parser.add_argument("--gpu-only", action="store_true", help="only the GPU section")
     args = parser.parse_args()
+    if args.quick:
+        MIN_RUN_TIME = 0.05
     torch.manual_seed(0)
-    if not args.gpu_only:
-        bench_cpu(args.quick)
-        write_result("kernels", _cpu_table())
     if torch.cuda.is_available():
         bench_gpu(args.quick)
-        write_result("kernels_gpu", _gpu_table())
+        markdown = _gpu_table()
+        print(markdown, flush=True)
+        write_result("kernels_gpu", markdown, quick=args.quick)
+    elif args.gpu_only:
+        print("bench_kernels.py --gpu-only: no CUDA device, nothing to run")
+    if args.gpu_only:
+        return 0
+    bench_cpu(args.quick)
+    markdown = _cpu_table()
+    print(markdown)
+    write_result("kernels", markdown, quick=args.quick)
     return 0
 
 

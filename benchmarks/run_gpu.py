@@ -1,0 +1,93 @@
+"""The CUDA tests and the GPU sections of the benchmarks, on a machine with a CUDA GPU (``make bench-gpu``).
+
+Runs, each in its own process and in this order: ``pytest -m cuda`` over ``tests`` (every test marked
+``cuda``, ``tests/kernels/test_cuda.py`` among them), ``bench_kernels.py --gpu-only``,
+``bench_syncbn.py --gpu-only`` and ``bench_loss_scaling.py --device cuda``. The benchmarks print their
+tables and write their GPU sections of ``benchmarks/RESULTS.md``. Without CUDA it says so and exits 0.
+The checkout is put on ``PYTHONPATH``, so any Python with a CUDA build of torch, Triton, Lightning,
+torchmetrics and pytest runs it without installing the package.
+
+Usage: ``python benchmarks/run_gpu.py [--quick] [--skip-tests] [--only NAME ...] [--timeout 1800]``;
+``NAME`` is ``tests``, ``kernels``, ``syncbn`` or ``loss_scaling``; ``--quick`` passes ``--quick`` to
+the benchmarks (smoke run: they write only where ``$BENCH_RESULTS`` points). Exits non-zero when a
+step failed, after running the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+PYTEST_NO_TESTS = 5  # pytest's exit status when it collected nothing
+TEST_PATHS = ("tests/kernels/test_cuda.py", "tests")  # pytest collects a file named twice once
+
+
+def steps(quick: bool) -> dict[str, list[str]]:
+    """Step name -> command (run from the repository root)."""
+    flag = ["--quick"] if quick else []
+    py = sys.executable
+    return {
+        "tests": [py, "-m", "pytest", "-m", "cuda", "-p", "no:cacheprovider", "-q", "-rfE", *TEST_PATHS],
+        "kernels": [py, str(HERE / "bench_kernels.py"), "--gpu-only", *flag],
+        "syncbn": [py, str(HERE / "bench_syncbn.py"), "--gpu-only", *flag],
+        "loss_scaling": [py, str(HERE / "bench_loss_scaling.py"), "--device", "cuda", *flag],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="pass --quick to the benchmarks")
+    parser.add_argument("--skip-tests", action="store_true", help="only the benchmarks")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these steps")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per step")
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print(
+            "run_gpu.py needs a CUDA GPU (torch.cuda.is_available() is False): no CUDA test or GPU "
+            "benchmark was run. The CPU benchmarks: `make bench`."
+        )
+        return 0
+    commands = steps(args.quick)
+    if args.only:
+        unknown = set(args.only) - set(commands)
+        if unknown:
+            parser.error(f"unknown step(s) {sorted(unknown)}; have {list(commands)}")
+        commands = {k: v for k, v in commands.items() if k in args.only}
+    if args.skip_tests:
+        commands.pop("tests", None)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    print(
+        f"{torch.cuda.get_device_name()}; torch {torch.__version__} (CUDA {torch.version.cuda})", flush=True
+    )
+    failed = []
+    for name, command in commands.items():
+        print(f"=== {name}: {' '.join(command)}", flush=True)
+        start = time.perf_counter()
+        try:
+            rc = subprocess.run(command, cwd=ROOT, env=env, timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        if name == "tests" and rc == PYTEST_NO_TESTS:
+            print("no CUDA test was collected")
+            rc = 0
+        print(f"=== {name}: exit {rc} in {time.perf_counter() - start:.0f} s", flush=True)
+        if rc != 0:
+            failed.append(name)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
