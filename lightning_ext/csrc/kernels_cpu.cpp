@@ -10,12 +10,14 @@
 // ATen has no fused CPU kernel for the synchronized backward and its float32 NCHW statistics walk
 // each channel with a scalar loop; these loops are vectorized per channel.
 // Loss scaling: check_finite reads the gradients once without writing them.
-// Statistics: accumulate_moments_ adds count, shifted sums (float64) and extremes of any real tensor.
+// Statistics: accumulate_moments_ adds count, shifted sums (float64 totals) and extremes of any real
+// tensor.
 //
-// Arithmetic: float32 per element (float64 for float64 input), accumulated in blocks of at most BLOCK
-// elements and summed across blocks in float64; float16/bfloat16 values are read and written with
-// round-to-nearest-even, as ATen. Work is split over channels (channels-first) or row blocks
-// (channels-last, and over elements elsewhere) with at::parallel_for.
+// Arithmetic: float32 per element (float64 for float64 and integer input), accumulated in blocks
+// (BLOCK elements per channel; 32 per lane for the moments) and summed across blocks in float64;
+// float16/bfloat16 values are read and written with round-to-nearest-even, as ATen. Work is split
+// over channels (channels-first) or row blocks (channels-last, and over elements elsewhere) with
+// at::parallel_for (compiled with -fopenmp, it runs on torch's OpenMP threads).
 
 // The headers this file needs instead of <torch/extension.h> (all of libtorch's C++ API): a shorter
 // first build.
@@ -153,12 +155,12 @@ at::ScalarType stat_type(const Tensor& x) {
 }
 
 // ------------------------------------------------------------------------------ row kernels
-// The loops over the data, compiled twice where GCC can (AVX2 and the baseline, picked at load
-// time by the CPU's features: function multi-versioning), so the build runs on any x86-64 CPU.
-// `omp simd` (-fopenmp-simd: the pragma only, no OpenMP runtime) lets the reductions vectorize.
+// The loops over the data, compiled twice where GCC can (x86-64-v3, i.e. AVX2 and FMA, and the
+// baseline, picked at load time by the CPU's features: function multi-versioning), so the build runs
+// on any x86-64 CPU. `omp simd` lets the reductions vectorize.
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define LE_CLONES __attribute__((target_clones("avx2", "default")))
+#define LE_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define LE_CLONES
 #endif
@@ -489,87 +491,121 @@ Tensor check_finite(const std::vector<Tensor>& tensors) {
 
 // ------------------------------------------------------------------------------ statistics
 
-constexpr int LANES = 8;  // independent partial sums per reduction (two AVX2 registers of doubles)
+// Per-element arithmetic of the moments: float32 for float16/bfloat16/float32 input (16 lanes, two
+// AVX2 registers; each lane sums at most 32 terms before the float64 total takes them), float64
+// otherwise (8 lanes, one float64 sum per lane).
+template <typename T>
+using MomentAcc = std::conditional_t<
+    std::is_same_v<T, float> || std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>, float, double>;
 
 struct Moments {
   double s1 = 0.0, s2 = 0.0;
   double lo = std::numeric_limits<double>::infinity(), hi = -std::numeric_limits<double>::infinity();
 };
 
-template <typename T>
-inline double value(const T* p, int64_t i) {
+template <typename Acc, typename T>
+inline Acc value(const T* p, int64_t i) {
   if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>) {
-    return static_cast<double>(load(p, i));
+    return load(p, i);
   } else {
-    return static_cast<double>(p[i]);
+    return static_cast<Acc>(p[i]);
   }
 }
 
-// Shifted sums and extremes of p[0..n) in float64, LANES partial sums at a time.
-template <typename T>
-LE_CLONES Moments moments_range(const T* p, int64_t n, double shift) {
-  double s1[LANES] = {}, s2[LANES] = {}, lo[LANES], hi[LANES];
-  for (int j = 0; j < LANES; ++j) {
-    lo[j] = std::numeric_limits<double>::infinity();
-    hi[j] = -std::numeric_limits<double>::infinity();
+// Shifted sums and extremes of p[0..n): per-lane partial sums in Acc, flushed into float64 totals.
+template <typename T, typename Acc = MomentAcc<T>>
+LE_CLONES Moments moments_range(const T* p, int64_t n, Acc shift) {
+  constexpr int kLanes = std::is_same_v<Acc, float> ? 16 : 8;
+  constexpr int64_t kBlock = std::is_same_v<Acc, float> ? 32 * kLanes : std::numeric_limits<int64_t>::max();
+  Acc lo[kLanes], hi[kLanes];
+  for (int j = 0; j < kLanes; ++j) {
+    lo[j] = std::numeric_limits<Acc>::infinity();
+    hi[j] = -std::numeric_limits<Acc>::infinity();
   }
-  const int64_t body = n - n % LANES;
-  for (int64_t i = 0; i < body; i += LANES) {
+  double t1[kLanes] = {}, t2[kLanes] = {};  // float64 totals per lane (no serial chain of adds)
+  for (int64_t b0 = 0; b0 < n; b0 = (kBlock >= n - b0) ? n : b0 + kBlock) {
+    const int64_t end = (kBlock >= n - b0) ? n : b0 + kBlock;
+    const int64_t body = end - (end - b0) % kLanes;
+    Acc s1[kLanes] = {}, s2[kLanes] = {};
+    for (int64_t i = b0; i < body; i += kLanes) {
 #pragma omp simd
-    for (int j = 0; j < LANES; ++j) {
-      const double v = value(p, i + j);
-      const double d = v - shift;
-      s1[j] += d;
-      s2[j] += d * d;
-      lo[j] = v < lo[j] ? v : lo[j];
-      hi[j] = v > hi[j] ? v : hi[j];
+      for (int j = 0; j < kLanes; ++j) {
+        const Acc v = value<Acc>(p, i + j);
+        const Acc d = v - shift;
+        s1[j] += d;
+        s2[j] += d * d;
+        lo[j] = v < lo[j] ? v : lo[j];
+        hi[j] = v > hi[j] ? v : hi[j];
+      }
+    }
+    for (int64_t i = body; i < end; ++i) {
+      const Acc v = value<Acc>(p, i);
+      const Acc d = v - shift;
+      s1[0] += d;
+      s2[0] += d * d;
+      lo[0] = v < lo[0] ? v : lo[0];
+      hi[0] = v > hi[0] ? v : hi[0];
+    }
+#pragma omp simd
+    for (int j = 0; j < kLanes; ++j) {
+      t1[j] += s1[j];
+      t2[j] += s2[j];
     }
   }
   Moments m;
-  for (int j = 0; j < LANES; ++j) {
-    m.s1 += s1[j];
-    m.s2 += s2[j];
-    m.lo = std::min(m.lo, lo[j]);
-    m.hi = std::max(m.hi, hi[j]);
-  }
-  for (int64_t i = body; i < n; ++i) {
-    const double v = value(p, i);
-    const double d = v - shift;
-    m.s1 += d;
-    m.s2 += d * d;
-    m.lo = std::min(m.lo, v);
-    m.hi = std::max(m.hi, v);
+  for (int j = 0; j < kLanes; ++j) {
+    m.s1 += t1[j];
+    m.s2 += t2[j];
+    m.lo = std::min(m.lo, static_cast<double>(lo[j]));
+    m.hi = std::max(m.hi, static_cast<double>(hi[j]));
   }
   return m;
 }
 
 // acc (float64 (5,)) += [numel, sum(x - shift), sum((x - shift)^2)], acc[3] = min, acc[4] = max.
-// NaN in x: the sums are NaN (a square is never NaN otherwise), and the extremes are set to NaN.
+// Float input sums about the shift rounded to float32, moved to the float64 shift in float64:
+// sum(x - c) = t1 + n d, sum((x - c)^2) = t2 + 2 d t1 + n d^2, d = c32 - c. NaN in x: the sums are
+// NaN (a square is never NaN otherwise), and the extremes are set to NaN.
 void accumulate_moments_(Tensor& acc, const Tensor& x, const Tensor& shift) {
   Guards guards;
   const Tensor xd = x.contiguous();
   const int64_t n = xd.numel();
   const double c = shift.item<double>();
-  const int chunks = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n >> 16, 1)));
+  const int chunks = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n >> 15, 1)));
   std::vector<Moments> parts(chunks);
+  double used_shift = c;
   AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, xd.scalar_type(), "accumulate_moments_", [&] {
+    using Acc = MomentAcc<scalar_t>;
     const scalar_t* p = xd.const_data_ptr<scalar_t>();
+    const Acc sh = static_cast<Acc>(c);
+    used_shift = static_cast<double>(sh);
     const int64_t per = (n + chunks - 1) / chunks;
     at::parallel_for(0, chunks, 1, [&](int64_t k0, int64_t k1) {
       for (int64_t k = k0; k < k1; ++k) {
         const int64_t i0 = k * per, i1 = std::min(n, i0 + per);
-        if (i0 < i1) parts[k] = moments_range<scalar_t>(p + i0, i1 - i0, c);
+        if (i0 < i1) parts[k] = moments_range<scalar_t>(p + i0, i1 - i0, sh);
       }
     });
   });
-  double* a = acc.data_ptr<double>();
-  a[0] += static_cast<double>(n);
+  Moments total;
   for (const Moments& m : parts) {  // fixed order: the same result for the same thread count
-    a[1] += m.s1;
-    a[2] += m.s2;
-    a[3] = std::min(a[3], m.lo);
-    a[4] = std::max(a[4], m.hi);
+    total.s1 += m.s1;
+    total.s2 += m.s2;
+    total.lo = std::min(total.lo, m.lo);
+    total.hi = std::max(total.hi, m.hi);
   }
+  const double count = static_cast<double>(n), d = used_shift - c;
+  double* a = acc.data_ptr<double>();
+  a[0] += count;
+  if (d == 0.0) {  // the usual case (the shift is a value of the data): no correction, no 0 * inf
+    a[1] += total.s1;
+    a[2] += total.s2;
+  } else {
+    a[1] += total.s1 + count * d;
+    a[2] += total.s2 + (2.0 * d * total.s1 + count * d * d);
+  }
+  a[3] = std::min(a[3], total.lo);
+  a[4] = std::max(a[4], total.hi);
   if (std::isnan(a[2])) a[3] = a[4] = std::numeric_limits<double>::quiet_NaN();
 }
 

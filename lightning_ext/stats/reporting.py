@@ -200,8 +200,9 @@ def report(name: str, value: T) -> T:
     Callable anywhere (loss code, ``nn.Module.forward``, under autocast, ``torch.no_grad`` or
     inference mode) on any subset of ranks, in any order. A name nobody collects costs a dict lookup
     and a type check. Otherwise the value becomes a tensor (Python numbers and NumPy data on the CPU,
-    tensors detached, where they are) and is accumulated on its device in float64 — count, shifted
-    sums, min, max — by the kernel backend's ``accumulate_moments_``: one pass, no host-device sync.
+    tensors detached, where they are) and is accumulated on its device — count and shifted sums in
+    float64, min, max — by the kernel backend's ``accumulate_moments_``: one pass, no host-device
+    sync (float16/bfloat16/float32 elements may be shifted and squared in float32 first: see it).
     An empty value registers the name (it appears in the collectors' ``names()``, NaN until it gets
     values) and adds nothing. Issues no collective. Not thread-safe.
 

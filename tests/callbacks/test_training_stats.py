@@ -78,8 +78,9 @@ def _read_csv(log_dir: str) -> list[dict[str, str]]:
 def _stats(values: list[float], shifts: tuple[float, ...] = ()) -> Reference:
     """Correctly rounded moments of one flush interval and the rounding bound of what TrainingStats
     publishes (``tests/helpers/float64_reference.py``): per rank one drained table, then the
-    all-reduce over 2 ranks around the previous flush's mean (``shifts``) or a rank mean."""
-    return reference_moments(values, shifts=shifts, merges=2, ways=2)
+    all-reduce over 2 ranks around the previous flush's mean (``shifts``) or a rank mean; the values
+    are float32 tensors (float32 element arithmetic on the ``cpu`` backend)."""
+    return reference_moments(values, shifts=shifts, merges=2, ways=2, lanes=True)
 
 
 def _expect(ref: Reference, suffix: str) -> tuple[float, float]:

@@ -36,6 +36,15 @@ previous update's mean), so every ``|x - c|`` and every difference of means is a
   ``tol_std = min(sqrt(tol_m2/N), tol_m2/(N·std)) + 2·eps·std``.
 * count, min and max are exact: every value reported is the float64 value of a number the test
   knows (float16, bfloat16, float32 and integers below 2**53 convert exactly).
+
+Float32 element arithmetic (``lanes=True``): the ``cpu`` kernel backend computes ``x - c`` and its
+square in float32 for float16/bfloat16/float32 tensors and sums them in lanes of at most 32 terms
+before a float64 total takes them. With the float32 unit roundoff ``u = 2**-24``: each ``d = x - c``
+is off by ``u·|d|``, each ``d²`` by ``3u·d²``, and a lane's sum of at most 32 terms adds ``31u``
+of their magnitudes, so a leaf's ``|Δs1| ≤ 32u·Σ|x - c|`` and ``|Δs2| ≤ 34u·Σ(x - c)²``; then
+``|Δ(s1²/n)| ≤ 2|s1|·|Δs1|/n ≤ 64u·Q`` (Cauchy–Schwarz). The leaf terms of the bounds gain
+``32u·A/n`` (mean; ``A/n`` bounds a leaf's mean ``|x - c|`` for the largest leaf: the whole sample)
+and ``100u·Q`` (m2).
 """
 
 from __future__ import annotations
@@ -46,9 +55,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["EPS", "Reference", "assert_moments_close", "reference_moments"]
+__all__ = ["EPS", "U32", "Reference", "assert_moments_close", "reference_moments"]
 
 EPS = 2.0**-52  # float64 machine epsilon (spacing of floats in [1, 2))
+U32 = 2.0**-24  # float32 unit roundoff
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,7 @@ def reference_moments(
     shifts: Iterable[float] = (),
     merges: int = 0,
     ways: int = 2,
+    lanes: bool = False,
 ) -> Reference:
     """Moments of ``values`` by ``math.fsum`` and the module docstring's tolerances.
 
@@ -85,6 +96,8 @@ def reference_moments(
         merges: rounds of merges between the partial results (0: one accumulator).
         ways: the most partial results one round combines (2 for Chan's merge, the world size for
             an all-reduce).
+        lanes: some values were float16/bfloat16/float32 tensors accumulated with float32 element
+            arithmetic (the ``cpu`` backend; module docstring).
 
     Raises:
         ValueError: ``values`` is empty or not finite.
@@ -101,9 +114,10 @@ def reference_moments(
     d, m = hi - lo, max(abs(lo), abs(hi))
     a = math.fsum(max(v - lo, hi - v) for v in x)
     q = math.fsum(max(v - lo, hi - v) ** 2 for v in x)
-    tol_mean = EPS * (a + 2 * m + merges * (ways * d + 2 * m))
+    tol_mean = EPS * (a + 2 * m + merges * (ways * d + 2 * m)) + (32 * U32 * a / n if lanes else 0.0)
     tol_m2 = (
         5 * n * EPS * q
+        + (100 * U32 * q if lanes else 0.0)
         + merges * (ways * EPS * (3 * n * d * d + m2) + 2 * n * d * tol_mean)
         + 2 * EPS * m2
         + n * (EPS * m) ** 2

@@ -23,8 +23,9 @@ from tests.helpers.cpu_extension import require_cpu_backend
 
 
 def test_loops_are_built_for_avx2_and_the_baseline():
-    """The loops are compiled twice (GCC function multi-versioning: an AVX2 clone and a baseline one,
-    picked by the CPU at load time), so a build shared by several machines runs on any x86-64 CPU."""
+    """The loops are compiled twice (GCC function multi-versioning: an x86-64-v3 clone, i.e. AVX2 and
+    FMA, and a baseline one, picked by the CPU at load time), so a build shared by several machines
+    runs on any x86-64 CPU."""
     if platform.machine() != "x86_64" or platform.system() != "Linux" or shutil.which("nm") is None:
         pytest.skip("multi-versioning applies to x86-64 Linux builds; needs nm to read the symbols")
     require_cpu_backend()
@@ -35,7 +36,7 @@ def test_loops_are_built_for_avx2_and_the_baseline():
     symbols = subprocess.run(["nm", "-C", cpu.load().__file__], capture_output=True, text=True, check=True)
     for kernel in ("channel_terms", "channel_affine", "rows_terms", "rows_affine", "moments_range"):
         lines = [line for line in symbols.stdout.splitlines() if f"{kernel}<" in line]
-        assert any("[clone .avx2]" in line for line in lines), kernel
+        assert any("[clone .arch_x86_64_v3]" in line for line in lines), kernel
         assert any("[clone .default]" in line for line in lines), kernel
 
 

@@ -116,6 +116,7 @@ def _reference(world_size: int) -> dict[str, list[dict[str, Reference | None]]]:
                         shifts=() if renamed else (shift.get(name, 0.0),),
                         merges=stop - start + 2,
                         ways=max(world_size, 2),
+                        lanes=True,  # some values are float32 tensors (float32 element arithmetic)
                     )
                     shift[name] = snap[name].mean
                 else:
