@@ -32,6 +32,7 @@
 #include <limits>
 #include <optional>
 #include <type_traits>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -361,6 +362,45 @@ Tensor batch_norm_moments(const Tensor& x, const Tensor& shift) {
   return payload;
 }
 
+// running = running * (1 - factor) + value * factor, in place (float64 arithmetic; a strided or other-
+// dtype buffer through a float64 copy).
+void update_running(Tensor& buffer, const std::vector<double>& value, double factor) {
+  const bool direct = buffer.is_contiguous() && buffer.scalar_type() == at::kDouble;
+  Tensor work = direct ? buffer : buffer.to(at::kDouble).contiguous();
+  double* r = work.data_ptr<double>();
+  for (size_t k = 0; k < value.size(); ++k) r[k] = r[k] * (1.0 - factor) + value[k] * factor;
+  if (!direct) buffer.copy_(work);
+}
+
+// Mean and invstd (float64 (C,)) of the group from its summed moments; the running statistics
+// updated in place from the unbiased variance when given. An empty group: mean = shift.
+std::tuple<Tensor, Tensor> batch_norm_gather_stats(
+    const Tensor& payload, const Tensor& shift, std::optional<Tensor> running_mean,
+    std::optional<Tensor> running_var, const Tensor& momentum, double eps) {
+  Guards guards;
+  const int64_t c = shift.size(0);
+  const std::vector<double> p = values(payload, 2 * c + 1, 0.0), s = values(shift, c, 0.0);
+  const double n = p[0], div = n > 0.0 ? n : 1.0;
+  std::vector<double> mean(c), var(c);
+  Tensor mean_t = at::empty({c}, at::TensorOptions().dtype(at::kDouble));
+  Tensor invstd_t = at::empty({c}, at::TensorOptions().dtype(at::kDouble));
+  double* mp = mean_t.data_ptr<double>();
+  double* ip = invstd_t.data_ptr<double>();
+  for (int64_t k = 0; k < c; ++k) {
+    const double dev = p[1 + k] / div, v = p[1 + c + k] / div - dev * dev;
+    var[k] = v < 0.0 ? 0.0 : v;  // clip at 0: NaN (non-finite input) stays NaN
+    mean[k] = mp[k] = s[k] + dev;
+    ip[k] = 1.0 / std::sqrt(var[k] + eps);
+  }
+  if (running_mean.has_value() && running_var.has_value()) {
+    const double factor = momentum.item<double>();
+    for (double& v : var) v *= n / (n - 1.0);
+    update_running(*running_mean, mean, factor);
+    update_running(*running_var, var, factor);
+  }
+  return {mean_t, invstd_t};
+}
+
 // y = (x - mean) * invstd * w + b = x * scale + (b - mean * scale), coefficients in float64.
 Tensor batch_norm_elemt(
     const Tensor& x, const Tensor& mean, const Tensor& invstd, const std::optional<Tensor>& weight,
@@ -614,6 +654,7 @@ void accumulate_moments_(Tensor& acc, const Tensor& x, const Tensor& shift) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "The cpu kernel backend of lightning_ext (see lightning_ext/kernels/cpu.py).";
   m.def("batch_norm_moments", &batch_norm_moments);
+  m.def("batch_norm_gather_stats", &batch_norm_gather_stats);
   m.def("batch_norm_elemt", &batch_norm_elemt);
   m.def("batch_norm_backward_reduce", &batch_norm_backward_reduce);
   m.def("batch_norm_backward_elemt", &batch_norm_backward_elemt);

@@ -14,6 +14,7 @@ import os
 import platform
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,8 +28,8 @@ __all__ = ["ENV_VAR", "all_reduce_", "reset", "shm_available"]
 ENV_VAR = "LIGHTNING_EXT_SHM_COLLECTIVES"  # "0" turns the shared-memory path off (on every rank)
 _X86 = platform.machine().lower() in ("x86_64", "amd64")  # total store order: see shm's docstring
 
-_segments: weakref.WeakKeyDictionary[Any, shm.ShmGroup | None] = weakref.WeakKeyDictionary()
-_segments_lock = threading.Lock()  # process group -> its segment, or None when it cannot have one
+_routes: weakref.WeakKeyDictionary[Any, _Route] = weakref.WeakKeyDictionary()
+_routes_lock = threading.Lock()  # process group -> how its reductions travel, decided once
 
 
 class _Done:
@@ -41,35 +42,34 @@ class _Done:
         return True
 
 
-def _segment(tensor: torch.Tensor, op: Any, group: Any) -> shm.ShmGroup | None:
-    """The shared-memory segment that reduces ``tensor`` over ``group``, or ``None`` for the group's path.
+@dataclass(frozen=True)
+class _Route:
+    device: torch.device  # the group's collective device
+    segment: shm.ShmGroup | None  # its shared-memory segment, or None: the group's own all_reduce
 
-    The decision: shared memory exactly for a dense CPU tensor of at most ``shm.SLOT_BYTES`` bytes,
-    a ``SUM``/``MAX``/``MIN``/``PRODUCT`` over a gloo group of several ranks that all run on this
-    host (the segment's set-up maps one ``/dev/shm`` file on every rank or gives up on all),
-    on x86-64, outside ``torch.compile`` tracing, unless ``LIGHTNING_EXT_SHM_COLLECTIVES=0``. It
-    depends only on what every rank shares (size, dtype, op, group), so all ranks decide alike.
+
+def _route(group: Any) -> _Route:
+    """How reductions over ``group`` travel, decided at its first reduction (a collective, once).
+
+    The decision: a shared-memory segment exactly for a gloo group of several ranks that all run on
+    this host (the segment's set-up maps one ``/dev/shm`` file on every rank or gives up on all), on
+    x86-64, unless ``LIGHTNING_EXT_SHM_COLLECTIVES=0``; it depends only on what every rank shares,
+    so all ranks decide alike. Per call, :func:`all_reduce_` then sends a tensor through the segment
+    when it is a dense CPU tensor of at most ``shm.SLOT_BYTES`` bytes reduced by ``SUM``, ``MAX``,
+    ``MIN`` or ``PRODUCT`` outside ``torch.compile`` tracing.
     """
-    eligible = (
-        _X86
-        and tensor.device.type == "cpu"
-        and tensor.layout == torch.strided
-        and tensor.numel() * tensor.element_size() <= shm.SLOT_BYTES
-        and op in shm.OPS
-        and not torch.compiler.is_compiling()
-        and os.environ.get(ENV_VAR, "1") != "0"
-        and dist.get_world_size(group) > 1
-        and "gloo" in str(dist.get_backend(group)).lower()
-    )
-    if not eligible:
-        return None
-    with _segments_lock:
-        if group in _segments:
-            return _segments[group]
-    segment = shm.create(group)  # a collective over the group, once
-    with _segments_lock:
-        _segments[group] = segment
-    return segment
+    route = _routes.get(group)
+    if route is None:
+        capable = (
+            _X86
+            and os.environ.get(ENV_VAR, "1") != "0"
+            and dist.get_world_size(group) > 1
+            and "gloo" in str(dist.get_backend(group)).lower()
+        )
+        route = _Route(collective_device(group), shm.create(group) if capable else None)
+        with _routes_lock:
+            _routes[group] = route
+    return route
 
 
 def all_reduce_(
@@ -83,9 +83,10 @@ def all_reduce_(
     Same contract as ``torch.distributed.all_reduce``: every rank of ``group`` calls it in the same
     order with a tensor of the same shape and dtype. A tensor on another device than the group's
     collective device (e.g. CUDA with gloo) is reduced through a copy there and written back. See
-    :func:`_segment` for when shared memory is used: then ranks reduce in rank order, so the result
-    is bitwise identical on every rank (it may differ from gloo's order in the last bits), and the
-    first call on a group sets the segment up (a broadcast, two all_reduces and a barrier, once).
+    :func:`_route` for when shared memory is used: then ranks reduce in rank order, so the result
+    is bitwise identical on every rank (it may differ from gloo's order in the last bits). The first
+    call on a group decides its route (for a gloo group, setting the segment up: a broadcast, two
+    all_reduces and a barrier, once).
 
     Args:
         tensor: any shape and dtype; reduced in place.
@@ -103,17 +104,17 @@ def all_reduce_(
     Synchronizes host and device only when ``tensor`` must move to the collective device.
     """
     group = group if group is not None else dist.group.WORLD
-    device = collective_device(group)
-    if tensor.device != device:
-        moved = tensor.to(device)
+    route = _route(group)
+    if tensor.device != route.device:
+        moved = tensor.to(route.device)
         all_reduce_(moved, op, group)
         tensor.copy_(moved)
         return _Done() if async_op else None
-    segment = _segment(tensor, op, group)
-    if segment is None:
+    fits = tensor.layout == torch.strided and tensor.numel() * tensor.element_size() <= shm.SLOT_BYTES
+    if route.segment is None or not fits or op not in shm.OPS or torch.compiler.is_compiling():
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     if tensor.numel():
-        segment.all_reduce_(tensor, op)
+        route.segment.all_reduce_(tensor, op)
     return _Done() if async_op else None
 
 
@@ -126,10 +127,11 @@ def shm_available(group: dist.ProcessGroup | None = None) -> bool:
     if not (dist.is_available() and dist.is_initialized()):
         return False
     group = group if group is not None else dist.group.WORLD
-    return _segment(torch.zeros(1), dist.ReduceOp.SUM, group) is not None
+    return _route(group).segment is not None
 
 
 def reset() -> None:
-    """Forget the shared-memory segments (local; the next reduction over a group sets it up again)."""
-    with _segments_lock:
-        _segments.clear()
+    """Forget the groups' routes and segments (local: the next reduction over a group decides its
+    route again, a collective when it sets a segment up, so call it on every rank)."""
+    with _routes_lock:
+        _routes.clear()

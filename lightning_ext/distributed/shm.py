@@ -66,6 +66,7 @@ class ShmGroup:
         self.seq = int(self._counter)
         self.lock = threading.Lock()
         self.timeout = _TIMEOUT_SECONDS
+        self._views_cache: dict[tuple[int, torch.dtype, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
     def all_reduce_(self, tensor: torch.Tensor, op: dist.ReduceOp) -> None:
         """Reduce ``tensor`` (CPU, at most ``SLOT_BYTES`` bytes, non-empty) in place over the group.
@@ -74,20 +75,30 @@ class ShmGroup:
             RuntimeError: a rank did not join within ``timeout`` seconds, or its process exited.
         """
         flat = tensor.reshape(-1)  # a view of a contiguous tensor, else a copy written back below
-        nbytes = flat.numel() * flat.element_size()
         reduce = _REDUCE[op]
         with self.lock:
             self.seq += 1
-            slots = self.data[self.seq % 2, :, :nbytes]  # (W, nbytes)
-            slots[self.rank].copy_(flat.view(torch.uint8))
+            mine, rows = self._views(self.seq % 2, flat)
+            mine.copy_(flat.view(torch.uint8))
             self._counter.fill_(self.seq)  # publish after the data
             self._wait_all(self.seq)
-            rows = slots.view(flat.dtype)  # (W, numel), combined in rank order on every rank
-            reduce(rows[0], rows[1], out=flat)
+            reduce(rows[0], rows[1], out=flat)  # rows combined in rank order on every rank
             for row in rows[2:]:
                 reduce(flat, row, out=flat)
         if not tensor.is_contiguous():
             tensor.copy_(flat.view(tensor.shape))
+
+    def _views(self, parity: int, flat: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(this rank's slot as bytes, every rank's slot as ``flat``'s elements) of one buffer, cached."""
+        key = (parity, flat.dtype, flat.numel())
+        views = self._views_cache.get(key)
+        if views is None:
+            if len(self._views_cache) >= 64:
+                self._views_cache.clear()
+            slots = self.data[parity, :, : flat.numel() * flat.element_size()]  # (W, nbytes)
+            rows = slots.view(flat.dtype)  # (W, numel)
+            views = self._views_cache[key] = (slots[self.rank], [rows[r] for r in range(self.world_size)])
+        return views
 
     def _wait_all(self, seq: int) -> None:
         polls = 0

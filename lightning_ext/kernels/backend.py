@@ -1,7 +1,7 @@
 """The :class:`KernelBackend` interface: the fused ops behind SyncBatchNorm, loss scaling and ``report()``.
 
 A backend subclasses :class:`KernelBackend`, sets :attr:`~KernelBackend.name` and
-:attr:`~KernelBackend.devices`, and implements the seven private ``_<op>`` methods. The public
+:attr:`~KernelBackend.devices`, and implements the eight private ``_<op>`` methods. The public
 methods defined here validate their arguments for every backend (errors name the argument, the value
 and what is allowed) and, while ``torch.compile`` traces, route through the ``torch.library``
 custom ops of :mod:`lightning_ext.kernels.ops`, so compiled graphs stay whole. No op is
@@ -121,8 +121,14 @@ class KernelBackend(abc.ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, devices={self.devices!r})"
 
-    def _call(self, op: str, *args: Any) -> Any:
-        """Run ``op`` eagerly, or as its custom op while ``torch.compile`` traces."""
+    def run(self, op: str, *args: Any) -> Any:
+        """Run the op named ``op`` (e.g. ``"batch_norm_elemt"``) WITHOUT checking its arguments.
+
+        The unchecked entry point for callers whose arguments are valid by construction and whose
+        per-call cost matters (SyncBatchNorm's autograd Function, the loss scaler): the public
+        method of the same name documents the arguments; invalid ones give undefined results or
+        a backend's own error. Eager calls go to the backend, ``torch.compile`` traces the custom op.
+        """
         if torch.compiler.is_compiling():
             return getattr(torch.ops.lightning_ext, op)(*args, self.key)
         return getattr(self, "_" + op)(*args)
@@ -149,7 +155,57 @@ class KernelBackend(abc.ABC):
         """
         _check_x(x)
         _check_vector(shift, "shift", x.shape[1], x.device)
-        return self._call("batch_norm_moments", x, shift)
+        return self.run("batch_norm_moments", x, shift)
+
+    def batch_norm_gather_stats(
+        self,
+        payload: Tensor,
+        shift: Tensor,
+        running_mean: Tensor | None,
+        running_var: Tensor | None,
+        momentum: Tensor,
+        eps: float,
+    ) -> tuple[Tensor, Tensor]:
+        """The group's mean and ``invstd`` from the summed :meth:`batch_norm_moments`; running statistics.
+
+        ``mean = shift + S1 / n``, ``var = S2 / n - (S1 / n)^2`` (biased, clipped at 0),
+        ``invstd = 1 / sqrt(var + eps)``; with running statistics given,
+        ``running = (1 - momentum) * running + momentum * statistic`` in place, from the unbiased
+        variance ``var * n / (n - 1)``: the role of ``torch.batch_norm_gather_stats_with_counts``. A
+        group without elements (``n = 0``) gives ``mean = shift``, ``invstd = 1 / sqrt(eps)``.
+
+        Args:
+            payload: float64 ``(2C + 1,)``, the moments summed over the group.
+            shift: float64 ``(C,)``, the shift the moments are about.
+            running_mean, running_var: ``(C,)`` floating buffers to update in place (the caller
+                passes them only for a group of at least 2 elements per channel), or both ``None``.
+            momentum: 0-dim float64 tensor (on the CPU or the payload's device), the update's factor
+                in ``[0, 1]``; a tensor so that a cumulative average's ``1 / num_batches_tracked``
+                needs no host read.
+            eps: added to the variance, ``> 0``.
+
+        Returns:
+            ``(mean, invstd)``: float64 ``(C,)`` each.
+
+        Raises:
+            TypeError / ValueError: a tensor of another dtype, shape or device than documented, or
+                only one of the running buffers.
+        """
+        if not isinstance(shift, Tensor) or shift.dim() != 1:
+            raise TypeError(f"`shift` must be a float64 tensor of shape (C,), got {shift!r:.60}")
+        c = shift.shape[0]
+        _check_vector(shift, "shift", c, shift.device)
+        _check_vector(payload, "payload", 2 * c + 1, shift.device)
+        if (running_mean is None) != (running_var is None):
+            raise ValueError("`running_mean` and `running_var` must both be tensors or both be None")
+        if not isinstance(momentum, Tensor) or momentum.dim() != 0:
+            raise TypeError(f"`momentum` must be a 0-dim tensor, got {momentum!r}")
+        for arg, t in (("running_mean", running_mean), ("running_var", running_var)):
+            if t is not None and (not isinstance(t, Tensor) or not t.is_floating_point() or t.shape != (c,)):
+                raise TypeError(
+                    f"`{arg}` must be a floating point tensor of shape ({c},) or None, got {t!r:.60}"
+                )
+        return self.run("batch_norm_gather_stats", payload, shift, running_mean, running_var, momentum, eps)
 
     def batch_norm_elemt(
         self, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None
@@ -171,7 +227,7 @@ class KernelBackend(abc.ABC):
         c = x.shape[1]
         for arg, t in (("mean", mean), ("invstd", invstd), ("weight", weight), ("bias", bias)):
             _check_vector(t, arg, c, x.device, optional=arg in ("weight", "bias"))
-        return self._call("batch_norm_elemt", x, mean, invstd, weight, bias)
+        return self.run("batch_norm_elemt", x, mean, invstd, weight, bias)
 
     def batch_norm_backward_reduce(self, dy: Tensor, x: Tensor, mean: Tensor) -> Tensor:
         """Per-channel ``[sum(dy), sum(dy * (x - mean))]`` of this shard, packed for one all_reduce.
@@ -192,7 +248,7 @@ class KernelBackend(abc.ABC):
         _check_x(x)
         _check_like_x(dy, x)
         _check_vector(mean, "mean", x.shape[1], x.device)
-        return self._call("batch_norm_backward_reduce", dy, x, mean)
+        return self.run("batch_norm_backward_reduce", dy, x, mean)
 
     def batch_norm_backward_elemt(
         self,
@@ -232,7 +288,7 @@ class KernelBackend(abc.ABC):
         _check_vector(sums, "sums", 2 * c, x.device)
         if not isinstance(count, Tensor) or count.dim() != 0 or count.device != x.device:
             raise ValueError(f"`count` must be a 0-dim tensor on {x.device}, got {count!r}")
-        return self._call("batch_norm_backward_elemt", dy, x, mean, invstd, weight, sums, count)
+        return self.run("batch_norm_backward_elemt", dy, x, mean, invstd, weight, sums, count)
 
     # ------------------------------------------------------------------ loss scaling
 
@@ -264,7 +320,7 @@ class KernelBackend(abc.ABC):
             raise ValueError(
                 f"`tensors` must be on the device of `inv_scale` ({inv_scale.device}): {devices}"
             )
-        return self._call("unscale_and_check_", tensors, inv_scale.reshape(()))
+        return self.run("unscale_and_check_", tensors, inv_scale.reshape(()))
 
     def check_finite(self, tensors: Sequence[Tensor], device: torch.device | str) -> Tensor:
         """Whether any element of ``tensors`` is inf/NaN, without changing them.
@@ -287,7 +343,7 @@ class KernelBackend(abc.ABC):
         device = torch.device(device)
         if any(t.device != device for t in tensors):
             raise ValueError(f"`tensors` must all be on `device` {device}")
-        return self._call("check_finite", tensors, device)
+        return self.run("check_finite", tensors, device)
 
     # ------------------------------------------------------------------ statistics
 
@@ -327,12 +383,23 @@ class KernelBackend(abc.ABC):
         if acc.device != x.device or shift.device != x.device:
             raise ValueError(f"`acc` ({acc.device}) and `shift` ({shift.device}) must be on {x.device}")
         if x.numel():
-            self._call("accumulate_moments_", acc, x.detach(), shift)
+            self.run("accumulate_moments_", acc, x.detach(), shift)
 
     # ------------------------------------------------------------------ what a backend implements
 
     @abc.abstractmethod
     def _batch_norm_moments(self, x: Tensor, shift: Tensor) -> Tensor: ...
+
+    @abc.abstractmethod
+    def _batch_norm_gather_stats(
+        self,
+        payload: Tensor,
+        shift: Tensor,
+        running_mean: Tensor | None,
+        running_var: Tensor | None,
+        momentum: Tensor,
+        eps: float,
+    ) -> tuple[Tensor, Tensor]: ...
 
     @abc.abstractmethod
     def _batch_norm_elemt(

@@ -22,6 +22,7 @@ __all__ = [
     "batch_norm_backward_reduce_triton",
     "batch_norm_elemt_reference",
     "batch_norm_elemt_triton",
+    "batch_norm_gather_stats_reference",
     "batch_norm_moments_reference",
     "batch_norm_moments_triton",
 ]
@@ -55,6 +56,26 @@ def batch_norm_moments_reference(x: Tensor, shift: Tensor) -> Tensor:
     payload[1 : c + 1] = dev * n
     payload[c + 1 :] = (var.double() + dev * dev) * n
     return payload
+
+
+def batch_norm_gather_stats_reference(
+    payload: Tensor,
+    shift: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    momentum: Tensor,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
+    """Mean, biased variance and ``invstd`` from the summed moments, in float64 tensor ops; the
+    running statistics updated in place (``n.clamp_min(1)``: an empty group gives ``mean = shift``)."""
+    n = payload[0]
+    dev, sq = payload[1:].view(2, -1) / n.clamp_min(1.0)  # mean - shift, E[(x - shift)^2]
+    var = torch.addcmul(sq, dev, dev, value=-1.0).clamp_min_(0.0)
+    mean = dev.add_(shift)
+    if running_mean is not None:
+        running_mean.mul_(1.0 - momentum).add_(mean * momentum)
+        running_var.mul_(1.0 - momentum).add_(var * (n / (n - 1.0) * momentum))
+    return mean, var.add_(eps).rsqrt_()
 
 
 def batch_norm_elemt_reference(

@@ -130,6 +130,7 @@ class CpuBackend(ReferenceBackend):
     def __init__(self) -> None:
         ext = load()
         self._batch_norm_moments = ext.batch_norm_moments
+        self._batch_norm_gather_stats = ext.batch_norm_gather_stats
         self._batch_norm_elemt = ext.batch_norm_elemt
         self._batch_norm_backward_reduce = ext.batch_norm_backward_reduce
         self._batch_norm_backward_elemt = ext.batch_norm_backward_elemt

@@ -18,6 +18,7 @@ __all__ = [
     "batch_norm_backward_elemt",
     "batch_norm_backward_reduce",
     "batch_norm_elemt",
+    "batch_norm_gather_stats",
     "batch_norm_moments",
     "check_finite",
     "unscale_and_check_",
@@ -42,6 +43,29 @@ def batch_norm_moments(x: Tensor, shift: Tensor, backend: str) -> Tensor:
 @batch_norm_moments.register_fake
 def _(x, shift, backend):
     return x.new_empty((2 * x.shape[1] + 1,), dtype=torch.float64)
+
+
+@torch.library.custom_op(
+    "lightning_ext::batch_norm_gather_stats", mutates_args=("running_mean", "running_var")
+)
+def batch_norm_gather_stats(
+    payload: Tensor,
+    shift: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    momentum: Tensor,
+    eps: float,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    """Custom-op form of :meth:`KernelBackend.batch_norm_gather_stats` (mutates the running buffers)."""
+    be = _backend(backend, payload.device)
+    mean, invstd = be._batch_norm_gather_stats(payload, shift, running_mean, running_var, momentum, eps)
+    return mean.clone(), invstd.clone()
+
+
+@batch_norm_gather_stats.register_fake
+def _(payload, shift, running_mean, running_var, momentum, eps, backend):
+    return torch.empty_like(shift), torch.empty_like(shift)
 
 
 @torch.library.custom_op("lightning_ext::batch_norm_elemt", mutates_args=())

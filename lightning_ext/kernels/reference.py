@@ -11,6 +11,7 @@ from lightning_ext.kernels.batch_norm import (
     batch_norm_backward_elemt_reference,
     batch_norm_backward_reduce_reference,
     batch_norm_elemt_reference,
+    batch_norm_gather_stats_reference,
     batch_norm_moments_reference,
 )
 from lightning_ext.kernels.moments import accumulate_moments_reference
@@ -34,6 +35,7 @@ class ReferenceBackend(KernelBackend):
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda", "mps", "xpu", "meta")
 
     _batch_norm_moments = staticmethod(batch_norm_moments_reference)
+    _batch_norm_gather_stats = staticmethod(batch_norm_gather_stats_reference)
     _batch_norm_elemt = staticmethod(batch_norm_elemt_reference)
     _batch_norm_backward_reduce = staticmethod(batch_norm_backward_reduce_reference)
     _batch_norm_backward_elemt = staticmethod(batch_norm_backward_elemt_reference)

@@ -14,6 +14,7 @@ from lightning_ext.kernels.batch_norm import (
     batch_norm_backward_elemt_triton,
     batch_norm_backward_reduce_triton,
     batch_norm_elemt_triton,
+    batch_norm_gather_stats_reference,
     batch_norm_moments_triton,
 )
 from lightning_ext.kernels.moments import accumulate_moments_triton
@@ -65,6 +66,7 @@ class TritonBackend(KernelBackend):
         return device_type == "cuda" or (device_type == "cpu" and interpreting())
 
     _batch_norm_moments = staticmethod(batch_norm_moments_triton)
+    _batch_norm_gather_stats = staticmethod(batch_norm_gather_stats_reference)  # per-channel torch ops
     _batch_norm_elemt = staticmethod(batch_norm_elemt_triton)
     _batch_norm_backward_reduce = staticmethod(batch_norm_backward_reduce_triton)
     _batch_norm_backward_elemt = staticmethod(batch_norm_backward_elemt_triton)

@@ -88,7 +88,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     """Training-mode batch norm over a process group: one all_reduce per direction (module docstring).
 
     ``group``: the process group, or ``None`` for no collective (the statistics of this shard).
-    ``momentum``: a float, or ``None`` for the cumulative average ``1 / num_batches_tracked``.
+    ``momentum``: a float, or ``None`` for the cumulative average ``1 / num_batches_tracked``. The
+    backend's ops are called through its unchecked entry point: the arguments are the module's own.
     """
 
     @staticmethod
@@ -99,37 +100,38 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             shift = running_mean.to(torch.float64, copy=True)
         else:
             shift = torch.zeros(c, dtype=torch.float64, device=x.device)
-        payload = backend.batch_norm_moments(x, shift)
+        payload = backend.run("batch_norm_moments", x, shift)
         if group is not None:
             all_reduce_(payload, group=group)
-        count, mean, var = _statistics(payload, shift)
-        if x.numel() <= c and _global_count(count, x) == 0:  # every rank was empty: nothing to normalize
-            mean, var = mean.zero_(), var.zero_()
-        elif update and running_mean is not None:
-            factor = momentum if momentum is not None else 1.0 / num_batches_tracked.double()
-            running_mean.mul_(1.0 - factor).add_(mean * factor)
-            running_var.mul_(1.0 - factor).add_(var * (count / (count - 1)) * factor)
-        invstd = (var + eps).rsqrt_()
+        count = payload[0]
+        nonempty = x.numel() > c or _global_count(count, x) > 0  # raises on one value per channel
+        update = update and running_mean is not None and nonempty
+        if update and momentum is None:  # the cumulative average, without a host read
+            factor = num_batches_tracked.double().reciprocal()
+        else:
+            factor = torch.tensor(momentum or 0.0, dtype=torch.float64)
+        running = (running_mean, running_var) if update else (None, None)
+        mean, invstd = backend.run("batch_norm_gather_stats", payload, shift, *running, factor, eps)
         ctx.param_dtype = weight.dtype if weight is not None else torch.float32
         weight, bias = _as_vector(weight), _as_vector(bias)
         ctx.save_for_backward(x, weight, mean, invstd, count)
         ctx.group, ctx.backend = group, backend
-        return backend.batch_norm_elemt(x, mean, invstd, weight, bias)
+        return backend.run("batch_norm_elemt", x, mean, invstd, weight, bias)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):  # type: ignore[override]
         x, weight, mean, invstd, count = ctx.saved_tensors
         need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
-        sums = ctx.backend.batch_norm_backward_reduce(dy, x, mean)
-        c = x.shape[1]
+        backend, c = ctx.backend, x.shape[1]
+        sums = backend.run("batch_norm_backward_reduce", dy, x, mean)
         grad_weight = (sums[c:] * invstd).to(ctx.param_dtype) if need_weight else None
         grad_bias = sums[:c].to(ctx.param_dtype, copy=True) if need_bias else None
         grad_x = None
         if need_x:  # else no collective: only dx needs the group's sums (every rank decides alike)
             if ctx.group is not None:
                 all_reduce_(sums, group=ctx.group)
-            grad_x = ctx.backend.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sums, count)
+            grad_x = backend.run("batch_norm_backward_elemt", dy, x, mean, invstd, weight, sums, count)
         return grad_x, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 

@@ -168,15 +168,15 @@ def _reset_and_reduce(rank: int, world_size: int) -> list[float]:
     x = torch.tensor([float(rank + 1)])
     all_reduce_(x)
     sums.append(float(x))
-    first = all_reduce_module._segments[world]
+    first = all_reduce_module._routes[world].segment
     assert first is not None and first.seq == 1
     reset()  # every rank, between the same two reductions
-    assert world not in all_reduce_module._segments
+    assert world not in all_reduce_module._routes
     for _ in range(3):  # the first of these sets the segment up again (a collective on every rank)
         x = torch.tensor([float(rank + 1)])
         all_reduce_(x)
         sums.append(float(x))
-    second = all_reduce_module._segments[world]
+    second = all_reduce_module._routes[world].segment
     assert second is not None and second is not first and second.seq == 3  # a fresh segment
     assert shm_available()
     return sums
@@ -228,7 +228,7 @@ def _missing_rank(rank: int, world_size: int) -> str:
     if rank == 1:
         dist.barrier()
         return "absent"
-    all_reduce_module._segments[dist.group.WORLD].timeout = 0.5
+    all_reduce_module._routes[dist.group.WORLD].segment.timeout = 0.5
     try:
         all_reduce_(torch.ones(2))
     except RuntimeError as err:

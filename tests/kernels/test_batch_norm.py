@@ -343,3 +343,35 @@ def test_backward_takes_a_stride_zero_gradient(backend):
 def test_bad_input_raises(reference, call, error, match):
     with pytest.raises(error, match=match):
         call(reference)
+
+
+@pytest.mark.parametrize("count", [0.0, 2.0, 37.0])
+@pytest.mark.parametrize("buffers", [torch.float32, torch.float64, None], ids=str)
+def test_gather_stats(backend, count, buffers):
+    """Mean and invstd from summed moments, and the running update, against float64 maths; an empty
+    group gives mean = shift and invstd = 1/sqrt(eps). The maths is float64 on every backend: equal
+    to the truth within a few float64 roundings of the terms (1e-12 relative, far above 8 eps)."""
+    device = backend_device(backend)
+    gen = torch.Generator().manual_seed(9)
+    c = 7
+    shift = (torch.randn(c, generator=gen, dtype=torch.float64) * 3).to(device)
+    s1 = torch.randn(c, generator=gen, dtype=torch.float64) * count
+    s2 = s1 * s1 / max(count, 1.0) + torch.rand(c, generator=gen, dtype=torch.float64) * count
+    payload = torch.cat([torch.tensor([count], dtype=torch.float64), s1, s2]).to(device)
+    running = None
+    if buffers is not None:
+        running = [torch.randn(c, generator=gen, dtype=buffers).to(device) for _ in range(2)]
+        before = [r.clone() for r in running]
+    momentum = torch.tensor(0.3, dtype=torch.float64)
+    mean, invstd = backend.batch_norm_gather_stats(payload, shift, *(running or [None, None]), momentum, 1e-5)
+    n = max(count, 1.0)
+    t_mean = (shift.cpu() + s1 / n) if count else shift.cpu()
+    t_var = (s2 / n - (s1 / n) ** 2).clamp_min(0.0) if count else torch.zeros(c, dtype=torch.float64)
+    torch.testing.assert_close(mean.cpu(), t_mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(invstd.cpu(), (t_var + 1e-5).rsqrt(), rtol=1e-12, atol=0)
+    if running is not None and count > 1:
+        t_rm = 0.7 * before[0].cpu().double() + 0.3 * t_mean
+        t_rv = 0.7 * before[1].cpu().double() + 0.3 * t_var * count / (count - 1)
+        tol = 1e-12 if buffers == torch.float64 else 1e-6  # rounded to float32 buffers
+        torch.testing.assert_close(running[0].cpu().double(), t_rm, rtol=tol, atol=tol)
+        torch.testing.assert_close(running[1].cpu().double(), t_rv, rtol=tol, atol=tol)

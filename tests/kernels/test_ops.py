@@ -15,6 +15,7 @@ from tests.kernels.conftest import backend_device
 
 OPS = [
     "batch_norm_moments",
+    "batch_norm_gather_stats",
     "batch_norm_elemt",
     "batch_norm_backward_reduce",
     "batch_norm_backward_elemt",
@@ -58,8 +59,16 @@ def test_opcheck_custom_ops(backend: KernelBackend):
     sums = torch.randn(10, generator=gen).to(device)
     count = torch.tensor(36.0, dtype=torch.float64, device=device)
     lib = torch.ops.lightning_ext
+    payload = torch.cat(
+        [torch.tensor([36.0]), torch.randn(5, generator=gen), 40 + torch.rand(5, generator=gen)]
+    )
+    payload = payload.double().to(device)
+    running = [torch.zeros(5, device=device), torch.ones(5, device=device)]
+    momentum = torch.tensor(0.1, dtype=torch.float64)
     cases = [
         (lib.batch_norm_moments, (i["x"], i["shift_c"], key)),
+        (lib.batch_norm_gather_stats, (payload, i["shift_c"], *running, momentum, 1e-5, key)),
+        (lib.batch_norm_gather_stats, (payload, i["shift_c"], None, None, momentum, 1e-5, key)),
         (lib.batch_norm_elemt, (i["x"], i["mean"], i["invstd"], i["weight"], i["bias"], key)),
         (lib.batch_norm_elemt, (i["x"], i["mean"], i["invstd"], None, None, key)),
         (lib.batch_norm_backward_reduce, (i["dy"], i["x"], i["mean"], key)),
@@ -81,13 +90,16 @@ def test_opcheck_custom_ops(backend: KernelBackend):
 
 def _all_ops(backend, x, dy, shift_c, mean, invstd, weight, bias, grads, inv_scale, acc, shift):
     payload = backend.batch_norm_moments(x, shift_c)
+    running = [torch.zeros_like(mean), torch.ones_like(mean)]
+    momentum = torch.tensor(0.1, dtype=torch.float64)
+    gathered_mean, _ = backend.batch_norm_gather_stats(payload, shift_c, *running, momentum, 1e-5)
     y = backend.batch_norm_elemt(x, mean, invstd, weight, bias)
     sums = backend.batch_norm_backward_reduce(dy, x, mean)
     dx = backend.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sums, payload[0])
     finite = backend.check_finite(grads, x.device)
     found = backend.unscale_and_check_(grads, inv_scale)
     backend.accumulate_moments_(acc, y, shift)
-    return payload, y, sums, dx, finite, found
+    return payload, gathered_mean, *running, y, sums, dx, finite, found
 
 
 @pytest.mark.parametrize("compiler", ["graph", "aot_eager"])
