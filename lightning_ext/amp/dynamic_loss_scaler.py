@@ -455,9 +455,8 @@ class DynamicLossScaler(GradScaler):
         Args:
             new_scale: set the scale to this value (a float, or a one-element float32 tensor on the
                 scaler's device type) instead of following the schedule (GradScaler's semantics).
-            optimizer: consume only this optimizer's step (others stay pending): the update right
-                after each ``step`` that Lightning's manual optimization needs. With
-                ``per_optimizer=True``, only this optimizer's scale moves.
+            optimizer: with ``per_optimizer=True``, move only this optimizer's scale (for its
+                steps since its last update); ignored by a shared scale, which moves once for all.
 
         Raises:
             AssertionError: no optimizer step was recorded since the last update (GradScaler's).
@@ -474,7 +473,8 @@ class DynamicLossScaler(GradScaler):
             return
         if not self._checks:
             return
-        states = self._consume(optimizer)
+        states = list(self._per_optimizer_states.values())
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         found_infs = [_combined(s) for s in states if s["found_inf_per_device"]]
         if new_scale is None and not found_infs:
             raise AssertionError("No inf checks were recorded prior to update.")
@@ -492,14 +492,6 @@ class DynamicLossScaler(GradScaler):
             self._schedule(combined)
         if self.telemetry:
             self._report(combined)
-
-    def _consume(self, optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]]:
-        """The per-optimizer states this update consumes (GradScaler's: all of them)."""
-        if optimizer is None:
-            states = list(self._per_optimizer_states.values())
-            self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-            return states
-        return [self._per_optimizer_states.pop(id(optimizer), _refresh_per_optimizer_state())]
 
     def _schedule(self, found_inf: Tensor) -> None:
         """One schedule step, then the bounds and the floor policy."""

@@ -15,15 +15,16 @@ so the scheduler is simply not called: no state change and no "``lr_scheduler.st
 ``optimizer.step()``" warning. Nothing of torch or Lightning is patched; the scheduler objects and
 their checkpoints are the user's own. Limits: ``interval="epoch"`` schedulers are not held (an epoch
 is not skipped); in manual optimization Lightning never steps schedulers, so the user consults
-``plugin.scaler.last_step_skipped``; with ``frequency > 1`` a skip on the batch that would have
-stepped the scheduler postpones that scheduler step to the next multiple of ``frequency``.
+``plugin.scaler.last_step_skipped`` (or ``scaler.optimizer_scaler(opt).last_step_skipped``); with
+``frequency > 1`` a skip on the batch that would have stepped the scheduler postpones that
+scheduler step to the next multiple of ``frequency``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import torch
@@ -69,13 +70,24 @@ class LossScalingPrecision(Precision):
     * ``"bf16-mixed"`` / ``"32-true"``: bf16 autocast / none; the scaler runs disabled (scale 1) and
       only skips non-finite steps (``skip_nonfinite=True``) or is absent (``False``).
 
-    Per optimizer step: the gradients are unscaled in one fused pass before
-    ``on_before_optimizer_step`` (clipping and callbacks see true gradients), the step is skipped
-    when any is non-finite, the scale is updated once (automatic optimization: at the accumulation
-    boundary; manual optimization: once at the end of ``training_step`` whatever the number of
-    optimizers), and step-interval LR schedulers are not advanced after a skipped step (see the
-    module docstring for the mechanism). A skipped step still counts toward ``trainer.global_step``
-    and ``max_steps`` (Lightning's semantics). The scaler state is saved in checkpoints.
+    Every optimizer step is one scaled step: the gradients are unscaled in one fused pass before
+    ``on_before_optimizer_step`` (clipping and callbacks see true gradients), the step is skipped when
+    any is non-finite, and the scale that owns it moves after it: in automatic optimization at the
+    accumulation boundary; in manual optimization a per-optimizer scale right after its
+    optimizer's ``step()`` and a shared scale before the next backward or at the end of
+    ``training_step`` (one backward may feed several optimizers' steps, GradScaler's pattern). An
+    optimizer may step several times per ``training_step`` (a WGAN-GP critic loop, StyleGAN2-ADA's
+    lazy regularization); each step is checked, skipped and counted on its own. Step-interval LR
+    schedulers are not advanced after a skipped step (module docstring); a skipped step still counts
+    toward ``trainer.global_step`` and ``max_steps``. The scaler's state is saved in checkpoints.
+
+    One scale per optimizer (``DynamicLossScaler(..., per_optimizer=True)``, StyleGAN2-ADA's GAN
+    setup): each backward is scaled by the scale of the optimizer that will step its gradients — in
+    automatic optimization the optimizer being stepped; in manual optimization the one whose
+    parameters require gradients (as after ``self.toggle_optimizer(opt)``), or the one named with
+    :meth:`backward_for`. When that is ambiguous, the backward raises ``ValueError`` instead of
+    guessing. Scales are named by ``optimizer_names`` or their position in ``configure_optimizers``
+    (telemetry ``AMP/<name>/...``).
 
     Host syncs: the skip decision reads ``found_inf`` once per optimizer step, except for fused
     optimizers (``Adam(fused=True)``), which skip on the device; for those, holding step-interval LR
@@ -83,16 +95,19 @@ class LossScalingPrecision(Precision):
 
     Args:
         precision: ``"16-mixed"``, ``"bf16-mixed"`` or ``"32-true"``.
-        scaler: the scaler; default ``DynamicLossScaler(device)`` (GradScaler's schedule) for
-            ``"16-mixed"`` and ``DynamicLossScaler(device, enabled=False, skip_nonfinite=True)``
+        scaler: the scaler; default ``DynamicLossScaler(device)`` (GradScaler's schedule, no bounds)
+            for ``"16-mixed"`` and ``DynamicLossScaler(device, enabled=False, skip_nonfinite=True)``
             otherwise, ``device`` being ``"cuda"`` when CUDA is available, else ``"cpu"``. Must be
             enabled for ``"16-mixed"`` and disabled for the others.
         device: ``torch.autocast`` device type (``"cpu"``, ``"cuda"``); default: the model's.
         skip_nonfinite: for ``"bf16-mixed"``/``"32-true"`` without ``scaler``: skip non-finite steps.
+        optimizer_names: names of the optimizers' scales with a ``per_optimizer`` scaler, in the
+            order of ``configure_optimizers``; default ``"0"``, ``"1"``, ...
 
     Raises:
         ValueError: unknown ``precision``, or a scaler whose enabled state does not fit it.
-        TypeError: ``scaler`` is not a ``DynamicLossScaler``.
+        TypeError: ``scaler`` is not a ``DynamicLossScaler``, or ``optimizer_names`` not a sequence
+            of distinct non-empty strings.
 
     Example::
 
@@ -107,6 +122,7 @@ class LossScalingPrecision(Precision):
         scaler: DynamicLossScaler | None = None,
         device: str | None = None,
         skip_nonfinite: bool = True,
+        optimizer_names: Sequence[str] | None = None,
     ) -> None:
         if precision not in _PRECISIONS:
             raise ValueError(f"`precision` must be one of {_PRECISIONS}, got {precision!r}")
@@ -115,32 +131,22 @@ class LossScalingPrecision(Precision):
                 f"`scaler` must be a lightning_ext.amp.DynamicLossScaler, got {type(scaler).__name__}. "
                 "HINT: torch.amp.GradScaler works with Lightning's own MixedPrecision plugin."
             )
-        scaler_device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if precision == "16-mixed":
-            scaler = scaler if scaler is not None else DynamicLossScaler(scaler_device)
-            if not scaler.is_enabled():
-                raise ValueError(
-                    f"`precision='16-mixed'` needs an enabled scaler, got a disabled {scaler!r}. "
-                    "HINT: on CPU build it as DynamicLossScaler('cpu') (GradScaler's default device "
-                    "'cuda' disables it without CUDA); use 'bf16-mixed' or '32-true' for unscaled "
-                    "training with NaN/Inf skipping."
-                )
-        else:
-            if scaler is None and skip_nonfinite:
-                scaler = DynamicLossScaler(scaler_device, enabled=False, skip_nonfinite=skip_nonfinite)
-            if scaler is not None and scaler.is_enabled():
-                raise ValueError(
-                    f"`precision={precision!r}` does not scale the loss, got an enabled {scaler!r}. "
-                    "HINT: pass DynamicLossScaler(device, enabled=False, skip_nonfinite=True) to keep "
-                    "NaN/Inf step skipping."
-                )
+        if optimizer_names is not None and (
+            isinstance(optimizer_names, str)
+            or not all(isinstance(n, str) and n for n in optimizer_names)
+            or len(set(optimizer_names)) != len(optimizer_names)
+        ):
+            raise TypeError(f"`optimizer_names` must be distinct non-empty strings, got {optimizer_names!r}")
         self.precision = precision  # type: ignore[assignment]
-        self.scaler = scaler
+        self.scaler = _default_scaler(precision, scaler, device, skip_nonfinite)
         self.device = device
+        self.optimizer_names = list(optimizer_names) if optimizer_names is not None else None
+        self._optimizers: list[Optimizer] = []  # the trainer's, from connect()
+        self._backward_optimizer: Optimizer | None = None  # set while a step's closure or backward_for runs
         # Whether this batch's optimizer step was skipped: False after training_step starts, None =
         # "ask the scaler" (after an update; free unless the optimizer was fused).
         self._skipped_this_batch: bool | None = False
-        self._update_pending = False
+        self._update_pending = False  # a step of the shared scale awaits its update
 
     # ----------------------------------------------------------------------------------- setup
     @override
@@ -150,6 +156,16 @@ class LossScalingPrecision(Precision):
         if self.device is None:
             param = next(iter(model.parameters()), None)
             self.device = param.device.type if param is not None else "cpu"
+        self._optimizers = list(optimizers)
+        if self.scaler is not None and self.scaler.per_optimizer:
+            names = self._names()
+            if len(names) != len(optimizers):
+                raise ValueError(
+                    f"`optimizer_names` names {len(names)} optimizers, configure_optimizers gave "
+                    f"{len(optimizers)}: {names!r}"
+                )
+            for optimizer, name in zip(optimizers, names):
+                self.scaler.register_optimizer(optimizer, name)
         if self.scaler is not None:
             lr_schedulers = [
                 _SkipAwareLRSchedulerConfig(config, self._step_was_skipped)
@@ -160,6 +176,10 @@ class LossScalingPrecision(Precision):
                 for config in lr_schedulers
             ]
         return model, optimizers, lr_schedulers
+
+    def _names(self) -> list[str]:
+        """The per-optimizer scales' names, in the order of ``configure_optimizers``."""
+        return self.optimizer_names or [str(i) for i in range(len(self._optimizers))]
 
     def _step_was_skipped(self) -> bool:
         if self._skipped_this_batch is None:
@@ -184,22 +204,59 @@ class LossScalingPrecision(Precision):
     @override
     @contextlib.contextmanager
     def train_step_context(self) -> Generator[None, None, None]:
-        # Automatic optimization runs training_step inside the optimizer closure, before the step;
-        # manual optimization steps inside training_step, so its single update() comes at the end.
         self._skipped_this_batch = False
         with self.forward_context():
             yield
-        if self._update_pending:
-            assert self.scaler is not None
-            self._update_pending = False
-            self.scaler.update()
-            self._skipped_this_batch = None
+        if self.scaler is not None:
+            self._update()
 
     # ----------------------------------------------------------------------------------- backward/step
+    @contextlib.contextmanager
+    def backward_for(self, optimizer: Optimizer) -> Generator[None, None, None]:
+        """Scale the backward passes inside by the scale of ``optimizer`` (a ``per_optimizer`` scaler).
+
+        For manual optimization when the optimizer cannot be told from the parameters that require
+        gradients, e.g. a generator loss that also flows through the discriminator without
+        ``toggle_optimizer``::
+
+            with self.trainer.precision_plugin.backward_for(opt_g):
+                self.manual_backward(loss_g)
+
+        Raises:
+            TypeError: ``optimizer`` is not one of the trainer's optimizers.
+        """
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer's own
+        if self._optimizers and not any(optimizer is o for o in self._optimizers):
+            raise TypeError(f"`optimizer` must be one of the trainer's optimizers, got {optimizer!r:.80}")
+        previous, self._backward_optimizer = self._backward_optimizer, optimizer
+        try:
+            yield
+        finally:
+            self._backward_optimizer = previous
+
+    def _owner(self) -> Optimizer:
+        """The optimizer whose scale scales this backward (see the class docstring)."""
+        if self._backward_optimizer is not None:
+            return self._backward_optimizer
+        owners = [
+            o for o in self._optimizers if any(p.requires_grad for g in o.param_groups for p in g["params"])
+        ]
+        if len(self._optimizers) == 1 or len(owners) == 1:
+            return (owners or self._optimizers)[0]
+        names = [self._names()[self._optimizers.index(o)] for o in owners or self._optimizers]
+        raise ValueError(
+            f"LossScalingPrecision with per-optimizer scales cannot tell which optimizer steps the "
+            f"gradients of this backward: parameters of the optimizers {names} require grad. HINT: call "
+            "self.toggle_optimizer(opt) before self.manual_backward(loss), or wrap it in `with "
+            "self.trainer.precision_plugin.backward_for(opt):`."
+        )
+
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         if self.scaler is not None:
-            tensor = self.scaler.scale(tensor)
+            self._update()  # a shared scale moves before the next backward, not between two steps
+            owner = self._owner() if self.scaler.per_optimizer else None
+            tensor = self.scaler.scale(tensor, optimizer=owner)
         return super().pre_backward(tensor, module)
 
     @override
@@ -217,7 +274,8 @@ class LossScalingPrecision(Precision):
                 "LossScalingPrecision cannot step LBFGS: its closure re-evaluates the loss inside step(), "
                 "after the inf/NaN check. HINT: use '32-true' without a scaler (skip_nonfinite=False)."
             )
-        closure_result = closure()
+        with self.backward_for(optimizer) if model.automatic_optimization else contextlib.nullcontext():
+            closure_result = closure()
         # training_step returned None in automatic optimization: no backward, nothing to step.
         skip_everything = closure_result is None and model.automatic_optimization
         if not _optimizer_handles_unscaling(optimizer) and not skip_everything:
@@ -226,12 +284,17 @@ class LossScalingPrecision(Precision):
         if skip_everything:
             return closure_result
         step_output = self.scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
-        if model.automatic_optimization:
-            self.scaler.update()
-            self._skipped_this_batch = None
-        else:
-            self._update_pending = True
+        self._update_pending = True
+        if self.scaler.per_optimizer or model.automatic_optimization:
+            self._update(optimizer)
         return step_output
+
+    def _update(self, optimizer: Optimizer | None = None) -> None:
+        """Move the scale for the steps since the last update (only ``optimizer``'s own, if given)."""
+        if self._update_pending:
+            self.scaler.update(optimizer=optimizer)
+            self._update_pending = False
+            self._skipped_this_batch = None
 
     @override
     def clip_gradients(
@@ -259,3 +322,29 @@ class LossScalingPrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and state_dict:
             self.scaler.load_state_dict(state_dict)
+
+
+def _default_scaler(
+    precision: str, scaler: DynamicLossScaler | None, device: str | None, skip_nonfinite: bool
+) -> DynamicLossScaler | None:
+    """``scaler``, or the default for ``precision``; raises when its enabled state does not fit."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if precision == "16-mixed":
+        scaler = scaler if scaler is not None else DynamicLossScaler(device)
+        if not scaler.is_enabled():
+            raise ValueError(
+                f"`precision='16-mixed'` needs an enabled scaler, got a disabled {scaler!r}. "
+                "HINT: on CPU build it as DynamicLossScaler('cpu') (GradScaler's default device "
+                "'cuda' disables it without CUDA); use 'bf16-mixed' or '32-true' for unscaled "
+                "training with NaN/Inf skipping."
+            )
+        return scaler
+    if scaler is None and skip_nonfinite:
+        scaler = DynamicLossScaler(device, enabled=False, skip_nonfinite=True)
+    if scaler is not None and scaler.is_enabled():
+        raise ValueError(
+            f"`precision={precision!r}` does not scale the loss, got an enabled {scaler!r}. "
+            "HINT: pass DynamicLossScaler(device, enabled=False, skip_nonfinite=True) to keep "
+            "NaN/Inf step skipping."
+        )
+    return scaler

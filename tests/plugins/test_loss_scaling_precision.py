@@ -32,7 +32,8 @@ def _sgd_momentum(params, lr):
 
 
 class _Regression(LightningModule):
-    """Tiny MLP; ``poison`` maps global_step -> value injected into this rank's local gradient of net[0]."""
+    """Tiny MLP; ``poison`` maps global_step (``batch_idx`` with ``poison_by="batch_idx"``) -> value
+    injected into this rank's local gradient of net[0]."""
 
     def __init__(
         self,
@@ -40,12 +41,14 @@ class _Regression(LightningModule):
         poison_rank: int | None = None,
         lr=0.05,
         optimizer_fn=None,
+        poison_by: str = "global_step",
     ):
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
         self.poison = poison or {}
         self.poison_rank = poison_rank
+        self.poison_by = poison_by
         self.lr = lr
         self.optimizer_fn = optimizer_fn or _sgd_momentum
         self.losses: list[float] = []
@@ -55,7 +58,7 @@ class _Regression(LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         h = self.net[0](x)
-        value = self.poison.get(self.global_step)
+        value = self.poison.get(batch_idx if self.poison_by == "batch_idx" else self.global_step)
         if value is not None and (self.poison_rank is None or self.global_rank == self.poison_rank):
             # Poisons this rank's local gradient before DDP reduces it.
             h.register_hook(lambda g: g.index_fill(1, torch.tensor([0]), value))
@@ -77,6 +80,7 @@ class _Recorder(Callback):
 
     def __init__(self):
         self.rows: list[dict] = []
+        self._grad_norm = torch.tensor(math.nan)  # no optimizer step yet (accumulation)
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -223,6 +227,67 @@ def test_gradient_accumulation_changes_scale_only_at_boundary():
     ).fit(_Regression(), _data())
     assert rec.scales == [4.0, 4.0, 8.0, 8.0, 16.0, 16.0]
     assert scaler.steps == 3 and scaler.get_scale() == 32.0
+
+
+def test_accumulation_overflow_in_one_micro_batch_skips_that_step_and_counts_one():
+    # k=4: the inf in micro-batch 2 of step 3 (batch_idx 9) reaches the accumulated gradient, which
+    # is checked once at the boundary: step 3 skipped, one overflow, weights untouched across it.
+    recorder = _Recorder()
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**8, telemetry=False)
+    model = _Regression(poison={9: float("inf")}, poison_by="batch_idx")
+    plugin = LossScalingPrecision("16-mixed", scaler=scaler)
+    _trainer(plugin, [recorder], max_steps=4, accumulate_grad_batches=4).fit(model, _data(n=256))
+    rows = recorder.rows
+    assert len(rows) == 16
+    assert [i for i, r in enumerate(rows) if not r["params_same"]] == [3, 7, 15]
+    assert rows[11]["skipped"] and rows[11]["lr_after"] == rows[11]["lr_before"]
+    assert [r["scale"] for r in rows[3::4]] == [2.0**8, 2.0**8, 2.0**7, 2.0**7]
+    assert scaler.steps == 4 and scaler.skipped_steps == 1
+
+
+class _ManualAccumulation(LightningModule):
+    """Manual optimization accumulating ``k`` micro-batches per step; inf on micro-batch ``poison``."""
+
+    def __init__(self, k: int, poison: int):
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(0)
+        self.net = nn.Linear(8, 1)
+        self.k, self.poison = k, poison
+        self.weights: list[torch.Tensor] = []
+
+    @override
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt = self.optimizers()
+        self.manual_backward(nn.functional.mse_loss(self.net(x).float(), y) / self.k)
+        if batch_idx == self.poison:
+            self.net.weight.grad[0, 0] = float("inf")
+        if (batch_idx + 1) % self.k == 0:
+            opt.step()
+            opt.zero_grad()
+            self.weights.append(self.net.weight.detach().clone())
+
+    @override
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("per_optimizer", [False, True])
+def test_manual_accumulation_overflow_skips_that_step_and_counts_one(per_optimizer):
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**8, per_optimizer=per_optimizer, telemetry=False)
+    model = _ManualAccumulation(k=4, poison=9)
+    _trainer(LossScalingPrecision("16-mixed", scaler=scaler), max_epochs=1, max_steps=-1).fit(
+        model, _data(n=256)
+    )
+    assert len(model.weights) == 4
+    assert torch.equal(model.weights[2], model.weights[1])
+    assert not torch.equal(model.weights[1], model.weights[0])
+    assert not torch.equal(model.weights[3], model.weights[2])
+    assert scaler.steps == 4 and scaler.skipped_steps == 1
+    if per_optimizer:
+        scaler = scaler.optimizer_scaler(model.trainer.optimizers[0])
+    assert scaler.get_scale() == 2.0**7
 
 
 class _TwoOptimizers(LightningModule):
