@@ -1,11 +1,9 @@
 """``all_reduce_``: the one place that decides how a small reduction travels between ranks.
 
-:class:`~lightning_ext.nn.SyncBatchNorm` (one call per layer and direction),
-:class:`~lightning_ext.stats.Collector` (two per flush) and the loss scaler (one per step with
-sharded gradients) reduce a few hundred numbers at a time, where a collective's latency, not its
-bandwidth, is the cost. On CPU ranks of one host, such reductions go through a shared-memory segment
-(:mod:`lightning_ext.distributed.shm`); everything else goes to the process group's own
-``all_reduce``.
+The pack reduces a few hundred numbers at a time (SyncBatchNorm, ``Collector``, the loss scaler),
+where a collective's latency is the cost: between CPU ranks of one host they go through a
+shared-memory segment (:mod:`lightning_ext.distributed.shm`), everything else through the process
+group's own ``all_reduce``.
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ _routes_lock = threading.Lock()  # process group -> how its reductions travel, d
 
 
 class _Done:
-    """The already completed work handle of ``async_op=True`` on the shared-memory path."""
+    """The completed work handle ``async_op=True`` returns when :func:`all_reduce_` reduced itself."""
 
     def wait(self, timeout: Any = None) -> bool:
         return True
@@ -51,12 +49,11 @@ class _Route:
 def _route(group: Any) -> _Route:
     """How reductions over ``group`` travel, decided at its first reduction (a collective, once).
 
-    The decision: a shared-memory segment exactly for a gloo group of several ranks that all run on
-    this host (the segment's set-up maps one ``/dev/shm`` file on every rank or gives up on all), on
-    x86-64, unless ``LIGHTNING_EXT_SHM_COLLECTIVES=0``; it depends only on what every rank shares,
-    so all ranks decide alike. Per call, :func:`all_reduce_` then sends a tensor through the segment
-    when it is a dense CPU tensor of at most ``shm.SLOT_BYTES`` bytes reduced by ``SUM``, ``MAX``,
-    ``MIN`` or ``PRODUCT`` outside ``torch.compile`` tracing.
+    A shared-memory segment exactly for a gloo group of several ranks all on this host (the set-up
+    maps one ``/dev/shm`` file on every rank or gives up on all), on x86-64, unless
+    ``LIGHTNING_EXT_SHM_COLLECTIVES=0``: every rank decides alike. :func:`all_reduce_` then sends a
+    strided CPU tensor of at most ``shm.SLOT_BYTES`` bytes reduced by ``SUM``, ``MAX``, ``MIN`` or
+    ``PRODUCT`` through the segment, outside ``torch.compile`` tracing.
     """
     route = _routes.get(group)
     if route is None:
@@ -81,12 +78,11 @@ def all_reduce_(
     """``torch.distributed.all_reduce`` of ``tensor`` in place, on any device, by the fastest transport.
 
     Same contract as ``torch.distributed.all_reduce``: every rank of ``group`` calls it in the same
-    order with a tensor of the same shape and dtype. A tensor on another device than the group's
-    collective device (e.g. CUDA with gloo) is reduced through a copy there and written back. See
-    :func:`_route` for when shared memory is used: then ranks reduce in rank order, so the result
-    is bitwise identical on every rank (it may differ from gloo's order in the last bits). The first
-    call on a group decides its route (for a gloo group, setting the segment up: a broadcast, two
-    all_reduces and a barrier, once).
+    order with a tensor of the same shape and dtype. A tensor off the group's collective device (e.g.
+    CUDA with gloo) is reduced through a copy there. On the shared-memory path (see :func:`_route`)
+    ranks reduce in rank order: the result is bitwise identical on every rank (it may differ from
+    gloo's in the last bits). The first call on a group decides its route (setting a segment up: four
+    collectives, once).
 
     Args:
         tensor: any shape and dtype; reduced in place.
@@ -119,11 +115,9 @@ def all_reduce_(
 
 
 def shm_available(group: dist.ProcessGroup | None = None) -> bool:
-    """Whether :func:`all_reduce_` of a small float tensor over ``group`` takes the shared-memory path.
-
-    ``False`` when not distributed. The first call for an eligible group sets the segment up: a
-    collective that every rank of ``group`` must join. No host sync.
-    """
+    """Whether :func:`all_reduce_` of a small float tensor over ``group`` takes the shared-memory path
+    (``False`` when not distributed). Like :func:`all_reduce_`, the first call on a group is a
+    collective. No host sync."""
     if not (dist.is_available() and dist.is_initialized()):
         return False
     group = group if group is not None else dist.group.WORLD
@@ -131,7 +125,7 @@ def shm_available(group: dist.ProcessGroup | None = None) -> bool:
 
 
 def reset() -> None:
-    """Forget the groups' routes and segments (local: the next reduction over a group decides its
-    route again, a collective when it sets a segment up, so call it on every rank)."""
+    """Forget the groups' routes and segments. Call it on every rank: the next reduction over a group
+    decides its route again (a collective)."""
     with _routes_lock:
         _routes.clear()

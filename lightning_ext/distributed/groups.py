@@ -1,23 +1,14 @@
-"""Small helpers around ``torch.distributed`` shared by every module of the pack.
+"""Helpers around ``torch.distributed`` (every function is public, re-exported by the package).
 
-They accept ``process_group=None`` for the default (WORLD) group and work when ``torch.distributed``
-is not available or not initialized, in which case the process is a world of one (rank 0, world
-size 1). Only :func:`create_process_groups` issues collectives; none synchronizes host and device.
+They take ``process_group=None`` for the default (WORLD) group and work when ``torch.distributed``
+is not available or not initialized: the process is then a world of one (rank 0, world size 1).
+Only :func:`create_process_groups` issues collectives; none synchronizes host and device.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-__all__ = [
-    "collective_device",
-    "create_process_groups",
-    "get_process_group",
-    "get_rank",
-    "get_world_size",
-    "is_distributed",
-]
 
 
 def is_distributed() -> bool:
@@ -34,16 +25,12 @@ def get_process_group(process_group: dist.ProcessGroup | None = None) -> dist.Pr
 
 def get_rank(process_group: dist.ProcessGroup | None = None) -> int:
     """Rank of this process in ``process_group`` (default group when ``None``); 0 when not distributed."""
-    if not is_distributed():
-        return 0
-    return dist.get_rank(group=get_process_group(process_group))
+    return dist.get_rank(group=get_process_group(process_group)) if is_distributed() else 0
 
 
 def get_world_size(process_group: dist.ProcessGroup | None = None) -> int:
     """Number of ranks in ``process_group`` (default group when ``None``); 1 when not distributed."""
-    if not is_distributed():
-        return 1
-    return dist.get_world_size(group=get_process_group(process_group))
+    return dist.get_world_size(group=get_process_group(process_group)) if is_distributed() else 1
 
 
 def collective_device(process_group: dist.ProcessGroup | None = None) -> torch.device:
@@ -68,10 +55,9 @@ def collective_device(process_group: dist.ProcessGroup | None = None) -> torch.d
 def create_process_groups(group_size: int) -> dist.ProcessGroup | None:
     """Create ``world_size // group_size`` groups of consecutive ranks and return this rank's group.
 
-    Ranks ``[0, group_size)`` form the first group, ``[group_size, 2 * group_size)`` the second, and
-    so on (the layout of apex's ``create_syncbn_process_group``), e.g. to synchronize batch norm
-    within a node. Every rank calls ``torch.distributed.new_group`` for EVERY block in the same
-    order, as ``new_group`` requires: call it on every rank of the default group. No host sync.
+    Ranks ``[0, group_size)`` form the first group, and so on (apex's ``create_syncbn_process_group``),
+    e.g. to synchronize batch norm within a node. A collective: call it on every rank of the default
+    group (each calls ``torch.distributed.new_group`` for every block, in the same order).
 
     Args:
         group_size: ranks per group, a positive divisor of the world size.
@@ -102,11 +88,5 @@ def create_process_groups(group_size: int) -> dist.ProcessGroup | None:
             f"`group_size`={group_size!r} must divide the world size {world_size}. "
             "HINT: use the number of processes per node."
         )
-    rank = get_rank()
-    mine: dist.ProcessGroup | None = None
-    for start in range(0, world_size, group_size):
-        ranks = list(range(start, start + group_size))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine = group
-    return mine
+    groups = [dist.new_group(list(range(s, s + group_size))) for s in range(0, world_size, group_size)]
+    return groups[get_rank() // group_size]

@@ -1,31 +1,28 @@
 """A shared-memory segment per process group: the ``all_reduce`` of small CPU tensors of one host.
 
-A gloo ``all_reduce`` of a few hundred numbers between two processes of one machine goes through a
-worker thread and TCP loopback; writing them into shared memory does not. This follows the
-shared-memory all-reduce DeepSpeed uses for CPU ranks of one node (``deepspeed/csrc/cpu/comm/shm.cpp``):
-each rank writes its tensor into its slot of a shared segment, raises its sequence counter, waits
-until every counter reached the same sequence and reduces the slots itself, in rank order, so every
-rank computes the bitwise same result.
+After DeepSpeed's shared-memory all-reduce for CPU ranks of one node (``deepspeed/csrc/cpu/comm/shm.cpp``),
+which skips gloo's worker thread and TCP loopback: each rank writes its tensor into its slot, raises
+its sequence counter, waits until every counter reached that sequence and reduces the slots itself,
+in rank order, so every rank computes the bitwise same result.
 
-Set-up, once per group (a collective, :func:`create`): group rank 0 creates a file in ``/dev/shm``
-and broadcasts its path, a random token and its host name; every other rank maps the file
-(``torch.from_file(shared=True)``) only if its own host name matches and the token reads back; two
+Set-up, once per group (:func:`create`, a collective): group rank 0 creates a ``/dev/shm`` file and
+broadcasts its path, a random token and its host name; the other ranks map it
+(``torch.from_file(shared=True)``) only on the same host and when the token reads back; two
 ``all_reduce(MIN)`` agree that every rank could and that every rank sees every other rank's process
-(so a waiter can tell a dead peer from a slow one). Any failure gives ``None`` on every rank, and
-the group keeps using its own ``all_reduce``. Rank 0 then unlinks the file (the mappings stay).
-Layout::
+(so a waiter can tell a dead peer from a slow one). Any failure gives ``None`` on every rank: the
+group keeps its own ``all_reduce``. Rank 0 then unlinks the file (the mappings stay). Layout::
 
     header: per rank one 64-byte cache line (no false sharing): int64 sequence counter, int64 pid
     data:   2 (double buffer by sequence parity) x W slots x SLOT_BYTES
 
-Double buffering makes one counter per rank enough: a rank writes buffer ``s % 2`` for sequence
-``s`` only after it saw every counter reach ``s - 1``, i.e. after every rank finished reading buffer
-``s % 2`` of sequence ``s - 2``. The counter is published after the data by one aligned 8-byte store,
-which x86-64's total store order makes visible after the data (other machines use gloo).
+A rank writes buffer ``s % 2`` for sequence ``s`` only after every counter reached ``s - 1``, i.e.
+every rank finished reading that buffer at ``s - 2``. The counter is published after the data by one
+aligned 8-byte store, which x86-64's total store order makes visible after it (others use gloo).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
@@ -47,7 +44,7 @@ _LIVENESS_PERIOD = 0.5  # seconds between checks, while sleeping, that the missi
 
 
 class ShmGroup:
-    """The shared segment of one process group: sequence counters and double-buffered rank slots.
+    """The shared segment of one process group.
 
     Args:
         storage: uint8 tensor mapping the segment (``W * 64 + 2 * W * SLOT_BYTES`` bytes).
@@ -143,9 +140,9 @@ OPS = tuple(_REDUCE)  # the reductions the segment implements
 def create(group: Any) -> ShmGroup | None:
     """Collective over ``group``: map one shared segment on every rank, or agree that it cannot be done.
 
-    Four collectives, once per group: a broadcast of (path, token, host name), a MIN all_reduce
-    (every rank mapped the segment on the same host and read the token), a MIN all_reduce (every
-    rank sees every other rank's process: one pid namespace), a barrier (the token is cleared).
+    Four collectives: a broadcast of (path, token, host name), a MIN all_reduce (every rank mapped the
+    segment), a MIN all_reduce (every rank sees every other rank's process), a barrier (the token is
+    cleared).
     """
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     size = world_size * _LINE + 2 * world_size * SLOT_BYTES
@@ -156,10 +153,8 @@ def create(group: Any) -> ShmGroup | None:
         _pid_words(storage, world_size)[rank] = os.getpid()
     ok = _all_ranks_agree(storage is not None, group)
     if rank == 0 and info[0] is not None:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(info[0][0])  # the mappings stay valid; nothing is left behind on disk
-        except OSError:
-            pass
     if not ok:
         return None
     pids = _pid_words(storage, world_size).tolist()
@@ -186,10 +181,8 @@ def _create_file(size: int) -> tuple[str, int, str] | None:
         storage = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         storage[:8].view(torch.int64).fill_(token)  # in rank 0's counter, cleared before first use
     except (OSError, RuntimeError):
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
         return None
     return path, token, socket.gethostname()
 
@@ -225,11 +218,11 @@ def process_alive(pid: int) -> bool:
         return state not in (b"Z", b"X", b"x")
     except FileNotFoundError:
         return False
-    except (OSError, IndexError):
+    except (OSError, IndexError):  # no readable /proc: signal 0 tells whether it exists
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return False
-        except PermissionError:
-            return True
+        except PermissionError:  # another user's
+            pass
         return True

@@ -1,20 +1,13 @@
 """Kernel backends: the fused ops behind SyncBatchNorm, loss scaling and ``report()``.
 
-A :class:`KernelBackend` provides seven ops (see its docstrings for dtypes, shapes and contracts):
-``batch_norm_moments``, ``batch_norm_elemt``, ``batch_norm_backward_reduce``,
-``batch_norm_backward_elemt``, ``unscale_and_check_``, ``check_finite`` and ``accumulate_moments_``.
-Callers use only these public methods. Backends:
+Callers use the public methods of :class:`KernelBackend` (the ops and their contracts) on the backend
+:func:`get_backend` selects; every op is also a ``torch.library`` custom op, so ``torch.compile``
+traces calls without graph breaks. Built-in backends:
 
 - ``reference`` — fused ATen ops, every device, the definition of correctness (priority 0);
-- ``cpu`` — compiled C++ kernels for CPU tensors, one vectorized pass per op, built just in time on
-  first use (:mod:`lightning_ext.kernels.cpu`; priority 5);
-- ``triton`` — Triton kernels for CUDA (priority 10); under ``TRITON_INTERPRET=1`` the same kernels
-  run on CPU tensors in Triton's interpreter (tests).
-
-Pick one with :func:`get_backend`: explicit ``name`` > ``LIGHTNING_EXT_KERNELS`` > automatic
-(highest priority that supports the device and loads; on failure, ``reference`` with one warning).
-Every op is also a ``torch.library`` custom op (``torch.ops.lightning_ext.*``), so ``torch.compile``
-traces calls without graph breaks. No op synchronizes host and device.
+- ``cpu`` — compiled C++ kernels for CPU tensors, one vectorized pass per op (priority 5);
+- ``triton`` — Triton kernels for CUDA (priority 10); under ``TRITON_INTERPRET=1`` they run on CPU
+  tensors in Triton's interpreter (tests).
 
 Example::
 
@@ -30,15 +23,13 @@ Example::
 Adding a kernel backend
 -----------------------
 
-1. Subclass :class:`KernelBackend`; set ``name`` and ``devices`` (device types, e.g. ``("cuda",)``)
-   and implement the seven private methods ``_batch_norm_moments``, ``_batch_norm_elemt``,
-   ``_batch_norm_backward_reduce``, ``_batch_norm_backward_elemt``, ``_unscale_and_check_``,
-   ``_check_finite`` and ``_accumulate_moments_`` with the public methods' signatures (arguments
-   arrive validated; ``torch.compile`` support comes from the base class). Subclassing
-   :class:`ReferenceBackend` instead keeps its ops for what you do not override, as ``cpu`` does.
-2. Register a factory that builds it lazily and raises when the hardware or a dependency is missing:
-   ``register_backend("cuda", CudaBackend, devices=("cuda",), priority=20)``. From another package,
-   use the entry-point group instead::
+1. Subclass :class:`KernelBackend`, set ``name`` and ``devices`` (device types, e.g. ``("cuda",)``)
+   and implement ``_<op>`` for each op in ``lightning_ext.kernels.backend.OPS``, with the public
+   method's signature; arguments arrive validated, ``torch.compile`` support comes from the base
+   class. Subclass :class:`ReferenceBackend` instead to keep its ops where you do not override them.
+2. Register a factory that builds it lazily and raises when the hardware or a dependency is missing,
+   ``register_backend("cuda", CudaBackend, devices=("cuda",), priority=20)``, or from another package
+   the entry-point group::
 
        # pyproject.toml of the plugin package
        [project.entry-points."lightning_ext.kernels"]

@@ -1,35 +1,36 @@
-"""The :class:`KernelBackend` interface: the fused ops behind SyncBatchNorm, loss scaling and ``report()``.
+"""The :class:`KernelBackend` interface: the contract every kernel backend implements.
 
-A backend subclasses :class:`KernelBackend`, sets :attr:`~KernelBackend.name` and
-:attr:`~KernelBackend.devices`, and implements the eight private ``_<op>`` methods. The public
-methods defined here validate their arguments for every backend (errors name the argument, the value
-and what is allowed) and, while ``torch.compile`` traces, route through the ``torch.library``
-custom ops of :mod:`lightning_ext.kernels.ops`, so compiled graphs stay whole. No op is
-differentiable (SyncBatchNorm's autograd Function composes them) and no op synchronizes host and
-device.
+The public methods check their arguments for every backend (errors name the argument, the value and
+what is allowed), then call :meth:`KernelBackend.run`. No op is differentiable (SyncBatchNorm's
+autograd Function composes them) and no op synchronizes host and device.
 
-Conventions shared by the batch-norm ops (after ``torch.nn.SyncBatchNorm``'s CUDA building blocks):
-
-- ``x``/``dy``: float16/bfloat16/float32/float64 tensors of shape ``(N, C, *)`` — ``N`` the batch,
-  ``C`` the channels, ``*`` any spatial dims — in any memory format; outputs keep ``x``'s.
-- Per-channel vectors (``shift``, ``mean``, ``invstd``, ``weight``, ``bias``): float32 or float64
-  tensors of shape ``(C,)`` on ``x``'s device. Arithmetic is float32 per element (float64 for float64
-  input); sums over many elements are accumulated in float64 or in float32 blocks added in float64.
+The batch-norm ops follow ``torch.nn.SyncBatchNorm``'s CUDA building blocks: ``x``/``dy`` of shape
+``(N, C, *)`` (``N`` the batch, ``C`` the channels, ``*`` any spatial dims) in any memory format,
+per-channel vectors of shape ``(C,)`` on ``x``'s device. Their arithmetic is float32 per element
+(float64 for float64 input); sums over many elements are accumulated in float64 or in float32 blocks
+added in float64.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
-from typing import Any, ClassVar
+import itertools
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor
 
-__all__ = ["KernelBackend"]
+__all__ = ["OPS", "KernelBackend", "bind_ops"]
 
+OPS = (  # the ops of a backend: public method `<op>`, implemented by `_<op>`
+    "batch_norm_moments", "batch_norm_gather_stats", "batch_norm_elemt", "batch_norm_backward_reduce",
+    "batch_norm_backward_elemt", "unscale_and_check_", "check_finite", "accumulate_moments_",
+)  # fmt: skip
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # allowed dtypes of x / dy
 _LIVE: dict[str, KernelBackend] = {}  # backend key -> live instance: how the custom ops find theirs
+_B = TypeVar("_B", bound="type[KernelBackend]")
 
 
 def stat_dtype(x: Tensor) -> torch.dtype:
@@ -37,30 +38,22 @@ def stat_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def memory_format(x: Tensor) -> torch.memory_format:
-    """The memory format ``x`` is dense in (``contiguous_format`` when none is)."""
-    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    if x.dim() == 5 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d):
-        return torch.channels_last_3d
-    return torch.contiguous_format
+def _got(t: object) -> object:
+    """What an error message reports for a tensor argument: its dtype, else its type's name."""
+    return t.dtype if isinstance(t, Tensor) else type(t).__name__
 
 
-def _check_x(x: object, arg: str = "x") -> None:
+def _check_x(x: object, arg: str = "x", like: Tensor | None = None) -> None:
     if not isinstance(x, Tensor):
         raise TypeError(f"`{arg}` must be a torch.Tensor of shape (N, C, *), got {type(x).__name__}")
     if x.dim() < 2:
         raise ValueError(f"`{arg}` must have shape (N, C, *) with at least 2 dims, got {tuple(x.shape)!r}")
     if x.dtype not in _X_DTYPES:
         raise TypeError(f"`{arg}` must be float16, bfloat16, float32 or float64, got dtype {x.dtype!r}")
-
-
-def _check_like_x(dy: object, x: Tensor, arg: str = "dy") -> None:
-    _check_x(dy, arg)
-    if dy.shape != x.shape or dy.device != x.device:
+    if like is not None and (x.shape != like.shape or x.device != like.device):
         raise ValueError(
-            f"`{arg}` must have the shape and device of `x` {tuple(x.shape)!r} on {x.device}, "
-            f"got {tuple(dy.shape)!r} on {dy.device}"
+            f"`{arg}` must have the shape and device of `x` {tuple(like.shape)!r} on {like.device}, "
+            f"got {tuple(x.shape)!r} on {x.device}"
         )
 
 
@@ -68,9 +61,10 @@ def _check_vector(t: object, arg: str, size: int, device: torch.device, optional
     if t is None and optional:
         return
     if not isinstance(t, Tensor) or t.dtype not in (torch.float32, torch.float64):
-        got = t.dtype if isinstance(t, Tensor) else type(t).__name__
         allowed = " or None" if optional else ""
-        raise TypeError(f"`{arg}` must be a float32/float64 tensor of shape ({size},){allowed}, got {got!r}")
+        raise TypeError(
+            f"`{arg}` must be a float32/float64 tensor of shape ({size},){allowed}, got {_got(t)!r}"
+        )
     if tuple(t.shape) != (size,) or t.device != device:
         raise ValueError(
             f"`{arg}` must have shape ({size},) on {device}, got {tuple(t.shape)!r} on {t.device}"
@@ -87,16 +81,30 @@ def _check_float_tensors(tensors: Any) -> list[Tensor]:
         pass
     for i, t in enumerate(tensors):
         if not isinstance(t, Tensor) or not t.is_floating_point():
-            got = t.dtype if isinstance(t, Tensor) else type(t).__name__
-            raise TypeError(f"`tensors[{i}]` must be a floating point tensor, got {got!r}")
+            raise TypeError(f"`tensors[{i}]` must be a floating point tensor, got {_got(t)!r}")
     return list(tensors)
+
+
+def bind_ops(suffix: str, *modules: ModuleType) -> Callable[[_B], _B]:
+    """Class decorator: ``_<op> = staticmethod(<op>_<suffix>)`` (the op's trailing ``_`` dropped) for
+    each op of :data:`OPS` that one of the op family ``modules`` defines; other ops are inherited."""
+
+    def bind(cls: _B) -> _B:
+        for op, module in itertools.product(OPS, modules):
+            fn = getattr(module, f"{op.rstrip('_')}_{suffix}", None)
+            if fn is not None:
+                setattr(cls, f"_{op}", staticmethod(fn))
+        abc.update_abstractmethods(cls)
+        return cls
+
+    return bind
 
 
 class KernelBackend(abc.ABC):
     """A set of fused ops for SyncBatchNorm, loss scaling and ``report()``, for some device types.
 
-    ``reference`` (:class:`~lightning_ext.kernels.reference.ReferenceBackend`) is the definition of
-    correctness; see the package docstring for adding a backend.
+    :class:`~lightning_ext.kernels.ReferenceBackend` is the definition of correctness; the package
+    docstring says how to add a backend.
 
     Attributes:
         name: registry name, e.g. ``"reference"``, ``"cpu"``, ``"triton"``.
@@ -124,14 +132,24 @@ class KernelBackend(abc.ABC):
     def run(self, op: str, *args: Any) -> Any:
         """Run the op named ``op`` (e.g. ``"batch_norm_elemt"``) WITHOUT checking its arguments.
 
-        The unchecked entry point for callers whose arguments are valid by construction and whose
-        per-call cost matters (SyncBatchNorm's autograd Function, the loss scaler): the public
-        method of the same name documents the arguments; invalid ones give undefined results or
-        a backend's own error. Eager calls go to the backend, ``torch.compile`` traces the custom op.
+        For callers whose arguments are valid by construction and whose per-call cost matters
+        (SyncBatchNorm's autograd Function, the loss scaler); the public method of the same name
+        documents the arguments, invalid ones give undefined results or a backend's own error. Eager
+        calls go to ``_<op>``; under ``torch.compile`` to the custom op of :mod:`~lightning_ext.kernels.ops`.
         """
         if torch.compiler.is_compiling():
             return getattr(torch.ops.lightning_ext, op)(*args, self.key)
         return getattr(self, "_" + op)(*args)
+
+    @abc.abstractmethod
+    def _op(self, *args: Any) -> Any:
+        """What a backend implements: ``_<op>`` runs the public ``<op>`` on validated arguments (the
+        ``x`` of ``_accumulate_moments_`` is non-empty and detached)."""
+
+    _batch_norm_moments = _batch_norm_gather_stats = _batch_norm_elemt = _op
+    _batch_norm_backward_reduce = _batch_norm_backward_elemt = _op
+    _unscale_and_check_ = _check_finite = _accumulate_moments_ = _op
+    del _op
 
     # ------------------------------------------------------------------ batch norm
 
@@ -179,9 +197,8 @@ class KernelBackend(abc.ABC):
             shift: float64 ``(C,)``, the shift the moments are about.
             running_mean, running_var: ``(C,)`` floating buffers to update in place (the caller
                 passes them only for a group of at least 2 elements per channel), or both ``None``.
-            momentum: 0-dim float64 tensor (on the CPU or the payload's device), the update's factor
-                in ``[0, 1]``; a tensor so that a cumulative average's ``1 / num_batches_tracked``
-                needs no host read.
+            momentum: 0-dim float64 tensor (on the CPU or the payload's device) in ``[0, 1]``; a tensor
+                so that a cumulative average's ``1 / num_batches_tracked`` needs no host read.
             eps: added to the variance, ``> 0``.
 
         Returns:
@@ -224,9 +241,8 @@ class KernelBackend(abc.ABC):
             TypeError / ValueError: as :meth:`batch_norm_moments`, for any argument.
         """
         _check_x(x)
-        c = x.shape[1]
         for arg, t in (("mean", mean), ("invstd", invstd), ("weight", weight), ("bias", bias)):
-            _check_vector(t, arg, c, x.device, optional=arg in ("weight", "bias"))
+            _check_vector(t, arg, x.shape[1], x.device, optional=arg in ("weight", "bias"))
         return self.run("batch_norm_elemt", x, mean, invstd, weight, bias)
 
     def batch_norm_backward_reduce(self, dy: Tensor, x: Tensor, mean: Tensor) -> Tensor:
@@ -246,7 +262,7 @@ class KernelBackend(abc.ABC):
             TypeError / ValueError: as :meth:`batch_norm_elemt`; ``dy`` of another shape or device.
         """
         _check_x(x)
-        _check_like_x(dy, x)
+        _check_x(dy, "dy", like=x)
         _check_vector(mean, "mean", x.shape[1], x.device)
         return self.run("batch_norm_backward_reduce", dy, x, mean)
 
@@ -281,7 +297,7 @@ class KernelBackend(abc.ABC):
                 ``count`` not a 0-dim tensor on ``x``'s device.
         """
         _check_x(x)
-        _check_like_x(dy, x)
+        _check_x(dy, "dy", like=x)
         c = x.shape[1]
         for arg, t in (("mean", mean), ("invstd", invstd), ("weight", weight)):
             _check_vector(t, arg, c, x.device, optional=arg == "weight")
@@ -295,14 +311,15 @@ class KernelBackend(abc.ABC):
     def unscale_and_check_(self, tensors: Sequence[Tensor], inv_scale: Tensor) -> Tensor:
         """Multiply every tensor in place by ``inv_scale`` and flag any inf/NaN, in one pass.
 
+        Follows ``torch._amp_foreach_non_finite_check_and_unscale_`` (``torch.amp.GradScaler``).
+
         Args:
             tensors: floating point tensors (gradients) of any dtypes, on one device.
             inv_scale: float32 tensor with one element, ``1 / scale``, on the tensors' device.
 
         Returns:
             ``found_inf``: float32 0-dim tensor on ``inv_scale.device``, 1.0 iff any element was inf or
-            NaN before scaling. Follows ``torch._amp_foreach_non_finite_check_and_unscale_``
-            (``torch.amp.GradScaler``).
+            NaN before scaling.
 
         Raises:
             TypeError: ``tensors`` is not a sequence of floating point tensors, or ``inv_scale`` is not
@@ -311,8 +328,7 @@ class KernelBackend(abc.ABC):
         """
         tensors = _check_float_tensors(tensors)
         if not isinstance(inv_scale, Tensor) or inv_scale.dtype != torch.float32:
-            got = inv_scale.dtype if isinstance(inv_scale, Tensor) else type(inv_scale).__name__
-            raise TypeError(f"`inv_scale` must be a float32 tensor, got {got!r}")
+            raise TypeError(f"`inv_scale` must be a float32 tensor, got {_got(inv_scale)!r}")
         if inv_scale.numel() != 1:
             raise ValueError(f"`inv_scale` must have one element, got shape {tuple(inv_scale.shape)!r}")
         devices = {t.device for t in tensors} - {inv_scale.device}
@@ -368,65 +384,16 @@ class KernelBackend(abc.ABC):
             ValueError: ``acc`` not of shape ``(5,)``, ``shift`` not 0-dim, or the devices differ.
         """
         if not isinstance(acc, Tensor) or acc.dtype != torch.float64:
-            got = acc.dtype if isinstance(acc, Tensor) else type(acc).__name__
-            raise TypeError(f"`acc` must be a float64 tensor of shape (5,), got {got!r}")
+            raise TypeError(f"`acc` must be a float64 tensor of shape (5,), got {_got(acc)!r}")
         if tuple(acc.shape) != (5,):
             raise ValueError(f"`acc` must have shape (5,), got shape {tuple(acc.shape)!r}")
         if not isinstance(x, Tensor) or x.dtype == torch.bool or x.is_complex():
-            got = x.dtype if isinstance(x, Tensor) else type(x).__name__
-            raise TypeError(f"`x` must be a real (float or integer) tensor, got {got!r}")
+            raise TypeError(f"`x` must be a real (float or integer) tensor, got {_got(x)!r}")
         if not isinstance(shift, Tensor) or shift.dtype != torch.float64:
-            got = shift.dtype if isinstance(shift, Tensor) else type(shift).__name__
-            raise TypeError(f"`shift` must be a float64 0-dim tensor, got {got!r}")
+            raise TypeError(f"`shift` must be a float64 0-dim tensor, got {_got(shift)!r}")
         if shift.dim() != 0:
             raise ValueError(f"`shift` must be 0-dim, got shape {tuple(shift.shape)!r}")
         if acc.device != x.device or shift.device != x.device:
             raise ValueError(f"`acc` ({acc.device}) and `shift` ({shift.device}) must be on {x.device}")
         if x.numel():
             self.run("accumulate_moments_", acc, x.detach(), shift)
-
-    # ------------------------------------------------------------------ what a backend implements
-
-    @abc.abstractmethod
-    def _batch_norm_moments(self, x: Tensor, shift: Tensor) -> Tensor: ...
-
-    @abc.abstractmethod
-    def _batch_norm_gather_stats(
-        self,
-        payload: Tensor,
-        shift: Tensor,
-        running_mean: Tensor | None,
-        running_var: Tensor | None,
-        momentum: Tensor,
-        eps: float,
-    ) -> tuple[Tensor, Tensor]: ...
-
-    @abc.abstractmethod
-    def _batch_norm_elemt(
-        self, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None
-    ) -> Tensor: ...
-
-    @abc.abstractmethod
-    def _batch_norm_backward_reduce(self, dy: Tensor, x: Tensor, mean: Tensor) -> Tensor: ...
-
-    @abc.abstractmethod
-    def _batch_norm_backward_elemt(
-        self,
-        dy: Tensor,
-        x: Tensor,
-        mean: Tensor,
-        invstd: Tensor,
-        weight: Tensor | None,
-        sums: Tensor,
-        count: Tensor,
-    ) -> Tensor: ...
-
-    @abc.abstractmethod
-    def _unscale_and_check_(self, tensors: list[Tensor], inv_scale: Tensor) -> Tensor: ...
-
-    @abc.abstractmethod
-    def _check_finite(self, tensors: list[Tensor], device: torch.device) -> Tensor: ...
-
-    @abc.abstractmethod
-    def _accumulate_moments_(self, acc: Tensor, x: Tensor, shift: Tensor) -> None:
-        """``x`` is non-empty and detached."""

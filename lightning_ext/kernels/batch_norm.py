@@ -1,10 +1,8 @@
 """Batch-norm op family: moments for the all_reduce, normalization and the two backward pieces.
 
-Layout (after Liger-Kernel ``ops/layer_norm.py``): the reference implementations in pure torch
-(fused ATen ops), then the Triton kernels, then their launchers, which own allocation, grid, float32
-accumulators and layout handling. The contracts are those of
-:class:`~lightning_ext.kernels.KernelBackend`; the module using them is
-:class:`lightning_ext.nn.SyncBatchNorm`.
+``<op>_reference`` (fused ATen ops), the Triton kernels and the launchers ``<op>_triton``, which own
+allocation, grid, float32 accumulators and layout (after Liger-Kernel ``ops/layer_norm.py``). The
+contracts are those of :class:`~lightning_ext.kernels.KernelBackend`.
 """
 
 from __future__ import annotations
@@ -12,24 +10,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_ext.kernels._triton import HAS_TRITON, cdiv, next_power_of_2, sm_count, tl, tl_dtype, triton
+from lightning_ext.kernels._triton import HAS_TRITON, sm_count, tl, triton
 from lightning_ext.kernels.backend import stat_dtype
 
-__all__ = [
-    "batch_norm_backward_elemt_reference",
-    "batch_norm_backward_elemt_triton",
-    "batch_norm_backward_reduce_reference",
-    "batch_norm_backward_reduce_triton",
-    "batch_norm_elemt_reference",
-    "batch_norm_elemt_triton",
-    "batch_norm_gather_stats_reference",
-    "batch_norm_moments_reference",
-    "batch_norm_moments_triton",
-]
 
-
-def _ones(c: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    return torch.ones(c, dtype=dtype, device=device)
+def _memory_format(x: Tensor) -> torch.memory_format:
+    """The memory format ``x`` is dense in (``contiguous_format`` when none is)."""
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if x.dim() == 5 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
 
 
 # ---------------------------------------------------------------------------- reference (pure torch)
@@ -59,15 +50,10 @@ def batch_norm_moments_reference(x: Tensor, shift: Tensor) -> Tensor:
 
 
 def batch_norm_gather_stats_reference(
-    payload: Tensor,
-    shift: Tensor,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    momentum: Tensor,
-    eps: float,
-) -> tuple[Tensor, Tensor]:
-    """Mean, biased variance and ``invstd`` from the summed moments, in float64 tensor ops; the
-    running statistics updated in place (``n.clamp_min(1)``: an empty group gives ``mean = shift``)."""
+    payload: Tensor, shift: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
+    momentum: Tensor, eps: float,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Float64 tensor ops; ``n.clamp_min(1)``: an empty group gives ``mean = shift``."""
     n = payload[0]
     dev, sq = payload[1:].view(2, -1) / n.clamp_min(1.0)  # mean - shift, E[(x - shift)^2]
     var = torch.addcmul(sq, dev, dev, value=-1.0).clamp_min_(0.0)
@@ -81,31 +67,25 @@ def batch_norm_gather_stats_reference(
 def batch_norm_elemt_reference(
     x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None
 ) -> Tensor:
-    """``(x - mean) * (invstd * weight) + bias`` as ATen's fused inference batch norm (one pass).
-
-    ``torch.batch_norm`` in eval mode with ``running_var = 1`` and ``eps = 0`` computes exactly that,
-    keeping the memory format.
-    """
+    """ATen's fused inference batch norm (one pass, keeps the memory format) with ``running_var = 1``
+    and ``eps = 0`` computes exactly ``(x - mean) * (invstd * weight) + bias``."""
     if x.numel() == 0:
         return torch.empty_like(x)
     dtype = stat_dtype(x)
     scale = invstd.to(dtype) if weight is None else invstd.to(dtype) * weight.to(dtype)
     bias = bias.to(dtype) if bias is not None else None
-    ones = _ones(x.shape[1], dtype, x.device)
+    ones = x.new_ones(x.shape[1], dtype=dtype)
     return torch.batch_norm(x, scale, bias, mean.to(dtype), ones, False, 0.0, 0.0, False)
 
 
 def batch_norm_backward_reduce_reference(dy: Tensor, x: Tensor, mean: Tensor) -> Tensor:
-    """``[sum(dy), sum(dy * (x - mean))]`` with ATen's fused ``native_batch_norm_backward``.
-
-    Asked for ``(grad_weight, grad_bias)`` with ``weight = save_invstd = 1`` it returns exactly the
-    two sums. ATen's CPU kernel accumulates in float32 only when ``dy`` and ``x`` are dense in one
-    layout, so both are made so.
-    """
+    """ATen's fused ``native_batch_norm_backward`` asked for ``(grad_weight, grad_bias)`` with
+    ``weight = save_invstd = 1`` returns exactly the two sums. Its CPU kernel accumulates in float32
+    only when ``dy`` and ``x`` are dense in one layout, so both are made so."""
     c, dtype = x.shape[1], stat_dtype(x)
     if x.numel() == 0:
         return torch.zeros(2 * c, dtype=dtype, device=x.device)
-    ones = _ones(c, dtype, x.device)
+    ones = x.new_ones(c, dtype=dtype)
     fmt = _memory_format(x)
     x, dy = x.contiguous(memory_format=fmt), dy.contiguous(memory_format=fmt)
     _, sum_dy_xmu, sum_dy = torch.ops.aten.native_batch_norm_backward(
@@ -115,13 +95,7 @@ def batch_norm_backward_reduce_reference(dy: Tensor, x: Tensor, mean: Tensor) ->
 
 
 def batch_norm_backward_elemt_reference(
-    dy: Tensor,
-    x: Tensor,
-    mean: Tensor,
-    invstd: Tensor,
-    weight: Tensor | None,
-    sums: Tensor,
-    count: Tensor,
+    dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, sums: Tensor, count: Tensor
 ) -> Tensor:
     """``dx = (dy - a - (x - mean) * b) * s``, ``a = G1 / n``, ``b = invstd^2 G2 / n``, ``s = invstd w``.
 
@@ -137,23 +111,16 @@ def batch_norm_backward_elemt_reference(
     sums, count = sums.to(dtype), count.to(dtype)
     a = sums[:c] / count
     b = invstd * invstd * sums[c:] / count
-    ones = _ones(c, dtype, x.device)
+    ones = x.new_ones(c, dtype=dtype)
     u = torch.batch_norm(x.to(dtype), -b * s, -a * s, mean.to(dtype), ones, False, 0.0, 0.0, False)
     u.addcmul_(dy, s.view(-1, *([1] * (x.dim() - 2))))
     return u.to(x.dtype)
 
 
-def _memory_format(x: Tensor) -> torch.memory_format:
-    from lightning_ext.kernels.backend import memory_format
-
-    return memory_format(x)
-
-
 # ---------------------------------------------------------------------------- Triton kernels
 # Every tensor is addressed as (N, C, S) through strides (sn, sc, ss): contiguous NCHW has
-# (C*S, S, 1), channels_last(_3d) (S*C, 1, C), (N, C) input S = 1. When every tensor of a call allows
-# it (sn == S*ss, or S == 1), N is folded into S. A tile is BLOCK_S positions x BLOCK_C channels,
-# masked at both edges; Triton coalesces along whichever of ss, sc is 1.
+# (C*S, S, 1), channels_last(_3d) (S*C, 1, C), (N, C) input S = 1; N is folded into S when every
+# tensor of a call allows it. A tile is BLOCK_S positions x BLOCK_C channels, masked at both edges.
 # Reductions split the (n, spatial block) units of each channel block over SPLIT programs with
 # per-lane float32 (float64 for float64 input) accumulators, write (SPLIT, 2, C) partials, and a
 # small kernel sums them in float64 in a fixed order (deterministic). Moments are summed about a
@@ -309,17 +276,20 @@ def _tiles(c: int, s: int, channels_contiguous: bool, tile: int) -> tuple[int, i
     """(BLOCK_S, BLOCK_C) of ``tile`` elements: wide in channels when channels are contiguous in
     memory (channels_last, (N, C)), wide in positions otherwise (NCHW), so a warp's loads coalesce."""
     if channels_contiguous:
-        block_c = min(next_power_of_2(c), 64)
+        block_c = min(triton.next_power_of_2(c), 64)
         return max(tile // block_c, 1), block_c
-    block_s = min(next_power_of_2(s), tile)
-    return block_s, min(next_power_of_2(c), max(tile // block_s, 1))
+    block_s = min(triton.next_power_of_2(s), tile)
+    return block_s, min(triton.next_power_of_2(c), max(tile // block_s, 1))
 
 
 def _opts(x: Tensor, reduction: bool) -> dict:
     """Launch options; none in Triton's interpreter (CPU tensors)."""
-    if x.is_cpu:
-        return {}
-    return {"num_warps": _RED_NUM_WARPS if reduction else _NUM_WARPS}
+    return {} if x.is_cpu else {"num_warps": _RED_NUM_WARPS if reduction else _NUM_WARPS}
+
+
+def _acc(x: Tensor) -> object:
+    """The Triton accumulator dtype: float64 for float64 input, float32 otherwise."""
+    return tl.float64 if x.dtype == torch.float64 else tl.float32
 
 
 def _channel_sums(u: Tensor, v: Tensor, mean: Tensor, out: Tensor, shift: Tensor | None) -> Tensor:
@@ -329,19 +299,18 @@ def _channel_sums(u: Tensor, v: Tensor, mean: Tensor, out: Tensor, shift: Tensor
     block_s, block_c = _tiles(c, s, strides[1] == 1, _RED_TILE)
     if not moments:
         block_s = max(block_s // 2, 1)  # the backward loads two tensors per element
-    c_blocks, s_blocks = cdiv(c, block_c), cdiv(s, block_s)
+    c_blocks, s_blocks = triton.cdiv(c, block_c), triton.cdiv(s, block_s)
     units = n * s_blocks
     target = 4 if u.is_cpu else sm_count(u.device) * _PROGRAMS_PER_SM
-    per = cdiv(units, max(1, min(units, target // c_blocks)))
-    split = cdiv(units, per)
-    acc = tl_dtype(u.dtype == torch.float64)
+    per = triton.cdiv(units, max(1, min(units, target // c_blocks)))
+    split = triton.cdiv(units, per)
     part = torch.empty(split, 2, c, dtype=stat_dtype(u), device=u.device)
     _bn_sums_kernel[(c_blocks, split)](
         u, v, mean, part, n, c, s, *strides, s_blocks, per,
-        ACC=acc, MOMENTS=moments, BLOCK_S=block_s, BLOCK_C=block_c, **_opts(u, True),
+        ACC=_acc(u), MOMENTS=moments, BLOCK_S=block_s, BLOCK_C=block_c, **_opts(u, True),
     )  # fmt: skip
-    block = min(next_power_of_2(c), 64)
-    _bn_combine_kernel[(cdiv(c, block),)](
+    block = min(triton.next_power_of_2(c), 64)
+    _bn_combine_kernel[(triton.cdiv(c, block),)](
         part, u, shift if moments else mean, out, c, split, strides[1], n * s,
         MOMENTS=moments, BLOCK_SPLIT=_COMBINE_ROWS, BLOCK_C=block, **_opts(u, True),
     )  # fmt: skip
@@ -349,7 +318,7 @@ def _channel_sums(u: Tensor, v: Tensor, mean: Tensor, out: Tensor, shift: Tensor
 
 
 def batch_norm_moments_triton(x: Tensor, shift: Tensor) -> Tensor:
-    """Launcher: per-block sums about ``x[0, c, 0]``, then a float64 combine into the payload."""
+    """Per-block sums about ``x[0, c, 0]``, then a float64 combine into the payload."""
     c = x.shape[1]
     out = torch.zeros(2 * c + 1, dtype=torch.float64, device=x.device)
     if x.numel() == 0:
@@ -359,28 +328,27 @@ def batch_norm_moments_triton(x: Tensor, shift: Tensor) -> Tensor:
 
 
 def batch_norm_backward_reduce_triton(dy: Tensor, x: Tensor, mean: Tensor) -> Tensor:
-    """Launcher: per-block sums of ``dy`` and ``dy * (x - mean)``, combined in float64."""
-    c = x.shape[1]
-    out = torch.zeros(2 * c, dtype=stat_dtype(x), device=x.device)
-    if x.numel() == 0:
-        return out
-    return _channel_sums(dy, x, mean, out, None)
+    """Per-block sums of ``dy`` and ``dy * (x - mean)``, combined in float64."""
+    out = torch.zeros(2 * x.shape[1], dtype=stat_dtype(x), device=x.device)
+    return _channel_sums(dy, x, mean, out, None) if x.numel() else out
 
 
-def _affine(u: Tensor, v: Tensor, x: Tensor, vectors: list[Tensor | None], backward: bool) -> Tensor:
-    """Launch the elementwise kernel: ``out`` in ``x``'s memory format from ``u`` (and ``v``)."""
-    x, _, _, _, _ = _ncs(x)
-    out = torch.empty_like(x)
+def _affine(u: Tensor, v: Tensor, vectors: list[Tensor | None], backward: bool) -> Tensor:
+    """Launch the elementwise kernel: ``out`` in ``v``'s (``x``'s) memory format from ``u`` and ``v``;
+    ``vectors``: mean, invstd, weight, bias, sums, count (absent ones None)."""
+    if v.numel() == 0:
+        return torch.empty_like(v)
+    out = torch.empty_like(_ncs(v)[0])
     (u, v, out), n, c, s, strides = _geometry(u, v, out)
     block_s, block_c = _tiles(c, s, strides[1] == 1, _TILE)
-    grid = (cdiv(s, block_s), cdiv(c, block_c), min(n, 65535))
-    mean, invstd, weight, bias, sums, count = vectors
+    grid = (triton.cdiv(s, block_s), triton.cdiv(c, block_c), min(n, 65535))
+    mean, invstd, weight, bias, sums, count = (t.contiguous() if t is not None else None for t in vectors)
     _bn_affine_kernel[grid](
         u, v, out, mean, invstd, weight if weight is not None else mean, bias if bias is not None else mean,
         sums if sums is not None else mean, count if count is not None else mean,
         n, c, s, *strides,
-        ACC=tl_dtype(x.dtype == torch.float64), BACKWARD=backward, HAS_W=weight is not None,
-        HAS_B=bias is not None, BLOCK_S=block_s, BLOCK_C=block_c, **_opts(x, False),
+        ACC=_acc(out), BACKWARD=backward, HAS_W=weight is not None, HAS_B=bias is not None,
+        BLOCK_S=block_s, BLOCK_C=block_c, **_opts(out, False),
     )  # fmt: skip
     return out
 
@@ -388,24 +356,12 @@ def _affine(u: Tensor, v: Tensor, x: Tensor, vectors: list[Tensor | None], backw
 def batch_norm_elemt_triton(
     x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None
 ) -> Tensor:
-    """Launcher: one elementwise kernel writing ``y`` in ``x``'s memory format."""
-    if x.numel() == 0:
-        return torch.empty_like(x)
-    vectors = [mean.contiguous(), invstd.contiguous(), weight, bias, None, None]
-    return _affine(x, x, x, [t.contiguous() if t is not None else None for t in vectors], False)
+    """One elementwise kernel writing ``y`` in ``x``'s memory format."""
+    return _affine(x, x, [mean, invstd, weight, bias, None, None], False)
 
 
 def batch_norm_backward_elemt_triton(
-    dy: Tensor,
-    x: Tensor,
-    mean: Tensor,
-    invstd: Tensor,
-    weight: Tensor | None,
-    sums: Tensor,
-    count: Tensor,
+    dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, sums: Tensor, count: Tensor
 ) -> Tensor:
-    """Launcher: one elementwise kernel reading ``dy`` and ``x``, writing ``dx`` in ``x``'s layout."""
-    if x.numel() == 0:
-        return torch.empty_like(x)
-    vectors = [mean, invstd, weight, None, sums, count]
-    return _affine(dy, x, x, [t.contiguous() if t is not None else None for t in vectors], True)
+    """One elementwise kernel reading ``dy`` and ``x``, writing ``dx`` in ``x``'s memory format."""
+    return _affine(dy, x, [mean, invstd, weight, None, sums, count], True)

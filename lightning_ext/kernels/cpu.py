@@ -1,20 +1,14 @@
 """The ``cpu`` backend: compiled C++ kernels for CPU tensors (``lightning_ext/csrc/kernels_cpu.cpp``).
 
-On CPU the batch-norm ops of the ``reference`` backend cost passes over the data that ATen cannot
-fuse (it has no fused CPU kernel for the synchronized backward, and its float32 NCHW statistics walk
-each channel with a scalar loop), and ``report()``'s moments cost five float64 passes. This backend
-runs each op as ONE vectorized, multi-threaded pass: float32 arithmetic per element (float64 for
-float64 and integer input), partial sums of a few dozen to a few thousand elements added into
-float64 totals; compiled for x86-64-v3 (AVX2, FMA) and the baseline, picked by the CPU at load time.
-The gradient check reads each element once. ``unscale_and_check_`` is ATen's one-pass op, as in
-``reference``.
+Each op is ONE vectorized, multi-threaded pass where ATen needs several: float32 arithmetic per
+element (float64 for float64 and integer input), partial sums of a few dozen to a few thousand
+elements added into float64 totals; compiled for x86-64-v3 (AVX2, FMA) and the baseline, picked at
+load time. ``unscale_and_check_`` is ATen's one-pass op, as in ``reference``.
 
-The extension is built just in time by :func:`torch.utils.cpp_extension.load` (a C++ compiler and
-``ninja``) the first time a process builds this backend, cached by torch in ``TORCH_EXTENSIONS_DIR``
-(default ``~/.cache/torch_extensions``) keyed on the source, and loaded from there by later
-processes. ``python -m lightning_ext.kernels.cpu`` builds it ahead of time. When it cannot be built,
-automatic backend selection falls back to ``reference`` with one warning
-(:func:`~lightning_ext.kernels.get_backend`).
+:func:`torch.utils.cpp_extension.load` (a C++ compiler and ``ninja``) builds the extension when a
+process first builds this backend, cached in ``TORCH_EXTENSIONS_DIR`` (default
+``~/.cache/torch_extensions``) keyed on the source; ``python -m lightning_ext.kernels.cpu`` builds it
+ahead of time.
 """
 
 from __future__ import annotations
@@ -29,6 +23,7 @@ from typing import ClassVar
 
 from typing_extensions import override
 
+from lightning_ext.kernels.backend import OPS
 from lightning_ext.kernels.reference import ReferenceBackend
 
 __all__ = ["SOURCE", "CpuBackend", "load"]
@@ -49,11 +44,8 @@ _module: ModuleType | None = None  # the loaded extension (one per process)
 
 
 def _clear_stale_lock() -> None:
-    """Wait while another process builds; remove a lock file left by a killed build.
-
-    torch's build lock waits for the lock file to disappear without a time limit, so an interrupted
-    build would make every later process hang; a lock older than ``_STALE_LOCK_SECONDS`` is removed.
-    """
+    """Wait while another process builds; remove a lock file older than ``_STALE_LOCK_SECONDS`` (torch
+    waits for it without a time limit, so a killed build would make every later process hang)."""
     from torch.utils.cpp_extension import _get_build_directory
 
     lock = Path(_get_build_directory(_NAME, verbose=False)) / "lock"
@@ -79,9 +71,8 @@ def _announce() -> None:
 
 
 def load(verbose: bool = False) -> ModuleType:
-    """The compiled extension, built first when torch's cache does not hold this source.
-
-    Thread-safe; processes building at once wait for each other (torch's file lock).
+    """The compiled extension, built first when torch's cache does not hold this source. Thread-safe;
+    processes building at once wait for each other (torch's file lock).
 
     Args:
         verbose: print the compiler's output.
@@ -129,13 +120,10 @@ class CpuBackend(ReferenceBackend):
 
     def __init__(self) -> None:
         ext = load()
-        self._batch_norm_moments = ext.batch_norm_moments
-        self._batch_norm_gather_stats = ext.batch_norm_gather_stats
-        self._batch_norm_elemt = ext.batch_norm_elemt
-        self._batch_norm_backward_reduce = ext.batch_norm_backward_reduce
-        self._batch_norm_backward_elemt = ext.batch_norm_backward_elemt
-        self._check_finite = lambda tensors, device: ext.check_finite(tensors)
-        self._accumulate_moments_ = ext.accumulate_moments_
+        for op in OPS:  # every op but unscale_and_check_ (ATen's, inherited)
+            if hasattr(ext, op):
+                setattr(self, f"_{op}", getattr(ext, op))
+        self._check_finite = lambda tensors, device: ext.check_finite(tensors)  # takes no device
         super().__init__()
 
     @override

@@ -1,29 +1,18 @@
-"""Shifted moments and extremes of a tensor, accumulated in float64: ``accumulate_moments_``.
-
-Used by :func:`lightning_ext.stats.report`: ``acc = [count, sum(x - shift), sum((x - shift)^2), min, max]``.
-Subtracting a shift close to the data (the first value seen) before summing squares keeps the
-variance accurate (Chan, Golub & LeVeque 1983, "shifted data"). The Triton kernel does it in one
-launch with float64 atomics; the ``cpu`` backend's compiled kernel in one pass.
-"""
+"""``accumulate_moments_`` (contract: :meth:`~lightning_ext.kernels.KernelBackend.accumulate_moments_`):
+``accumulate_moments_reference`` and the Triton kernel's launcher ``accumulate_moments_triton``."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from lightning_ext.kernels._triton import HAS_TRITON, cdiv, sm_count, tl, triton
-
-__all__ = ["accumulate_moments_reference", "accumulate_moments_triton"]
-
+from lightning_ext.kernels._triton import HAS_TRITON, sm_count, tl, triton
 
 # ---------------------------------------------------------------------------- reference (pure torch)
 
 
 def accumulate_moments_reference(acc: Tensor, x: Tensor, shift: Tensor) -> None:
-    """float64 copy, shifted sum and dot product (BLAS), ``aminmax``; in-place updates of ``acc``.
-
-    ``aminmax`` propagates NaN into the extremes, as the contract asks.
-    """
+    """float64 copy, shifted sum and dot product (BLAS), ``aminmax`` (it propagates NaN)."""
     # Out of place: for float64 ``x``, ``.to(float64)`` aliases ``x`` and ``sub_`` would modify it.
     xd = x.reshape(-1).to(torch.float64) - shift
     mn, mx = torch.aminmax(x.reshape(-1))
@@ -82,16 +71,14 @@ if HAS_TRITON:
 
 
 def accumulate_moments_triton(acc: Tensor, x: Tensor, shift: Tensor) -> None:
-    """Launcher: ONE kernel launch of at most 4 programs per multiprocessor; float64 atomics combine
-    the programs' partial sums and extremes.
+    """ONE launch of at most 4 programs per multiprocessor; float64 atomics combine their partials.
 
-    Non-contiguous ``x`` is flattened with a copy first. NaN in ``x`` makes the sums NaN; the
-    extremes are then set to NaN by one more op, since float atomics need not propagate NaN.
+    Non-contiguous ``x`` is flattened with a copy first. Float atomics need not propagate NaN, so one
+    more op sets the extremes to NaN when the sums are.
     """
     x = x.reshape(-1)
-    interpret = x.is_cpu  # Triton's interpreter: few, large programs
-    block = 4096 if interpret else 1024
-    blocks = cdiv(x.numel(), block)
-    programs = min(blocks, 3 if interpret else 4 * sm_count(x.device))
+    block = 4096 if x.is_cpu else 1024  # Triton's interpreter (CPU tensors): few, large programs
+    blocks = triton.cdiv(x.numel(), block)
+    programs = min(blocks, 3 if x.is_cpu else 4 * sm_count(x.device))
     _moments_kernel[(programs,)](x, acc, shift, x.numel(), blocks, BLOCK=block)
     acc[3:].masked_fill_(torch.isnan(acc[2]), float("nan"))

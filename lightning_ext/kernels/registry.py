@@ -1,18 +1,6 @@
-"""Registry of kernel backends: registration, entry points, selection and the per-process cache.
-
-Selection for a device (after Liger-Kernel's ``ops/backends/registry.py``):
-
-1. an explicit ``name`` argument, else
-2. the ``LIGHTNING_EXT_KERNELS`` environment variable (``""`` or ``"auto"`` mean automatic), else
-3. automatic: the highest-priority registered backend that supports the device type and loads
-   (``triton`` 10 on CUDA, ``cpu`` 5 on CPU, ``reference`` 0 everywhere).
-
-An explicitly requested backend that is unknown, does not support the device or fails to load raises
-(``ValueError`` / ``RuntimeError``) naming the registered backends. An automatically selected backend
-that fails to load is skipped — in the end ``reference`` serves — with ONE ``RuntimeWarning`` per
-process. Factories run lazily on first use, once per process; the resolved backend is cached per
-(requested name, device type) and cleared by :func:`reset`. Third-party packages add backends through
-the ``lightning_ext.kernels`` entry-point group, read once on first use (see the package docstring).
+"""Registry of kernel backends (its public names are re-exported by :mod:`lightning_ext.kernels`):
+registration, entry points, selection and the per-process cache, after Liger-Kernel's
+``ops/backends/registry.py``. :func:`reset` clears the process-wide state below, not registrations.
 """
 
 from __future__ import annotations
@@ -28,16 +16,9 @@ from importlib import metadata
 import torch
 
 from lightning_ext.kernels.backend import KernelBackend
-
-__all__ = [
-    "ENTRY_POINT_GROUP",
-    "ENV_VAR",
-    "BackendEntry",
-    "available_backends",
-    "get_backend",
-    "register_backend",
-    "reset",
-]
+from lightning_ext.kernels.cpu import CpuBackend
+from lightning_ext.kernels.reference import ReferenceBackend
+from lightning_ext.kernels.triton_backend import TritonBackend
 
 ENV_VAR = "LIGHTNING_EXT_KERNELS"  # environment variable naming the backend to use
 ENTRY_POINT_GROUP = "lightning_ext.kernels"  # entry-point group third-party backends register in
@@ -45,8 +26,7 @@ _NAME_RE = re.compile(r"^[a-z][a-z0-9_\-]*$")
 
 _lock = threading.RLock()
 _entries: dict[str, BackendEntry] = {}  # name -> entry, in registration order
-_instances: dict[str, KernelBackend] = {}  # name -> loaded backend (factory called once per process)
-_failures: dict[str, BaseException] = {}  # name -> exception its factory raised (not retried)
+_built: dict[str, KernelBackend | Exception] = {}  # name -> its factory's backend or exception (once)
 _cache: dict[tuple[str | None, str], KernelBackend] = {}  # (requested name, device type) -> backend
 _entry_points_loaded = False  # entry-point group read (once per process)
 _fallback_warned = False  # the one auto-fallback warning of this process was issued
@@ -54,14 +34,10 @@ _fallback_warned = False  # the one auto-fallback warning of this process was is
 
 @dataclass(frozen=True)
 class BackendEntry:
-    """One registered backend: how to build it, where it runs and how much auto-selection prefers it.
+    """One registered backend, validated: the arguments of :func:`register_backend`.
 
-    Attributes:
-        name: lower-case identifier (``[a-z][a-z0-9_-]*``), e.g. ``"triton"``.
-        factory: zero-argument callable returning a :class:`KernelBackend`; may raise when the
-            backend's dependencies or hardware are missing (it runs lazily, once per process).
-        devices: device types the backend supports, e.g. ``("cuda",)``.
-        priority: auto-selection prefers higher values (``reference`` has 0, ``triton`` 10).
+    Raises:
+        ValueError / TypeError: as :func:`register_backend`.
     """
 
     name: str
@@ -74,9 +50,8 @@ class BackendEntry:
             raise ValueError(f"`name` must match {_NAME_RE.pattern!r} (e.g. 'triton'), got {self.name!r}")
         if not callable(self.factory):
             raise TypeError(f"`factory` must be callable returning a KernelBackend, got {self.factory!r}")
-        devices = (self.devices,) if isinstance(self.devices, str) else self.devices
         try:
-            devices = tuple(devices)
+            devices = (self.devices,) if isinstance(self.devices, str) else tuple(self.devices)
         except TypeError:
             raise TypeError(
                 f"`devices` must be a tuple of device types like ('cuda',), got {self.devices!r}"
@@ -107,11 +82,12 @@ def register_backend(
     """Register a kernel backend under ``name``.
 
     Args:
-        name: lower-case identifier, e.g. ``"my_cuda"``.
+        name: lower-case identifier (``[a-z][a-z0-9_-]*``), e.g. ``"my_cuda"``.
         factory: zero-argument callable (e.g. the :class:`KernelBackend` subclass) building the backend.
-            It runs lazily on first use; raise from it when dependencies or hardware are missing.
-        devices: device types it supports.
-        priority: auto-selection prefers higher values; ``reference`` has 0, ``triton`` 10.
+            It runs lazily on first use, once per process; raise from it when dependencies or hardware
+            are missing.
+        devices: device types (``torch.device.type``) it supports, e.g. ``("cuda",)``.
+        priority: auto-selection prefers higher values (``reference`` has 0).
         replace: allow replacing an existing registration of ``name``.
 
     Returns:
@@ -135,19 +111,15 @@ def register_backend(
                 f"kernel backend {name!r} is already registered; pass replace=True to replace it"
             )
         _entries[name] = entry
-        _instances.pop(name, None)
-        _failures.pop(name, None)
+        _built.pop(name, None)
         _cache.clear()
     return entry
 
 
 def _load_entry_points() -> None:
-    """Read the ``lightning_ext.kernels`` entry-point group once per process.
-
-    An entry point's object is either a :class:`KernelBackend` subclass (registered under the entry
-    point's name with its ``devices`` and ``priority`` class attributes) or a callable taking no
-    argument that calls :func:`register_backend` itself. A broken entry point warns and is skipped.
-    """
+    """Read the entry-point group once per process. An entry point's object is a :class:`KernelBackend`
+    subclass (registered under the entry point's name with its ``devices`` and ``priority`` class
+    attributes) or a callable without arguments that registers; a broken one warns and is skipped."""
     global _entry_points_loaded
     with _lock:
         if _entry_points_loaded:
@@ -175,9 +147,8 @@ def _load_entry_points() -> None:
 
 
 def available_backends() -> dict[str, BackendEntry]:
-    """All registered backends (built-in and entry points), by name, highest priority first.
-
-    Listing does not load (build) any backend.
+    """All registered backends (built-in and entry points), by name, highest priority first; loads
+    (builds) none of them.
 
     Example::
 
@@ -191,31 +162,19 @@ def available_backends() -> dict[str, BackendEntry]:
 
 def _instantiate(entry: BackendEntry) -> KernelBackend:
     """Build ``entry``'s backend once per process; re-raise a cached failure."""
-    if entry.name in _instances:
-        return _instances[entry.name]
-    if entry.name in _failures:
-        raise _failures[entry.name]
-    try:
-        backend = entry.factory()
-        if not isinstance(backend, KernelBackend):
-            raise TypeError(
-                f"factory of kernel backend {entry.name!r} returned {backend!r}, not a KernelBackend"
-            )
-    except Exception as exc:
-        _failures[entry.name] = exc
-        raise
-    _instances[entry.name] = backend
-    return backend
-
-
-def _as_device(device: torch.device | str | int | None) -> torch.device:
-    if device is None:
-        return torch.get_default_device()
-    if isinstance(device, torch.device):
-        return device
-    if not isinstance(device, str | int):
-        raise TypeError(f"`device` must be a torch.device, str or None, got {device!r}")
-    return torch.device(device)
+    if entry.name not in _built:
+        try:
+            backend = entry.factory()
+            if not isinstance(backend, KernelBackend):
+                raise TypeError(
+                    f"factory of kernel backend {entry.name!r} returned {backend!r}, not a KernelBackend"
+                )
+        except Exception as exc:
+            backend = exc
+        _built[entry.name] = backend
+    if isinstance(_built[entry.name], Exception):
+        raise _built[entry.name]
+    return _built[entry.name]
 
 
 def _explicit(name: str, device: torch.device, source: str) -> KernelBackend:
@@ -274,22 +233,25 @@ def _automatic(device: torch.device) -> KernelBackend:
 def get_backend(name: str | None = None, device: torch.device | str | None = None) -> KernelBackend:
     """The kernel backend to use for tensors on ``device``.
 
+    Selection: explicit ``name`` > ``LIGHTNING_EXT_KERNELS`` > automatic (``""``/``"auto"``): the
+    highest-priority registered backend that supports the device type and loads, ``reference`` last.
+
     Args:
-        name: backend name; ``None`` reads ``LIGHTNING_EXT_KERNELS``, and when that is unset, empty or
-            ``"auto"``, picks the highest-priority backend that supports ``device`` and loads.
+        name: backend name, or ``None`` for the environment variable or automatic selection.
         device: where the tensors live (``x.device``); ``None`` means ``torch.get_default_device()``.
 
     Returns:
         The backend, built on first use and cached per (requested name, device type) for the process.
 
     Raises:
-        ValueError: the requested backend is unknown or does not support ``device``.
+        ValueError: the requested backend (argument or variable) is unknown or does not support
+            ``device``; the message names the registered backends.
         RuntimeError: the requested backend failed to load (the cause is chained).
         TypeError: ``name`` not a string or ``device`` not a device.
 
     Warns:
         RuntimeWarning: once per process, when an automatically selected backend fails to load and
-            ``reference`` is used instead.
+            another (in the end ``reference``) is used instead.
 
     Example::
 
@@ -298,7 +260,9 @@ def get_backend(name: str | None = None, device: torch.device | str | None = Non
     """
     if name is not None and not isinstance(name, str):
         raise TypeError(f"`name` must be a backend name (str) or None, got {name!r}")
-    device = _as_device(device)
+    if device is not None and not isinstance(device, torch.device | str | int):
+        raise TypeError(f"`device` must be a torch.device, str or None, got {device!r}")
+    device = torch.get_default_device() if device is None else torch.device(device)
     source = "argument `name`"
     if name is None:
         env = os.environ.get(ENV_VAR, "").strip()
@@ -316,36 +280,15 @@ def get_backend(name: str | None = None, device: torch.device | str | None = Non
 
 
 def reset() -> None:
-    """Forget loaded backends, failures, the selection cache and the fallback warning.
-
-    The next :func:`get_backend` resolves (and builds) backends again. Registrations stay.
-    """
+    """Forget loaded backends, failures, the selection cache and the fallback warning (registrations
+    stay): the next :func:`get_backend` resolves and builds backends again."""
     global _fallback_warned
     with _lock:
-        _instances.clear()
-        _failures.clear()
+        _built.clear()
         _cache.clear()
         _fallback_warned = False
 
 
-def _make_reference() -> KernelBackend:
-    from lightning_ext.kernels.reference import ReferenceBackend
-
-    return ReferenceBackend()
-
-
-def _make_cpu() -> KernelBackend:
-    from lightning_ext.kernels.cpu import CpuBackend
-
-    return CpuBackend()
-
-
-def _make_triton() -> KernelBackend:
-    from lightning_ext.kernels.triton_backend import TritonBackend
-
-    return TritonBackend()
-
-
-register_backend("reference", _make_reference, devices=("cpu", "cuda", "mps", "xpu", "meta"), priority=0)
-register_backend("cpu", _make_cpu, devices=("cpu",), priority=5)
-register_backend("triton", _make_triton, devices=("cuda",), priority=10)
+register_backend("reference", ReferenceBackend, ReferenceBackend.devices, priority=0)
+register_backend("cpu", CpuBackend, ("cpu",), priority=5)
+register_backend("triton", TritonBackend, ("cuda",), priority=10)

@@ -8,17 +8,10 @@ from typing import ClassVar
 import torch
 from typing_extensions import override
 
+from lightning_ext.kernels import batch_norm, moments, unscale
 from lightning_ext.kernels._triton import HAS_TRITON
-from lightning_ext.kernels.backend import KernelBackend
-from lightning_ext.kernels.batch_norm import (
-    batch_norm_backward_elemt_triton,
-    batch_norm_backward_reduce_triton,
-    batch_norm_elemt_triton,
-    batch_norm_gather_stats_reference,
-    batch_norm_moments_triton,
-)
-from lightning_ext.kernels.moments import accumulate_moments_triton
-from lightning_ext.kernels.unscale import check_finite_triton, unscale_and_check_triton
+from lightning_ext.kernels.backend import bind_ops
+from lightning_ext.kernels.reference import ReferenceBackend
 
 __all__ = ["TritonBackend"]
 
@@ -28,12 +21,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-class TritonBackend(KernelBackend):
-    """Every op as a Triton kernel (fp32 accumulators, any memory format by strides, any C).
+@bind_ops("triton", batch_norm, moments, unscale)
+class TritonBackend(ReferenceBackend):
+    """Every op as a Triton kernel (the ``*_triton`` functions of the op files: fp32 accumulators, any
+    memory format by strides, any C), except ``batch_norm_gather_stats``: the reference's torch ops.
 
     Under ``TRITON_INTERPRET=1`` (set before ``import triton``) the kernels run on CPU tensors in
-    Triton's interpreter, for tests and debugging; the registry still lists ``triton`` for CUDA only,
-    so automatic selection never picks the interpreter.
+    Triton's interpreter, for tests; automatic selection never picks the interpreter (the registry
+    lists ``triton`` for CUDA only).
 
     Raises:
         RuntimeError: Triton is not installed, or CUDA is not available outside the interpreter.
@@ -64,12 +59,3 @@ class TritonBackend(KernelBackend):
     @override
     def supports(self, device_type: str) -> bool:
         return device_type == "cuda" or (device_type == "cpu" and interpreting())
-
-    _batch_norm_moments = staticmethod(batch_norm_moments_triton)
-    _batch_norm_gather_stats = staticmethod(batch_norm_gather_stats_reference)  # per-channel torch ops
-    _batch_norm_elemt = staticmethod(batch_norm_elemt_triton)
-    _batch_norm_backward_reduce = staticmethod(batch_norm_backward_reduce_triton)
-    _batch_norm_backward_elemt = staticmethod(batch_norm_backward_elemt_triton)
-    _unscale_and_check_ = staticmethod(unscale_and_check_triton)
-    _check_finite = staticmethod(check_finite_triton)
-    _accumulate_moments_ = staticmethod(accumulate_moments_triton)

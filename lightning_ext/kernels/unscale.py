@@ -1,23 +1,12 @@
-"""Fused gradient unscaling with an inf/NaN check: ``unscale_and_check_`` and ``check_finite``.
-
-Reference: ATen's ``_amp_foreach_non_finite_check_and_unscale_`` (what ``torch.amp.GradScaler``
-uses). The Triton kernel does the same in one launch per dtype: it reads each element once, writes it
-scaled and raises a device-side flag; with its stores off it is the read-only ``check_finite``.
-"""
+"""``unscale_and_check_`` and ``check_finite``: ``<op>_reference`` (ATen, as ``torch.amp.GradScaler``)
+and ``<op>_triton``, one multi-tensor Triton kernel (its stores off for ``check_finite``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from lightning_ext.kernels._triton import HAS_TRITON, tl, tl_dtype, triton
-
-__all__ = [
-    "check_finite_reference",
-    "check_finite_triton",
-    "unscale_and_check_reference",
-    "unscale_and_check_triton",
-]
+from lightning_ext.kernels._triton import HAS_TRITON, tl, triton
 
 
 def _by_dtype(tensors: list[Tensor]) -> dict[torch.dtype, list[Tensor]]:
@@ -31,7 +20,7 @@ def _by_dtype(tensors: list[Tensor]) -> dict[torch.dtype, list[Tensor]]:
 
 
 def unscale_and_check_reference(tensors: list[Tensor], inv_scale: Tensor) -> Tensor:
-    """ATen's multi-tensor op: one call on CPU (its kernel takes mixed dtypes), one per dtype elsewhere."""
+    """ATen's multi-tensor op: one call on CPU (it takes mixed dtypes), one per dtype elsewhere."""
     found = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
     groups = [tensors] if inv_scale.is_cpu else list(_by_dtype(tensors).values())
     for group in groups:
@@ -55,11 +44,10 @@ def check_finite_reference(tensors: list[Tensor], device: torch.device) -> Tenso
 # ---------------------------------------------------------------------------- Triton kernel
 # One launch per (device, dtype) bucket covers every tensor of the bucket (multi-tensor apply, as
 # ATen's ``_amp_foreach_non_finite_check_and_unscale_`` and Apex's ``multi_tensor_apply`` do): one
-# program per BLOCK elements of any tensor. A cached int64 table holds one word per program: where
-# its block starts (elements from a base pointer) and how many of its BLOCK elements are valid, so a
-# program's first load is its own word and its second already reads the gradients (no chain of
-# table loads through a tensor index). The inf/NaN flag is a masked store by the offending lanes:
-# no reduction across the block, so no barrier between a program's loads and its stores.
+# program per BLOCK elements of any tensor. A cached int64 table holds one word per program,
+# ``start << 24 | valid``: where its block starts (elements from the bucket's first tensor) and how
+# many of its BLOCK elements are valid, so a program's second load already reads the gradients.
+# The inf/NaN flag is a masked store by the offending lanes: no reduction, no barrier.
 
 _VALID_BITS = 24  # low bits of a table word: valid elements of the block (BLOCK < 2**24)
 # The high bits hold a signed element offset from the base pointer: tensors farther than this from
@@ -89,11 +77,8 @@ if HAS_TRITON:
             g = tl.load(ptrs, mask=lanes < valid, other=0.0)
         v = g.to(ACC)
         # Every writer stores the same value: no atomic, and lanes without inf/NaN store nothing.
-        tl.store(
-            found_ptr + lanes * 0,
-            tl.full([BLOCK], 1.0, tl.float32),
-            mask=(v != v) | (tl.abs(v) == float("inf")),
-        )
+        bad = (v != v) | (tl.abs(v) == float("inf"))
+        tl.store(found_ptr + lanes * 0, tl.full([BLOCK], 1.0, tl.float32), mask=bad)
         if WRITE:
             out = (v * tl.load(inv_ptr).to(ACC)).to(g.dtype)
             if valid == BLOCK:
@@ -122,30 +107,20 @@ def _is_dense(t: Tensor) -> bool:
 
 
 def _bucket_metadata(group: list[Tensor], block: int) -> _Meta:
-    """``(table, fast, programs)`` for the tensors of one (device, dtype) bucket, cached.
+    """``(table, fast, programs)`` for the tensors of one (device, dtype) bucket.
 
-    ``fast``: indices of the tensors the kernel takes (non-empty, dense,
-    16-byte aligned, within ``_MAX_OFFSET`` elements of the first such tensor); ``table``: one int64
-    word per program on the device, ``start << 24 | valid`` (``start``: the first element of its
-    block, counted from the first fast tensor's address; ``valid``: how many of the block's ``block``
-    elements belong to the tensor). Cached by the tensors' addresses and sizes (gradients keep their
-    storage from step to step), so a step builds no table and copies nothing to the device.
-    Non-contiguous tensors are re-checked for density on every call. On a miss the host builds 3
-    numbers per tensor and copies them without a sync (pinned memory, ``non_blocking``); the
-    per-program words are computed on the device (``searchsorted`` for each program's tensor), so the
-    cost does not grow with the number of elements.
+    ``fast``: indices of the tensors the kernel takes (non-empty, dense, 16-byte aligned, within
+    ``_MAX_OFFSET`` elements of the first such tensor); ``table``: the program words on the device.
+    Cached by the tensors' addresses and sizes (gradients keep their storage from step to step). On a
+    miss the host copies 3 numbers per tensor without a sync (pinned, ``non_blocking``) and the device
+    computes the words (``searchsorted`` of each program's tensor).
     """
-    ptrs = tuple(map(Tensor.data_ptr, group))
-    sizes = tuple(map(Tensor.numel, group))
-    head = (group[0].device, group[0].dtype, block)
-    if all(map(Tensor.is_contiguous, group)):
-        key: tuple = (*head, ptrs, sizes)
-    else:
-        key = (*head, ptrs, sizes, tuple(map(_is_dense, group)))
+    ptrs, sizes = tuple(map(Tensor.data_ptr, group)), tuple(map(Tensor.numel, group))
+    dense = (True,) * len(group) if all(map(Tensor.is_contiguous, group)) else tuple(map(_is_dense, group))
+    key = (group[0].device, group[0].dtype, block, ptrs, sizes, dense)
     hit = _META_CACHE.get(key)
     if hit is not None:
         return hit
-    dense = key[5] if len(key) > 5 else (True,) * len(group)
     elsize = group[0].element_size()
     fast = [
         i
@@ -180,12 +155,8 @@ def _bucket_metadata(group: list[Tensor], block: int) -> _Meta:
 
 
 def _multi_tensor_pass(tensors: list[Tensor], inv_scale: Tensor | None, device: torch.device) -> Tensor:
-    """found_inf (float32 0-dim on ``device``) of ``tensors``; each is multiplied by ``inv_scale`` in
-    place unless it is None.
-
-    One kernel launch per dtype for the dense, 16-byte aligned tensors; the others go through ATen's
-    multi-tensor op, or :func:`check_finite_reference` when only checking.
-    """
+    """found_inf (float32 0-dim on ``device``) of ``tensors``, each multiplied by ``inv_scale`` in
+    place unless it is None. Tensors the kernel does not take go through the references."""
     block = _BLOCK_INTERPRET if device.type == "cpu" else _BLOCK
     found = torch.zeros((), dtype=torch.float32, device=device)
     for dtype, group in _by_dtype(tensors).items():
@@ -193,7 +164,7 @@ def _multi_tensor_pass(tensors: list[Tensor], inv_scale: Tensor | None, device: 
         if fast:
             _unscale_multi_kernel[(total,)](
                 group[fast[0]], table, found if inv_scale is None else inv_scale, found,
-                ACC=tl_dtype(dtype == torch.float64), WRITE=inv_scale is not None,
+                ACC=tl.float64 if dtype == torch.float64 else tl.float32, WRITE=inv_scale is not None,
                 VEC=16 // group[0].element_size(), BLOCK=block, VALID_BITS=_VALID_BITS,
                 **({} if device.type == "cpu" else {"num_warps": _NUM_WARPS}),
             )  # fmt: skip
@@ -207,16 +178,10 @@ def _multi_tensor_pass(tensors: list[Tensor], inv_scale: Tensor | None, device: 
 
 
 def unscale_and_check_triton(tensors: list[Tensor], inv_scale: Tensor) -> Tensor:
-    """Multiply every tensor in place by ``inv_scale`` and report whether any element is inf/NaN.
-
-    One multi-tensor Triton launch per dtype: each element read once, written once. Non-dense and
-    misaligned tensors go through ATen's multi-tensor op. A first call for a new set of tensors
-    copies a small table to the device (pinned, non-blocking: no sync).
-    """
+    """One launch per dtype: each element read once, written once. No host sync."""
     return _multi_tensor_pass(tensors, inv_scale, inv_scale.device)
 
 
 def check_finite_triton(tensors: list[Tensor], device: torch.device) -> Tensor:
-    """``found_inf`` of ``tensors`` without writing them: the multi-tensor kernel with its stores off
-    (half the bytes of unscaling). No host sync."""
+    """The multi-tensor kernel with its stores off (half the bytes of unscaling). No host sync."""
     return _multi_tensor_pass(tensors, None, device)

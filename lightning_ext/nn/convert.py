@@ -1,18 +1,15 @@
 """Convert batch-norm layers to :class:`SyncBatchNorm` and back, losslessly.
 
-``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` has no inverse, and Lightning's
-``TorchSyncBatchNorm.revert`` turns every layer into a private ``_BatchNormXd`` because the original
-class is lost. Here each converted layer keeps a *template* of the layer it replaced: a shallow
-copy of the original module with its parameters, buffers and children removed (so it holds no
-tensor, follows no ``.to()`` and never appears in ``state_dict``). :func:`revert_sync_batchnorm`
-copies the template again and gives it the converted layer's CURRENT parameters and buffers (the
-same tensor objects, after any ``.to(device)`` or ``load_state_dict``), training flag and children,
-so ``BatchNorm2d`` comes back as ``BatchNorm2d`` and a user's subclass keeps its class and attributes.
+Unlike ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` (no inverse) and Lightning's
+``TorchSyncBatchNorm.revert`` (a private ``_BatchNormXd`` class), each converted layer keeps a
+*template* of the layer it replaced: a shallow copy without parameters, buffers or children (it holds
+no tensor, follows no ``.to()`` and is not in ``state_dict``).
 """
 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +35,21 @@ def _strip(module: nn.Module) -> nn.Module:
     return template
 
 
+def _bn_args(module: _BatchNorm) -> tuple[Any, ...]:
+    """The positional constructor arguments of a batch-norm layer like ``module``."""
+    return module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
+
+
+def _share_state(source: nn.Module, target: nn.Module) -> None:
+    """Give ``target`` the parameters, buffers (same objects), training flag and ``qconfig`` of ``source``."""
+    target._parameters = dict(source._parameters)
+    target._buffers = dict(source._buffers)
+    target._non_persistent_buffers_set = set(source._non_persistent_buffers_set)
+    target.train(source.training)
+    if hasattr(source, "qconfig"):
+        target.qconfig = source.qconfig
+
+
 class _BatchNormXd(_BatchNorm):
     """Local batch norm accepting any ``(N, C, *)`` input: what a layer built as SyncBatchNorm reverts to."""
 
@@ -51,12 +63,11 @@ def convert_sync_batchnorm(
     process_group: dist.ProcessGroup | None = None,
     backend: str | None = None,
 ) -> nn.Module:
-    """Replace every ``BatchNorm1d/2d/3d`` and ``torch.nn.SyncBatchNorm`` in ``module`` by ours.
+    """Replace every ``BatchNorm1d/2d/3d`` and ``torch.nn.SyncBatchNorm`` in ``module`` by ours, recursively.
 
-    Parameters and buffers are SHARED with the original layers (the same tensor objects), and
-    ``training`` and ``qconfig`` are copied. Layers that already are :class:`SyncBatchNorm` are left
-    as they are (their ``process_group``/``backend`` are not changed). Works recursively; when
-    ``module`` itself is a batch-norm layer a new module is returned. No collective, no host sync.
+    Parameters and buffers are SHARED with the original layers (the same tensor objects); ``training``
+    and ``qconfig`` are copied. Layers that already are :class:`SyncBatchNorm` are left as they are.
+    No collective, no host sync.
 
     Args:
         module: any module (e.g. a LightningModule).
@@ -64,7 +75,7 @@ def convert_sync_batchnorm(
         backend: kernel backend name for the converted layers (default: auto).
 
     Returns:
-        ``module`` with converted children, or the converted layer when ``module`` is one.
+        ``module`` with converted children, or a new layer when ``module`` itself is a batch norm.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module`` or ``backend`` is not a string.
@@ -86,21 +97,12 @@ def convert_sync_batchnorm(
     converted = module
     if isinstance(module, _CONVERTIBLE) and not isinstance(module, SyncBatchNorm):
         converted = SyncBatchNorm(
-            module.num_features,
-            module.eps,
-            module.momentum,
-            module.affine,
-            module.track_running_stats,
-            process_group=process_group,
-            device="meta",
-            backend=backend,
+            *_bn_args(module), process_group=process_group, device="meta", backend=backend
         )
         _share_state(module, converted)
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         warm_backend(backend, tensors[0].device if tensors else None)
         object.__setattr__(converted, _TEMPLATE_ATTR, _strip(module))
-        if hasattr(module, "qconfig"):
-            converted.qconfig = module.qconfig
     for name, child in module.named_children():
         converted.add_module(name, convert_sync_batchnorm(child, process_group, backend))
     return converted
@@ -109,12 +111,11 @@ def convert_sync_batchnorm(
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """Undo :func:`convert_sync_batchnorm`: every :class:`SyncBatchNorm` gets its ORIGINAL class back.
 
-    The restored layer is a copy of the original (same class and attributes, e.g. a
-    ``torch.nn.SyncBatchNorm`` keeps its ``process_group``) holding the converted layer's current
-    parameters and buffers (shared tensor objects), training flag and ``qconfig``. A
-    :class:`SyncBatchNorm` that was built directly (not converted) becomes a local batch norm
-    accepting any ``(N, C, *)`` input. ``revert(convert(m))`` has an identical ``state_dict`` and
-    identical outputs. No collective, no host sync.
+    The restored layer is a copy of the original (same class and attributes) holding the converted
+    layer's current parameters and buffers (shared tensor objects, after any ``.to()`` or
+    ``load_state_dict``), training flag and ``qconfig``; ``revert(convert(m))`` has an identical
+    ``state_dict`` and outputs. A :class:`SyncBatchNorm` built directly becomes a local batch norm
+    accepting any ``(N, C, *)`` input. No collective, no host sync.
 
     Args:
         module: any module.
@@ -130,28 +131,10 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     reverted = module
     if isinstance(module, SyncBatchNorm):
         template = module.__dict__.get(_TEMPLATE_ATTR)
-        if template is not None:
-            reverted = _strip(template)
-        else:
-            reverted = _BatchNormXd(
-                module.num_features,
-                module.eps,
-                module.momentum,
-                module.affine,
-                module.track_running_stats,
-                device="meta",
-            )
+        reverted = (
+            _strip(template) if template is not None else _BatchNormXd(*_bn_args(module), device="meta")
+        )
         _share_state(module, reverted)
-        if hasattr(module, "qconfig"):
-            reverted.qconfig = module.qconfig
     for name, child in module.named_children():
         reverted.add_module(name, revert_sync_batchnorm(child))
     return reverted
-
-
-def _share_state(source: nn.Module, target: nn.Module) -> None:
-    """Give ``target`` the parameters and buffers of ``source`` (same objects) and its training flag."""
-    target._parameters = dict(source._parameters)
-    target._buffers = dict(source._buffers)
-    target._non_persistent_buffers_set = set(source._non_persistent_buffers_set)
-    target.train(source.training)
