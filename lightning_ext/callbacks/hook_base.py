@@ -1,12 +1,4 @@
-"""detectron2-style training hooks as a Lightning callback.
-
-:class:`HookBase` gives a :class:`lightning.pytorch.Callback` the small, loop-shaped interface of
-detectron2's ``HookBase`` (``detectron2/engine/train_loop.py``): ``before_train``, ``after_train``,
-``before_step``, ``after_backward``, ``after_step``, ``state_dict`` and ``load_state_dict``, with
-``self.trainer``, ``self.pl_module`` and ``self.iter`` available inside them. Unlike detectron2, two
-instances of one hook class keep distinct checkpoint state, and ``after_train`` of every hook runs
-(once) when training fails, even if another hook's ``after_train`` raised.
-"""
+"""``HookBase``: detectron2's loop-shaped hook interface as a Lightning callback."""
 
 from __future__ import annotations
 
@@ -19,7 +11,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-__all__ = ["HookBase"]
+__all__ = ["HookBase", "iterations_done"]
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +21,7 @@ _instance_ids = itertools.count()  # provisional state-key ids, unique within th
 class HookBase(Callback):
     """Base class for detectron2-style hooks, registered like any Lightning callback.
 
-    Subclasses override any of the methods below; each maps onto Lightning hooks as follows::
+    Subclasses override any of these methods, called from these Lightning hooks::
 
         detectron2 (HookBase)     Lightning (Callback)              when
         ------------------------  --------------------------------  ---------------------------------
@@ -38,43 +30,37 @@ class HookBase(Callback):
         after_backward()          on_after_backward                 EVERY micro-batch's backward
         after_step()              on_train_batch_end                micro-batch that stepped the optimizer
         after_train()             on_train_end  OR  on_exception    once, success or failure
-        state_dict()              state_dict                        checkpoint save
+        state_dict()              state_dict                        checkpoint save (default: {})
         load_state_dict(state)    load_state_dict                   checkpoint restore
 
-    An *iteration* is one optimizer step: with ``accumulate_grad_batches=k`` the hook sees one
-    ``before_step``/``after_step`` pair around ``k`` micro-batches (``after_step`` fires on the
-    micro-batch whose ``optimizer.step()`` advanced ``trainer.global_step``, skipped AMP steps
-    included) and ``k`` calls of ``after_backward``. ``before_step`` runs on the critical path of
-    every iteration: keep it cheap (no host–device synchronization, no I/O).
+    An *iteration* is one training step that stepped the optimizers: in automatic optimization one
+    optimizer step (with ``accumulate_grad_batches=k``, one ``before_step``/``after_step`` pair
+    around ``k`` micro-batches and ``k`` ``after_backward`` calls), in manual optimization one
+    ``training_step`` however many ``optimizer.step()`` calls it makes (a GAN's D and G steps).
+    ``after_step`` fires on the micro-batch that advanced ``trainer.global_step`` (skipped AMP steps
+    included). ``before_step`` is on the critical path: keep it cheap (no host–device
+    synchronization, no I/O).
 
-    Inside the methods:
+    Inside the methods: ``self.trainer`` (a :func:`weakref.proxy`), ``self.pl_module``, ``self.iter``
+    (the iteration, 0-based like detectron2's ``trainer.iter``: the step Lightning's loggers write,
+    equal to ``trainer.global_step`` in automatic optimization, and continued on resume),
+    ``self.start_iter`` (``self.iter`` at ``before_train``), and ``self.exception``: in an
+    ``after_train`` after a failure, the exception (else ``None``), so that a hook can skip work,
+    above all collectives that other ranks may never join.
 
-    - ``self.trainer`` is a :func:`weakref.proxy` to the Lightning ``Trainer`` (the hook does not
-      keep it alive) and ``self.pl_module`` the ``LightningModule``;
-    - ``self.iter`` is the current iteration: ``trainer.global_step`` at ``before_step`` (0-based,
-      like detectron2's ``trainer.iter``), unchanged through ``after_step``; ``self.start_iter`` is
-      its value at ``before_train`` (non-zero after a resume);
-    - ``self.exception`` is ``None`` in an ``after_train`` that follows a successful run and the
-      exception otherwise, so a hook can skip work (above all collectives, which the other ranks
-      may never join) when training failed.
+    Errors: an exception from a hook method propagates with a ``PEP 678`` note naming the hook
+    class and method. On failure the ``after_train`` of each hook that started runs once; an
+    exception from it is logged and noted on the original exception, which keeps propagating, so
+    the other hooks' ``after_train`` still run. With ``strategy="ddp_spawn"``/``"ddp_notebook"``
+    Lightning calls ``on_exception`` only in the launching process, so ``after_train`` does not
+    run in the workers when training fails; with ``strategy="ddp"`` it does.
 
-    Errors: an exception raised by a hook method propagates with a note naming the hook class and
-    method (``PEP 678`` notes appear in the traceback). On failure Lightning calls ``on_exception``
-    on every callback; ``after_train`` of each hook that started runs exactly once; an exception
-    from it there is logged and attached as a note to the original exception, which keeps
-    propagating, so the remaining hooks' ``after_train`` still run. Caveat: with
-    ``strategy="ddp_spawn"``/``"ddp_notebook"`` Lightning calls ``on_exception`` only in the
-    launching process (on its own copies of the callbacks), not in the worker processes, so there
-    ``after_train`` does not run in the workers when training fails; with ``strategy="ddp"``
-    (subprocess launcher or ``torchrun``) it does.
+    Checkpoints: each hook's state is stored under its :attr:`state_key`, ``ClassName{'index': i}``
+    with ``i`` its position among the instances of its class in ``trainer.callbacks`` (so construct
+    them in the same order when resuming); before ``setup`` the key is provisional, process-unique.
 
-    Checkpoints: the state of each hook is stored under its :attr:`state_key`, made distinct per
-    instance as ``ClassName{'index': i}`` where ``i`` counts the instances of the same class in
-    ``trainer.callbacks`` (so construct them in the same order when resuming). Before the hook is
-    attached to a trainer the key is a provisional, process-unique one.
-
-    The protocol follows detectron2's ``TrainerBase.train`` (``try: before_train; loop; finally:
-    after_train``) and ``engine/hooks.py``.
+    Source: detectron2 ``engine/train_loop.py`` (``TrainerBase.train``: ``try: before_train; loop;
+    finally: after_train``) and ``engine/hooks.py``.
 
     Example::
 
@@ -84,12 +70,7 @@ class HookBase(Callback):
         ...         self.steps = 0
         ...     def after_step(self):
         ...         self.steps += 1
-        ...     def state_dict(self):
-        ...         return {"steps": self.steps}
-        ...     def load_state_dict(self, state_dict):
-        ...         self.steps = state_dict["steps"]
-        >>> hook = CountSteps()
-        >>> trainer = L.Trainer(callbacks=[hook], max_steps=1, logger=False)  # doctest: +SKIP
+        >>> trainer = L.Trainer(callbacks=[CountSteps()], max_steps=1, logger=False)  # doctest: +SKIP
     """
 
     def __init__(self) -> None:
@@ -105,33 +86,15 @@ class HookBase(Callback):
         self._key_index: int | None = None  # position among same-class hooks of the trainer
         self._instance_id = next(_instance_ids)
 
-    # ------------------------------------------------------------------ detectron2 interface
+    def before_train(self) -> None: ...
 
-    def before_train(self) -> None:
-        """Called once before the first training iteration (``on_train_start``)."""
+    def after_train(self) -> None: ...
 
-    def after_train(self) -> None:
-        """Called once after the last iteration, or after training raised (see ``self.exception``)."""
+    def before_step(self) -> None: ...
 
-    def before_step(self) -> None:
-        """Called before each iteration (first micro-batch). Must stay cheap."""
+    def after_backward(self) -> None: ...
 
-    def after_backward(self) -> None:
-        """Called after every micro-batch's backward pass, before the optimizer step."""
-
-    def after_step(self) -> None:
-        """Called after each iteration, once its optimizer step ran."""
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        """State saved in Lightning checkpoints under :attr:`state_key`; empty by default."""
-        return {}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-
-    # ------------------------------------------------------------------ attributes
+    def after_step(self) -> None: ...
 
     @property
     def trainer(self) -> pl.Trainer:
@@ -149,7 +112,7 @@ class HookBase(Callback):
 
     @property
     def iter(self) -> int:
-        """The current iteration (optimizer step), 0-based; see the class docstring."""
+        """The current iteration, 0-based (see the class docstring)."""
         return self._iter
 
     @property
@@ -161,12 +124,7 @@ class HookBase(Callback):
 
     def __getstate__(self) -> dict[str, Any]:
         # Weak proxies and modules of a finished run do not travel to spawned workers.
-        state = self.__dict__.copy()
-        state["_trainer_ref"] = None
-        state["pl_module"] = None
-        return state
-
-    # ------------------------------------------------------------------ Lightning plumbing
+        return {**self.__dict__, "_trainer_ref": None, "pl_module": None}
 
     def _call(self, name: str) -> None:
         try:
@@ -189,7 +147,7 @@ class HookBase(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._attach(trainer, pl_module)
         self.exception = None
-        self.start_iter = self._iter = trainer.global_step
+        self.start_iter = self._iter = iterations_done(trainer)
         self._in_step = False
         self._running = True
         self._call("before_train")
@@ -200,7 +158,7 @@ class HookBase(Callback):
     ) -> None:
         if not self._in_step:
             self._in_step = True
-            self._step_global_step = self._iter = trainer.global_step
+            self._step_global_step, self._iter = trainer.global_step, iterations_done(trainer)
             self._call("before_step")
 
     @override
@@ -220,6 +178,7 @@ class HookBase(Callback):
         if self._running:
             self._running = False
             self.exception = None
+            self._iter = iterations_done(trainer)  # detectron2: the iteration after the last one
             self._call("after_train")
 
     @override
@@ -228,14 +187,22 @@ class HookBase(Callback):
     ) -> None:
         if not self._running:
             return
-        self._running = False
-        self._in_step = False
+        self._running = self._in_step = False
         self.exception = exception
         try:
             self.after_train()
         except Exception as exc:  # the original exception keeps propagating; let the other hooks run
             log.exception("%s.after_train() raised while handling %r", type(self).__qualname__, exception)
             _add_note(exception, f"{type(self).__qualname__}.after_train() also raised {exc!r}")
+
+
+def iterations_done(trainer: pl.Trainer) -> int:
+    """Iterations completed before the current batch (see :class:`HookBase`), restored on resume.
+
+    Lightning's count of training batches that stepped the optimizers, the step its loggers write;
+    ``trainer.global_step`` in automatic optimization.
+    """
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
 def _add_note(exc: BaseException, note: str) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import logging
 import time
 from collections import deque
 from typing import Any
@@ -18,37 +17,27 @@ from lightning_ext.stats import report
 
 __all__ = ["IterationTimer"]
 
-log = logging.getLogger(__name__)
-
 
 class IterationTimer(HookBase):
     """Time every iteration and log the overall training speed at the end of training.
 
-    Every iteration it ``report()``-s (see :mod:`lightning_ext.stats`):
+    Every iteration it ``report()``-s ``Timing/data_sec``, the seconds waiting for data (from the end
+    of the previous micro-batch, the start of the epoch or the end of a validation run to the start
+    of the next micro-batch, summed over the iteration), and after the first ``warmup_iter``
+    iterations ``Timing/step_sec``, the seconds of the iteration itself (forward, backward, optimizer
+    step and the hooks in between, data time excluded): host wall time on CPU; on CUDA, events
+    recorded at ``before_step``/``after_step`` and read once a later iteration finds them completed
+    (``Event.query()``), so no per-step synchronization but values one or more iterations late.
 
-    - ``Timing/data_sec``: seconds spent waiting for data, i.e. from the end of the previous
-      micro-batch (this hook's ``on_train_batch_end``; or the start of the epoch, or the end of a
-      validation run) to the start of the next one, summed over the micro-batches of the
-      iteration; reported for every iteration;
-    - ``Timing/step_sec``: seconds of the iteration itself (forward, backward, optimizer step and
-      the hooks in between), data time excluded; reported after the first ``warmup_iter``
-      iterations. On CPU it is host wall time (``time.perf_counter``). On CUDA it is measured with
-      CUDA events recorded at ``before_step``/``after_step`` and read lazily, when a later
-      iteration finds them completed (``Event.query()``), so there is NO per-step device
-      synchronization; values are therefore reported one or more iterations late.
-
-    At ``after_train`` (also when training failed) it logs on rank zero, through Lightning's
-    ``rank_zero_info`` (Python ``logging``), detectron2's summary::
+    At ``after_train`` (also after a failure) it logs detectron2's summary on rank zero
+    (``rank_zero_info``) and keeps it in :attr:`summary`::
 
         Overall training speed: 97 iterations in 0:00:03 (0.0311 s / it)
         Total training time: 0:00:04 (0:00:00 on hooks)
 
-    where the speed counts the iterations after warm-up and their data + step time, and the
-    total is the wall time since the end of warm-up; the difference is the time spent outside
-    iterations ("hooks": other callbacks' epoch hooks, validation, checkpointing, logging). On CUDA
-    ``after_train`` synchronizes the device once. The summary is also kept in :attr:`summary`.
-    Put this hook first in ``callbacks`` so that the other hooks' batch hooks count as step time
-    consistently.
+    The speed counts the iterations after warm-up and their data + step time; the total is the wall
+    time since warm-up, "hooks" the time outside iterations (validation, checkpoints, epoch hooks).
+    On CUDA ``after_train`` synchronizes the device once. Put this hook first in ``callbacks``.
 
     Args:
         warmup_iter: number of first iterations excluded from ``Timing/step_sec`` and the summary.
@@ -95,9 +84,6 @@ class IterationTimer(HookBase):
         """Data + step seconds of the iterations after warm-up of the current/last run."""
         return self._timed_sec
 
-    def _use_cuda_events(self) -> bool:
-        return self.pl_module is not None and self.pl_module.device.type == "cuda"
-
     @override
     def before_train(self) -> None:
         self._reset()
@@ -107,20 +93,19 @@ class IterationTimer(HookBase):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        now = time.perf_counter()
-        data_sec = 0.0 if self._last_batch_end is None else now - self._last_batch_end
+        data_sec = 0.0 if self._last_batch_end is None else time.perf_counter() - self._last_batch_end
         if self._in_step:  # a later micro-batch of the same iteration
             self._data_sec_later += data_sec
-            self._data_sec += data_sec
         else:
-            self._data_sec = data_sec
-            self._data_sec_later = 0.0
+            self._data_sec = self._data_sec_later = 0.0
+        self._data_sec += data_sec
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
     @override
     def before_step(self) -> None:
         self._step_start = time.perf_counter()
-        if self._use_cuda_events() and self._iter - self.start_iter >= self.warmup_iter:
+        on_cuda = self.pl_module is not None and self.pl_module.device.type == "cuda"
+        if on_cuda and self._iter - self.start_iter >= self.warmup_iter:
             self._cuda_start = torch.cuda.Event(enable_timing=True)
             self._cuda_start.record()
 
@@ -153,9 +138,7 @@ class IterationTimer(HookBase):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_batch_end = time.perf_counter()  # epoch-boundary work is not data time
 
-    @override
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last_batch_end = time.perf_counter()  # nor is validation run between batches
+    on_validation_end = on_train_epoch_start  # nor is validation run between batches
 
     @override
     def on_train_batch_end(
@@ -169,8 +152,7 @@ class IterationTimer(HookBase):
         if self._pending_events:
             torch.cuda.synchronize()  # once per run, documented
             self._report_completed_events()
-        now = time.perf_counter()
-        total = 0.0 if self._timed_start is None else now - self._timed_start
+        total = 0.0 if self._timed_start is None else time.perf_counter() - self._timed_start
         hooks = max(total - self._timed_sec, 0.0)
         lines = []
         if self._timed_iters > 0 and self._timed_sec > 0:

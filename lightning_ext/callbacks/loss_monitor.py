@@ -1,19 +1,11 @@
-"""Non-finite loss detection agreed across ranks, and periodic loss/data-time writing.
-
-Follows detectron2's ``SimpleTrainer._write_metrics`` (``engine/train_loop.py``: losses averaged
-over ranks, ``data_time`` maxed over ranks, ``FloatingPointError`` on a non-finite total loss) and
-fixes two of its failure modes: there the check runs on rank 0 only after a gather, so the other
-ranks carry on into the next collective and hang until a timeout, and its asynchronous metric
-writer drops exceptions. Here the decision is taken from data every rank has, so every rank
-raises at the same point, and writer exceptions are re-raised in the training loop.
-"""
+"""``LossMonitor``: non-finite loss detection agreed across ranks, and periodic loss/data-time writing."""
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -27,12 +19,6 @@ from lightning_ext.callbacks.hook_base import HookBase
 from lightning_ext.distributed import collective_device, get_rank, get_world_size
 
 __all__ = ["LossMonitor"]
-
-log = logging.getLogger(__name__)
-
-
-# ------------------------------------------------------------------------------------------------
-# Pure helpers
 
 
 def extract_losses(outputs: Any, accumulate_grad_batches: int = 1) -> dict[str, torch.Tensor]:
@@ -56,22 +42,20 @@ def extract_losses(outputs: Any, accumulate_grad_batches: int = 1) -> dict[str, 
             f"{_short(outputs)}); LossMonitor needs the loss tensor or a dict with a 'loss' entry. "
             "HINT: return the loss from `training_step`, or remove LossMonitor from the callbacks."
         )
-    losses = {}
-    for key, value in outputs.items():
-        if key != "loss" and not (isinstance(key, str) and key.startswith("loss")):
-            continue
-        if not isinstance(value, torch.Tensor) or value.numel() != 1:
-            if key == "loss":
-                raise TypeError(
-                    f"LossMonitor: the 'loss' returned by `training_step` must be a tensor with one "
-                    f"element, got {_short(value)}"
-                )
-            continue
-        value = value.detach().reshape(())
-        if key == "loss" and accumulate_grad_batches != 1:
-            value = value * accumulate_grad_batches
-        losses[key] = value
-    return {"loss": losses.pop("loss"), **dict(sorted(losses.items()))}
+    loss = outputs["loss"]
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(
+            f"LossMonitor: the 'loss' returned by `training_step` must be a tensor with one "
+            f"element, got {_short(loss)}"
+        )
+    loss = loss.detach().reshape(())
+    if accumulate_grad_batches != 1:
+        loss = loss * accumulate_grad_batches
+    extras = {k: v for k, v in outputs.items() if k != "loss" and isinstance(k, str) and k.startswith("loss")}
+    scalars = {
+        k: v.detach().reshape(()) for k, v in extras.items() if isinstance(v, torch.Tensor) and v.numel() == 1
+    }
+    return {"loss": loss, **dict(sorted(scalars.items()))}
 
 
 def _short(value: Any) -> str:
@@ -106,35 +90,29 @@ def local_row(
     k, device = rows.shape[1], rows.device
     if accumulate != 1:
         rows = torch.cat([rows[:, :1] * accumulate, rows[:, 1:]], dim=1)
+    if rows.shape[0] == 0:  # one finite zero row changes neither the sums nor the decision
+        rows, iterations = rows.new_zeros(1, k), [0]
     nonfinite = ~torch.isfinite(rows[:, 0])
-    if rows.shape[0] == 0:
-        bad = torch.zeros(1, dtype=torch.float64, device=device)
-        first_bad = torch.full((1,), math.inf, dtype=torch.float64, device=device)
-        bad_values = torch.full((k,), math.nan, dtype=torch.float64, device=device)
-    else:
-        first = nonfinite.to(torch.uint8).argmax().reshape(1)  # first non-finite micro-batch (0 if none)
-        bad = nonfinite.any().reshape(1).to(torch.float64)
-        iters = torch.tensor(iterations, dtype=torch.float64).to(device, non_blocking=True)
-        first_bad = torch.where(bad > 0, iters.index_select(0, first), math.inf)
-        bad_values = torch.where(bad > 0, rows.index_select(0, first)[0], math.nan)
-    host = torch.tensor([*counts], dtype=torch.float64)
+    first = nonfinite.to(torch.uint8).argmax().reshape(1)  # first non-finite micro-batch (0 if none)
+    bad = nonfinite.any().reshape(1).to(torch.float64)
+    iters = torch.tensor(iterations, dtype=torch.float64).to(device, non_blocking=True)
+    first_bad = torch.where(bad > 0, iters.index_select(0, first), math.inf)
+    bad_values = torch.where(bad > 0, rows.index_select(0, first)[0], math.nan)
+    host = torch.tensor(counts, dtype=torch.float64)
     tail = torch.tensor([data_sec, float(writer_failed)], dtype=torch.float64)
     return torch.cat([rows.sum(0), host.to(device), bad, first_bad, bad_values, tail.to(device)])
 
 
 def summarize_gathered(gathered: torch.Tensor, keys: list[str]) -> dict[str, Any]:
-    """Reduce the per-rank rows gathered at an agreement point (host float64 ``(world_size, D)``).
+    """Reduce the :func:`local_row` of every rank (host float64 ``(world_size, 3K + 4)``, ``K = len(keys)``).
 
-    Row layout (``K = len(keys)``): ``[sums (K), counts (K), bad, first_bad_iter, bad_values (K),
-    data_sec, writer_failed]``. Returns the means over ranks and micro-batches per key, the max over
-    ranks of data time, whether any rank saw a non-finite total loss, the first such iteration,
-    the ranks that saw it then and the loss values of the lowest of them, and the ranks whose
-    writer failed.
+    Returns the means over ranks and micro-batches per key, the max over ranks of data time, whether
+    any rank saw a non-finite total loss, the first such iteration, the ranks that saw it then and
+    the losses of the lowest of them, and the ranks whose writer failed.
     """
     k = len(keys)
     sums, counts = gathered[:, :k].sum(0), gathered[:, k : 2 * k].sum(0)
-    bad = gathered[:, 2 * k]
-    first_bad = gathered[:, 2 * k + 1]
+    bad, first_bad = gathered[:, 2 * k], gathered[:, 2 * k + 1]
     result: dict[str, Any] = {
         "means": {
             key: (sums[i] / counts[i]).item() if counts[i] > 0 else math.nan for i, key in enumerate(keys)
@@ -153,73 +131,45 @@ def summarize_gathered(gathered: torch.Tensor, keys: list[str]) -> dict[str, Any
     return result
 
 
+@dataclasses.dataclass
 class _Agreement:
     """Outcome of one agreement point, filled by the (possibly asynchronous) writer job."""
 
-    __slots__ = ("error", "metrics", "summary", "writer_error")
-
-    def __init__(self, writer_error: BaseException | None) -> None:
-        self.summary: dict[str, Any] | None = None  # summarize_gathered() of the gathered table
-        self.error: FloatingPointError | None = None  # the non-finite loss decision
-        self.writer_error = writer_error  # this rank's writer failure that the table reports
-        self.metrics: dict[str, float] | None = None  # what rank zero wrote to the loggers
-
-
-# ------------------------------------------------------------------------------------------------
-# The hook
+    writer_error: BaseException | None  # this rank's writer failure that the gathered table reports
+    summary: dict[str, Any] | None = None  # summarize_gathered() of the gathered table
+    error: FloatingPointError | None = None  # the non-finite loss decision
+    metrics: dict[str, float] | None = None  # what rank zero wrote to the loggers
 
 
 class LossMonitor(HookBase):
     """Raise on a non-finite loss on every rank alike; write loss means and data time every period.
 
-    Every micro-batch, the losses returned by ``training_step`` (see :func:`extract_losses`: a
-    tensor, or a dict with ``"loss"`` and optional ``"loss*"`` entries) are kept, detached, ON
-    THEIR DEVICE (the total loss of automatic optimization by reference to Lightning's own copy,
-    the user's tensors cloned: no other tensor op, no host–device synchronization and no collective
-    on the step). At the agreement point they are stacked into one float64 ``(M, K)`` buffer (one
-    ``stack``) and :func:`local_row` turns it into per-loss sums, a non-finite flag of the total
-    loss, the first iteration at which it became non-finite and the losses then.
+    Every micro-batch, the losses returned by ``training_step`` (see :func:`extract_losses`) are kept
+    on their device: no other tensor op, no host–device synchronization, no collective on the step.
+    Every ``period`` iterations and at the end of training comes an *agreement point*: ONE
+    ``all_gather`` of each rank's :func:`local_row` (``3K + 4`` float64) on the training thread.
+    From the gathered data, which every rank holds:
 
-    Every ``period`` iterations (and at the end of training) comes an *agreement point*: ONE
-    ``all_gather`` of those accumulators (``3K + 4`` float64 per rank for ``K`` losses) on the
-    training thread, the same on every rank; then, from the gathered data that every rank holds:
+    - if a total loss was non-finite, EVERY rank raises ``FloatingPointError("Loss became infinite
+      or NaN at iteration=I on rank(s) [...]!\\nloss_dict = {...}")``, ``I`` being the first such
+      iteration (:attr:`~HookBase.iter`) on any rank and ``loss_dict`` that rank's losses then (or
+      warns, with ``raise_on_nonfinite=False``); no rank raises while another waits in a collective;
+    - rank zero writes to every logger, and every rank to ``trainer.callback_metrics`` (so
+      ``ModelCheckpoint`` can monitor them), at the step of the iterations completed
+      (``trainer.global_step`` in automatic optimization): ``LossMonitor/<key>``, the mean of each
+      loss over ranks and micro-batches, and ``Timing/data_sec_max``, the max over
+      ranks of the mean data time per iteration.
 
-    - if any rank's total loss was non-finite and ``raise_on_nonfinite``, EVERY rank raises
-      ``FloatingPointError("Loss became infinite or NaN at iteration=I on rank(s) [...]!\\nloss_dict
-      = {...}")`` where ``I`` is the first iteration (``trainer.global_step`` of that step) at which
-      any rank's loss became non-finite and ``loss_dict`` that rank's losses then. The raise comes
-      at the agreement point, at most ``period`` iterations after the bad step (allowed by
-      DESIGN.md: the iteration named is the first bad one, on every rank; no rank raises while
-      another waits in a collective). With ``raise_on_nonfinite=False`` a warning is logged instead.
-    - rank zero writes to every Lightning logger, and every rank to ``trainer.callback_metrics``
-      (from the training thread, so ``ModelCheckpoint`` can monitor them), at step
-      ``trainer.global_step``: ``LossMonitor/<key>`` the mean of each loss over ranks and
-      micro-batches of the period, and ``Timing/data_sec_max`` the max over ranks of the mean
-      data time per iteration (detectron2's ``data_time``).
+    Reading the gathered values synchronizes host and device once per period. With
+    ``async_write=True`` that read, the decision and the logger writes run on one worker thread, in
+    order, and each outcome is applied at the next iteration's ``after_step``; use loggers that
+    tolerate writes from two threads (TensorBoard's ``SummaryWriter`` does; ``CSVLogger`` is not
+    documented as thread-safe). A logger that raises: on one process the exception is re-raised at
+    once (or at that next ``after_step``); on several it is flagged in the next gather and raised
+    there on every rank (the failing rank re-raises it, the others a ``RuntimeError`` naming it).
 
-    Reading the gathered values is a host–device synchronization, once per period. With
-    ``async_write=True`` that read, the decision and the logger writes run on a single worker
-    thread (one job per agreement point, in order); the collective stays on the training thread.
-    The job's outcome is collected at the ``after_step`` of the NEXT iteration (by then a whole
-    step has run, so the wait is normally free), where a non-finite loss raises on every rank (all
-    ranks computed the same decision from the same gathered data).
-
-    Writer failures (a logger raising): on a single process the exception is re-raised at once
-    (``async_write=False``) or at the next iteration's ``after_step`` (``async_write=True``). On
-    several processes a rank raising alone would leave the others waiting in a collective, so
-    the failure is flagged in the next agreement point's gather and raised on every rank when
-    that point is decided (the failing rank re-raises its own exception, the others a
-    ``RuntimeError`` naming it). With ``async_write=True`` the loggers receive writes from the
-    worker thread while Lightning may write from the training thread: use loggers that tolerate
-    that (TensorBoard's ``SummaryWriter`` queues events; ``CSVLogger`` is not documented as
-    thread-safe and could drop a row written while it flushes).
-
-    Loss scaling: there is no separate ``LossScaleMonitor`` hook. ``LossScalingPrecision``
-    ``report()``-s ``AMP/loss_scale_log2``, ``AMP/overflow`` and ``AMP/skipped_steps`` itself; add
-    ``TrainingStats`` (or call ``Collector(regex="AMP/.*").update()`` on every rank) to see them.
-
-    A training step that returns no loss raises ``ValueError`` at its first step (on every rank
-    whose step returned none; that is the same step on every rank for a deterministic module).
+    Source: detectron2's ``SimpleTrainer._write_metrics`` (``engine/train_loop.py``), which checks
+    on rank 0 only (the other ranks hang in the next collective) and drops writer exceptions.
 
     Args:
         period: iterations between agreement points (cross-rank check + writing).
@@ -228,7 +178,7 @@ class LossMonitor(HookBase):
 
     Raises:
         ValueError: ``period`` is not a positive int (at construction); ``training_step`` returned no
-            loss (at the first step).
+            loss (at the first step, on every rank whose step returned none).
         TypeError: ``raise_on_nonfinite``/``async_write`` are not bools; the loss is not a
             one-element tensor.
         FloatingPointError: a total loss became non-finite (see above).
@@ -257,32 +207,23 @@ class LossMonitor(HookBase):
 
     def _reset_run(self) -> None:
         self._keys: list[str] | None = None  # loss names, fixed at the first step
-        # The K 0-dim losses of each micro-batch since the last agreement point (absent ones as 0),
-        # on the loss device; stacked into one (M, K) float64 buffer at the agreement point.
-        self._rows: list[tuple[torch.Tensor, ...]] = []
-        self._counts: list[int] = []  # micro-batches that had each key, since the last agreement point
-        self._micro_iters: list[int] = []  # iteration of each buffered micro-batch
-        self._iters = 0  # iterations since the last agreement point
-        self._data_sec = 0.0  # data seconds since the last agreement point
+        self._new_accumulators()
         self._accumulate = 1  # factor Lightning divided the returned "loss" by
         self._last_batch_end: float | None = None
         self._pending: tuple[Future, _Agreement] | None = None  # async job of the last agreement
         self._writer_error: BaseException | None = None  # local writer failure not yet agreed
 
     def _new_accumulators(self) -> None:
-        self._counts = [0] * len(self._keys)
-        self._rows = []
-        self._micro_iters = []
-        self._iters = 0
-        self._data_sec = 0.0
+        # The K 0-dim losses of each micro-batch since the last agreement point (absent ones as 0),
+        # on the loss device; stacked into one (M, K) float64 buffer at the agreement point.
+        self._rows: list[tuple[torch.Tensor, ...]] = []
+        self._counts = [0] * len(self._keys or ())  # micro-batches that had each key
+        self._micro_iters: list[int] = []  # iteration of each buffered micro-batch
+        self._iters = 0  # iterations since the last agreement point
+        self._data_sec = 0.0  # data seconds since the last agreement point
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_executor"] = None
-        state["_pending"] = None
-        return state
-
-    # ---------------------------------------------------------------- per step
+        return {**super().__getstate__(), "_executor": None, "_pending": None}
 
     @override
     def before_train(self) -> None:
@@ -317,36 +258,18 @@ class LossMonitor(HookBase):
         self._last_batch_end = time.perf_counter()
 
     def _fold(self, losses: dict[str, torch.Tensor], loss_is_copy: bool = False) -> None:
-        """Keep this micro-batch's losses until the agreement point.
-
-        Every step runs this on the critical path, so it does as little as possible; the one
-        ``stack`` into the float64 buffer happens at the agreement point (:meth:`_stacked_rows`).
-        ``loss_is_copy``: ``losses["loss"]`` is Lightning's own detached copy (automatic
-        optimization), kept by reference; every other tensor is the user's, cloned so that an
-        in-place change after the step cannot alter what is kept here.
-        """
+        """Keep this micro-batch's losses until the agreement point; absent ones count nothing, names
+        new since the first step are ignored. ``losses["loss"]`` is kept by reference if it is
+        Lightning's own detached copy (``loss_is_copy``), other tensors are cloned (the user may
+        change them in place)."""
         if self._keys is None:
             self._keys = list(losses)
             self._new_accumulators()
-        keys = self._keys
         loss = losses["loss"] if loss_is_copy else losses["loss"].clone()  # "loss" is always first
-        if len(losses) == len(keys) and all(key in losses for key in keys):
-            self._rows.append((loss, *(losses[key].clone() for key in keys[1:])))
-            self._counts = [c + 1 for c in self._counts]
-        else:  # a loss absent at this step counts nothing; names new since the first step are ignored
-            zero = loss.new_zeros(())
-            extras = (losses[key].clone() if key in losses else zero for key in keys[1:])
-            self._rows.append((loss, *extras))
-            self._counts = [c + (key in losses) for c, key in zip(self._counts, keys)]
+        extras = (losses[key].clone() if key in losses else loss.new_zeros(()) for key in self._keys[1:])
+        self._rows.append((loss, *extras))
+        self._counts = [c + (key in losses) for c, key in zip(self._counts, self._keys)]
         self._micro_iters.append(self._iter)
-
-    def _stacked_rows(self) -> torch.Tensor:
-        """The kept losses as float64 ``(M, K)`` on their device (one ``stack``, no sync)."""
-        k = len(self._keys)
-        if not self._rows:
-            return torch.zeros(0, k, dtype=torch.float64)
-        flat = [loss for row in self._rows for loss in row]
-        return torch.stack(flat).to(torch.float64).view(len(self._rows), k)
 
     @override
     def after_step(self) -> None:
@@ -368,27 +291,24 @@ class LossMonitor(HookBase):
                     raise self._writer_error
         finally:
             if self._executor is not None:
-                self._executor.shutdown(
-                    wait=self.exception is None, cancel_futures=self.exception is not None
-                )
+                failed = self.exception is not None
+                self._executor.shutdown(wait=not failed, cancel_futures=failed)
                 self._executor = None
             self._pending = None
-
-    # ---------------------------------------------------------------- agreement
 
     def _agree(self, final: bool = False) -> None:
         """Gather the accumulators of every rank (one collective), then decide and write."""
         if self._keys is None:
             return
         data_sec = self._data_sec / max(self._iters, 1)
-        row = local_row(
-            self._stacked_rows(),
-            self._counts,
-            self._micro_iters,
-            self._accumulate,
-            data_sec,
-            self._writer_error is not None,
+        failed = self._writer_error is not None
+        k, flat = len(self._keys), [loss for row in self._rows for loss in row]
+        rows = (
+            torch.stack(flat).to(torch.float64).view(-1, k)
+            if flat
+            else torch.zeros(0, k, dtype=torch.float64)
         )
+        row = local_row(rows, self._counts, self._micro_iters, self._accumulate, data_sec, failed)
         world_size = get_world_size()
         if world_size > 1:
             row = row.to(collective_device())
@@ -397,7 +317,7 @@ class LossMonitor(HookBase):
             table = torch.stack(gathered)
         else:
             table = row.unsqueeze(0)
-        keys, step = list(self._keys), self.trainer.global_step
+        keys, step = list(self._keys), self.iter if final else self.iter + 1  # iterations completed
         self._new_accumulators()
         agreement = _Agreement(self._writer_error)
         self._writer_error = None
@@ -405,13 +325,7 @@ class LossMonitor(HookBase):
             future = self._executor.submit(self._decide_and_write, table, keys, step, agreement)
             self._pending = (future, agreement)
             return
-        try:
-            self._decide_and_write(table, keys, step, agreement)
-        except Exception as exc:
-            if world_size == 1:
-                raise
-            self._writer_error = exc  # agreed at the next agreement point
-        self._apply(agreement)
+        self._finish(lambda: self._decide_and_write(table, keys, step, agreement), agreement)
 
     def _decide_and_write(
         self, table: torch.Tensor, keys: list[str], step: int, agreement: _Agreement
@@ -440,12 +354,17 @@ class LossMonitor(HookBase):
         """Wait for the last asynchronous job and raise what it found (see the class docstring)."""
         future, agreement = self._pending
         self._pending = None
+        self._finish(future.result, agreement)
+
+    def _finish(self, job: Callable[[], Any], agreement: _Agreement) -> None:
+        """Run ``job`` (the writer, or the wait for it), then :meth:`_apply`; on several processes a
+        writer failure is kept for the next agreement point instead of raising on this rank alone."""
         try:
-            future.result()
+            job()
         except Exception as exc:
             if get_world_size() == 1:
                 raise
-            self._writer_error = exc  # agreed at the next agreement point
+            self._writer_error = exc
         self._apply(agreement)
 
     def _apply(self, agreement: _Agreement) -> None:

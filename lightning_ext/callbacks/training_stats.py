@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 import time
 from typing import Any
 
@@ -13,7 +12,9 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_ext import distributed as _dist
+from lightning_ext.callbacks.hook_base import iterations_done
 from lightning_ext.stats import Collector, init_multiprocessing, report
+from lightning_ext.stats.collector import compile_regex
 
 __all__ = ["TrainingStats"]
 
@@ -22,34 +23,24 @@ FLUSH_TIME_NAME = "Timing/stats_flush_sec"
 
 
 class TrainingStats(Callback):
-    """Collect what the model ``report()``-s and log it, identical on every rank, every N optimizer steps.
+    """Collect what the model ``report()``-s and log it, identical on every rank, every N iterations.
 
-    At ``setup`` it calls :func:`~lightning_ext.stats.init_multiprocessing` from the strategy (rank,
-    and the collective device of the default process group when ``torch.distributed`` is
-    initialized; single-process otherwise) and creates a :class:`~lightning_ext.stats.Collector`.
-    Then, on every rank:
-
-    * every ``every_n_train_steps`` optimizer steps (``trainer.global_step``, so accumulation
-      micro-batches do not count) when ``on_step``;
-    * at the end of each validation epoch (not the sanity check, whose values are dropped) and each
-      training epoch when ``on_epoch``,
-
-    it calls ``Collector.update()`` (two collectives in the steady state, see ``Collector``) and
-    writes, for each collected name with values, the chosen statistics as ``prefix + name``
-    (mean), ``prefix + name + "/std"``, ``"/min"``, ``"/max"``, ``"/num"`` to every logger in
-    ``trainer.loggers`` (``log_metrics(metrics, step=trainer.global_step)``) and to
-    ``trainer.callback_metrics`` as float32 0-dim CPU tensors, so ``ModelCheckpoint(monitor=...)``
-    and ``EarlyStopping`` can monitor them. The values are the same on every rank because they come
-    out of the same all-reduces. Each flush synchronizes host and device once; its wall time is
-    ``report()``-ed as ``Timing/stats_flush_sec`` and appears in the next flush.
+    ``setup`` calls :func:`~lightning_ext.stats.init_multiprocessing` (the trainer's rank; the
+    default group's collective device when several processes run) and creates a
+    :class:`~lightning_ext.stats.Collector`. Every rank calls :meth:`flush` every
+    ``every_n_train_steps`` iterations when ``on_step`` (optimizer steps in automatic optimization,
+    ``training_step`` calls that stepped in manual optimization: see
+    :class:`~lightning_ext.callbacks.HookBase`), and at the
+    end of each validation (not the sanity check, whose values are dropped) and training epoch when
+    ``on_epoch``.
 
     Args:
-        every_n_train_steps: flush period in optimizer steps (``>= 1``).
+        every_n_train_steps: flush period in iterations (``>= 1``).
         regex: names to collect (``re.fullmatch``).
         stats: statistics to log, a non-empty sequence of ``"mean"``, ``"std"``, ``"min"``,
             ``"max"``, ``"num"``.
         prefix: prepended to every logged key.
-        on_step: flush every ``every_n_train_steps`` optimizer steps.
+        on_step: flush every ``every_n_train_steps`` iterations.
         on_epoch: flush at the end of validation and training epochs.
         keep_previous: passed to ``Collector``.
 
@@ -75,14 +66,9 @@ class TrainingStats(Callback):
         on_epoch: bool = True,
         keep_previous: bool = True,
     ) -> None:
-        if (
-            isinstance(every_n_train_steps, bool)
-            or not isinstance(every_n_train_steps, int)
-            or every_n_train_steps < 1
-        ):
-            raise ValueError(
-                f"TrainingStats(every_n_train_steps=...) must be an int >= 1, got {every_n_train_steps!r}"
-            )
+        steps = every_n_train_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"TrainingStats(every_n_train_steps=...) must be an int >= 1, got {steps!r}")
         if isinstance(stats, str):
             raise TypeError(f"TrainingStats(stats=...) must be a sequence of names, not the str {stats!r}")
         stats = tuple(stats)
@@ -93,14 +79,7 @@ class TrainingStats(Callback):
             )
         if not isinstance(prefix, str):
             raise TypeError(f"TrainingStats(prefix=...) must be a str, got {prefix!r}")
-        if not isinstance(regex, str):
-            raise TypeError(f"TrainingStats(regex=...) must be a str, got {type(regex).__name__} {regex!r}")
-        try:
-            re.compile(regex)
-        except re.error as err:
-            raise ValueError(
-                f"TrainingStats(regex=...) is not a valid regular expression: {regex!r} ({err})"
-            ) from None
+        compile_regex("TrainingStats", regex)
         self.every_n_train_steps = every_n_train_steps
         self.regex = regex
         self.stats = stats
@@ -109,7 +88,8 @@ class TrainingStats(Callback):
         self.on_epoch = on_epoch
         self.keep_previous = keep_previous
         self.collector: Collector | None = None
-        self.last_flush_step = -1  # global_step of the last step-triggered flush
+        self.last_flush_step = -1  # iterations done at the last step-triggered flush
+        self._global_step = 0  # trainer.global_step at the end of the previous batch
         self._pending_state: dict[str, Any] | None = None  # loaded before setup created the collector
 
     @property
@@ -122,14 +102,12 @@ class TrainingStats(Callback):
             prefix=self.prefix,
         )
 
-    # ---------------------------------------------------------------------------------------- hooks
-
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        sync_device = (
-            _dist.collective_device() if _dist.is_distributed() and _dist.get_world_size() > 1 else None
+        several = _dist.is_distributed() and _dist.get_world_size() > 1
+        init_multiprocessing(
+            rank=trainer.global_rank, sync_device=_dist.collective_device() if several else None
         )
-        init_multiprocessing(rank=trainer.global_rank, sync_device=sync_device)
         if self.collector is None:
             self.collector = Collector(regex=self.regex, keep_previous=self.keep_previous)
         if self._pending_state is not None:
@@ -140,10 +118,15 @@ class TrainingStats(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        step = trainer.global_step
-        if self.on_step and step > self.last_flush_step and step > 0 and step % self.every_n_train_steps == 0:
+        stepped, self._global_step = trainer.global_step != self._global_step, trainer.global_step
+        step = iterations_done(trainer) + 1  # this batch's iteration included
+        if self.on_step and stepped and step > self.last_flush_step and step % self.every_n_train_steps == 0:
             self.last_flush_step = step
-            self.flush(trainer)
+            self.flush(trainer, step)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._global_step = trainer.global_step
 
     @override
     def on_sanity_check_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -160,12 +143,16 @@ class TrainingStats(Callback):
         if self.on_epoch:
             self.flush(trainer)
 
-    # ---------------------------------------------------------------------------------------- flush
+    def flush(self, trainer: pl.Trainer, step: int | None = None) -> dict[str, float]:
+        """Update the collector and write the statistics; returns what was written.
 
-    def flush(self, trainer: pl.Trainer) -> dict[str, float]:
-        """Update the collector on every rank and write the statistics; returns what was written.
-
-        Must be called on every rank (it runs collectives). Synchronizes host and device.
+        Writes the chosen statistics of each name with values as ``prefix + name`` (mean) and
+        ``prefix + name + "/std"`` (``/min``, ``/max``, ``/num``) to every logger at ``step``
+        (default: the iterations completed, see :func:`~lightning_ext.callbacks.hook_base.iterations_done`)
+        and to ``trainer.callback_metrics`` (float32 0-dim CPU tensors, for
+        ``ModelCheckpoint``/``EarlyStopping``). Its wall time is ``report()``-ed as
+        ``Timing/stats_flush_sec`` (seen at the next flush). Must run on every rank:
+        ``Collector.update()`` runs collectives. Synchronizes host and device once.
 
         Raises:
             RuntimeError: called before the Trainer ran ``setup`` (no collector yet).
@@ -185,14 +172,12 @@ class TrainingStats(Callback):
                 metrics[key] = float(values[stat])
         if metrics:
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
-            callback_metrics = trainer.callback_metrics
-            for key, value in metrics.items():
-                callback_metrics[key] = torch.tensor(value, dtype=torch.float32)
+                logger.log_metrics(metrics, step=iterations_done(trainer) if step is None else step)
+            trainer.callback_metrics.update(
+                {k: torch.tensor(v, dtype=torch.float32) for k, v in metrics.items()}
+            )
         report(FLUSH_TIME_NAME, time.perf_counter() - start)
         return metrics
-
-    # ---------------------------------------------------------------------------------------- state
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -203,9 +188,7 @@ class TrainingStats(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.last_flush_step = int(state_dict["last_flush_step"])
         collector_state = state_dict.get("collector")
-        if collector_state is None:
-            return
-        if self.collector is not None:
+        if collector_state is not None and self.collector is not None:
             self.collector.load_state_dict(collector_state)
-        else:
+        elif collector_state is not None:
             self._pending_state = collector_state

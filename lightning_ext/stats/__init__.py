@@ -1,8 +1,7 @@
-"""lightning_ext.stats: distributed training statistics (NVIDIA ``training_stats`` pattern, fixed).
+"""lightning_ext.stats: distributed training statistics (NVIDIA's ``training_stats`` pattern).
 
 ``report(name, value)`` from anywhere; ``Collector(regex).update()`` on every rank reduces what was
-reported since its last update with two overlapping all-reduces in the steady state, whatever the
-number of names. Pure torch + ``torch.distributed``.
+reported since its last update. Pure torch + ``torch.distributed``.
 """
 
 from lightning_ext.stats.collector import Collector

@@ -1,46 +1,29 @@
 """Report training statistics from anywhere: ``report()``, ``report0()`` and the module state behind them.
 
-Follows the design of NVIDIA's ``torch_utils/training_stats.py`` (StyleGAN2-ADA/StyleGAN3/EDM):
-code anywhere calls :func:`report` with a name and some values, and every
-:class:`~lightning_ext.stats.Collector` whose regex matches the name receives them at its next
-``update()``, which reduces them across devices and ranks. Differences from the original:
-
-* Every value becomes a tensor at the boundary and accumulates in one way, on its own device, through
-  the kernel backend's ``accumulate_moments_`` (count, float64 shifted sums, min, max; one pass, no
-  host-device sync), so ``std`` stays exact when ``|mean| >> std`` (see
-  :mod:`lightning_ext.stats.moments`).
-* Ranks may report different name sets in any order and names may appear mid-run.
-* Each collector receives exactly the values reported since *its* previous ``update()`` (or its
-  creation): every ``update()`` first *drains* the pending values into one immutable table that is
-  handed to every live collector.
-
-Only the ``update()`` of a collector issues collectives; ``report``/``report0`` never do.
+Follows NVIDIA's ``torch_utils/training_stats.py`` (StyleGAN2-ADA/StyleGAN3/EDM). Each collector
+receives exactly the values reported since *its* previous ``update()``: every ``update()`` first
+*drains* the pending values into one immutable table handed to every live collector.
 """
 
 from __future__ import annotations
 
 import numbers
 import weakref
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from lightning_ext import distributed as _dist
 from lightning_ext.kernels import get_backend
 from lightning_ext.stats.moments import EMPTY_ROW, empty_moments, merge_moments, moments_from_shifted
 
+if TYPE_CHECKING:
+    from lightning_ext.stats.collector import Collector
+
 __all__ = ["init_multiprocessing", "report", "report0", "reset"]
 
 T = TypeVar("T")
-
-
-class _Sink(Protocol):
-    """What the module needs from a collector (implemented by ``Collector``)."""
-
-    def _matches(self, name: str) -> bool: ...
-    def _receive(self, table: _Table) -> None: ...
 
 
 # ------------------------------------------------------------------------------------------------
@@ -48,30 +31,18 @@ class _Sink(Protocol):
 
 # init_multiprocessing() arguments (rank, sync_device, process_group); None = follow torch.distributed
 _settings: tuple[int, torch.device | None, Any] | None = None
-_pending: dict[str, _Accumulator] = {}  # name => values reported since the last drain
-_sinks: list[weakref.ref[_Sink]] = []  # live collectors; each receives every drained table
+# name => {device: (float64 (5,) sums in the layout of accumulate_moments_, float64 0-dim shift)}:
+# the values reported since the last drain; the shift is the first value seen on that device
+_pending: dict[str, dict[torch.device, tuple[torch.Tensor, torch.Tensor]]] = {}
+_sinks: list[weakref.ref[Collector]] = []  # live collectors; each receives every drained table
 _wanted: dict[str, bool] = {}  # name => some live collector's regex matches it (cache)
 
 
-class _Accumulator(dict):
-    """Values of one name since the last drain: device => (float64 ``(5,)`` sums, float64 0-dim shift)
-    in the layout of ``accumulate_moments_``; the shift is the first value seen on that device (0 if
-    that value is not finite)."""
+class _Table(NamedTuple):
+    """An immutable drained snapshot: sorted ``names`` and float64 moment rows ``(len(names), 5)``."""
 
-
-class _Table:
-    """An immutable drained snapshot: ``names`` (list) and float64 moment rows ``(len(names), 5)``."""
-
-    __slots__ = ("index", "names", "rows")
-
-    def __init__(self, names: list[str], rows: torch.Tensor) -> None:
-        self.names = names
-        self.rows = rows
-        self.index = {name: i for i, name in enumerate(names)}
-
-
-# ------------------------------------------------------------------------------------------------
-# Multiprocessing settings.
+    names: list[str]
+    rows: torch.Tensor
 
 
 def init_multiprocessing(
@@ -79,9 +50,8 @@ def init_multiprocessing(
 ) -> None:
     """Set how collectors synchronize across processes (as NVIDIA's ``init_multiprocessing``).
 
-    Optional: without it, the settings follow ``torch.distributed`` (its rank, and the device
-    collectives of the default group need, see :func:`lightning_ext.distributed.collective_device`).
-    ``TrainingStats`` calls it for Lightning users. :func:`reset` returns to the automatic mode.
+    Optional: without it (or after :func:`reset`) the settings follow ``torch.distributed`` (its rank
+    and :func:`lightning_ext.distributed.collective_device`). ``TrainingStats`` calls it.
 
     Args:
         rank: rank of this process in ``process_group`` (decides what :func:`report0` keeps).
@@ -116,21 +86,7 @@ def _sync_settings() -> tuple[int, torch.device | None, Any]:
     return 0, None, None
 
 
-def _current_rank() -> int:
-    return _settings[0] if _settings is not None else _dist.get_rank()
-
-
-def _world_size(sync_device: torch.device | None, group: Any) -> int:
-    if sync_device is None or not _dist.is_distributed():
-        return 1
-    return dist.get_world_size(group=group)
-
-
-# ------------------------------------------------------------------------------------------------
-# Collector registry.
-
-
-def _register(sink: _Sink) -> None:
+def _register(sink: Collector) -> None:
     """Add a collector: flush pending values to the existing ones first, so it starts empty."""
     _drain()
     _sinks.append(weakref.ref(sink, _forget))
@@ -143,7 +99,7 @@ def _forget(_ref: weakref.ref) -> None:
     _wanted.clear()
 
 
-def _live_sinks() -> list[_Sink]:
+def _live_sinks() -> list[Collector]:
     return [s for s in (r() for r in _sinks) if s is not None]
 
 
@@ -154,39 +110,6 @@ def _is_wanted(name: str) -> bool:
     return wanted
 
 
-# ------------------------------------------------------------------------------------------------
-# Reporting.
-
-
-def _as_tensor(name: str, value: Any) -> torch.Tensor:
-    """``value`` as a real tensor (detached; bool as uint8), else TypeError naming ``name``."""
-    if isinstance(value, torch.Tensor):
-        if value.is_complex():
-            raise TypeError(
-                f"report({name!r}, value): complex tensors are not supported, got dtype {value.dtype}"
-            )
-        x = value.detach()
-        return x.to(torch.uint8) if x.dtype == torch.bool else x
-    if isinstance(value, numbers.Real) and not isinstance(value, np.ndarray):
-        return torch.tensor(float(value), dtype=torch.float64)
-    return torch.from_numpy(_as_array(name, value))
-
-
-def _accumulate(acc: _Accumulator, x: torch.Tensor) -> None:
-    entry = acc.get(x.device)
-    if entry is None:
-        # Normal (not inference) tensors, so the first report may come from Lightning's validation
-        # loop (inference_mode) and later ones from training.
-        with torch.inference_mode(False):
-            sums = torch.tensor(EMPTY_ROW, dtype=torch.float64, device=x.device)
-            # A data value keeps the sums small; a non-finite one would turn every later value's
-            # difference into NaN (inf - inf), so it becomes 0.
-            first = x.reshape(-1)[0].to(torch.float64)
-            shift = torch.nan_to_num(first, nan=0.0, posinf=0.0, neginf=0.0)
-        entry = acc[x.device] = (sums, shift)
-    get_backend(device=x.device).accumulate_moments_(entry[0], x, entry[1])
-
-
 def _check_name(name: Any) -> None:
     if not isinstance(name, str) or not name:
         raise TypeError(
@@ -194,17 +117,68 @@ def _check_name(name: Any) -> None:
         )
 
 
+def _check_value(name: str, value: Any) -> None:
+    """TypeError naming ``name`` unless ``value`` is numeric (checked without converting it)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_complex():
+            raise TypeError(
+                f"report({name!r}, value): complex tensors are not supported, got dtype {value.dtype}"
+            )
+    elif not isinstance(value, numbers.Real) or isinstance(value, np.ndarray):
+        _as_array(name, value)
+
+
+def _as_array(name: str, value: Any) -> np.ndarray:
+    """Flat float64 array of a list/tuple/ndarray of numbers, else TypeError naming ``name``."""
+    if isinstance(value, list | tuple | np.ndarray | np.generic):
+        try:
+            array = np.asarray(value)
+        except (ValueError, TypeError) as err:
+            raise TypeError(f"report({name!r}, value): cannot read {value!r} as numbers ({err})") from None
+        if array.dtype.kind in "biuf":
+            return np.ascontiguousarray(array, dtype=np.float64).reshape(-1)
+        if array.size == 0:
+            return np.zeros(0)
+    raise TypeError(
+        f"report({name!r}, value): value must be a number, a list/tuple of numbers, a numeric NumPy "
+        f"array or a real tensor, got {type(value).__name__} {value!r:.80}"
+    )
+
+
+def _as_tensor(name: str, value: Any) -> torch.Tensor:
+    """``value`` as a real tensor (detached; bool as uint8), else TypeError naming ``name``."""
+    if isinstance(value, torch.Tensor):
+        _check_value(name, value)
+        x = value.detach()
+        return x.to(torch.uint8) if x.dtype == torch.bool else x
+    if isinstance(value, numbers.Real) and not isinstance(value, np.ndarray):
+        return torch.tensor(float(value), dtype=torch.float64)
+    return torch.from_numpy(_as_array(name, value))
+
+
+def _accumulate(acc: dict[torch.device, tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> None:
+    entry = acc.get(x.device)
+    if entry is None:
+        # Normal (not inference) tensors, so the first report may come from Lightning's validation
+        # loop (inference_mode) and later ones from training.
+        with torch.inference_mode(False):
+            sums = torch.tensor(EMPTY_ROW, dtype=torch.float64, device=x.device)
+            # A non-finite shift would turn every later difference into NaN (inf - inf): use 0.
+            first = x.reshape(-1)[0].to(torch.float64)
+            shift = torch.nan_to_num(first, nan=0.0, posinf=0.0, neginf=0.0)
+        entry = acc[x.device] = (sums, shift)
+    get_backend(device=x.device).accumulate_moments_(entry[0], x, entry[1])
+
+
 def report(name: str, value: T) -> T:
     """Accumulate ``value`` under ``name`` for every collector whose regex matches; return ``value``.
 
-    Callable anywhere (loss code, ``nn.Module.forward``, under autocast, ``torch.no_grad`` or
-    inference mode) on any subset of ranks, in any order. A name nobody collects costs a dict lookup
-    and a type check. Otherwise the value becomes a tensor (Python numbers and NumPy data on the CPU,
-    tensors detached, where they are) and is accumulated on its device — count and shifted sums in
-    float64, min, max — by the kernel backend's ``accumulate_moments_``: one pass, no host-device
-    sync (float16/bfloat16/float32 elements may be shifted and squared in float32 first: see it).
-    An empty value registers the name (it appears in the collectors' ``names()``, NaN until it gets
-    values) and adds nothing. Issues no collective. Not thread-safe.
+    Callable anywhere (under autocast, ``torch.no_grad`` or inference mode) on any subset of ranks,
+    in any order; not thread-safe. A name nobody collects costs a dict lookup and a type check; else
+    the value is accumulated where it lives (numbers and NumPy data on the CPU) by the kernel
+    backend's ``accumulate_moments_``: float64 count and sums shifted by the first value (16/32-bit
+    elements may be squared in float32 first), min, max.
+    No host-device sync, no collective. An empty value registers the name (NaN until it has values).
 
     Args:
         name: statistic name, conventionally ``"Group/quantity_unit"`` (e.g. ``"Loss/total"``).
@@ -233,39 +207,11 @@ def report(name: str, value: T) -> T:
         if not _is_wanted(name):
             _check_value(name, value)
             return value
-        acc = _pending[name] = _Accumulator()
+        acc = _pending[name] = {}
     x = _as_tensor(name, value)
     if x.numel():
         _accumulate(acc, x)
     return value
-
-
-def _as_array(name: str, value: Any) -> np.ndarray:
-    """Flat float64 array of a list/tuple/ndarray of numbers, else TypeError naming ``name``."""
-    if isinstance(value, list | tuple | np.ndarray | np.generic):
-        try:
-            array = np.asarray(value)
-        except (ValueError, TypeError) as err:
-            raise TypeError(f"report({name!r}, value): cannot read {value!r} as numbers ({err})") from None
-        if array.dtype.kind in "biuf":
-            return np.ascontiguousarray(array, dtype=np.float64).reshape(-1)
-        if array.size == 0:
-            return np.zeros(0)
-    raise TypeError(
-        f"report({name!r}, value): value must be a number, a list/tuple of numbers, a numeric NumPy "
-        f"array or a real tensor, got {type(value).__name__} {value!r:.80}"
-    )
-
-
-def _check_value(name: str, value: Any) -> None:
-    """Validate a value that is not accumulated (nobody collects ``name``), without converting it."""
-    if isinstance(value, torch.Tensor):
-        if value.is_complex():
-            raise TypeError(
-                f"report({name!r}, value): complex tensors are not supported, got dtype {value.dtype}"
-            )
-    elif not isinstance(value, numbers.Real) or isinstance(value, np.ndarray):
-        _as_array(name, value)
 
 
 def report0(name: str, value: T) -> T:
@@ -280,7 +226,7 @@ def report0(name: str, value: T) -> T:
     Raises:
         TypeError: as :func:`report`.
     """
-    if _current_rank() == 0:
+    if (_settings[0] if _settings is not None else _dist.get_rank()) == 0:
         return report(name, value)
     _check_name(name)
     _check_value(name, value)
@@ -288,30 +234,12 @@ def report0(name: str, value: T) -> T:
     return value
 
 
-# ------------------------------------------------------------------------------------------------
-# Draining pending values into tables for the collectors.
-
-
-def _to_table(pending: dict[str, _Accumulator], device: torch.device) -> _Table:
-    """Convert accumulators to one table of moment rows on ``device`` (syncs host and device)."""
-    names = sorted(pending)
-    rows = empty_moments(len(names), device)
-    by_device: dict[torch.device, tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
-    for i, name in enumerate(names):
-        for dev, (sums, shift) in pending[name].items():
-            index, accs, shifts = by_device.setdefault(dev, ([], [], []))
-            index.append(i)
-            accs.append(sums)
-            shifts.append(shift)
-    for index, accs, shifts in by_device.values():
-        converted = moments_from_shifted(torch.stack(accs), torch.stack(shifts)).to(device)
-        idx = torch.tensor(index, device=device)
-        rows[idx] = merge_moments(rows[idx], converted)
-    return _Table(names, rows)
-
-
 def _drain() -> None:
-    """Hand the values reported since the last drain to every live collector, then forget them."""
+    """Hand the values reported since the last drain to every live collector, then forget them.
+
+    Converts them to one table of moment rows on the sync device (CPU when single-process), which
+    synchronizes host and device.
+    """
     global _pending
     if not _pending:
         return
@@ -319,8 +247,19 @@ def _drain() -> None:
     sinks = _live_sinks()
     if not sinks:
         return
-    sync_device = _sync_settings()[1]
-    table = _to_table(pending, sync_device if sync_device is not None else torch.device("cpu"))
+    device = _sync_settings()[1] or torch.device("cpu")
+    names = sorted(pending)
+    rows = empty_moments(len(names), device)
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    for i, name in enumerate(names):
+        for dev, (sums, shift) in pending[name].items():
+            by_device.setdefault(dev, []).append((i, sums, shift))
+    for entries in by_device.values():
+        index, accs, shifts = zip(*entries)
+        converted = moments_from_shifted(torch.stack(accs), torch.stack(shifts)).to(device)
+        idx = torch.tensor(index, device=device)
+        rows[idx] = merge_moments(rows[idx], converted)
+    table = _Table(names, rows)
     for sink in sinks:
         sink._receive(table)
 
@@ -334,7 +273,6 @@ def reset() -> None:
     global _settings, _pending
     for sink in _live_sinks():
         sink._detach()
-    _settings = None
-    _pending = {}
+    _settings, _pending = None, {}
     _sinks.clear()
     _wanted.clear()

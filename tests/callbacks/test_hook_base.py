@@ -82,7 +82,7 @@ def test_call_order_and_counts(accumulate):
     expected = [("before_train", 0)]
     for it in range(3):
         expected += [("before_step", it)] + [("after_backward", it)] * accumulate + [("after_step", it)]
-    expected += [("after_train", 2)]
+    expected += [("after_train", 3)]  # detectron2's: the iteration after the last one
     assert hook.events == expected
     assert hook.after_train_exceptions == [None]
     assert hook.start_iter == 0
@@ -92,6 +92,53 @@ class FailInAfterStep(HookBase):
     def after_step(self):
         if self.iter == 1:
             raise RuntimeError("boom in after_step")
+
+
+class TwoOptimizerModule(TinyModule):
+    """Manual optimization stepping two optimizers per training_step (global_step advances by 2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.other = nn.Linear(4, 1)
+
+    @override
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        for optimizer, net in zip(self.optimizers(), (self.net, self.other)):
+            optimizer.zero_grad()
+            self.manual_backward(nn.functional.mse_loss(net(x), y))
+            optimizer.step()
+
+    @override
+    def configure_optimizers(self):
+        return [torch.optim.SGD(net.parameters(), lr=0.1) for net in (self.net, self.other)]
+
+
+class IterRecorder(HookBase):
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, int, int]] = []
+
+    def before_step(self):
+        self.events.append(("before_step", self.iter, self.trainer.global_step))
+
+    def after_step(self):
+        self.events.append(("after_step", self.iter, self.trainer.global_step))
+
+    def after_train(self):
+        self.events.append(("after_train", self.iter, self.trainer.global_step))
+
+
+def test_an_iteration_of_manual_optimization_is_one_training_step():
+    hook = IterRecorder()
+    make_trainer([hook], max_steps=-1, max_epochs=1, limit_train_batches=3).fit(
+        TwoOptimizerModule(), tiny_loader()
+    )
+    expected = []
+    for it in range(3):
+        expected += [("before_step", it, 2 * it), ("after_step", it, 2 * it + 2)]
+    assert hook.events == [*expected, ("after_train", 3, 6)]
 
 
 class FailInAfterTrain(Recorder):
@@ -119,7 +166,7 @@ def test_after_train_raising_on_success_still_runs_the_others():
     failing, other = FailInAfterTrain(), Recorder()
     with pytest.raises(ValueError, match="after_train failed too") as info:
         make_trainer([failing, other], max_steps=2).fit(TinyModule(), tiny_loader())
-    assert "FailInAfterTrain.after_train() at iteration=1" in "\n".join(info.value.__notes__)
+    assert "FailInAfterTrain.after_train() at iteration=2" in "\n".join(info.value.__notes__)
     assert failing.after_train_exceptions == [None]  # ran once, on the success path
     assert other.after_train_exceptions == [info.value]  # ran once, through on_exception
 

@@ -260,3 +260,57 @@ def test_validation_epoch_flush_feeds_model_checkpoint_and_drops_sanity_check(tm
     # The train-epoch-end flush after validation got no Loss/val: keep_previous kept epoch 2's values.
     assert stats.collector is not None and stats.collector.num("Loss/val") == 2
     assert stats.collector.mean("Loss/val") == 2.0
+
+
+class _TwoOptimizers(pl.LightningModule):
+    """Manual optimization: two optimizer steps per training_step, one report per batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.a, self.b = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        report("Batch/idx", float(batch_idx))
+        for optimizer, net in zip(self.optimizers(), (self.a, self.b)):
+            optimizer.zero_grad()
+            self.manual_backward(torch.nn.functional.mse_loss(net(x - 1e4), y))
+            optimizer.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.a.parameters(), lr=0.01), torch.optim.SGD(self.b.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(_dataset(), batch_size=8)
+
+
+class _Steps(pl.loggers.Logger):
+    name, version = "steps", 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[int, dict]] = []
+
+    def log_metrics(self, metrics, step=None):
+        self.logged.append((step, metrics))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+def test_manual_optimization_flushes_every_n_training_steps() -> None:
+    # global_step advances by 2 per batch; the period counts training steps (iterations).
+    reset()
+    logger = _Steps()
+    stats = TrainingStats(every_n_train_steps=3, regex="Batch/.*", stats=("mean", "num"), on_epoch=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, logger=logger, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1000,
+        callbacks=[stats],
+    )  # fmt: skip
+    trainer.fit(_TwoOptimizers())
+    flushes = [(step, m) for step, m in logger.logged if "Batch/idx" in m]
+    assert [step for step, _ in flushes] == [3, 6]
+    assert [m["Batch/idx"] for _, m in flushes] == [1.0, 4.0]  # batches 0-2, then 3-5
+    assert all(m["Batch/idx/num"] == 3 for _, m in flushes)
