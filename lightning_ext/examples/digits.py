@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,11 +32,18 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import RichProgressBar
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
+from lightning_ext.examples.common import (
+    ProgressBar,
+    add_run_args,
+    check_positive,
+    loggers,
+    read_metrics_csv,
+    start_run,
+)
 from lightning_ext.stats import report
 
 __all__ = ["ConvNet", "DigitsDataModule", "DigitsModule", "main", "parse_args"]
@@ -228,9 +234,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         prog="python -m lightning_ext.examples.digits",
         description="DDP training on scikit-learn's digits with every lightning_ext feature on.",
     )
-    parser.add_argument("--accelerator", default="cpu", help="cpu | gpu | auto (default: cpu)")
-    parser.add_argument("--devices", type=int, default=2, help="processes/GPUs (default: 2)")
-    parser.add_argument("--strategy", default=None, help="default: ddp when devices > 1, else auto")
+    add_run_args(parser, name="digits")
     parser.add_argument("--max-epochs", type=int, default=12)
     parser.add_argument(
         "--precision",
@@ -241,53 +245,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32, help="images per batch per rank")
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--width", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stats-every", type=int, default=5, help="TrainingStats period in steps")
     parser.add_argument("--no-sync-batchnorm", action="store_true", help="plain per-rank BatchNorm")
     parser.add_argument(
         "--precise-bn-iters", type=int, default=10, help="PreciseBN batches per rank (0: off)"
     )
-    parser.add_argument("--root", default="runs", help="directory for runs (default: runs)")
-    parser.add_argument("--name", default="digits", help="run name: logs in <root>/<name>/")
     parser.add_argument("--resume", default=None, metavar="PATH", help="checkpoint to resume from")
     parser.add_argument("--min-accuracy", type=float, default=0.95, help="exit 1 below this")
     parser.add_argument("--no-plot", action="store_true", help="skip summary.png")
     args = parser.parse_args(argv)
-    if args.devices < 1:
-        parser.error(f"--devices must be >= 1, got {args.devices}")
-    if args.max_epochs < 1:
-        parser.error(f"--max-epochs must be >= 1, got {args.max_epochs}")
+    check_positive(parser, args, "max_epochs")
     if args.resume is not None and not Path(args.resume).is_file():
         parser.error(f"--resume: no checkpoint file at {args.resume!r}")
     return args
-
-
-def _loggers(run_dir: Path) -> list[Any]:
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-
-    loggers: list[Any] = [CSVLogger(run_dir, name="", version="")]
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        loggers.append(TensorBoardLogger(run_dir, name="", version="tensorboard"))
-    return loggers
-
-
-def read_metrics_csv(path: str | Path) -> dict[str, list[tuple[int, float]]]:
-    """Read a Lightning ``metrics.csv`` into ``{column: [(step, value), ...]}`` (empty cells skipped)."""
-    import csv
-
-    series: dict[str, list[tuple[int, float]]] = {}
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            step = int(float(row.get("step") or 0))
-            for key, value in row.items():
-                if key in ("step", "epoch") or value in (None, ""):
-                    continue
-                series.setdefault(key, []).append((step, float(value)))
-    return series
 
 
 def plot_summary(metrics_csv: str | Path, out_png: str | Path) -> Path:
@@ -376,17 +346,19 @@ def build_trainer(args: argparse.Namespace, run_dir: Path) -> tuple[L.Trainer, d
     )
     callbacks.append(ProgressBar())
     plugins: list[Any] = [features["precision"]]
-    if not args.no_sync_batchnorm and args.devices > 1:
+    several = args.devices * args.num_nodes > 1
+    if not args.no_sync_batchnorm and several:
         plugins.append(SyncBatchNormPlugin())
-    strategy = args.strategy or ("ddp" if args.devices > 1 else "auto")
+    strategy = args.strategy or ("ddp" if several else "auto")
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
+        num_nodes=args.num_nodes,
         strategy=strategy,
         max_epochs=args.max_epochs,
         plugins=plugins,
         callbacks=callbacks,
-        logger=_loggers(run_dir),
+        logger=loggers(run_dir),
         log_every_n_steps=args.stats_every,
         default_root_dir=run_dir,
         deterministic=True,
@@ -410,31 +382,10 @@ def _print_table(stats: Any, accuracy: float, console: Any) -> None:
     console.print(f"Validation accuracy: [bold]{accuracy:.4f}[/bold]")
 
 
-def quiet_dependency_warnings() -> None:
-    """Filter the warnings that come from dependencies and that a user of this job cannot act on."""
-    # Lightning's model summary knows no mixed precision (its own MixedPrecision warns alike).
-    warnings.filterwarnings("ignore", message=r"Precision .* is not supported by the model summary")
-    # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates.
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-
-
-class ProgressBar(RichProgressBar):
-    """Lightning's rich progress bar without the logger version (``v_num``), meaningless here."""
-
-    @override
-    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
-        metrics = super().get_metrics(trainer, pl_module)
-        metrics.pop("v_num", None)
-        return metrics
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the main job; returns the process exit status (0, or 1 when accuracy < ``--min-accuracy``)."""
-    quiet_dependency_warnings()
     args = parse_args(argv)
-    L.seed_everything(args.seed, workers=True)
-    run_dir = Path(args.root) / args.name
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = start_run(args)
     datamodule = DigitsDataModule(batch_size=args.batch_size, seed=args.seed)
     model = DigitsModule(lr=args.lr, width=args.width)
     trainer, features = build_trainer(args, run_dir)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ext.examples.digits import parse_args, plot_summary, read_metrics_csv
+from lightning_ext.examples.common import read_metrics_csv
+from lightning_ext.examples.digits import parse_args, plot_summary
 
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:

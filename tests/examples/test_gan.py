@@ -1,0 +1,104 @@
+"""The GAN job end to end (2 DDP processes, per-optimizer fp16 scales, FID gate) and its parts."""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_ext.examples.gan import DigitsFeatures, GanModule, load_gan_digits, parse_args
+
+EPOCHS = 5
+
+
+def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_ext.examples.gan", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(Path.cwd())},
+    )
+
+
+@pytest.mark.timeout(600)
+def test_gan_job_trains_two_scales_and_passes_its_fid_gate(tmp_path):
+    result = _run(["--max-epochs", str(EPOCHS), "--root", str(tmp_path), "--name", "run"], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout + result.stderr
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in out
+    assert "FID:" in out
+    run_dir = tmp_path / "run"
+    for png in ("samples.png", "loss_scales.png"):
+        assert (run_dir / png).stat().st_size > 10_000
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    with open(run_dir / "metrics.csv", newline="") as f:
+        columns = set(next(csv.reader(f)))
+    expected = [f"AMP/{n}/{k}" for n in ("G", "D") for k in ("loss_scale_log2", "overflow", "skipped_steps")]
+    expected += ["Resources/cpu_mem_gb", "Resources/samples_per_sec", "Loss/D", "Loss/G", "Loss/R1"]
+    expected += ["FID/start", "lr-Adam", "lr-Adam-1", "Timing/step_sec"]
+    assert not [k for k in expected if k not in columns], sorted(columns)
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["LossScalingPrecision"]
+    assert set(state["per_optimizer"]) == {"G", "D"}
+    # Every batch steps D and G, every 4th D once more (R1): 14 batches per epoch on each rank.
+    steps = {n: s["steps"] for n, s in state["per_optimizer"].items()}
+    assert steps == {"G": EPOCHS * 14, "D": EPOCHS * (14 + 4)}
+
+
+def test_fid_gate_exits_non_zero(tmp_path):
+    result = _run(
+        [
+            "--devices",
+            "1",
+            "--max-epochs",
+            "1",
+            "--max-fid-ratio",
+            "0.001",
+            "--no-plot",
+            "--root",
+            str(tmp_path),
+        ],
+        tmp_path,
+    )
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "--max-fid-ratio" in result.stdout
+
+
+def test_feature_extractor_classifies_the_digits():
+    images, labels = load_gan_digits()
+    assert images.shape == (1797, 1, 8, 8) and images.min() == -1 and images.max() == 1
+    extractor = DigitsFeatures()
+    assert extractor.fit(images, labels) > 0.97
+    assert extractor(images[:5]).shape == (5, DigitsFeatures.num_features)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--devices", "0"], "--devices must be >= 1"),
+        (["--num-nodes", "0"], "--num-nodes must be >= 1"),
+        (["--fid-samples", "0"], "--fid-samples must be >= 1"),
+        (["--arch", "vit"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_are_rejected(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_default_architecture_follows_the_accelerator():
+    assert parse_args([]).arch == "mlp"
+    assert parse_args(["--accelerator", "gpu"]).arch == "conv"
+
+
+@pytest.mark.parametrize("arch", ["mlp", "conv"])
+def test_architectures_map_noise_to_digits_and_digits_to_logits(arch):
+    model = GanModule(arch)
+    images = model.sample(6, torch.Generator().manual_seed(0))
+    assert images.shape == (6, 1, 8, 8) and images.abs().max() <= 1
+    assert model.D(images).shape == (6, 1)
