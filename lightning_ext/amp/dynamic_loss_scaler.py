@@ -1,23 +1,11 @@
 """``DynamicLossScaler``: ``torch.amp.GradScaler`` with schedules, bounds, telemetry, per-optimizer scales.
 
-It subclasses ``torch.amp.GradScaler``: same signature, state and methods, so code (and torch's own
-tests) written for GradScaler run on it unchanged, and built with GradScaler's arguments only it
-computes the same scales bit for bit. The extras are keyword-only and opt-in:
-
-* schedules (:mod:`lightning_ext.amp.schedules`): GradScaler's ``"exponential"``, StyleGAN2-ADA's
-  ``"log2"``, and Megatron-LM's ``hysteresis`` for both;
-* ``min_scale`` / ``max_scale`` bounds with a policy for an overflow at the floor;
-* telemetry through :func:`lightning_ext.stats.report`, and step counters in ``state_dict``;
-* ``skip_nonfinite`` with ``enabled=False``: no scaling, but non-finite steps are still skipped;
-* ``process_group``: ``found_inf`` agreed across ranks whose gradients are sharded;
-* ``per_optimizer``: one scale per optimizer (StyleGAN2-ADA's ``Optimizer`` wrapper; Apex's
-  ``num_losses``/``loss_id``).
-
-The gradient pass runs through the kernel backend of the gradients' device
+The schedules are the pure functions of :mod:`lightning_ext.amp.schedules`. The gradient pass runs
+through the kernel backend of the gradients' device
 (:meth:`~lightning_ext.kernels.KernelBackend.unscale_and_check_`, and the read-only
 :meth:`~lightning_ext.kernels.KernelBackend.check_finite` for fused optimizers, where GradScaler
-rewrites every gradient at scale 1). State lives on the device as 0-dim tensors and :meth:`update`
-runs there without a host sync, as GradScaler's does.
+rewrites every gradient at scale 1). State lives on the device as 0-dim tensors and ``update`` runs
+there without a host sync, as GradScaler's does.
 """
 
 from __future__ import annotations
@@ -26,22 +14,27 @@ import math
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.amp.grad_scaler import GradScaler, OptState, _refresh_per_optimizer_state
+from torch.optim import Optimizer
 
 from lightning_ext.amp import schedules
-from lightning_ext.distributed import all_reduce_, is_distributed
+from lightning_ext.distributed import all_reduce_, check_process_group, is_distributed
 from lightning_ext.kernels import get_backend
 from lightning_ext.stats import report
 
 __all__ = ["DynamicLossScaler"]
 
-_SCHEDULES = ("exponential", "log2")
-_POLICIES = ("warn", "raise", "clamp")
+Schedule = Literal["exponential", "log2"]
+MinScalePolicy = Literal["warn", "raise", "clamp"]
+_SCHEDULES, _POLICIES = get_args(Schedule), get_args(MinScalePolicy)
+# Our options in the state dict, and all those a per-optimizer scale copies from its parent.
+_CONFIG = ("schedule", "log2_increment", "log2_decrement", "hysteresis", "min_scale", "max_scale")
+_OPTIONS = (*_CONFIG, "on_min_scale", "skip_nonfinite", "process_group", "telemetry")
 # Our device state beyond GradScaler's ``_scale``/``_growth_tracker``: name -> dtype.
 _STATE = {
     "log2_scale": torch.float64,  # log2 of the scale; the authoritative value of the "log2" schedule
@@ -61,9 +54,22 @@ def _check_number(name: str, value: Any, low: float, integer: bool = False, stri
         raise ValueError(f"`{name}` must be {'>' if strict else '>='} {low}, got {value!r}")
 
 
-def _check_args(init_scale: float, growth_factor: float, backoff_factor: float, growth_interval: int,
-                schedule: str, hysteresis: int, min_scale: float | None, max_scale: float | None,
-                on_min_scale: str, increments: tuple[float, float]) -> None:  # fmt: skip
+def _check_args(device: Any, flags: dict[str, Any], init_scale: float, growth_factor: float,
+                backoff_factor: float, growth_interval: int, schedule: str, hysteresis: int,
+                increments: tuple[float, float], min_scale: float | None, max_scale: float | None,
+                on_min_scale: str) -> None:  # fmt: skip
+    """Raise the errors of :class:`DynamicLossScaler`'s ``Raises`` section (but ``process_group``'s)."""
+    if not isinstance(device, str):
+        raise TypeError(f"`device` must be a device type str such as 'cuda' or 'cpu', got {device!r}")
+    try:
+        parsed = torch.device(device).type
+    except RuntimeError:
+        parsed = None
+    if parsed != device:
+        raise ValueError(f"`device` must be a device type such as 'cuda' or 'cpu' (no index), got {device!r}")
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"`{name}` must be a bool, got {flag!r}")
     _check_number("init_scale", init_scale, 0.0)
     _check_number("growth_factor", growth_factor, 1.0)
     _check_number("backoff_factor", backoff_factor, 0.0)
@@ -73,10 +79,12 @@ def _check_args(init_scale: float, growth_factor: float, backoff_factor: float, 
     _check_number("hysteresis", hysteresis, 1, integer=True, strict=False)
     _check_number("log2_increment", increments[0], 0.0)
     _check_number("log2_decrement", increments[1], 0.0)
-    if schedule not in _SCHEDULES:
-        raise ValueError(f"`schedule` must be one of {_SCHEDULES}, got {schedule!r}")
-    if on_min_scale not in _POLICIES:
-        raise ValueError(f"`on_min_scale` must be one of {_POLICIES}, got {on_min_scale!r}")
+    for name, value, allowed in (
+        ("schedule", schedule, _SCHEDULES),
+        ("on_min_scale", on_min_scale, _POLICIES),
+    ):
+        if value not in allowed:
+            raise ValueError(f"`{name}` must be one of {allowed}, got {value!r}")
     for name, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
         if bound is not None:
             _check_number(name, bound, 0.0)
@@ -86,20 +94,6 @@ def _check_args(init_scale: float, growth_factor: float, backoff_factor: float, 
             f"need min_scale <= init_scale <= max_scale, got min_scale={min_scale!r}, "
             f"init_scale={init_scale!r}, max_scale={max_scale!r}"
         )
-
-
-def _check_device_and_flags(device: Any, flags: dict[str, Any]) -> None:
-    if not isinstance(device, str):
-        raise TypeError(f"`device` must be a device type str such as 'cuda' or 'cpu', got {device!r}")
-    try:
-        parsed = torch.device(device)
-    except RuntimeError:
-        parsed = None
-    if parsed is None or parsed.type != device:
-        raise ValueError(f"`device` must be a device type such as 'cuda' or 'cpu' (no index), got {device!r}")
-    for name, flag in flags.items():
-        if not isinstance(flag, bool):
-            raise TypeError(f"`{name}` must be a bool, got {flag!r}")
 
 
 def _check_optimizer(optimizer: Any) -> None:
@@ -120,10 +114,11 @@ def _combined(state: dict[str, Any]) -> Tensor:
 class DynamicLossScaler(GradScaler):
     """A ``torch.amp.GradScaler`` with log2/hysteresis schedules, bounds, telemetry and per-optimizer scales.
 
-    With GradScaler's arguments only it is GradScaler (same scales, skips and state dict); every
-    extra is a keyword-only argument. Use it anywhere GradScaler is used (plain loops, Fabric,
-    Lightning's ``MixedPrecision(scaler=...)``) or through
-    :class:`lightning_ext.plugins.LossScalingPrecision`.
+    A subclass with GradScaler's signature, state and methods, so code (and torch's own tests) written
+    for GradScaler runs on it unchanged; with GradScaler's arguments only it is GradScaler (the same
+    scales bit for bit, skips and state dict), every extra being keyword-only and opt-in. Use it
+    wherever GradScaler is used (plain loops, Fabric, Lightning's ``MixedPrecision(scaler=...)``) or
+    through :class:`lightning_ext.plugins.LossScalingPrecision`.
 
     Args:
         device: device type of the gradients, as GradScaler's (``"cuda"`` without CUDA disables the
@@ -147,8 +142,9 @@ class DynamicLossScaler(GradScaler):
             ``AMP/overflow`` (0/1; its mean is the overflow frequency) and ``AMP/skipped_steps``
             (running total); with ``per_optimizer``, ``AMP/<name>/...`` per optimizer.
         per_optimizer: one scale, growth tracker and set of counters per optimizer, created at its
-            first use; :meth:`scale` then needs ``optimizer=``. Names: :meth:`register_optimizer`,
-            else ``"0"``, ``"1"``, ... in order of first use.
+            first use (StyleGAN2-ADA's ``Optimizer`` wrapper; Apex's ``num_losses``/``loss_id``);
+            :meth:`scale` then needs ``optimizer=``. Names: :meth:`register_optimizer`, else ``"0"``,
+            ``"1"``, ... in order of first use.
 
     Raises:
         TypeError: a numeric argument is not a finite number of the right type, ``device`` not a str,
@@ -182,26 +178,24 @@ class DynamicLossScaler(GradScaler):
         growth_interval: int = 2000,
         enabled: bool = True,
         *,
-        schedule: str = "exponential",
+        schedule: Schedule = "exponential",
         log2_increment: float = 1e-3,
         log2_decrement: float = 1.0,
         hysteresis: int = 1,
         min_scale: float | None = None,
         max_scale: float | None = None,
-        on_min_scale: str = "warn",
+        on_min_scale: MinScalePolicy = "warn",
         skip_nonfinite: bool = False,
         process_group: dist.ProcessGroup | None = None,
         telemetry: bool = True,
         per_optimizer: bool = False,
     ) -> None:
-        _check_device_and_flags(device, {"enabled": enabled, "skip_nonfinite": skip_nonfinite,
-                                         "telemetry": telemetry, "per_optimizer": per_optimizer})  # fmt: skip
-        _check_args(init_scale, growth_factor, backoff_factor, growth_interval, schedule, hysteresis,
-                    min_scale, max_scale, on_min_scale, (log2_increment, log2_decrement))  # fmt: skip
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(
-                f"`process_group` must be a torch.distributed.ProcessGroup or None, got {process_group!r}"
-            )
+        flags = {"enabled": enabled, "skip_nonfinite": skip_nonfinite, "telemetry": telemetry,
+                 "per_optimizer": per_optimizer}  # fmt: skip
+        _check_args(device, flags, init_scale, growth_factor, backoff_factor, growth_interval, schedule,
+                    hysteresis, (log2_increment, log2_decrement), min_scale, max_scale,
+                    on_min_scale)  # fmt: skip
+        check_process_group(process_group)
         super().__init__(device, float(init_scale), growth_factor, backoff_factor, growth_interval, enabled)
         # GradScaler sets these only when enabled; the skip-only mode needs them too.
         self._init_scale = float(init_scale) if self._enabled else 1.0
@@ -209,14 +203,11 @@ class DynamicLossScaler(GradScaler):
         self._growth_factor, self._backoff_factor = growth_factor, backoff_factor
         self._growth_interval, self._init_growth_tracker = growth_interval, 0
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-        self.schedule = schedule
+        self.schedule, self.hysteresis, self.on_min_scale = schedule, hysteresis, on_min_scale
         self.log2_increment, self.log2_decrement = log2_increment, log2_decrement
-        self.hysteresis = hysteresis
-        self.min_scale, self.max_scale, self.on_min_scale = min_scale, max_scale, on_min_scale
-        self.skip_nonfinite = bool(skip_nonfinite)
+        self.min_scale, self.max_scale = min_scale, max_scale
+        self.skip_nonfinite, self.telemetry, self.per_optimizer = skip_nonfinite, telemetry, per_optimizer
         self.process_group = process_group
-        self.telemetry = bool(telemetry)
-        self.per_optimizer = bool(per_optimizer)
         self._name: str | None = None  # telemetry prefix AMP/<name>/ of a per-optimizer scale
         self._state: dict[str, Tensor] | None = None  # _STATE on the scale's device, created with _scale
         self._init_state: dict[str, float] = {"hysteresis_tracker": hysteresis}
@@ -243,7 +234,7 @@ class DynamicLossScaler(GradScaler):
         return self._enabled or self.skip_nonfinite
 
     # ------------------------------------------------------------------ per-optimizer scales
-    def register_optimizer(self, optimizer: torch.optim.Optimizer, name: str) -> None:
+    def register_optimizer(self, optimizer: Optimizer, name: str) -> None:
         """Name ``optimizer``'s scale (``per_optimizer=True``): telemetry ``AMP/<name>/...``, state-dict key.
 
         Raises:
@@ -259,7 +250,7 @@ class DynamicLossScaler(GradScaler):
             raise ValueError(f"`name` {name!r} already names another optimizer's scale")
         self._names[id(optimizer)] = name
 
-    def optimizer_scaler(self, optimizer: torch.optim.Optimizer) -> DynamicLossScaler:
+    def optimizer_scaler(self, optimizer: Optimizer) -> DynamicLossScaler:
         """The scaler holding ``optimizer``'s own scale (``per_optimizer=True``), created at first use."""
         _check_optimizer(optimizer)
         if not self.per_optimizer:
@@ -269,11 +260,7 @@ class DynamicLossScaler(GradScaler):
         if child is None:
             child = self._children[name] = DynamicLossScaler(
                 self._device, self._init_scale, self._growth_factor, self._backoff_factor,
-                self._growth_interval, self._enabled, schedule=self.schedule,
-                log2_increment=self.log2_increment, log2_decrement=self.log2_decrement,
-                hysteresis=self.hysteresis, min_scale=self.min_scale, max_scale=self.max_scale,
-                on_min_scale=self.on_min_scale, skip_nonfinite=self.skip_nonfinite,
-                process_group=self.process_group, telemetry=self.telemetry,
+                self._growth_interval, self._enabled, **{key: getattr(self, key) for key in _OPTIONS},
             )  # fmt: skip
             child._name = name
             if name in self._pending_children:
@@ -281,27 +268,27 @@ class DynamicLossScaler(GradScaler):
         return child
 
     # ------------------------------------------------------------------ device state
+    def _initial_state(self) -> dict[str, float]:
+        """``_STATE``'s starting values: zero counters, the initial scale's log2, then ``_init_state``."""
+        return {**dict.fromkeys(_STATE, 0), "log2_scale": math.log2(self._init_scale), **self._init_state}
+
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
-        init = {"log2_scale": math.log2(self._init_scale), **self._init_state}
         self._state = {
-            name: torch.tensor(init.get(name, 0), dtype=dtype, device=dev) for name, dtype in _STATE.items()
+            name: torch.tensor(value, dtype=_STATE[name], device=dev)
+            for name, value in self._initial_state().items()
         }
         if self.schedule == "log2":  # the scale follows its float64 log2
             self._scale.copy_(torch.exp2(self._state["log2_scale"]))
 
-    def _ensure_state(self, device: torch.device) -> None:
-        if self._scale is None:
-            self._lazy_init_scale_growth_tracker(device)
-
     def _host_state(self) -> dict[str, float]:
         """Our state as Python numbers (one host sync when it lives on the device)."""
         if self._state is None:
-            return {**{n: 0 for n in _STATE}, "log2_scale": math.log2(self._init_scale), **self._init_state}
+            return self._initial_state()
         return dict(zip(_STATE, torch.stack([t.double() for t in self._state.values()]).tolist()))
 
     # ------------------------------------------------------------------ scale, unscale, step
-    def scale(self, outputs: Any, *, optimizer: torch.optim.Optimizer | None = None) -> Any:
+    def scale(self, outputs: Any, *, optimizer: Optimizer | None = None) -> Any:
         """Multiply ``outputs`` (a tensor or nested list/tuple of tensors) by the scale; GradScaler's.
 
         Args:
@@ -312,18 +299,16 @@ class DynamicLossScaler(GradScaler):
         Raises:
             ValueError: ``per_optimizer=True`` and no ``optimizer``; GradScaler's errors.
         """
-        if self.per_optimizer:
-            if optimizer is None:
-                raise ValueError(
-                    "DynamicLossScaler(per_optimizer=True).scale(outputs, optimizer=...) needs the optimizer "
-                    "that will step these gradients: each optimizer has its own scale"
-                )
-            return self.optimizer_scaler(optimizer).scale(outputs)
-        return super().scale(outputs)
+        if not self.per_optimizer:
+            return super().scale(outputs)
+        if optimizer is None:
+            raise ValueError(
+                "DynamicLossScaler(per_optimizer=True).scale(outputs, optimizer=...) needs the optimizer "
+                "that will step these gradients: each optimizer has its own scale"
+            )
+        return self.optimizer_scaler(optimizer).scale(outputs)
 
-    def _grads_by_device(
-        self, optimizer: torch.optim.Optimizer, allow_fp16: bool
-    ) -> dict[torch.device, list[Tensor]]:
+    def _grads_by_device(self, optimizer: Optimizer, allow_fp16: bool) -> dict[torch.device, list[Tensor]]:
         """The optimizer's gradients (values of sparse ones) by device, as GradScaler collects them."""
         grads: dict[torch.device, list[Tensor]] = defaultdict(list)
         for group in optimizer.param_groups:
@@ -342,8 +327,22 @@ class DynamicLossScaler(GradScaler):
                 grads[grad.device].append(grad)
         return grads
 
-    def _agree(self, flags: dict[torch.device, Tensor], device: torch.device) -> dict[torch.device, Tensor]:
-        """``flags`` per device, or their MAX over ``process_group`` (sharded gradients) on ``device``."""
+    def _found_inf_per_device(
+        self, optimizer: Optimizer, allow_fp16: bool, inv_scale: Tensor | None, device: Any
+    ) -> dict[torch.device, Tensor]:
+        """``found_inf`` (float32 0-dim) per device of ``optimizer``'s gradients, unscaled in place by
+        ``inv_scale`` in the same pass (read-only check for ``None``). With ``process_group``, their MAX
+        over the group instead, on ``device`` (``None``: the scale's, else the first gradients')."""
+        flags = {}
+        with torch.no_grad():
+            for dev, grads in self._grads_by_device(optimizer, allow_fp16).items():
+                if inv_scale is None:
+                    flags[dev] = get_backend(device=dev).check_finite(grads, dev)
+                else:
+                    inv = inv_scale.to(dev, non_blocking=True).float()
+                    flags[dev] = get_backend(device=dev).unscale_and_check_(grads, inv)
+        if device is None:
+            device = self._scale.device if self._scale is not None else next(iter(flags), torch.device("cpu"))
         if self.process_group is None or not is_distributed():
             return flags
         combined = torch.zeros((), dtype=torch.float32, device=device)
@@ -353,27 +352,17 @@ class DynamicLossScaler(GradScaler):
         return {device: combined}
 
     def _unscale_grads_(
-        self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
+        self, optimizer: Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
     ) -> dict[torch.device, Tensor]:
-        flags = {}
-        with torch.no_grad():
-            for device, grads in self._grads_by_device(optimizer, allow_fp16).items():
-                inv = inv_scale if inv_scale.device == device else inv_scale.to(device, non_blocking=True)
-                flags[device] = get_backend(device=device).unscale_and_check_(grads, inv.float())
-        return self._agree(flags, found_inf.device)
+        return self._found_inf_per_device(optimizer, allow_fp16, inv_scale, found_inf.device)
 
-    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Tensor]:
-        """``found_inf`` per device without unscaling (fused optimizers, the skip-only mode): read-only."""
-        flags = {}
-        with torch.no_grad():
-            for device, grads in self._grads_by_device(optimizer, True).items():
-                flags[device] = get_backend(device=device).check_finite(grads, device)
-        device = self._scale.device if self._scale is not None else next(iter(flags), torch.device("cpu"))
+    def _check_inf_per_device(self, optimizer: Optimizer) -> dict[torch.device, Tensor]:
+        """``found_inf`` per device without unscaling (fused optimizers, the skip-only mode), recorded."""
         state = self._per_optimizer_states[id(optimizer)]
-        state["found_inf_per_device"] = self._agree(flags, device)
+        state["found_inf_per_device"] = self._found_inf_per_device(optimizer, True, None, None)
         return state["found_inf_per_device"]
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+    def unscale_(self, optimizer: Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale in place and record whether any is inf/NaN.
 
         GradScaler's, through the kernel backend's one-pass ``unscale_and_check_``; in the skip-only
@@ -391,18 +380,18 @@ class DynamicLossScaler(GradScaler):
             return super().unscale_(optimizer)
         if not self.skip_nonfinite:
             return None
-        stage = self._per_optimizer_states[id(optimizer)]["stage"]
-        if stage is OptState.UNSCALED:
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since the last update()."
             )
-        if stage is OptState.STEPPED:
+        if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         self._check_inf_per_device(optimizer)
-        self._per_optimizer_states[id(optimizer)]["stage"] = OptState.UNSCALED
+        state["stage"] = OptState.UNSCALED
         return None
 
-    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless :meth:`unscale_` ran), then ``optimizer.step(*args, **kwargs)`` unless non-finite.
 
         GradScaler's: fused optimizers (``_step_supports_amp_scaling``) get ``grad_scale``/``found_inf``
@@ -442,14 +431,10 @@ class DynamicLossScaler(GradScaler):
         return retval
 
     # ------------------------------------------------------------------ update
-    def update(
-        self, new_scale: float | Tensor | None = None, *, optimizer: torch.optim.Optimizer | None = None
-    ) -> None:
-        """Move the scale once for the optimizer steps since the last update, and count them.
-
-        GradScaler's, with the schedule, bounds, counters and telemetry of this scaler. Each optimizer
-        step is counted (taken or skipped); the scale moves once, with the combined ``found_inf``.
-        Runs on the device without host sync, except the floor policy (``min_scale`` with
+    def update(self, new_scale: float | Tensor | None = None, *, optimizer: Optimizer | None = None) -> None:
+        """Count the optimizer steps since the last update (taken or skipped) and move the scale once,
+        with their combined ``found_inf``: GradScaler's, with this scaler's schedule, bounds, counters
+        and telemetry. On the device without host sync, except the floor policy (``min_scale`` with
         ``on_min_scale="warn"|"raise"``: reads one flag).
 
         Args:
@@ -479,7 +464,8 @@ class DynamicLossScaler(GradScaler):
         if new_scale is None and not found_infs:
             raise AssertionError("No inf checks were recorded prior to update.")
         device = self._scale.device if self._scale is not None else found_infs[0].device
-        self._ensure_state(device)
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(device)
         found_infs = [f.to(device, non_blocking=True) for f in found_infs]
         for found in found_infs:
             schedules.count_(self._state["steps"], self._state["skipped_steps"],
@@ -597,9 +583,8 @@ class DynamicLossScaler(GradScaler):
         if not self._checks:
             return {}
         host = self._host_state()
-        config = ("schedule", "log2_increment", "log2_decrement", "hysteresis", "min_scale", "max_scale")
-        ours = {key: getattr(self, key) for key in config}
         base = super().state_dict() if self._enabled else {}
+        ours = {key: getattr(self, key) for key in _CONFIG}
         # The exponential schedule moves the scale alone: its log2 is derived here, as pickling does.
         derived = math.log2(base.get("scale", 1.0))
         ours["log2_scale"] = host["log2_scale"] if self.schedule == "log2" else derived
@@ -634,62 +619,51 @@ class DynamicLossScaler(GradScaler):
             return
         if not self._checks or (not state_dict and not self._enabled):
             return
-        if "schedule" in state_dict:  # checked before anything is loaded: a bad state changes nothing
-            self._check_ours(state_dict)
+        ours = "schedule" in state_dict
+        if ours:  # checked before anything is loaded: a bad state changes nothing
+            _check_state_dict(state_dict)
         if self._enabled:
             super().load_state_dict(state_dict)
-        if "schedule" in state_dict:
-            self._load_ours(state_dict)
-        else:  # a GradScaler's: its scale, fresh counters
+        if not ours:  # a GradScaler's: its scale, fresh counters
             self._init_state = {"hysteresis_tracker": self.hysteresis}
-            self._reset_state()
-
-    @staticmethod
-    def _check_ours(state_dict: dict[str, Any]) -> None:
-        missing = {"schedule", "log2_scale", "steps", "skipped_steps", "consecutive_overflows"} - set(
-            state_dict
-        )
-        if missing:
-            raise ValueError(f"`state_dict` misses the keys {sorted(missing)}; got {sorted(state_dict)}")
-        if bool(state_dict["consecutive_overflows"]) != bool(state_dict.get("last_step_skipped", False)):
-            raise ValueError(
-                f"`state_dict` has consecutive_overflows={state_dict['consecutive_overflows']!r} with "
-                f"last_step_skipped={state_dict.get('last_step_skipped')!r}: the run of overflows is nonzero "
-                "exactly when the last step was skipped"
-            )
-
-    def _load_ours(self, state_dict: dict[str, Any]) -> None:
-        for key in ("schedule", "log2_increment", "log2_decrement", "hysteresis", "min_scale", "max_scale"):
-            setattr(self, key, state_dict.get(key, getattr(self, key)))
-        self._init_state = {
-            "log2_scale": float(state_dict["log2_scale"]),
-            "hysteresis_tracker": int(state_dict.get("_hysteresis_tracker", self.hysteresis)),
-            **{k: float(state_dict[k]) for k in ("steps", "skipped_steps", "consecutive_overflows")},
-            "found_inf": float(bool(state_dict.get("last_step_skipped", False))),
-        }
-        self._reset_state()
-
-    def _reset_state(self) -> None:
-        """Rewrite the device state from ``_init_state`` (after a load), when it exists."""
-        if self._state is None:
-            return
-        init = {"log2_scale": math.log2(self._init_scale), **self._init_state}
-        for name, tensor in self._state.items():
-            tensor.fill_(init.get(name, 0))
-        if self.schedule == "log2" and self._enabled:
-            self._scale.copy_(torch.exp2(self._state["log2_scale"]))
+        else:
+            for key in _CONFIG:
+                setattr(self, key, state_dict.get(key, getattr(self, key)))
+            self._init_state = {
+                "log2_scale": float(state_dict["log2_scale"]),
+                "hysteresis_tracker": int(state_dict.get("_hysteresis_tracker", self.hysteresis)),
+                **{k: float(state_dict[k]) for k in ("steps", "skipped_steps", "consecutive_overflows")},
+                "found_inf": float(bool(state_dict.get("last_step_skipped", False))),
+            }
+        if self._state is not None:  # rewrite the device state
+            for name, value in self._initial_state().items():
+                self._state[name].fill_(value)
+            if self.schedule == "log2" and self._enabled:
+                self._scale.copy_(torch.exp2(self._state["log2_scale"]))
 
     def __getstate__(self) -> dict[str, Any]:
         # GradScaler's (the scale as a number, tensors recreated lazily), and ours alike: tensors sent
         # to spawned workers would otherwise travel through shared memory and be one state for all.
-        state = (
-            super().__getstate__()
-            if self._enabled
-            else {**self.__dict__, "_scale": None, "_growth_tracker": None}
-        )
+        if self._enabled:
+            state = super().__getstate__()
+        else:
+            state = {**self.__dict__, "_scale": None, "_growth_tracker": None}
         host = self._host_state()
         if self.schedule != "log2":
             del host["log2_scale"]  # derived from the scale
         state["_init_state"], state["_state"] = host, None
         state["_names"] = {}  # object ids mean nothing in another process
         return state
+
+
+def _check_state_dict(state_dict: dict[str, Any]) -> None:
+    """Raise when a :meth:`DynamicLossScaler.state_dict` lacks keys or its counters contradict each other."""
+    missing = {"schedule", "log2_scale", "steps", "skipped_steps", "consecutive_overflows"} - set(state_dict)
+    if missing:
+        raise ValueError(f"`state_dict` misses the keys {sorted(missing)}; got {sorted(state_dict)}")
+    if bool(state_dict["consecutive_overflows"]) != bool(state_dict.get("last_step_skipped", False)):
+        raise ValueError(
+            f"`state_dict` has consecutive_overflows={state_dict['consecutive_overflows']!r} with "
+            f"last_step_skipped={state_dict.get('last_step_skipped')!r}: the run of overflows is nonzero "
+            "exactly when the last step was skipped"
+        )

@@ -13,7 +13,7 @@ Three models:
   the tracker is refilled when the scale grows. ``hysteresis=1`` backs off on every overflow.
 
 Every overflowing step is skipped whatever the schedule decides (the scaler's business). Each
-function returns the bool 0-dim tensor ``back_off`` (this step backed the scale off), for the floor
+schedule returns the bool 0-dim tensor ``back_off`` (this step backed the scale off), for the floor
 policy of :func:`clamp_`.
 """
 
@@ -33,16 +33,9 @@ def _hysteresis(overflow: Tensor, tracker: Tensor) -> tuple[Tensor, Tensor]:
     return overflow & (after <= 0), after
 
 
-def exponential_(
-    scale: Tensor,
-    growth_tracker: Tensor,
-    hysteresis_tracker: Tensor,
-    found_inf: Tensor,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-    hysteresis: int,
-) -> Tensor:
+def exponential_(scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tensor, found_inf: Tensor,
+                 growth_factor: float, backoff_factor: float, growth_interval: int,
+                 hysteresis: int) -> Tensor:  # fmt: skip
     """GradScaler's schedule with hysteresis, one optimizer step.
 
     Args:
@@ -76,16 +69,8 @@ def exponential_(
     return back_off
 
 
-def log2_(
-    scale: Tensor,
-    log2_scale: Tensor,
-    growth_tracker: Tensor,
-    hysteresis_tracker: Tensor,
-    found_inf: Tensor,
-    increment: float,
-    decrement: float,
-    hysteresis: int,
-) -> Tensor:
+def log2_(scale: Tensor, log2_scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tensor,
+          found_inf: Tensor, increment: float, decrement: float, hysteresis: int) -> Tensor:  # fmt: skip
     """StyleGAN2-ADA's schedule with hysteresis, one optimizer step.
 
     Args:
@@ -111,13 +96,8 @@ def log2_(
     return back_off
 
 
-def clamp_(
-    scale: Tensor,
-    log2_scale: Tensor | None,
-    back_off: Tensor,
-    min_scale: float | None,
-    max_scale: float | None,
-) -> Tensor:
+def clamp_(scale: Tensor, log2_scale: Tensor | None, back_off: Tensor, min_scale: float | None,
+           max_scale: float | None) -> Tensor:  # fmt: skip
     """Keep the scale in ``[min_scale, max_scale]`` (``None``: unbounded) after a schedule step.
 
     Args:

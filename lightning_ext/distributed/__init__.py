@@ -3,6 +3,7 @@ torch, no Lightning."""
 
 from lightning_ext.distributed.all_reduce import ENV_VAR, all_reduce_, reset, shm_available
 from lightning_ext.distributed.groups import (
+    check_process_group,
     collective_device,
     create_process_groups,
     get_process_group,
@@ -14,6 +15,7 @@ from lightning_ext.distributed.groups import (
 __all__ = [
     "ENV_VAR",
     "all_reduce_",
+    "check_process_group",
     "collective_device",
     "create_process_groups",
     "get_process_group",

@@ -7,6 +7,8 @@ Only :func:`create_process_groups` issues collectives; none synchronizes host an
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -14,6 +16,32 @@ import torch.distributed as dist
 def is_distributed() -> bool:
     """``True`` when ``torch.distributed`` is available and its default group is initialized."""
     return dist.is_available() and dist.is_initialized()
+
+
+def check_process_group(process_group: Any, allow_non_member: bool = False) -> None:
+    """Check a ``process_group`` argument: a ``torch.distributed.ProcessGroup`` or ``None`` (WORLD).
+
+    Args:
+        process_group: the value received.
+        allow_non_member: also accept ``torch.distributed.GroupMember.NON_GROUP_MEMBER``, what
+            ``torch.distributed.new_group`` returns on the ranks outside the new group.
+
+    Raises:
+        TypeError: anything else.
+
+    Example::
+
+        >>> check_process_group("world")
+        Traceback (most recent call last):
+        TypeError: `process_group` must be a torch.distributed.ProcessGroup or None, got 'world'
+    """
+    if process_group is None or (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+        return
+    if allow_non_member and dist.is_available() and process_group == dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    raise TypeError(
+        f"`process_group` must be a torch.distributed.ProcessGroup or None, got {process_group!r}"
+    )
 
 
 def get_process_group(process_group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:

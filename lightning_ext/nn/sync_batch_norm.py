@@ -2,8 +2,7 @@
 
 ``torch.nn.SyncBatchNorm`` only runs on CUDA, all-gathers ``W * (2C + 1)`` numbers per layer and
 combines the gathered (mean, invstd) pairs by reconstructing the variance from ``1 / invstd**2 - eps``.
-:class:`SyncBatchNorm` keeps its interface (same arguments, parameters, buffers, state dict and rule
-for when to synchronize) and changes the computation:
+:class:`SyncBatchNorm` keeps its interface and changes the computation:
 
 Forward (training): each rank computes, with the kernel backend of its input's device, the
 per-channel count and sums about a shift ``c`` identical on every rank (the ``running_mean``
@@ -34,6 +33,7 @@ recomputes alike) but does not touch ``running_mean``, ``running_var`` or ``num_
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -43,12 +43,17 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_ext.distributed import all_reduce_, get_process_group, get_world_size, is_distributed
+from lightning_ext.distributed import (
+    all_reduce_,
+    check_process_group,
+    get_process_group,
+    get_world_size,
+    is_distributed,
+)
 
 __all__ = ["SyncBatchNorm", "sync_batch_norm_stats"]
 
 _INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER  # what `new_group` gives ranks outside the group
 
 
 def _backend(name: str | None, device: torch.device) -> Any:
@@ -152,10 +157,10 @@ class SyncBatchNorm(_BatchNorm):
     r"""Batch normalization whose batch statistics span the ranks of a process group, on any backend.
 
     A drop-in for ``torch.nn.SyncBatchNorm`` (same arguments in the same order, parameters, buffers,
-    ``_version`` and state dict) that also runs on CPU/gloo, sends ``2C + 1`` float64 numbers per layer
-    in ONE ``all_reduce`` instead of all-gathering ``W * (2C + 1)``, and is exact for uneven and empty
-    per-rank batches (see the module docstring for the algorithm). It is not a subclass of torch's
-    class: ``DistributedDataParallel`` refuses every ``torch.nn.SyncBatchNorm`` of a CPU model.
+    ``_version`` and state dict) that computes as the module docstring says: on CPU/gloo too, with ONE
+    ``all_reduce`` of ``2C + 1`` float64 numbers per layer, exact for uneven and empty per-rank batches.
+    It is not a subclass of torch's class: ``DistributedDataParallel`` refuses every
+    ``torch.nn.SyncBatchNorm`` of a CPU model.
 
     It synchronizes exactly when ``torch.nn.SyncBatchNorm`` does: in training mode, when
     ``torch.distributed`` is initialized and the group has several ranks. Otherwise, and always in
@@ -224,14 +229,7 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"`momentum` must be in [0, 1] or None (cumulative average), got {momentum!r}")
         if backend is not None and not isinstance(backend, str):
             raise TypeError(f"`backend` must be a kernel backend name (str) or None, got {backend!r}")
-        if not (
-            process_group is None
-            or isinstance(process_group, dist.ProcessGroup)
-            or process_group == _NON_MEMBER
-        ):
-            raise TypeError(
-                f"`process_group` must be a torch.distributed.ProcessGroup or None, got {process_group!r}"
-            )
+        check_process_group(process_group, allow_non_member=True)
         # Older torch has no `bias` keyword: pass it only when it differs from the default.
         factory = {"device": device, "dtype": dtype, **({} if bias else {"bias": False})}
         super().__init__(num_features, eps, momentum, affine, track_running_stats, **factory)
@@ -280,10 +278,9 @@ class SyncBatchNorm(_BatchNorm):
         args = (input, self.weight, self.bias, *running, self.num_batches_tracked, self.momentum, self.eps,
                 update, group, _backend(self.backend, input.device))  # fmt: skip
         device_type = input.device.type
-        if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
-            with torch.autocast(device_type, enabled=False):
-                return _SyncBatchNormFunction.apply(*args)
-        return _SyncBatchNormFunction.apply(*args)
+        autocast = device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type)
+        with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
+            return _SyncBatchNormFunction.apply(*args)
 
 
 def sync_batch_norm_stats(

@@ -5,19 +5,17 @@ Lightning's ``MixedPrecision``, which on CPU silently switches ``16-mixed`` to `
 nothing about the scale and advances step-interval LR schedulers after skipped steps (Lightning
 #5558, #16228).
 
-How a skipped step holds the LR schedulers (Lightning 2.6.6): ``Strategy.setup_precision_plugin``
-passes the trainer's ``LRSchedulerConfig`` list through :meth:`Precision.connect`, whose return value
-the strategy keeps. :meth:`LossScalingPrecision.connect` returns, for every ``interval="step"``
-scheduler, a :class:`~lightning.pytorch.utilities.types.LRSchedulerConfig` subclass whose
-``frequency`` reads as an unreachable value while the current batch's optimizer step was skipped.
-The training epoch loop calls ``lr_scheduler_step`` only when ``(batch_idx + 1) % frequency == 0``,
-so the scheduler is simply not called: no state change and no "``lr_scheduler.step()`` before
-``optimizer.step()``" warning. Nothing of torch or Lightning is patched; the scheduler objects and
-their checkpoints are the user's own. Limits: ``interval="epoch"`` schedulers are not held (an epoch
-is not skipped); in manual optimization Lightning never steps schedulers, so the user consults
-``plugin.scaler.last_step_skipped`` (or ``scaler.optimizer_scaler(opt).last_step_skipped``); with
-``frequency > 1`` a skip on the batch that would have stepped the scheduler postpones that
-scheduler step to the next multiple of ``frequency``.
+How a skipped step holds the step-interval LR schedulers (Lightning 2.6.6): the strategy keeps the
+``LRSchedulerConfig`` list returned by :meth:`Precision.connect`, where each ``interval="step"`` config
+becomes a subclass whose ``frequency`` reads as an unreachable value while the current batch's
+optimizer step was skipped. The training epoch loop calls ``lr_scheduler_step`` only when
+``(batch_idx + 1) % frequency == 0``, so the scheduler is simply not called: no state change, no
+"``lr_scheduler.step()`` before ``optimizer.step()``" warning, nothing of torch or Lightning patched;
+the scheduler objects and their checkpoints stay the user's. Limits: ``interval="epoch"`` schedulers
+are not held (an epoch is not skipped); in manual optimization Lightning never steps schedulers, so
+the user reads ``plugin.scaler.last_step_skipped`` (per optimizer:
+``scaler.optimizer_scaler(opt).last_step_skipped``); with ``frequency > 1`` a skip on the batch that
+would have stepped the scheduler postpones that step to the next multiple of ``frequency``.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Generator, Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
@@ -42,7 +40,8 @@ from lightning_ext.amp import DynamicLossScaler
 
 __all__ = ["LossScalingPrecision"]
 
-_PRECISIONS = ("16-mixed", "bf16-mixed", "32-true")
+PrecisionMode = Literal["16-mixed", "bf16-mixed", "32-true"]
+_PRECISIONS = get_args(PrecisionMode)
 # ``(batch_idx + 1) % _NEVER`` is never 0 for a reachable batch index.
 _NEVER = 2**62
 
@@ -70,24 +69,23 @@ class LossScalingPrecision(Precision):
     * ``"bf16-mixed"`` / ``"32-true"``: bf16 autocast / none; the scaler runs disabled (scale 1) and
       only skips non-finite steps (``skip_nonfinite=True``) or is absent (``False``).
 
-    Every optimizer step is one scaled step: the gradients are unscaled in one fused pass before
-    ``on_before_optimizer_step`` (clipping and callbacks see true gradients), the step is skipped when
-    any is non-finite, and the scale that owns it moves after it: in automatic optimization at the
-    accumulation boundary; in manual optimization a per-optimizer scale right after its
-    optimizer's ``step()`` and a shared scale before the next backward or at the end of
-    ``training_step`` (one backward may feed several optimizers' steps, GradScaler's pattern). An
-    optimizer may step several times per ``training_step`` (a WGAN-GP critic loop, StyleGAN2-ADA's
-    lazy regularization); each step is checked, skipped and counted on its own. Step-interval LR
-    schedulers are not advanced after a skipped step (module docstring); a skipped step still counts
-    toward ``trainer.global_step`` and ``max_steps``. The scaler's state is saved in checkpoints.
+    Every optimizer step is one scaled step: its gradients are unscaled in one fused pass before
+    ``on_before_optimizer_step`` (clipping and callbacks see true gradients), it is skipped when any is
+    non-finite, and then the scale that owns it moves: in automatic optimization at the accumulation
+    boundary; in manual optimization a per-optimizer scale right after its optimizer's ``step()``, a
+    shared scale before the next backward or at the end of ``training_step`` (one backward may feed
+    several optimizers' steps, GradScaler's pattern). An optimizer may step several times per
+    ``training_step`` (a WGAN-GP critic loop, StyleGAN2-ADA's lazy regularization), each step checked,
+    skipped and counted on its own. A skipped step does not advance step-interval LR schedulers (module
+    docstring) but counts toward ``trainer.global_step`` and ``max_steps``. Checkpoints hold the
+    scaler's state.
 
-    One scale per optimizer (``DynamicLossScaler(..., per_optimizer=True)``, StyleGAN2-ADA's GAN
-    setup): each backward is scaled by the scale of the optimizer that will step its gradients — in
-    automatic optimization the optimizer being stepped; in manual optimization the one whose
-    parameters require gradients (as after ``self.toggle_optimizer(opt)``), or the one named with
-    :meth:`backward_for`. When that is ambiguous, the backward raises ``ValueError`` instead of
-    guessing. Scales are named by ``optimizer_names`` or their position in ``configure_optimizers``
-    (telemetry ``AMP/<name>/...``).
+    With one scale per optimizer (``DynamicLossScaler(..., per_optimizer=True)``, StyleGAN2-ADA's GAN
+    setup) each backward is scaled by the scale of the optimizer that will step its gradients: the one
+    being stepped in automatic optimization; in manual optimization the one named with
+    :meth:`backward_for`, else the only one whose parameters require gradients (as after
+    ``self.toggle_optimizer(opt)``), else ``ValueError``. Scales are named by ``optimizer_names`` or
+    their position in ``configure_optimizers`` (telemetry ``AMP/<name>/...``).
 
     Host syncs: the skip decision reads ``found_inf`` once per optimizer step, except for fused
     optimizers (``Adam(fused=True)``), which skip on the device; for those, holding step-interval LR
@@ -118,7 +116,7 @@ class LossScalingPrecision(Precision):
 
     def __init__(
         self,
-        precision: str = "16-mixed",
+        precision: PrecisionMode = "16-mixed",
         scaler: DynamicLossScaler | None = None,
         device: str | None = None,
         skip_nonfinite: bool = True,
@@ -157,7 +155,9 @@ class LossScalingPrecision(Precision):
             param = next(iter(model.parameters()), None)
             self.device = param.device.type if param is not None else "cpu"
         self._optimizers = list(optimizers)
-        if self.scaler is not None and self.scaler.per_optimizer:
+        if self.scaler is None:
+            return model, optimizers, lr_schedulers
+        if self.scaler.per_optimizer:
             names = self._names()
             if len(names) != len(optimizers):
                 raise ValueError(
@@ -166,15 +166,14 @@ class LossScalingPrecision(Precision):
                 )
             for optimizer, name in zip(optimizers, names):
                 self.scaler.register_optimizer(optimizer, name)
-        if self.scaler is not None:
-            lr_schedulers = [
-                _SkipAwareLRSchedulerConfig(config, self._step_was_skipped)
-                if isinstance(config, LRSchedulerConfig)
-                and config.interval == "step"
-                and not isinstance(config, _SkipAwareLRSchedulerConfig)
-                else config
-                for config in lr_schedulers
-            ]
+        lr_schedulers = [
+            _SkipAwareLRSchedulerConfig(config, self._step_was_skipped)
+            if isinstance(config, LRSchedulerConfig)
+            and config.interval == "step"
+            and not isinstance(config, _SkipAwareLRSchedulerConfig)
+            else config
+            for config in lr_schedulers
+        ]
         return model, optimizers, lr_schedulers
 
     def _names(self) -> list[str]:
@@ -261,11 +260,7 @@ class LossScalingPrecision(Precision):
 
     @override
     def optimizer_step(  # type: ignore[override]
-        self,
-        optimizer: Optimizable,
-        model: LightningModule,
-        closure: Callable[[], Any],
-        **kwargs: Any,
+        self, optimizer: Optimizable, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)

@@ -10,7 +10,8 @@ from lightning.pytorch.plugins.layer_sync import LayerSync
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_ext.distributed import collective_device, get_world_size, is_distributed
+from lightning_ext.distributed import check_process_group, collective_device, get_world_size, is_distributed
+from lightning_ext.kernels import available_backends
 from lightning_ext.nn import (
     SyncBatchNorm,
     convert_sync_batchnorm,
@@ -24,47 +25,42 @@ __all__ = ["SyncBatchNormPlugin"]
 class SyncBatchNormPlugin(LayerSync):
     """Synchronize every batch-norm layer of the model with :class:`lightning_ext.nn.SyncBatchNorm`.
 
-    Lightning's ``Trainer(sync_batchnorm=True)`` uses ``torch.nn.SyncBatchNorm``, which fails on CPU
-    ("SyncBatchNorm layers only work with GPU modules") and reverts every layer to a private
-    ``_BatchNormXd``. This plugin works wherever ``torch.distributed`` does (gloo, NCCL, ...) and gives
-    the layers back with their original classes, parameters and buffers.
+    Unlike ``Trainer(sync_batchnorm=True)`` (``torch.nn.SyncBatchNorm``: fails on CPU with "SyncBatchNorm
+    layers only work with GPU modules", reverts to a private ``_BatchNormXd``) it works wherever
+    ``torch.distributed`` does (gloo, NCCL, ...) and gives the layers back with their original classes,
+    parameters and buffers. Pass it in ``plugins=``, not with ``sync_batchnorm=True``: the DDP
+    strategies call :meth:`apply` in ``setup`` when fitting (after the process group exists, before DDP
+    wraps the model) and :meth:`revert` in ``teardown``. With ``ddp_spawn`` only the workers' modules
+    are converted; the main process's gets the trained state through Lightning's state-dict hand-over
+    (same keys). Single-device strategies ignore ``LayerSync`` plugins (nothing to synchronize).
 
-    Pass it in ``plugins=`` (no ``sync_batchnorm=True`` needed, and not together with it): Lightning's
-    accelerator connector hands any ``LayerSync`` plugin to the DDP strategies, which call
-    :meth:`apply` in ``setup`` when fitting (after the process group exists, before DDP wraps the
-    model) and :meth:`revert` in ``teardown``. With ``ddp_spawn`` the conversion happens in the
-    workers; the main process's module is never converted and receives the trained state through
-    Lightning's usual state-dict hand-over (same keys), so it keeps its original classes too.
-    Single-device strategies ignore ``LayerSync`` plugins (nothing to synchronize).
-
-    DDP's buffer broadcast: by default ``DistributedDataParallel`` broadcasts every buffer from rank
-    0 at the start of every forward (``broadcast_buffers=True``), a blocking collective per step.
-    SyncBatchNorm layers keep ``running_mean``/``running_var``/``num_batches_tracked`` identical on
-    every rank of their group themselves (every rank applies the same update to the same
-    all-reduced statistics), so for the layers whose group is the whole world that broadcast only
-    copies equal values. Unless ``ddp_broadcast_buffers=True``, :meth:`apply` (when
-    ``torch.distributed`` is initialized) broadcasts those buffers once from rank 0 (one collective
-    per buffer dtype) and adds their names to the model's ``_ddp_params_and_buffers_to_ignore``
-    (the list DDP reads when it wraps the model), so DDP neither syncs them at construction nor
-    broadcasts them at each forward; :meth:`revert` restores the attribute. Other buffers of the
-    model are broadcast by DDP as before, and DDP skips its per-forward collective entirely when
-    SyncBatchNorm's buffers were the only ones. Layers synchronized within a subgroup
-    (``group_size`` smaller than the world, or a layer built with its own subgroup) keep DDP's
-    broadcast, whose semantics (every group ends up with rank 0's statistics) are unchanged.
+    DDP's buffer broadcast: ``DistributedDataParallel(broadcast_buffers=True)`` (the default) broadcasts
+    every buffer from rank 0 at every forward, a blocking collective per step, while a SyncBatchNorm
+    keeps its buffers identical on every rank of its group itself (same update from the same
+    all-reduced statistics). So, unless ``ddp_broadcast_buffers=True``, :meth:`apply` (when
+    distributed) broadcasts the buffers of the layers synchronized over the whole world once from rank
+    0 (one collective per buffer dtype; one host-device sync for CUDA buffers) and adds their names to
+    the model's ``_ddp_params_and_buffers_to_ignore``, so DDP neither syncs them when it wraps the
+    model nor broadcasts them per forward; :meth:`revert` restores that attribute. DDP still
+    broadcasts the other buffers (and skips its per-forward collective when there are none), those of
+    layers synchronized within a subgroup included (every group then ends up with rank 0's statistics).
 
     Args:
         process_group: group whose ranks share statistics (default: WORLD). Exclusive with ``group_size``.
         group_size: synchronize within consecutive blocks of this many ranks (e.g. the devices of a node),
-            created at :meth:`apply` time on every rank with
+            created in :meth:`apply` on every rank (a collective) with
             :func:`lightning_ext.nn.create_process_groups`.
-        backend: kernel backend name for the layers (default: auto).
+        backend: kernel backend name for the layers, one of
+            :func:`lightning_ext.kernels.available_backends`; ``None`` (default): automatic
+            (``LIGHTNING_EXT_KERNELS``, else the best backend for the layers' device).
         ddp_broadcast_buffers: keep DDP's per-forward broadcast of the synchronized layers' buffers
             (see above; default ``False``).
 
     Raises:
-        ValueError: both ``process_group`` and ``group_size`` are given, or ``group_size < 1``.
-        TypeError: ``group_size`` is not an int, ``backend`` is not a string or
-            ``ddp_broadcast_buffers`` is not a bool.
+        ValueError: both ``process_group`` and ``group_size`` are given, ``group_size < 1``, or
+            ``backend`` is not a registered backend name.
+        TypeError: ``process_group`` is not a process group, ``group_size`` not an int, ``backend``
+            not a string or ``ddp_broadcast_buffers`` not a bool.
 
     Example::
 
@@ -85,13 +81,19 @@ class SyncBatchNormPlugin(LayerSync):
                 "pass either `process_group` or `group_size`, not both "
                 f"(got process_group={process_group!r}, group_size={group_size!r})"
             )
-        if group_size is not None:
-            if isinstance(group_size, bool) or not isinstance(group_size, int):
-                raise TypeError(f"`group_size` must be an int or None, got {group_size!r}")
-            if group_size < 1:
-                raise ValueError(f"`group_size` must be >= 1, got {group_size!r}")
+        check_process_group(process_group, allow_non_member=True)
+        if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)):
+            raise TypeError(f"`group_size` must be an int or None, got {group_size!r}")
+        if group_size is not None and group_size < 1:
+            raise ValueError(f"`group_size` must be >= 1, got {group_size!r}")
         if backend is not None and not isinstance(backend, str):
             raise TypeError(f"`backend` must be a kernel backend name (str) or None, got {backend!r}")
+        if backend is not None and backend not in available_backends():
+            raise ValueError(
+                f"`backend` must be a registered kernel backend {sorted(available_backends())} or None "
+                f"(automatic selection), got {backend!r}. HINT: pass None, not 'auto', for automatic "
+                "selection; register other backends with lightning_ext.kernels.register_backend."
+            )
         if not isinstance(ddp_broadcast_buffers, bool):
             raise TypeError(f"`ddp_broadcast_buffers` must be a bool, got {ddp_broadcast_buffers!r}")
         self.process_group = process_group
@@ -103,13 +105,10 @@ class SyncBatchNormPlugin(LayerSync):
 
     @override
     def apply(self, model: Module) -> Module:
-        """Convert every BatchNorm layer of ``model`` (shared parameters and buffers).
+        """Convert every BatchNorm layer of ``model`` (sharing their parameters and buffers).
 
-        With ``group_size``, first creates the process groups; when distributed and not
-        ``ddp_broadcast_buffers``, broadcasts the world-synchronized layers' buffers from rank 0 and
-        excludes them from DDP's buffer sync (see the class docstring). Both are collectives that
-        every rank runs here, in the same order. The broadcast synchronizes host and device once
-        for CUDA buffers.
+        Runs the collectives of the class docstring (``group_size``'s groups; the buffer broadcast),
+        every rank alike and in the same order.
         """
         process_group = self.process_group
         if self.group_size is not None:
@@ -121,13 +120,10 @@ class SyncBatchNormPlugin(LayerSync):
 
     @override
     def revert(self, model: Module) -> Module:
-        """Give every converted layer its original class back, with the current parameters and buffers.
-
-        Also restores the model's ``_ddp_params_and_buffers_to_ignore`` as it was before :meth:`apply`.
-        """
+        """Give every converted layer its original class back, with the current parameters and buffers,
+        and the model its ``_ddp_params_and_buffers_to_ignore`` as before :meth:`apply`."""
         if self._ddp_ignore is not None:
-            applied, previous = self._ddp_ignore
-            self._ddp_ignore = None
+            (applied, previous), self._ddp_ignore = self._ddp_ignore, None
             if previous is None:
                 applied.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)
             else:
@@ -163,8 +159,6 @@ def _broadcast_from_rank0(buffers: list[torch.Tensor]) -> None:
         group = by_dtype[dtype]
         flat = torch.cat([b.detach().reshape(-1).to(device) for b in group])
         dist.broadcast(flat, src=0)
-        offset = 0
         with torch.no_grad():
-            for b in group:
-                b.copy_(flat[offset : offset + b.numel()].view_as(b))
-                offset += b.numel()
+            for b, value in zip(group, flat.split([b.numel() for b in group])):
+                b.copy_(value.view_as(b))

@@ -10,6 +10,7 @@ from lightning import Callback, LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_ext.kernels import available_backends
 from lightning_ext.nn import SyncBatchNorm
 from lightning_ext.plugins import SyncBatchNormPlugin
 from tests.helpers.distributed import run_distributed
@@ -239,3 +240,23 @@ def test_bad_arguments():
         SyncBatchNormPlugin(backend=5)
     with pytest.raises(TypeError, match=r"`ddp_broadcast_buffers` must be a bool, got 'yes'"):
         SyncBatchNormPlugin(ddp_broadcast_buffers="yes")
+    with pytest.raises(
+        TypeError, match=r"`process_group` must be a torch\.distributed\.ProcessGroup or None, got 'world'"
+    ):
+        SyncBatchNormPlugin(process_group="world")
+
+
+@pytest.mark.parametrize("backend", ["nope", "auto", "Reference"])
+def test_unknown_backend_raises_at_construction(backend):
+    registered = sorted(available_backends())
+    with pytest.raises(ValueError, match=r"`backend` must be a registered kernel backend \[") as info:
+        SyncBatchNormPlugin(backend=backend)
+    message = str(info.value)
+    assert f"got {backend!r}" in message and "or None (automatic selection)" in message
+    assert all(repr(name) in message for name in registered), message
+
+
+def test_registered_backends_and_none_are_accepted():
+    assert SyncBatchNormPlugin().backend is None
+    for name in available_backends():  # validated by name only: nothing is built before apply
+        assert SyncBatchNormPlugin(backend=name).backend == name
