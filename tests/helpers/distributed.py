@@ -18,6 +18,10 @@ aborts the process ("terminate called without an active exception", pytorch/pyto
 worker whose gloo threads outlive the teardown fails the test, naming what still holds a group,
 and the parent checks that every worker then exits with status 0.
 
+``groups_outlive=True`` is for code outside this project that keeps a process group referenced
+(torch's FSDP does, from C++): the leak is then expected, and the worker leaves with ``os._exit``
+right after reporting, so no gloo thread runs during an interpreter teardown.
+
 ``fn`` must be importable from a module (a top-level function of a test module), and its
 return value must be picklable by ``torch.save`` (tensors, numbers, containers of them).
 """
@@ -107,6 +111,7 @@ def _worker(
     args: tuple,
     kwargs: dict,
     results: mp.Queue,
+    groups_outlive: bool,
 ) -> None:
     torch.set_num_threads(1)
     # torch._dynamo, imported lazily by the first optimizer step, keeps references to the process
@@ -136,12 +141,14 @@ def _worker(
         leak = _teardown(success=True)
     except BaseException:
         leak = traceback.format_exc()
-    if leak is None:
+    if leak is None or groups_outlive:
         results.put((rank, "ok", buffer.getvalue()))
     else:
         results.put((rank, "error", f"after the test function returned: {leak}"))
     results.close()
     results.join_thread()
+    if leak is not None and groups_outlive:
+        os._exit(0)
 
 
 def _describe_exit(code: int | None) -> str:
@@ -158,6 +165,7 @@ def run_distributed(
     world_size: int,
     *args: Any,
     timeout: float = 120.0,
+    groups_outlive: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned gloo workers.
@@ -181,7 +189,7 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, world_size, init_file, timeout, fn, args, kwargs, results),
+            args=(rank, world_size, init_file, timeout, fn, args, kwargs, results, groups_outlive),
             daemon=True,
         )
         for rank in range(world_size)

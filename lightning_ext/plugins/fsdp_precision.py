@@ -1,0 +1,55 @@
+"""Our loss scaling for Lightning's ``FSDPStrategy``, which accepts only ``FSDPPrecision`` plugins."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_ext.plugins.loss_scaling_precision import LossScalingPrecision
+
+__all__ = ["LossScalingFSDPPrecision"]
+
+
+class LossScalingFSDPPrecision(LossScalingPrecision, FSDPPrecision):
+    """:class:`LossScalingPrecision`'s loss scaling, skipped steps and telemetry under ``FSDPStrategy``.
+
+    ``Trainer(strategy="fsdp", plugins=[LossScalingFSDPPrecision("16-mixed")])`` replaces
+    Lightning's ``FSDPPrecision`` and its ``ShardedGradScaler``. Every rank holds a shard of the
+    gradients, so an inf/NaN may be on one rank only: when the scaler has no ``process_group``,
+    :meth:`connect` (run after the process group exists) gives it the default group, and
+    ``found_inf`` is then agreed with one ``all_reduce`` (MAX) per optimizer step, as
+    ``ShardedGradScaler`` does. Everything else is :class:`LossScalingPrecision`'s (skipped steps
+    hold step-interval LR schedulers, per-optimizer scales, several steps per ``training_step``);
+    FSDP's parts are ``FSDPPrecision``'s (``mixed_precision_config``: parameters, gradient
+    reduction and buffers in float16/bfloat16 for the mixed precisions; gradient clipping by norm
+    is refused, as FSDP needs the root module's ``clip_grad_norm_``).
+
+    Args:
+        precision: ``"16-mixed"``, ``"bf16-mixed"`` or ``"32-true"``.
+        scaler, device, skip_nonfinite, optimizer_names: as for :class:`LossScalingPrecision`.
+
+    Raises:
+        ValueError, TypeError: as :class:`LossScalingPrecision`.
+
+    Example::
+
+        >>> from lightning_ext.amp import DynamicLossScaler
+        >>> plugin = LossScalingFSDPPrecision("16-mixed", scaler=DynamicLossScaler("cpu", schedule="log2"))
+        >>> plugin.mixed_precision_config.param_dtype
+        torch.float16
+    """
+
+    _desired_input_dtype = torch.float32  # FSDPPrecision's input and init dtype in these modes
+
+    @override
+    def connect(
+        self, model: torch.nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[torch.nn.Module, list[Optimizer], list[Any]]:
+        if self.scaler is not None and self.scaler.process_group is None and dist.is_initialized():
+            self.scaler.process_group = dist.group.WORLD
+        return super().connect(model, optimizers, lr_schedulers)
