@@ -41,6 +41,9 @@ class HookBase(Callback):
     included). ``before_step`` is on the critical path: keep it cheap (no host–device
     synchronization, no I/O).
 
+    Outside a Trainer (a Fabric or plain PyTorch loop),
+    :class:`~lightning_ext.callbacks.HookRunner` calls the same Lightning hooks.
+
     Inside the methods: ``self.trainer`` (a :func:`weakref.proxy`), ``self.pl_module``, ``self.iter``
     (the iteration, 0-based like detectron2's ``trainer.iter``: the step Lightning's loggers write,
     equal to ``trainer.global_step`` in automatic optimization, and continued on resume),
@@ -98,7 +101,8 @@ class HookBase(Callback):
 
     @property
     def trainer(self) -> pl.Trainer:
-        """Weak proxy to the Lightning ``Trainer`` this hook is attached to.
+        """Weak proxy to the Lightning ``Trainer`` this hook is attached to (outside a Trainer: to the
+        :class:`~lightning_ext.callbacks.HookRunner` that drives it).
 
         Raises:
             RuntimeError: the hook has not been attached yet (``Trainer.fit`` not started).
@@ -200,9 +204,10 @@ def iterations_done(trainer: pl.Trainer) -> int:
     """Iterations completed before the current batch (see :class:`HookBase`), restored on resume.
 
     Lightning's count of training batches that stepped the optimizers, the step its loggers write;
-    ``trainer.global_step`` in automatic optimization.
+    ``trainer.global_step`` in automatic optimization and under a :class:`HookRunner`.
     """
-    return trainer.fit_loop.epoch_loop._batches_that_stepped
+    fit_loop = getattr(trainer, "fit_loop", None)  # a HookRunner has none
+    return trainer.global_step if fit_loop is None else fit_loop.epoch_loop._batches_that_stepped
 
 
 def _add_note(exc: BaseException, note: str) -> None:

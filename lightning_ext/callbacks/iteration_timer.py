@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import itertools
 import time
 from collections import deque
 from typing import Any
@@ -104,7 +105,7 @@ class IterationTimer(HookBase):
     @override
     def before_step(self) -> None:
         self._step_start = time.perf_counter()
-        on_cuda = self.pl_module is not None and self.pl_module.device.type == "cuda"
+        on_cuda = self.pl_module is not None and _device_type(self.pl_module) == "cuda"
         if on_cuda and self._iter - self.start_iter >= self.warmup_iter:
             self._cuda_start = torch.cuda.Event(enable_timing=True)
             self._cuda_start.record()
@@ -164,6 +165,14 @@ class IterationTimer(HookBase):
         self.summary = "\n".join(lines)
         for line in lines:
             rank_zero_info(line)
+
+
+def _device_type(module: torch.nn.Module) -> str:
+    """``module.device.type`` (a LightningModule's), else that of its first parameter or buffer."""
+    device = getattr(module, "device", None)
+    if device is None:
+        device = next(itertools.chain(module.parameters(), module.buffers()), torch.empty(0)).device
+    return torch.device(device).type
 
 
 def _fmt(seconds: float) -> str:

@@ -144,7 +144,8 @@ class _Agreement:
 class LossMonitor(HookBase):
     """Raise on a non-finite loss on every rank alike; write loss means and data time every period.
 
-    Every micro-batch, the losses returned by ``training_step`` (see :func:`extract_losses`) are kept
+    Every micro-batch, the losses returned by ``training_step`` (see :func:`extract_losses`; under a
+    :class:`~lightning_ext.callbacks.hook_runner.HookRunner`, those given to ``after_step``) are kept
     on their device: no other tensor op, no host–device synchronization, no collective on the step.
     Every ``period`` iterations and at the end of training comes an *agreement point*: ONE
     ``all_gather`` of each rank's :func:`local_row` (``3K + 4`` float64) on the training thread.
@@ -251,7 +252,7 @@ class LossMonitor(HookBase):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        automatic = pl_module.automatic_optimization
+        automatic = isinstance(trainer, pl.Trainer) and pl_module.automatic_optimization  # not HookRunner
         self._accumulate = trainer.accumulate_grad_batches if automatic else 1
         self._fold(extract_losses(outputs), loss_is_copy=automatic)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
