@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --disable-pip-version-check -q -c constraints.txt
 
-.PHONY: demo test lint bench bench-gpu clean
+.PHONY: demo test test-oldest lint bench bench-gpu clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,16 @@ test: lint $(VENV)/.cpu-extension
 	$(PY) -m pytest --nbmake lightning_ext tests notebooks; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
+# The unit tests and doctests (not the notebooks) at the lowest versions pyproject.toml allows.
+OLDEST := .venv-oldest/bin/python
+$(OLDEST):
+	$(PYTHON) -m venv .venv-oldest
+	$(OLDEST) -m pip install --disable-pip-version-check -q --upgrade pip "setuptools>=77"
+
+test-oldest: | $(OLDEST)
+	$(OLDEST) -m pip install --disable-pip-version-check -q -c constraints-oldest.txt -e ".[examples,test]"
+	$(OLDEST) -m pytest -p no:cacheprovider lightning_ext tests
+
 # Every benchmark script; each rewrites its own sections of benchmarks/RESULTS.md.
 bench: $(VENV)/.dev-installed $(VENV)/.cpu-extension
 	$(PY) benchmarks/run_all.py
@@ -48,4 +58,4 @@ bench-gpu: $(if $(filter $(PY),$(GPU_PYTHON)),$(VENV)/.dev-installed)
 	$(GPU_PYTHON) benchmarks/run_gpu.py
 
 clean:
-	rm -rf $(VENV) runs lightning_logs .pytest_cache
+	rm -rf $(VENV) .venv-oldest runs lightning_logs .pytest_cache
