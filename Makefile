@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --disable-pip-version-check -q -c constraints.txt
 
-.PHONY: demo test test-oldest lint bench bench-gpu clean
+.PHONY: demo test test-oldest lint docs bench bench-gpu clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,14 @@ test: lint $(VENV)/.cpu-extension
 	$(PY) -m pytest --nbmake lightning_ext tests notebooks; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
+# The documentation site, strictly (a warning is an error; see docs/README.md): HTML with the notebooks
+# executed into docs/_build/html, then the guides' examples as doctests.
+SPHINX := $(PY) -m sphinx -W --keep-going -d docs/_build/doctrees
+docs: $(VENV)/.dev-installed $(VENV)/.cpu-extension
+	MPLBACKEND=Agg $(SPHINX) -b html docs docs/_build/html
+	$(SPHINX) -b doctest docs docs/_build/doctest
+	@echo "open docs/_build/html/index.html"
+
 # The unit tests and doctests (not the notebooks) at the lowest versions pyproject.toml allows.
 OLDEST := .venv-oldest/bin/python
 $(OLDEST):
@@ -58,4 +66,4 @@ bench-gpu: $(if $(filter $(PY),$(GPU_PYTHON)),$(VENV)/.dev-installed)
 	$(GPU_PYTHON) benchmarks/run_gpu.py
 
 clean:
-	rm -rf $(VENV) .venv-oldest runs lightning_logs .pytest_cache
+	rm -rf $(VENV) .venv-oldest runs lightning_logs .pytest_cache docs/_build

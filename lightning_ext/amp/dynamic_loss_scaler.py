@@ -561,14 +561,17 @@ class DynamicLossScaler(GradScaler):
 
     @property
     def last_step_skipped_tensor(self) -> Tensor:
-        """bool 0-dim device tensor: the last update counted a skipped step. No sync."""
+        """Whether the last update counted a skipped step, as a bool 0-dim device tensor. No sync."""
         if self._state is None:
             return torch.zeros((), dtype=torch.bool)
         return self._state["found_inf"] > 0
 
     @property
     def scale_tensor(self) -> Tensor | None:
-        """The current scale: float32 0-dim tensor on its device (``None`` before the first use). No sync."""
+        """The current scale as a float32 0-dim tensor on its device (``None`` before the first use).
+
+        No sync.
+        """
         return self._scale
 
     # ------------------------------------------------------------------ state dict and pickling

@@ -204,7 +204,8 @@ def iterations_done(trainer: pl.Trainer) -> int:
     """Iterations completed before the current batch (see :class:`HookBase`), restored on resume.
 
     Lightning's count of training batches that stepped the optimizers, the step its loggers write;
-    ``trainer.global_step`` in automatic optimization and under a :class:`HookRunner`.
+    ``trainer.global_step`` in automatic optimization and under a
+    :class:`~lightning_ext.callbacks.HookRunner`.
     """
     fit_loop = getattr(trainer, "fit_loop", None)  # a HookRunner has none
     return trainer.global_step if fit_loop is None else fit_loop.epoch_loop._batches_that_stepped

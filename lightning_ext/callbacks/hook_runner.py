@@ -119,7 +119,7 @@ class HookRunner:
                 "`train_dataloader` is None. HINT: pass HookRunner(..., train_dataloader=loader) or "
                 "PreciseBN(data_loader=...)."
             )
-        #: the hooks, in call order (Lightning's name: ``trainer.callbacks``).
+        #: the hooks, in call order (Lightning's name is ``trainer.callbacks``).
         self.callbacks: list[HookBase] = hooks
         self.module = module
         self.fabric = fabric

@@ -104,7 +104,7 @@ def local_row(
 
 
 def summarize_gathered(gathered: torch.Tensor, keys: list[str]) -> dict[str, Any]:
-    """Reduce the :func:`local_row` of every rank (host float64 ``(world_size, 3K + 4)``, ``K = len(keys)``).
+    """Reduce the ``local_row`` of every rank (host float64 ``(world_size, 3K + 4)``, ``K = len(keys)``).
 
     Returns the means over ranks and micro-batches per key, the max over ranks of data time, whether
     any rank saw a non-finite total loss, the first such iteration, the ranks that saw it then and
@@ -144,11 +144,11 @@ class _Agreement:
 class LossMonitor(HookBase):
     """Raise on a non-finite loss on every rank alike; write loss means and data time every period.
 
-    Every micro-batch, the losses returned by ``training_step`` (see :func:`extract_losses`; under a
+    Every micro-batch, the losses returned by ``training_step`` (see ``extract_losses``; under a
     :class:`~lightning_ext.callbacks.hook_runner.HookRunner`, those given to ``after_step``) are kept
     on their device: no other tensor op, no host–device synchronization, no collective on the step.
     Every ``period`` iterations and at the end of training comes an *agreement point*: ONE
-    ``all_gather`` of each rank's :func:`local_row` (``3K + 4`` float64) on the training thread.
+    ``all_gather`` of each rank's ``local_row`` (``3K + 4`` float64) on the training thread.
     From the gathered data, which every rank holds:
 
     - if a total loss was non-finite, EVERY rank raises ``FloatingPointError("Loss became infinite

@@ -191,8 +191,9 @@ def _write_population_stats(layers: list[_BatchNorm], records: list[list[_Record
 class PreciseBN(HookBase):
     """Recompute BatchNorm running statistics with true population averages during training.
 
-    Running statistics average batches whose weights kept changing; :func:`update_bn_stats` (see it
-    for the collectives and syncs) re-estimates them with frozen weights. Source: Wu & Johnson,
+    Running statistics average batches whose weights kept changing;
+    :func:`~lightning_ext.callbacks.precise_bn.update_bn_stats` (see it for the collectives and syncs)
+    re-estimates them with frozen weights. Source: Wu & Johnson,
     "Rethinking 'Batch' in BatchNorm", 2021; detectron2 ``hooks.PreciseBN``.
 
     When: with ``period=None`` after the last iteration of each training epoch (before the

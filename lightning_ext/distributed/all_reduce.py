@@ -79,7 +79,7 @@ def all_reduce_(
 
     Same contract as ``torch.distributed.all_reduce``: every rank of ``group`` calls it in the same
     order with a tensor of the same shape and dtype. A tensor off the group's collective device (e.g.
-    CUDA with gloo) is reduced through a copy there. On the shared-memory path (see :func:`_route`)
+    CUDA with gloo) is reduced through a copy there. On the shared-memory path (see ``_route``)
     ranks reduce in rank order: the result is bitwise identical on every rank (it may differ from
     gloo's in the last bits). The first call on a group decides its route (setting a segment up: four
     collectives, once).

@@ -2,7 +2,8 @@
 
 They take ``process_group=None`` for the default (WORLD) group and work when ``torch.distributed``
 is not available or not initialized: the process is then a world of one (rank 0, world size 1).
-Only :func:`create_process_groups` issues collectives; none synchronizes host and device.
+Only :func:`~lightning_ext.distributed.create_process_groups` issues collectives; none synchronizes
+host and device.
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ class FID(Callback):
 
     Each rank feeds its shard of ``real`` and ``num_fake // world_size`` samples (seeded per rank)
     to one ``FrechetInceptionDistance`` with ``feature=extractor``; ``compute()`` sums the feature
-    moments over the ranks. Reads ``pl_module.sample(n, generator)``. :attr:`start` and :attr:`end`
+    moments over the ranks. Reads ``pl_module.sample(n, generator)``. ``start`` and ``end``
     hold the values (on every rank); ``FID/start`` and ``FID/end`` are ``report()``-ed.
     """
 

@@ -1,8 +1,9 @@
 """The :class:`KernelBackend` interface: the contract every kernel backend implements.
 
 The public methods check their arguments for every backend (errors name the argument, the value and
-what is allowed), then call :meth:`KernelBackend.run`. No op is differentiable (SyncBatchNorm's
-autograd Function composes them) and no op synchronizes host and device.
+what is allowed), then call :meth:`~lightning_ext.kernels.KernelBackend.run`. No op is
+differentiable (SyncBatchNorm's autograd Function composes them) and no op synchronizes host and
+device.
 
 The batch-norm ops follow ``torch.nn.SyncBatchNorm``'s CUDA building blocks: ``x``/``dy`` of shape
 ``(N, C, *)`` (``N`` the batch, ``C`` the channels, ``*`` any spatial dims) in any memory format,
@@ -168,7 +169,7 @@ class KernelBackend(abc.ABC):
             shifted-data algorithm, Chan, Golub & LeVeque 1983). Empty ``x``: all zeros.
 
         Raises:
-            TypeError / ValueError: ``x`` not a ``(N, C, *)`` float tensor; ``shift`` not a float
+            TypeError, ValueError: ``x`` not a ``(N, C, *)`` float tensor; ``shift`` not a float
                 ``(C,)`` tensor on ``x``'s device.
         """
         _check_x(x)
@@ -205,7 +206,7 @@ class KernelBackend(abc.ABC):
             ``(mean, invstd)``: float64 ``(C,)`` each.
 
         Raises:
-            TypeError / ValueError: a tensor of another dtype, shape or device than documented, or
+            TypeError, ValueError: a tensor of another dtype, shape or device than documented, or
                 only one of the running buffers.
         """
         if not isinstance(shift, Tensor) or shift.dim() != 1:
@@ -238,7 +239,7 @@ class KernelBackend(abc.ABC):
             ``y`` of ``x``'s shape, dtype and memory format.
 
         Raises:
-            TypeError / ValueError: as :meth:`batch_norm_moments`, for any argument.
+            TypeError, ValueError: as :meth:`batch_norm_moments`, for any argument.
         """
         _check_x(x)
         for arg, t in (("mean", mean), ("invstd", invstd), ("weight", weight), ("bias", bias)):
@@ -259,7 +260,7 @@ class KernelBackend(abc.ABC):
             ``(2C,)`` in float32 (float64 for float64 ``x``): both sums, concatenated.
 
         Raises:
-            TypeError / ValueError: as :meth:`batch_norm_elemt`; ``dy`` of another shape or device.
+            TypeError, ValueError: as :meth:`batch_norm_elemt`; ``dy`` of another shape or device.
         """
         _check_x(x)
         _check_x(dy, "dy", like=x)
@@ -293,7 +294,7 @@ class KernelBackend(abc.ABC):
             ``dx`` of ``x``'s shape, dtype and memory format.
 
         Raises:
-            TypeError / ValueError: as :meth:`batch_norm_backward_reduce`; ``sums`` not ``(2C,)``,
+            TypeError, ValueError: as :meth:`batch_norm_backward_reduce`; ``sums`` not ``(2C,)``,
                 ``count`` not a 0-dim tensor on ``x``'s device.
         """
         _check_x(x)

@@ -78,7 +78,8 @@ def load(verbose: bool = False) -> ModuleType:
         verbose: print the compiler's output.
 
     Raises:
-        RuntimeError (or what the build raises): no compiler, no ninja, a read-only cache.
+        RuntimeError: the build failed (no compiler, no ninja, a read-only cache); other errors of
+            torch's build are raised as they are.
     """
     global _module
     with _lock:
@@ -106,7 +107,7 @@ class CpuBackend(ReferenceBackend):
     """The ops of :class:`~lightning_ext.kernels.KernelBackend` as compiled one-pass CPU kernels.
 
     Raises:
-        RuntimeError (or what the build raises): the extension cannot be built or loaded.
+        RuntimeError: the extension cannot be built or loaded (as :func:`lightning_ext.kernels.cpu.load`).
 
     Example::
 

@@ -37,7 +37,7 @@ class BackendEntry:
     """One registered backend, validated: the arguments of :func:`register_backend`.
 
     Raises:
-        ValueError / TypeError: as :func:`register_backend`.
+        ValueError, TypeError: as :func:`register_backend`.
     """
 
     name: str

@@ -14,7 +14,7 @@ buffer; zero without running statistics) — a float64 payload of ``2C + 1`` num
 which ``mean = c + S1 / N`` and ``var = S2 / N - (S1 / N)**2``: exact for any split of the batch
 (uneven or empty shards), and since ``c`` tracks the data mean, the subtraction does not cancel
 (shifted-data algorithm, Chan, Golub & LeVeque 1983; float64 keeps it exact even when ``c`` is far
-from the mean: |mean| / std up to ~1e5 loses < 1e-6 relative). Every rank updates its running
+from the mean: ``|mean| / std`` up to ~1e5 loses < 1e-6 relative). Every rank updates its running
 statistics from the same all-reduced numbers (unbiased variance of the GLOBAL count), so they stay
 identical (load the same checkpoint everywhere).
 
@@ -307,7 +307,7 @@ def sync_batch_norm_stats(
         ``(C,)`` sum of squared deviations; NaN mean/m2 when the count is 0. Not differentiable.
 
     Raises:
-        TypeError / ValueError: as :meth:`lightning_ext.kernels.KernelBackend.batch_norm_moments`.
+        TypeError, ValueError: as :meth:`lightning_ext.kernels.KernelBackend.batch_norm_moments`.
 
     Synchronizes host and device only when the group's collective device differs from ``x``'s.
     """

@@ -21,7 +21,7 @@ class LossScalingFSDPPrecision(LossScalingPrecision, FSDPPrecision):
     ``Trainer(strategy="fsdp", plugins=[LossScalingFSDPPrecision("16-mixed")])`` replaces
     Lightning's ``FSDPPrecision`` and its ``ShardedGradScaler``. Every rank holds a shard of the
     gradients, so an inf/NaN may be on one rank only: when the scaler has no ``process_group``,
-    :meth:`connect` (run after the process group exists) gives it the default group, and
+    ``connect()`` (run after the process group exists) gives it the default group, and
     ``found_inf`` is then agreed with one ``all_reduce`` (MAX) per optimizer step, as
     ``ShardedGradScaler`` does. Everything else is :class:`LossScalingPrecision`'s (skipped steps
     hold step-interval LR schedulers, per-optimizer scales, several steps per ``training_step``);
