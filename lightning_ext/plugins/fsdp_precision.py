@@ -40,7 +40,7 @@ class LossScalingFSDPPrecision(LossScalingPrecision, FSDPPrecision):
 
         >>> from lightning_ext.amp import DynamicLossScaler
         >>> plugin = LossScalingFSDPPrecision("16-mixed", scaler=DynamicLossScaler("cpu", schedule="log2"))
-        >>> plugin.mixed_precision_config.param_dtype
+        >>> plugin.mixed_precision_config.reduce_dtype  # gradients reduced in float16
         torch.float16
     """
 
