@@ -317,34 +317,19 @@ def build_trainer(args: argparse.Namespace, run_dir: Path) -> tuple[L.Trainer, d
     # upwards by 0.02 per clean step so the scale tracks the largest value fp16 can hold.
     # bf16-mixed and 32-true need no loss scaling: the plugin's default scaler then only skips
     # non-finite steps.
-    scaler = (
-        DynamicLossScaler(
-            "cuda" if args.accelerator == "gpu" else "cpu",
-            init_scale=2.0**20,
-            schedule="log2",
-            log2_increment=0.02,
-            log2_decrement=1.0,
-        )
-        if args.precision == "16-mixed"
-        else None
-    )
+    device = "cuda" if args.accelerator == "gpu" else "cpu"
+    fp16 = args.precision == "16-mixed"
+    scaler = DynamicLossScaler(device, 2.0**20, schedule="log2", log2_increment=0.02) if fp16 else None
     features: dict[str, Any] = {
-        "stats": TrainingStats(
-            every_n_train_steps=args.stats_every, stats=("mean", "std", "min", "max", "num")
-        ),
-        "timer": IterationTimer(warmup_iter=3),
+        "timer": IterationTimer(warmup_iter=3),  # first: its step brackets the other callbacks' work
+        "stats": TrainingStats(args.stats_every, stats=("mean", "std", "min", "max", "num")),
         "loss_monitor": LossMonitor(period=20),
-        "precision": LossScalingPrecision(args.precision, scaler=scaler),
     }
-    # IterationTimer first: its before_step/after_step bracket the work of the other callbacks.
-    callbacks: list[Any] = [features["timer"], features["stats"], features["loss_monitor"]]
     if args.precise_bn_iters > 0:
         features["precise_bn"] = PreciseBN(num_iter=args.precise_bn_iters)
-        callbacks.append(features["precise_bn"])
-    callbacks.append(
-        ModelCheckpoint(dirpath=run_dir / "checkpoints", monitor="Accuracy/val", mode="max", save_last=True)
-    )
-    callbacks.append(ProgressBar())
+    checkpoint = ModelCheckpoint(run_dir / "checkpoints", monitor="Accuracy/val", mode="max", save_last=True)
+    callbacks = [*features.values(), checkpoint, ProgressBar()]
+    features["precision"] = LossScalingPrecision(args.precision, scaler=scaler)
     plugins: list[Any] = [features["precision"]]
     several = args.devices * args.num_nodes > 1
     if not args.no_sync_batchnorm and several:
