@@ -12,6 +12,9 @@ import importlib
 import os
 import platform
 import re
+import subprocess
+import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -213,3 +216,33 @@ def environ(**values: str | None) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def run_each(
+    commands: dict[str, list[str]],
+    cwd: Path,
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+    accepted: dict[str, set[int]] | None = None,
+) -> int:
+    """Run every command in turn, each in its own process; print ``=== name: exit rc in N s`` for each.
+
+    ``accepted``: exit statuses that count as success for a step besides 0 (e.g. pytest's 5, "no
+    tests collected"). Returns 1 when a step failed or timed out (after running the others), else 0.
+    """
+    failed = []
+    for name, command in commands.items():
+        print(f"=== {name}: {' '.join(command)}", flush=True)
+        start = time.perf_counter()
+        try:
+            rc: int | str = subprocess.run(command, cwd=cwd, env=env, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        print(f"=== {name}: exit {rc} in {time.perf_counter() - start:.0f} s", flush=True)
+        if rc != 0 and rc not in (accepted or {}).get(name, ()):
+            failed.append(name)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0

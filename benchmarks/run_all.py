@@ -9,10 +9,10 @@ script failed, after running the others.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from _common import run_each  # benchmarks/ is sys.path[0] when a script runs
 
 HERE = Path(__file__).resolve().parent
 
@@ -28,19 +28,9 @@ def main() -> int:
         if unknown:
             parser.error(f"no benchmark named {sorted(unknown)}; have {[s.stem[6:] for s in scripts]}")
         scripts = [s for s in scripts if s.stem.removeprefix("bench_") in args.only]
-    failed = []
-    for script in scripts:
-        print(f"=== {script.name}", flush=True)
-        start = time.perf_counter()
-        command = [sys.executable, str(script)] + (["--quick"] if args.quick else [])
-        rc = subprocess.call(command, cwd=HERE.parent)
-        print(f"=== {script.name}: exit {rc} in {time.perf_counter() - start:.0f} s", flush=True)
-        if rc != 0:
-            failed.append(script.name)
-    if failed:
-        print(f"failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    flag = ["--quick"] if args.quick else []
+    commands = {s.name: [sys.executable, str(s), *flag] for s in scripts}
+    return run_each(commands, HERE.parent)
 
 
 if __name__ == "__main__":

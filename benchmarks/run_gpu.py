@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from _common import run_each  # benchmarks/ is sys.path[0] when a script runs
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -69,24 +69,7 @@ def main() -> int:
     print(
         f"{torch.cuda.get_device_name()}; torch {torch.__version__} (CUDA {torch.version.cuda})", flush=True
     )
-    failed = []
-    for name, command in commands.items():
-        print(f"=== {name}: {' '.join(command)}", flush=True)
-        start = time.perf_counter()
-        try:
-            rc = subprocess.run(command, cwd=ROOT, env=env, timeout=args.timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        if name == "tests" and rc == PYTEST_NO_TESTS:
-            print("no CUDA test was collected")
-            rc = 0
-        print(f"=== {name}: exit {rc} in {time.perf_counter() - start:.0f} s", flush=True)
-        if rc != 0:
-            failed.append(name)
-    if failed:
-        print(f"failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return run_each(commands, ROOT, env=env, timeout=args.timeout, accepted={"tests": {PYTEST_NO_TESTS}})
 
 
 if __name__ == "__main__":

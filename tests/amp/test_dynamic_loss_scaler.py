@@ -352,13 +352,19 @@ def test_unscale_before_step_gives_true_gradients_bitwise():
         assert torch.equal(p.grad, q.grad)
 
 
-def test_several_optimizers_skip_only_the_overflowing_one_and_update_once():
+def _two_models_scaled_backward():
+    """Two Linear(3, 3) with an SGD each, and one scaled backward through both (scale 64)."""
     torch.manual_seed(0)
     a, b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
     opt_a, opt_b = _sgd(a.parameters()), _sgd(b.parameters())
     scaler = DynamicLossScaler("cpu", init_scale=64.0, growth_interval=1, telemetry=False)
     x = torch.randn(4, 3)
     scaler.scale((a(x) + b(x)).square().mean()).backward()
+    return a, b, opt_a, opt_b, scaler
+
+
+def test_several_optimizers_skip_only_the_overflowing_one_and_update_once():
+    a, b, opt_a, opt_b, scaler = _two_models_scaled_backward()
     a.weight.grad[0, 0] = INF
     wa, wb = a.weight.detach().clone(), b.weight.detach().clone()
     assert scaler.step(opt_a) is None
@@ -370,12 +376,7 @@ def test_several_optimizers_skip_only_the_overflowing_one_and_update_once():
 
 
 def test_update_with_optimizer_moves_a_shared_scale_once_for_all_steps():
-    torch.manual_seed(0)
-    a, b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
-    opt_a, opt_b = _sgd(a.parameters()), _sgd(b.parameters())
-    scaler = DynamicLossScaler("cpu", init_scale=64.0, growth_interval=1, telemetry=False)
-    x = torch.randn(4, 3)
-    scaler.scale((a(x) + b(x)).square().mean()).backward()
+    _, b, opt_a, opt_b, scaler = _two_models_scaled_backward()
     b.weight.grad[0, 0] = INF
     scaler.step(opt_a)
     scaler.step(opt_b)

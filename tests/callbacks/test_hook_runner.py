@@ -22,6 +22,17 @@ def batches(n: int = 6, seed: int = 0) -> list[torch.Tensor]:
     return list(torch.randn(n, 4, 3, generator=g))
 
 
+def one_iteration(runner, model, optimizer, x, **after_step_kwargs):
+    """One iteration of HookRunner's docstring loop, without accumulation."""
+    runner.before_step()
+    loss = model(x).square().mean()
+    loss.backward()
+    runner.after_backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    runner.after_step(loss, **after_step_kwargs)
+
+
 def run_loop(runner, model, epochs=2, per_epoch=3, accumulate=1, loss_at=None, between_epochs=None):
     """The loop of HookRunner's docstring; ``loss_at(iteration, loss)`` may replace the loss."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -233,13 +244,7 @@ def test_iteration_timer_data_time_step_time_and_summary(monkeypatch, caplog):
             runner.before_epoch()
             for x in batches(4):
                 now[0] += data_sec  # fetching the batch
-                runner.before_step()
-                loss = model(x).square().mean()
-                loss.backward()
-                runner.after_backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                runner.after_step(loss)
+                one_iteration(runner, model, optimizer, x)
             now[0] += validation_sec  # epoch-boundary work: neither data nor step time
     collector.update()
     assert collector.num("Timing/data_sec") == 8 and collector.num("Timing/step_sec") == 6  # warm-up
@@ -343,13 +348,7 @@ def test_precise_bn_sets_population_statistics(last_batch_flag):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with HookRunner([hook], model, train_dataloader=loader) as runner:
         for i, (x, _) in enumerate(loader):
-            runner.before_step()
-            loss = model(x).square().mean()
-            loss.backward()
-            runner.after_backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            runner.after_step(loss, is_last_batch=last_batch_flag and i + 1 == len(loader))
+            one_iteration(runner, model, optimizer, x, is_last_batch=last_batch_flag and i + 1 == len(loader))
         # at the epoch's last iteration; without is_last_batch, at the end (the statistics are older)
         assert hook.batches_used == ([5] if last_batch_flag else [])
     assert hook.batches_used == [5]
