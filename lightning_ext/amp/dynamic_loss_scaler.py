@@ -33,7 +33,8 @@ Schedule = Literal["exponential", "log2"]
 MinScalePolicy = Literal["warn", "raise", "clamp"]
 _SCHEDULES, _POLICIES = get_args(Schedule), get_args(MinScalePolicy)
 # Our options in the state dict, and all those a per-optimizer scale copies from its parent.
-_CONFIG = ("schedule", "log2_increment", "log2_decrement", "hysteresis", "min_scale", "max_scale")
+_CONFIG = ("schedule", "log2_increment", "log2_decrement", "hysteresis", "consecutive_hysteresis",
+           "min_scale", "max_scale")  # fmt: skip
 _OPTIONS = (*_CONFIG, "on_min_scale", "skip_nonfinite", "process_group", "telemetry")
 # Our device state beyond GradScaler's ``_scale``/``_growth_tracker``: name -> dtype.
 _STATE = {
@@ -44,6 +45,11 @@ _STATE = {
     "consecutive_overflows": torch.float64,  # skipped steps in a row, up to the last update
     "found_inf": torch.float32,  # the last update's combined flag
 }
+
+
+def _log2(scale: float) -> float:
+    """``log2(scale)`` of a scale ``>= 0``; ``-inf`` for a scale that underflowed to 0."""
+    return math.log2(scale) if scale > 0 else -math.inf
 
 
 def _check_number(name: str, value: Any, low: float, integer: bool = False, strict: bool = True) -> None:
@@ -122,12 +128,15 @@ class DynamicLossScaler(GradScaler):
 
     Args:
         device: device type of the gradients, as GradScaler's (``"cuda"`` without CUDA disables the
-            scaler with GradScaler's warning: pass ``"cpu"`` on CPU).
+            scaler with a warning, as GradScaler does: pass ``"cpu"`` on CPU).
         init_scale, growth_factor, backoff_factor, growth_interval, enabled: GradScaler's.
         schedule: ``"exponential"`` (GradScaler) or ``"log2"`` (StyleGAN2-ADA).
         log2_increment, log2_decrement: ``"log2"``: ``log2(scale)`` change per clean step / back-off.
         hysteresis: back off on the ``hysteresis``-th overflow since the last growth (Megatron-LM);
             ``1`` backs off on every overflow (GradScaler). Every overflowing step is skipped.
+        consecutive_hysteresis: count ``hysteresis`` over consecutive overflows only: every clean
+            step restores the tolerance, not only a growth (DeepSpeed's ``consecutive_hysteresis``).
+            The ``"log2"`` schedule grows at every clean step, so it behaves so either way.
         min_scale, max_scale: bounds of the scale; ``None`` (default): unbounded, as GradScaler.
         on_min_scale: an overflow that would take the scale below ``min_scale``: ``"clamp"`` (stay at
             the floor), ``"warn"`` (stay and warn) or ``"raise"`` (``FloatingPointError``). The last
@@ -148,11 +157,24 @@ class DynamicLossScaler(GradScaler):
 
     Raises:
         TypeError: a numeric argument is not a finite number of the right type, ``device`` not a str,
-            a flag (``enabled``, ``skip_nonfinite``, ``telemetry``, ``per_optimizer``) not a bool, or
+            a flag (``enabled``, ``consecutive_hysteresis``, ``skip_nonfinite``, ``telemetry``,
+            ``per_optimizer``) not a bool, or
             ``process_group`` not a process group.
         ValueError: ``growth_factor <= 1``, ``backoff_factor`` outside ``(0, 1)``, an interval or
             ``hysteresis < 1``, non-positive increments or bounds, ``init_scale`` outside the bounds,
             an unknown ``schedule`` / ``on_min_scale``, or a ``device`` that is not a device type.
+
+    Tiny scales and scale 0: without ``min_scale`` a run whose gradients stay non-finite backs the
+    float32 scale off until it underflows to 0 (from ``2**16`` in 166 steps, as GradScaler's does).
+    Below a scale of about ``2**-128`` (0 included) ``1/scale`` is inf in float32, so every step counts
+    as an overflow and is skipped, weights untouched: GradScaler takes those steps and writes inf/NaN
+    into the weights (ATen's check reads the gradients before multiplying them by ``1/scale``). The
+    scale then only backs off; at 0 the ``"exponential"`` schedule's ``log2_scale`` is ``-inf``, the
+    ``"log2"`` schedule's stays its finite float64 value and keeps counting back-offs (``-150``,
+    ``-151``, ...), so it records how far the run fell. Every such state round-trips through
+    :meth:`state_dict` and a checkpoint. Set ``min_scale`` (the default scaler of
+    :class:`~lightning_ext.plugins.LossScalingPrecision` does) to stop above that. Growth is refused
+    where the float32 scale would not be finite, for both schedules.
 
     Host syncs are GradScaler's (the skip decision of a non-fused optimizer's step; ``get_scale``,
     ``state_dict``) plus the documented ones of :meth:`update` (floor policy) and the properties.
@@ -182,6 +204,7 @@ class DynamicLossScaler(GradScaler):
         log2_increment: float = 1e-3,
         log2_decrement: float = 1.0,
         hysteresis: int = 1,
+        consecutive_hysteresis: bool = False,
         min_scale: float | None = None,
         max_scale: float | None = None,
         on_min_scale: MinScalePolicy = "warn",
@@ -191,11 +214,20 @@ class DynamicLossScaler(GradScaler):
         per_optimizer: bool = False,
     ) -> None:
         flags = {"enabled": enabled, "skip_nonfinite": skip_nonfinite, "telemetry": telemetry,
-                 "per_optimizer": per_optimizer}  # fmt: skip
+                 "per_optimizer": per_optimizer,
+                 "consecutive_hysteresis": consecutive_hysteresis}  # fmt: skip
         _check_args(device, flags, init_scale, growth_factor, backoff_factor, growth_interval, schedule,
                     hysteresis, (log2_increment, log2_decrement), min_scale, max_scale,
                     on_min_scale)  # fmt: skip
         check_process_group(process_group)
+        if enabled and device == "cuda" and not torch.cuda.is_available():
+            warnings.warn(  # GradScaler's behaviour; its own warning names torch.cuda.amp.GradScaler
+                "DynamicLossScaler('cuda') is enabled, but CUDA is not available: disabling it (as "
+                "torch.amp.GradScaler does). HINT: use DynamicLossScaler('cpu') to scale losses on CPU.",
+                UserWarning,
+                stacklevel=2,
+            )
+            enabled = False
         super().__init__(device, float(init_scale), growth_factor, backoff_factor, growth_interval, enabled)
         # GradScaler sets these only when enabled; the skip-only mode needs them too.
         self._init_scale = float(init_scale) if self._enabled else 1.0
@@ -204,6 +236,7 @@ class DynamicLossScaler(GradScaler):
         self._growth_interval, self._init_growth_tracker = growth_interval, 0
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self.schedule, self.hysteresis, self.on_min_scale = schedule, hysteresis, on_min_scale
+        self.consecutive_hysteresis = consecutive_hysteresis
         self.log2_increment, self.log2_decrement = log2_increment, log2_decrement
         self.min_scale, self.max_scale = min_scale, max_scale
         self.skip_nonfinite, self.telemetry, self.per_optimizer = skip_nonfinite, telemetry, per_optimizer
@@ -270,7 +303,7 @@ class DynamicLossScaler(GradScaler):
     # ------------------------------------------------------------------ device state
     def _initial_state(self) -> dict[str, float]:
         """``_STATE``'s starting values: zero counters, the initial scale's log2, then ``_init_state``."""
-        return {**dict.fromkeys(_STATE, 0), "log2_scale": math.log2(self._init_scale), **self._init_state}
+        return {**dict.fromkeys(_STATE, 0), "log2_scale": _log2(self._init_scale), **self._init_state}
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
@@ -334,6 +367,13 @@ class DynamicLossScaler(GradScaler):
         ``inv_scale`` in the same pass (read-only check for ``None``). With ``process_group``, their MAX
         over the group instead, on ``device`` (``None``: the scale's, else the first gradients')."""
         flags = {}
+        # Below a scale of about 2**-128 (0 included) 1/scale is inf in float32: unscaling (ours, or a
+        # fused optimizer's) turns every gradient into inf/NaN after ATen's check, which reads them
+        # before multiplying. Such a step counts as an overflow (GradScaler would take it).
+        unusable = None
+        if self._enabled and self._scale is not None:
+            inv = inv_scale if inv_scale is not None else self._scale.double().reciprocal().float()
+            unusable = torch.isinf(inv).float()
         with torch.no_grad():
             for dev, grads in self._grads_by_device(optimizer, allow_fp16).items():
                 if inv_scale is None:
@@ -341,6 +381,8 @@ class DynamicLossScaler(GradScaler):
                 else:
                     inv = inv_scale.to(dev, non_blocking=True).float()
                     flags[dev] = get_backend(device=dev).unscale_and_check_(grads, inv)
+                if unusable is not None:
+                    flags[dev] = torch.maximum(flags[dev], unusable.to(dev, non_blocking=True))
         if device is None:
             device = self._scale.device if self._scale is not None else next(iter(flags), torch.device("cpu"))
         if self.process_group is None or not is_distributed():
@@ -491,6 +533,7 @@ class DynamicLossScaler(GradScaler):
             back_off = schedules.exponential_(
                 scale, tracker, s["hysteresis_tracker"], found_inf,
                 self._growth_factor, self._backoff_factor, self._growth_interval, self.hysteresis,
+                self.consecutive_hysteresis,
             )  # fmt: skip
         if self.min_scale is None and self.max_scale is None:
             return
@@ -589,8 +632,8 @@ class DynamicLossScaler(GradScaler):
         base = super().state_dict() if self._enabled else {}
         ours = {key: getattr(self, key) for key in _CONFIG}
         # The exponential schedule moves the scale alone: its log2 is derived here, as pickling does.
-        derived = math.log2(base.get("scale", 1.0))
-        ours["log2_scale"] = host["log2_scale"] if self.schedule == "log2" else derived
+        derived = self.schedule != "log2"
+        ours["log2_scale"] = _log2(base.get("scale", 1.0)) if derived else host["log2_scale"]
         ours["_hysteresis_tracker"] = int(host["hysteresis_tracker"])
         for key in ("steps", "skipped_steps", "consecutive_overflows"):
             ours[key] = int(host[key])

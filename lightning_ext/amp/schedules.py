@@ -26,6 +26,8 @@ from torch import Tensor
 
 __all__ = ["clamp_", "count_", "exponential_", "log2_"]
 
+LOG2_FLOAT32_MAX = math.log2(torch.finfo(torch.float32).max)  # the log2 schedule's ceiling
+
 
 def _hysteresis(overflow: Tensor, tracker: Tensor) -> tuple[Tensor, Tensor]:
     """``(back_off, tracker after the overflow)``: Megatron-LM's rule."""
@@ -35,7 +37,7 @@ def _hysteresis(overflow: Tensor, tracker: Tensor) -> tuple[Tensor, Tensor]:
 
 def exponential_(scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tensor, found_inf: Tensor,
                  growth_factor: float, backoff_factor: float, growth_interval: int,
-                 hysteresis: int) -> Tensor:  # fmt: skip
+                 hysteresis: int, consecutive: bool = False) -> Tensor:  # fmt: skip
     """GradScaler's schedule with hysteresis, one optimizer step.
 
     Args:
@@ -47,6 +49,8 @@ def exponential_(scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tens
         found_inf: float32 0-dim, nonzero iff the step's gradients had an inf/NaN.
         growth_factor, backoff_factor, growth_interval: GradScaler's.
         hysteresis: the tracker's value after a growth, ``>= 1``.
+        consecutive: refill the tracker after every clean step instead of after a growth only
+            (DeepSpeed's ``consecutive_hysteresis``: only consecutive overflows add up).
 
     Returns:
         bool 0-dim ``back_off`` on the scale's device.
@@ -64,8 +68,8 @@ def exponential_(scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tens
     torch._amp_update_scale_(
         scale, growth_tracker, back_off.float(), growth_factor, backoff_factor, growth_interval
     )
-    grew = ~overflow & (growth_tracker == 0)
-    hysteresis_tracker.copy_(torch.where(grew, hysteresis, after))
+    refill = ~overflow if consecutive else ~overflow & (growth_tracker == 0)  # 0 after op: it grew
+    hysteresis_tracker.copy_(torch.where(refill, hysteresis, after))
     return back_off
 
 
@@ -74,8 +78,10 @@ def log2_(scale: Tensor, log2_scale: Tensor, growth_tracker: Tensor, hysteresis_
     """StyleGAN2-ADA's schedule with hysteresis, one optimizer step.
 
     Args:
-        scale: float32 0-dim, set to ``2 ** log2_scale``.
-        log2_scale: float64 0-dim, the authoritative value; in place.
+        scale: float32 0-dim, set to ``2 ** log2_scale`` (0 from ``log2_scale <= -150``, where
+            float32 underflows).
+        log2_scale: float64 0-dim, the authoritative value; in place; growth stops at
+            ``log2(float32 max)`` (a scale above it would be inf).
         growth_tracker: int32 0-dim, clean steps in a row; in place.
         hysteresis_tracker: int32 0-dim, overflows still tolerated; refilled on every clean step.
         found_inf: float32 0-dim, nonzero iff the step's gradients had an inf/NaN.
@@ -87,9 +93,10 @@ def log2_(scale: Tensor, log2_scale: Tensor, growth_tracker: Tensor, hysteresis_
     """
     overflow = found_inf > 0
     back_off, after = _hysteresis(overflow, hysteresis_tracker)
-    log2_scale.add_(
-        torch.full_like(log2_scale, increment).masked_fill_(overflow, 0.0).masked_fill_(back_off, -decrement)
-    )
+    step = torch.full_like(log2_scale, increment).masked_fill_(overflow, 0.0)
+    step.masked_fill_(back_off, -decrement)
+    grown = log2_scale + step  # growth beyond float32's largest scale is refused, as GradScaler does
+    log2_scale.copy_(torch.where(step > 0, grown.clamp(max=LOG2_FLOAT32_MAX), grown))
     growth_tracker.copy_(torch.where(overflow, 0, growth_tracker + 1))
     hysteresis_tracker.copy_(torch.where(overflow, after, hysteresis))
     scale.copy_(torch.exp2(log2_scale))

@@ -83,7 +83,7 @@ def _run_schedule(found_infs, init, schedule="exponential", min_scale=None, max_
     """Scales, floor hits and log2 scales along ``found_infs`` through the pure schedule functions."""
     kw = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=3, increment=0.25, decrement=1.0)
     kw.update(cfg)
-    hysteresis = kw.pop("hysteresis", 1)
+    hysteresis, consecutive = kw.pop("hysteresis", 1), kw.pop("consecutive", False)
     scale = torch.tensor(float(init))
     log2_scale = torch.log2(scale.double())
     growth_tracker = torch.tensor(0, dtype=torch.int32)
@@ -97,7 +97,7 @@ def _run_schedule(found_infs, init, schedule="exponential", min_scale=None, max_
         else:
             back_off = schedules.exponential_(
                 scale, growth_tracker, hysteresis_tracker, found_inf,
-                kw["growth_factor"], kw["backoff_factor"], kw["growth_interval"], hysteresis,
+                kw["growth_factor"], kw["backoff_factor"], kw["growth_interval"], hysteresis, consecutive,
             )  # fmt: skip
         assert back_off.dtype == torch.bool and back_off.dim() == 0
         log2 = log2_scale if schedule == "log2" else None
@@ -187,6 +187,63 @@ def test_exponential_hysteresis_equals_megatron_on_random_patterns(hysteresis):
         assert all(2.0**-126 <= s < 2.0**128 for s in reference), (trial, cfg)
         moves = [b / a for a, b in zip([2.0**12, *reference], reference)]
         assert cfg["growth_factor"] in moves and cfg["backoff_factor"] in moves, (trial, cfg)
+
+
+def _deepspeed_scales(found_infs, init, scale_factor, scale_window, delayed_shift, consecutive_hysteresis):
+    """DeepSpeed's ``DynamicLossScaler.update_scale`` (deepspeed/runtime/fp16/loss_scaler.py, Apache-2.0),
+    transcribed with ``min_scale=0`` and ``raise_error_at_min_scale=False``; float32 scale as ours."""
+    scale = torch.tensor(float(init))
+    cur_iter, last_overflow_iter, cur_hysteresis = 0, -1, delayed_shift
+    scales = []
+    for overflow in found_infs:
+        if overflow:
+            if delayed_shift == 1 or cur_hysteresis == 1:
+                scale = scale / scale_factor
+            else:
+                cur_hysteresis -= 1
+            last_overflow_iter = cur_iter
+        else:
+            if consecutive_hysteresis:
+                cur_hysteresis = delayed_shift
+            if (cur_iter - last_overflow_iter) % scale_window == 0:
+                if not consecutive_hysteresis:
+                    cur_hysteresis = delayed_shift
+                scale = scale * scale_factor
+        cur_iter += 1
+        scales.append(scale.item())
+    return scales
+
+
+@pytest.mark.parametrize("consecutive", [False, True], ids=["hysteresis", "consecutive_hysteresis"])
+@pytest.mark.parametrize("hysteresis", [1, 2, 4])
+def test_exponential_hysteresis_equals_deepspeed_on_random_and_burst_patterns(hysteresis, consecutive):
+    """Bitwise against DeepSpeed (delayed_shift=hysteresis, scale_window=growth_interval, factor 2):
+    random overflows and bursts of them separated by clean runs, where the two hysteresis modes differ."""
+    rng = random.Random(10 * hysteresis + consecutive)
+    patterns = [[rng.random() < p for _ in range(300)] for p in (0.1, 0.3, 0.45)]
+    patterns.append([i % 7 in (0, 2, 4) for i in range(300)])  # overflows with one clean step between
+    for found in patterns:
+        cfg = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=3, hysteresis=hysteresis)
+        ours, _, _ = _run_schedule(found, init=2.0**12, consecutive=consecutive, **cfg)
+        reference = _deepspeed_scales(found, 2.0**12, 2.0, 3, hysteresis, consecutive)
+        assert ours == reference
+        assert all(2.0**-126 <= s < 2.0**128 for s in reference)
+    burst = patterns[-1]  # tolerated overflows add up across clean steps unless consecutive
+    if hysteresis > 1:
+        plain = _run_schedule(burst, init=2.0**12, consecutive=False, **cfg)[0]
+        assert plain != _run_schedule(burst, init=2.0**12, consecutive=True, **cfg)[0]
+
+
+def test_consecutive_hysteresis_through_the_scaler_and_its_state_dict():
+    cfg = dict(init_scale=2.0**12, growth_interval=3, hysteresis=2, consecutive_hysteresis=True)
+    scaler = DynamicLossScaler("cpu", **cfg, telemetry=False)
+    history = [(NAN,), (None,), (NAN,), (None,), (NAN,), (NAN,)]
+    _Loop(scaler, 1).run(history)
+    expected = _deepspeed_scales([h[0] is not None for h in history], 2.0**12, 2.0, 3, 2, True)
+    assert scaler.get_scale() == expected[-1] == 2.0**11  # only the two in a row backed off
+    assert scaler.state_dict()["consecutive_hysteresis"] is True
+    with pytest.raises(TypeError, match="`consecutive_hysteresis` must be a bool, got 1"):
+        DynamicLossScaler("cpu", consecutive_hysteresis=1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -570,11 +627,18 @@ def test_unscale_and_step_refuse_a_non_optimizer(enabled):
             method("sgd")
 
 
-def test_cuda_device_without_cuda_disables_with_grad_scalers_warning():
+def test_cuda_device_without_cuda_disables_with_our_warning():
     if torch.cuda.is_available():
         pytest.skip("CUDA is available: the scaler stays enabled")
-    with pytest.warns(UserWarning, match="CUDA is not available.  Disabling"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         scaler = DynamicLossScaler()
+    messages = [str(w.message) for w in caught]
+    assert messages == [
+        "DynamicLossScaler('cuda') is enabled, but CUDA is not available: disabling it (as "
+        "torch.amp.GradScaler does). HINT: use DynamicLossScaler('cpu') to scale losses on CPU."
+    ], messages  # ours alone: not GradScaler's, which names torch.cuda.amp.GradScaler
+    assert caught[0].filename == __file__  # points at the caller's line
     assert not scaler.is_enabled() and not scaler.skip_nonfinite
 
 
@@ -640,6 +704,117 @@ def test_grad_scaler_state_dicts_load_both_ways():
     with pytest.raises(RuntimeError, match="The source state dict is empty"):
         ours.load_state_dict({})
 
+
+# Every state the scaler can reach, as (config, history): each history row is one iteration, a value
+# per optimizer (None: clean gradients, else written into them) or ("new_scale", value) for one clean
+# step followed by update(new_scale=value).
+_F32_MAX = torch.finfo(torch.float32).max
+_REACHABLE = {
+    "fresh": (dict(), []),
+    "exponential-scale-0": (dict(init_scale=2.0**-149), [(NAN,)]),
+    "log2-scale-0": (dict(init_scale=2.0**-149, schedule="log2"), [(NAN,), (INF,)]),
+    "exponential-subnormal": (dict(init_scale=2.0**-140), [(NAN,)]),
+    "log2-subnormal": (dict(init_scale=2.0**-140, schedule="log2"), [(None,), (NAN,)]),
+    "exponential-float32-max": (dict(init_scale=_F32_MAX, growth_interval=1), [(None,), (None,)]),
+    "log2-float32-max": (dict(init_scale=_F32_MAX, schedule="log2", log2_increment=0.5), [(None,)]),
+    "new-scale-float": (dict(), [("new_scale", 3.0)]),
+    "new-scale-tensor-0": (dict(), [("new_scale", torch.tensor(0.0))]),
+    "new-scale-tensor-max": (dict(schedule="log2"), [("new_scale", torch.tensor(_F32_MAX))]),
+    "hysteresis-midway": (
+        dict(hysteresis=3, consecutive_hysteresis=True, growth_interval=2), [(NAN,), (None,), (NAN,)]
+    ),
+    "bounds-at-floor": (
+        dict(init_scale=2.0, min_scale=1.0, max_scale=2.0**20, on_min_scale="clamp"), [(NAN,), (NAN,)]
+    ),
+    "skip-only": (dict(enabled=False, skip_nonfinite=True), [(NAN,), (None,)]),
+    "per-optimizer": (dict(init_scale=2.0**-149, per_optimizer=True), [(NAN, None)]),
+}
+
+
+class _Loop:
+    """One linear model and SGD optimizer per scale; :meth:`run` plays a history on a scaler."""
+
+    def __init__(self, scaler, n):
+        torch.manual_seed(0)
+        self.models = [torch.nn.Linear(3, 1) for _ in range(n)]
+        self.opts = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in self.models]
+        self.scaler = scaler
+        self.per_optimizer = getattr(scaler, "per_optimizer", False)  # GradScaler has none
+        if self.per_optimizer:
+            for i, opt in enumerate(self.opts):
+                scaler.register_optimizer(opt, f"opt{i}")
+
+    def run(self, history):
+        for row in history:
+            new_scale = row[1] if row[0] == "new_scale" else None
+            values = (None,) * len(self.opts) if new_scale is not None else row
+            for model, opt, value in zip(self.models, self.opts, values):
+                opt.zero_grad()
+                kw = {"optimizer": opt} if self.per_optimizer else {}
+                self.scaler.scale(model(torch.ones(2, 3)).square().mean(), **kw).backward()
+                if value is not None:
+                    model.weight.grad.fill_(value)
+                self.scaler.step(opt)
+            self.scaler.update(new_scale)
+        return self
+
+
+@pytest.mark.parametrize("case", list(_REACHABLE))
+def test_every_reachable_state_round_trips_and_continues_identically(case, tmp_path):
+    cfg, history = _REACHABLE[case]
+    n = len(history[0]) if history and history[0][0] != "new_scale" else 1
+    loop = _Loop(DynamicLossScaler("cpu", **cfg, telemetry=False), n).run(history)
+    state = loop.scaler.state_dict()
+    torch.save({"scaler": state}, tmp_path / "ckpt.pt")  # as a Lightning checkpoint stores it
+    loaded = torch.load(tmp_path / "ckpt.pt", weights_only=True)["scaler"]
+    assert loaded == state
+    flags = {k: cfg[k] for k in ("enabled", "skip_nonfinite", "per_optimizer", "on_min_scale") if k in cfg}
+    resumed = _Loop(DynamicLossScaler("cpu", **flags, telemetry=False), n)  # the state carries the rest
+    resumed.scaler.load_state_dict(loaded)
+    assert resumed.scaler.state_dict() == state
+    clone = pickle.loads(pickle.dumps(loop.scaler))
+    assert clone.state_dict() == state
+    for model, ref in zip(resumed.models, loop.models):
+        model.load_state_dict(ref.state_dict())
+    for opt, ref in zip(resumed.opts, loop.opts):
+        opt.load_state_dict(ref.state_dict())
+    after = [(None,) * n, (NAN,) * n, (None,) * n]
+    assert resumed.run(after).scaler.state_dict() == loop.run(after).scaler.state_dict()
+    if not cfg.get("per_optimizer") and loop.scaler.is_enabled():
+        back = torch.amp.GradScaler("cpu")  # GradScaler reads every one of them too
+        back.load_state_dict(loop.scaler.state_dict())
+        assert back.get_scale() == loop.scaler.get_scale()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam-fused"])
+@pytest.mark.parametrize("schedule", ["exponential", "log2"])
+def test_below_2_to_the_minus_128_every_step_is_skipped_and_weights_kept(schedule, optimizer):
+    """The documented end of a diverged run without min_scale: 1/scale is inf in float32, so every step
+    counts as an overflow and the weights stay finite (GradScaler steps with the inf/NaN products);
+    the scale only backs off, to 0 (log2 keeps counting back-offs)."""
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**-127, schedule=schedule, telemetry=False)
+    loop = _Loop(scaler, 1)
+    loop.opts = [_OPTIMIZERS[optimizer](loop.models[0].parameters())]
+    weights = copy.deepcopy(loop.models[0].state_dict())
+    loop.run([(NAN,)] + [(None,)] * 24)  # 2**-127 -> 2**-128 -> ... -> 0 (from 2**-150)
+    assert scaler.get_scale() == 0.0 and scaler.skipped_steps == 25 == scaler.consecutive_overflows
+    for name, value in loop.models[0].state_dict().items():
+        assert torch.equal(value, weights[name]), name
+    state = scaler.state_dict()
+    assert state["log2_scale"] == (-math.inf if schedule == "exponential" else -152.0)
+
+def test_grad_scaler_state_at_scale_0_loads():
+    ref = _Loop(torch.amp.GradScaler("cpu", init_scale=2.0**-149), 1).run([(NAN,)])
+    ours = DynamicLossScaler("cpu", telemetry=False)
+    ours.load_state_dict(ref.scaler.state_dict())
+    assert ours.state_dict()["scale"] == 0.0 and ours.state_dict()["log2_scale"] == -math.inf
+    assert _Loop(ours, 1).run([(None,)]).scaler.get_scale() == 0.0
+
+
+@pytest.mark.parametrize("schedule", ["exponential", "log2"])
+def test_growth_stops_at_the_largest_float32_scale(schedule):
+    scales, _, _ = _run_schedule([0, 0, 0], _F32_MAX / 2, schedule, growth_interval=1, increment=0.75)
+    assert scales[-2:] == [_F32_MAX, _F32_MAX]
 
 def test_load_state_dict_refuses_inconsistent_overflow_counters_and_loads_nothing():
     scaler = DynamicLossScaler("cpu", init_scale=8.0, telemetry=False)

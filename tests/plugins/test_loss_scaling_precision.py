@@ -359,6 +359,34 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path: Path):
     assert resumed_plugin.scaler.skipped_steps == 2
 
 
+
+@pytest.mark.parametrize("schedule", ["exponential", "log2"])
+def test_checkpoint_of_a_diverged_run_at_scale_0_saves_and_resumes(tmp_path: Path, schedule):
+    """Gradients NaN at every step with no min_scale (GradScaler's default): the scale underflows to 0
+    and the checkpoint saved then, the one needed to debug the divergence, saves and resumes."""
+
+    def plugin():
+        scaler = DynamicLossScaler("cpu", init_scale=2.0**-148, schedule=schedule, telemetry=False)
+        return LossScalingPrecision("16-mixed", scaler=scaler)
+
+    poison = dict.fromkeys(range(12), float("nan"))
+    checkpoint = ModelCheckpoint(
+        dirpath=tmp_path, every_n_epochs=1, save_on_train_epoch_end=True, save_top_k=-1
+    )
+    full = _Regression(poison=poison)
+    full_trainer = _trainer(plugin(), [checkpoint], max_steps=6, enable_checkpointing=True)
+    full_trainer.fit(full, _data(n=16))
+    saved = torch.load(tmp_path / "epoch=3-step=4.ckpt", weights_only=True)["LossScalingPrecision"]
+    assert saved["scale"] == 0.0 and saved["skipped_steps"] == 4
+    assert saved["log2_scale"] == (-math.inf if schedule == "exponential" else -152.0)
+    resumed, resumed_plugin = _Regression(poison=poison), plugin()
+    ckpt = tmp_path / "epoch=3-step=4.ckpt"
+    _trainer(resumed_plugin, max_steps=6).fit(resumed, _data(n=16), ckpt_path=ckpt)
+    assert resumed_plugin.scaler.state_dict() == full_trainer.precision_plugin.scaler.state_dict()
+    assert resumed_plugin.scaler.skipped_steps == 6
+    for p, q in zip(resumed.parameters(), full.parameters()):
+        assert torch.equal(p, q) and torch.isfinite(p).all()
+
 def test_bf16_and_fp32_skip_nonfinite_steps_without_scaling():
     for precision, dtype in (("bf16-mixed", torch.bfloat16), ("32-true", torch.float32)):
         model = _Regression(poison={1: float("nan")})
