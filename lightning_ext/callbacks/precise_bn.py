@@ -51,13 +51,25 @@ def merge_batch_statistics(
     return total, mean, m2
 
 
-def _agree_has_batch(has_batch: bool) -> bool:
-    """True iff every rank has a batch (one tiny all_reduce MIN when distributed)."""
+def _agree(state: float) -> float:
+    """The MIN over ranks of each rank's ``state`` (1: has a batch, 0: has none, -1: failed), so that
+    every rank stops, or raises, at the same batch (one tiny all_reduce when distributed)."""
     if get_world_size() <= 1:
-        return has_batch
-    flag = torch.tensor([1.0 if has_batch else 0.0], device=collective_device())
+        return state
+    flag = torch.tensor([state], device=collective_device())
     all_reduce_(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return flag.item()
+
+
+def _runs_error(layers: list[_BatchNorm], records: list[list[_Record]], used: int) -> str | None:
+    """Why a layer did not run exactly once in each of the ``used`` forwards, or ``None``."""
+    for i, (layer, runs) in enumerate(zip(layers, records)):
+        if len(runs) != used:
+            return (
+                f"PreciseBN: BatchNorm layer {i} ({type(layer).__name__}) ran {len(runs) - used + 1} "
+                "times in one forward; each layer must run once"
+            )
+    return None
 
 
 def update_bn_stats(
@@ -65,17 +77,28 @@ def update_bn_stats(
 ) -> int:
     """Set the running statistics of ``model``'s BatchNorm layers to population statistics.
 
-    Updated: ``_BatchNorm`` layers in training mode with ``track_running_stats``. With them at
-    ``momentum=1`` and the other modules in training mode (fvcore's ``model.train()``, but eval-mode
-    BatchNorm stays frozen), ``forward_fn(model, batch)`` runs under ``torch.no_grad()`` on up to
-    ``num_iter`` batches, whose statistics :func:`merge_batch_statistics` weighs by elements per
-    channel (fvcore: equally): the exact mean and unbiased variance of all normalized elements.
-    Flags, momenta and ``num_batches_tracked`` are restored. Source: fvcore ``nn/precise_bn.py``.
+    Updated: ``_BatchNorm`` layers in training mode with ``track_running_stats`` (eval-mode ones stay
+    frozen). With them at ``momentum=1`` and every other module put in training mode,
+    ``forward_fn(model, batch)`` runs under ``torch.no_grad()`` on up to ``num_iter`` batches; each
+    layer's batch statistics are merged in float64 by :func:`merge_batch_statistics`, weighted by
+    elements per channel (``N·H·W…``), into the exact mean and UNBIASED variance (what
+    ``running_var`` estimates) of all the elements it normalized, written in place in the buffers'
+    dtype. Training flags, momenta and ``num_batches_tracked`` are restored.
+
+    Source: fvcore ``nn/precise_bn.py`` (``update_bn_stats``), which also weighs batches by elements
+    per channel, but writes the biased variance ``E[x²] - E[x]²``, accumulated in the buffers' dtype,
+    into new buffer tensors; leaves every module's mode to its caller; updates only
+    ``BatchNorm1d/2d/3d`` and ``torch.nn.SyncBatchNorm``; skips a layer a forward did not use (here:
+    ``RuntimeError``); advances ``num_batches_tracked`` by ``num_iters``; and raises ``AssertionError``
+    after the forwards, momenta left at 1, when the loader has fewer than ``num_iters`` batches (here:
+    the batches there are, counted in the return value).
 
     Distributed: ``SyncBatchNorm`` layers (ours or torch's) give batch statistics over their group,
-    and their element counts are summed likewise (one all_reduce per group at the end). Before each
-    batch the ranks agree that all have one (one all_reduce, a host–device sync), so synchronized
-    layers never hang on uneven loaders.
+    and their element counts are summed likewise (one all_reduce per group at the end): each rank
+    gets the statistics of the union of the group's batches (fvcore weighs them by the rank's own
+    counts, so ranks with uneven batches may disagree); plain BatchNorm layers get their rank's own.
+    Before each batch the ranks agree that all have one (one all_reduce, a host–device sync), so
+    synchronized layers never hang on uneven loaders.
 
     Args:
         model: the module whose BatchNorm layers to update.
@@ -87,7 +110,8 @@ def update_bn_stats(
         The number of batches used (0: nothing changed).
 
     Raises:
-        RuntimeError: a BatchNorm layer did not run exactly once in a forward.
+        RuntimeError: a BatchNorm layer did not run exactly once in a forward; distributed, on every
+            rank at the same batch (the others name the failure as another rank's).
 
     Example::
 
@@ -103,19 +127,20 @@ def update_bn_stats(
     ]
     if not layers:
         return 0
-    used = 0
+    used, error = 0, None
     with _population_mode(model, layers) as records:
         iterator = iter(batches)
-        while used < num_iter and _agree_has_batch((batch := next(iterator, _END)) is not _END):
+        while True:
+            has_batch = used < num_iter and (batch := next(iterator, _END)) is not _END
+            state = _agree(-1.0 if error else float(has_batch))
+            if state < 0:  # every rank raises together: none waits in a collective for the others
+                raise RuntimeError(error or "PreciseBN: a BatchNorm layer failed on another rank")
+            if not state:
+                break
             with torch.no_grad():
                 forward_fn(model, batch)
             used += 1
-            for i, (layer, runs) in enumerate(zip(layers, records)):
-                if len(runs) != used:
-                    raise RuntimeError(
-                        f"PreciseBN: BatchNorm layer {i} ({type(layer).__name__}) ran "
-                        f"{len(runs) - used + 1} times in one forward; each layer must run once"
-                    )
+            error = _runs_error(layers, records, used)
         if used:
             _write_population_stats(layers, records)
     return used
@@ -192,8 +217,9 @@ class PreciseBN(HookBase):
     """Recompute BatchNorm running statistics with true population averages during training.
 
     Running statistics average batches whose weights kept changing;
-    :func:`~lightning_ext.callbacks.precise_bn.update_bn_stats` (see it for the collectives and syncs)
-    re-estimates them with frozen weights. Source: Wu & Johnson,
+    :func:`~lightning_ext.callbacks.precise_bn.update_bn_stats` (see it for the collectives and syncs,
+    and for how it differs from fvcore's function behind detectron2's hook) re-estimates them with
+    frozen weights: the mean and unbiased variance of all the batches' elements. Source: Wu & Johnson,
     "Rethinking 'Batch' in BatchNorm", 2021; detectron2 ``hooks.PreciseBN``.
 
     When: with ``period=None`` after the last iteration of each training epoch (before the

@@ -1,3 +1,5 @@
+import itertools
+
 import lightning as L
 import pytest
 import torch
@@ -98,7 +100,7 @@ def test_update_bn_stats_gives_population_statistics_and_restores_state():
     assert used == 4
     bn = model[1]
     assert_population(bn, model[0], batches[:4])
-    # fvcore's equal-weight average of batch statistics would be far off here (beyond the bound)
+    # An equal-weight mean of batch variances would be far off here (beyond the bound)
     _, var = population(model[0], batches[:4])
     naive_var = torch.stack([population(model[0], [b])[1] for b in batches[:4]]).mean(0)
     assert ((naive_var - var).abs() > 10 * float32_bounds(model[0], batches[:4])[1]).all()
@@ -236,3 +238,25 @@ def test_sync_batchnorm_population_over_two_ranks():
         used, layer.running_mean, layer.running_var, _ = out[rank]["plain"]
         assert used == 3
         assert_population(layer, conv, shards[rank])
+
+
+def _skipped_layer_worker(rank: int, world_size: int) -> str:
+    """Rank 1 skips its plain BatchNorm layer in the second forward: both ranks must raise there."""
+    model = nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3))
+    calls = itertools.count()
+
+    def forward(m, batch):
+        return m[0](batch) if rank == 1 and next(calls) == 1 else m(batch)
+
+    with pytest.raises(RuntimeError) as info:
+        update_bn_stats(model, make_batches([4, 4, 4], seed=rank), num_iter=3, forward_fn=forward)
+    return str(info.value)
+
+
+@pytest.mark.timeout(180)
+def test_a_layer_failing_on_one_rank_raises_on_every_rank_without_a_hang():
+    out = run_distributed(_skipped_layer_worker, 2, timeout=150)
+    assert out[1] == (
+        "PreciseBN: BatchNorm layer 0 (BatchNorm2d) ran 0 times in one forward; each layer must run once"
+    )
+    assert out[0] == "PreciseBN: a BatchNorm layer failed on another rank"
