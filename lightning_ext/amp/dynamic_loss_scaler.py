@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any, Literal, get_args
 
 import torch
@@ -37,7 +36,7 @@ _CONFIG = ("schedule", "log2_increment", "log2_decrement", "hysteresis", "consec
            "min_scale", "max_scale")  # fmt: skip
 _OPTIONS = (*_CONFIG, "on_min_scale", "skip_nonfinite", "process_group", "telemetry")
 # Our device state beyond GradScaler's ``_scale``/``_growth_tracker``: name -> dtype.
-_STATE = {
+_DEVICE_STATE = {
     "log2_scale": torch.float64,  # log2 of the scale; the authoritative value of the "log2" schedule
     "hysteresis_tracker": torch.int32,  # overflows still tolerated before a back-off
     "steps": torch.float64,  # optimizer steps counted by update(), taken or skipped
@@ -150,10 +149,9 @@ class DynamicLossScaler(GradScaler):
         telemetry: :func:`~lightning_ext.stats.report` at every update ``AMP/loss_scale_log2``,
             ``AMP/overflow`` (0/1; its mean is the overflow frequency) and ``AMP/skipped_steps``
             (running total); with ``per_optimizer``, ``AMP/<name>/...`` per optimizer.
-        per_optimizer: one scale, growth tracker and set of counters per optimizer, created at its
-            first use (StyleGAN2-ADA's ``Optimizer`` wrapper; Apex's ``num_losses``/``loss_id``);
-            :meth:`scale` then needs ``optimizer=``. Names: :meth:`register_optimizer`, else ``"0"``,
-            ``"1"``, ... in order of first use.
+        per_optimizer: ``True`` makes a :class:`~lightning_ext.amp.PerOptimizerLossScaler`: one
+            scale, growth tracker and set of counters per optimizer (StyleGAN2-ADA); :meth:`scale`
+            then needs ``optimizer=``.
 
     Raises:
         TypeError: a numeric argument is not a finite number of the right type, ``device`` not a str,
@@ -191,6 +189,8 @@ class DynamicLossScaler(GradScaler):
         (True, False)
     """
 
+    _per_optimizer = False  # True on PerOptimizerLossScaler (what DynamicLossScaler(per_optimizer=True) is)
+
     def __init__(
         self,
         device: str = "cuda",
@@ -220,6 +220,12 @@ class DynamicLossScaler(GradScaler):
                     hysteresis, (log2_increment, log2_decrement), min_scale, max_scale,
                     on_min_scale)  # fmt: skip
         check_process_group(process_group)
+        becomes_composite = per_optimizer and type(self) is DynamicLossScaler
+        if per_optimizer != self._per_optimizer and not becomes_composite:
+            raise ValueError(
+                f"{type(self).__name__} takes per_optimizer={self._per_optimizer}, got {per_optimizer!r}. "
+                "HINT: DynamicLossScaler(per_optimizer=True) makes a PerOptimizerLossScaler."
+            )
         if enabled and device == "cuda" and not torch.cuda.is_available():
             warnings.warn(  # GradScaler's behaviour; its own warning names torch.cuda.amp.GradScaler
                 "DynamicLossScaler('cuda') is enabled, but CUDA is not available: disabling it (as "
@@ -242,11 +248,14 @@ class DynamicLossScaler(GradScaler):
         self.skip_nonfinite, self.telemetry, self.per_optimizer = skip_nonfinite, telemetry, per_optimizer
         self.process_group = process_group
         self._name: str | None = None  # telemetry prefix AMP/<name>/ of a per-optimizer scale
-        self._state: dict[str, Tensor] | None = None  # _STATE on the scale's device, created with _scale
-        self._init_state: dict[str, float] = {"hysteresis_tracker": hysteresis}
-        self._children: dict[str, DynamicLossScaler] = {}  # per_optimizer: name -> that optimizer's scaler
-        self._names: dict[int, str] = {}  # per_optimizer: id(optimizer) -> name
-        self._pending_children: dict[str, dict[str, Any]] = {}  # loaded states of children not yet used
+        self._device_state: dict[str, Tensor] | None = None  # _DEVICE_STATE, created with _scale
+        self._start: dict[str, float] = {"hysteresis_tracker": hysteresis}  # loaded/unpickled values
+        if becomes_composite:  # DynamicLossScaler(per_optimizer=True) is a PerOptimizerLossScaler
+            from lightning_ext.amp.per_optimizer_loss_scaler import PerOptimizerLossScaler
+
+            self.__class__ = PerOptimizerLossScaler
+        if per_optimizer:
+            self._init_scales()
 
     # ------------------------------------------------------------------ configuration
     growth_factor = property(GradScaler.get_growth_factor, doc="GradScaler's growth factor.")
@@ -268,57 +277,46 @@ class DynamicLossScaler(GradScaler):
 
     # ------------------------------------------------------------------ per-optimizer scales
     def register_optimizer(self, optimizer: Optimizer, name: str) -> None:
-        """Name ``optimizer``'s scale (``per_optimizer=True``): telemetry ``AMP/<name>/...``, state-dict key.
+        """Name ``optimizer``'s scale: see :class:`~lightning_ext.amp.PerOptimizerLossScaler`.
 
         Raises:
-            TypeError: ``optimizer`` is not an optimizer or ``name`` not a non-empty str.
-            ValueError: not ``per_optimizer``, or ``name`` already names another optimizer.
+            ValueError: always on a shared scale (``per_optimizer=False``).
         """
-        _check_optimizer(optimizer)
-        if not self.per_optimizer:
-            raise ValueError("register_optimizer() needs DynamicLossScaler(per_optimizer=True)")
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"`name` must be a non-empty str, got {name!r}")
-        if name in self._names.values() and self._names.get(id(optimizer)) != name:
-            raise ValueError(f"`name` {name!r} already names another optimizer's scale")
-        self._names[id(optimizer)] = name
+        raise ValueError("register_optimizer() needs DynamicLossScaler(per_optimizer=True)")
 
     def optimizer_scaler(self, optimizer: Optimizer) -> DynamicLossScaler:
-        """The scaler holding ``optimizer``'s own scale (``per_optimizer=True``), created at first use."""
-        _check_optimizer(optimizer)
-        if not self.per_optimizer:
-            raise ValueError("optimizer_scaler() needs DynamicLossScaler(per_optimizer=True)")
-        name = self._names.setdefault(id(optimizer), str(len(self._names)))
-        child = self._children.get(name)
-        if child is None:
-            child = self._children[name] = DynamicLossScaler(
-                self._device, self._init_scale, self._growth_factor, self._backoff_factor,
-                self._growth_interval, self._enabled, **{key: getattr(self, key) for key in _OPTIONS},
-            )  # fmt: skip
-            child._name = name
-            if name in self._pending_children:
-                child.load_state_dict(self._pending_children.pop(name))
-        return child
+        """``optimizer``'s own scaler: see :class:`~lightning_ext.amp.PerOptimizerLossScaler`.
+
+        Raises:
+            ValueError: always on a shared scale (``per_optimizer=False``).
+        """
+        raise ValueError("optimizer_scaler() needs DynamicLossScaler(per_optimizer=True)")
 
     # ------------------------------------------------------------------ device state
-    def _initial_state(self) -> dict[str, float]:
-        """``_STATE``'s starting values: zero counters, the initial scale's log2, then ``_init_state``."""
-        return {**dict.fromkeys(_STATE, 0), "log2_scale": _log2(self._init_scale), **self._init_state}
+    def _start_values(self) -> dict[str, float]:
+        """``_DEVICE_STATE``'s starting values: zero counters, the initial scale's log2, then ``_start``
+        (what a loaded state dict or unpickling gives)."""
+        return {**dict.fromkeys(_DEVICE_STATE, 0), "log2_scale": _log2(self._init_scale), **self._start}
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
-        self._state = {
-            name: torch.tensor(value, dtype=_STATE[name], device=dev)
-            for name, value in self._initial_state().items()
+        self._device_state = {
+            name: torch.tensor(value, dtype=_DEVICE_STATE[name], device=dev)
+            for name, value in self._start_values().items()
         }
         if self.schedule == "log2":  # the scale follows its float64 log2
-            self._scale.copy_(torch.exp2(self._state["log2_scale"]))
+            self._scale.copy_(torch.exp2(self._device_state["log2_scale"]))
 
-    def _host_state(self) -> dict[str, float]:
+    def _has_steps(self) -> bool:
+        """Whether an optimizer step was recorded since the last update."""
+        return any(s["found_inf_per_device"] for s in self._per_optimizer_states.values())
+
+    def _read_device_state(self) -> dict[str, float]:
         """Our state as Python numbers (one host sync when it lives on the device)."""
-        if self._state is None:
-            return self._initial_state()
-        return dict(zip(_STATE, torch.stack([t.double() for t in self._state.values()]).tolist()))
+        if self._device_state is None:
+            return self._start_values()
+        values = torch.stack([t.double() for t in self._device_state.values()]).tolist()
+        return dict(zip(_DEVICE_STATE, values))
 
     # ------------------------------------------------------------------ scale, unscale, step
     def scale(self, outputs: Any, *, optimizer: Optimizer | None = None) -> Any:
@@ -326,20 +324,12 @@ class DynamicLossScaler(GradScaler):
 
         Args:
             outputs: what to scale (the loss).
-            optimizer: with ``per_optimizer=True``, the optimizer that will step these gradients
-                (required then); otherwise ignored.
+            optimizer: ignored by a shared scale (see :class:`~lightning_ext.amp.PerOptimizerLossScaler`).
 
         Raises:
-            ValueError: ``per_optimizer=True`` and no ``optimizer``; GradScaler's errors.
+            GradScaler's errors.
         """
-        if not self.per_optimizer:
-            return super().scale(outputs)
-        if optimizer is None:
-            raise ValueError(
-                "DynamicLossScaler(per_optimizer=True).scale(outputs, optimizer=...) needs the optimizer "
-                "that will step these gradients: each optimizer has its own scale"
-            )
-        return self.optimizer_scaler(optimizer).scale(outputs)
+        return super().scale(outputs)
 
     def _grads_by_device(self, optimizer: Optimizer, allow_fp16: bool) -> dict[torch.device, list[Tensor]]:
         """The optimizer's gradients (values of sparse ones) by device, as GradScaler collects them."""
@@ -416,8 +406,6 @@ class DynamicLossScaler(GradScaler):
             ValueError: float16 gradients (the optimizer needs float32 master parameters).
         """
         _check_optimizer(optimizer)
-        if self.per_optimizer:
-            return self.optimizer_scaler(optimizer).unscale_(optimizer)
         if self._enabled:
             return super().unscale_(optimizer)
         if not self.skip_nonfinite:
@@ -448,8 +436,6 @@ class DynamicLossScaler(GradScaler):
             RuntimeError: ``step`` already called for ``optimizer`` since the last update, or a ``closure``.
         """
         _check_optimizer(optimizer)
-        if self.per_optimizer:
-            return self.optimizer_scaler(optimizer).step(optimizer, *args, **kwargs)
         if self._enabled or not self.skip_nonfinite:
             return super().step(optimizer, *args, **kwargs)
         if "closure" in kwargs:
@@ -482,22 +468,14 @@ class DynamicLossScaler(GradScaler):
         Args:
             new_scale: set the scale to this value (a float, or a one-element float32 tensor on the
                 scaler's device type) instead of following the schedule (GradScaler's semantics).
-            optimizer: with ``per_optimizer=True``, move only this optimizer's scale (for its
-                steps since its last update); ignored by a shared scale, which moves once for all.
+            optimizer: ignored by a shared scale, which moves once for all (see
+                :class:`~lightning_ext.amp.PerOptimizerLossScaler`).
 
         Raises:
             AssertionError: no optimizer step was recorded since the last update (GradScaler's).
             ValueError: a float ``new_scale`` outside ``[min_scale, max_scale]``.
             FloatingPointError: ``on_min_scale="raise"`` and an overflow hit the floor.
         """
-        if self.per_optimizer:
-            stepped = [self.optimizer_scaler(optimizer)] if optimizer is not None else [
-                c for c in self._children.values()
-                if any(s["found_inf_per_device"] for s in c._per_optimizer_states.values())
-            ]  # fmt: skip
-            for child in stepped:
-                child.update(new_scale)
-            return
         if not self._checks:
             return
         states = list(self._per_optimizer_states.values())
@@ -510,10 +488,10 @@ class DynamicLossScaler(GradScaler):
             self._lazy_init_scale_growth_tracker(device)
         found_infs = [f.to(device, non_blocking=True) for f in found_infs]
         for found in found_infs:
-            schedules.count_(self._state["steps"], self._state["skipped_steps"],
-                             self._state["consecutive_overflows"], found)  # fmt: skip
+            schedules.count_(self._device_state["steps"], self._device_state["skipped_steps"],
+                             self._device_state["consecutive_overflows"], found)  # fmt: skip
         combined = sum(found_infs[1:], found_infs[0]) if found_infs else torch.zeros((), device=device)
-        self._state["found_inf"].copy_(combined)
+        self._device_state["found_inf"].copy_(combined)
         if self._enabled and new_scale is not None:
             self._set_scale(new_scale)
         elif self._enabled:
@@ -523,7 +501,7 @@ class DynamicLossScaler(GradScaler):
 
     def _schedule(self, found_inf: Tensor) -> None:
         """One schedule step, then the bounds and the floor policy."""
-        s, scale, tracker = self._state, self._scale, self._growth_tracker
+        s, scale, tracker = self._device_state, self._scale, self._growth_tracker
         if self.schedule == "log2":
             back_off = schedules.log2_(
                 scale, s["log2_scale"], tracker, s["hysteresis_tracker"], found_inf,
@@ -562,52 +540,47 @@ class DynamicLossScaler(GradScaler):
             if not number or not (0.0 < new_scale and low <= new_scale <= high):
                 raise ValueError(f"`new_scale` must be a float > 0 in [{low!r}, {high!r}], got {new_scale!r}")
             super().update(float(new_scale))
-        self._state["log2_scale"].copy_(torch.log2(self._scale.double()))
+        self._device_state["log2_scale"].copy_(torch.log2(self._scale.double()))
 
     def _report(self, found_inf: Tensor) -> None:
         prefix = "AMP/" if self._name is None else f"AMP/{self._name}/"
         if not self._enabled:
             log2 = torch.zeros((), dtype=torch.float64)
         elif self.schedule == "log2":
-            log2 = self._state["log2_scale"].clone()
+            log2 = self._device_state["log2_scale"].clone()
         else:
             log2 = torch.log2(self._scale)
         report(prefix + "loss_scale_log2", log2)
         report(prefix + "overflow", (found_inf > 0).float())
-        report(prefix + "skipped_steps", self._state["skipped_steps"].clone())
+        report(prefix + "skipped_steps", self._device_state["skipped_steps"].clone())
 
     # ------------------------------------------------------------------ read-out
-    def _reduce(self, read: Callable[[DynamicLossScaler], Any], combine: Callable = sum) -> Any:
-        return combine(read(c) for c in self._children.values()) if self.per_optimizer else read(self)
-
     @property
     def steps(self) -> int:
-        """Optimizer steps counted by :meth:`update`, taken or skipped (summed over per-optimizer
-        scales). Syncs host and device."""
-        return self._reduce(lambda s: int(s._host_state()["steps"]))
+        """Optimizer steps counted by :meth:`update`, taken or skipped. Syncs host and device."""
+        return int(self._read_device_state()["steps"])
 
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped because a gradient was inf/NaN. Syncs host and device."""
-        return self._reduce(lambda s: int(s._host_state()["skipped_steps"]))
+        return int(self._read_device_state()["skipped_steps"])
 
     @property
     def consecutive_overflows(self) -> int:
-        """Skipped steps in a row up to the last update (the longest over per-optimizer scales).
-        Syncs host and device."""
-        return self._reduce(lambda s: int(s._host_state()["consecutive_overflows"]), max)
+        """Skipped steps in a row up to the last update. Syncs host and device."""
+        return int(self._read_device_state()["consecutive_overflows"])
 
     @property
     def last_step_skipped(self) -> bool:
-        """Whether the last update counted a skipped step (any per-optimizer scale). Syncs host and device."""
-        return self._reduce(lambda s: s._state is not None and bool(s._state["found_inf"] > 0), any)
+        """Whether the last update counted a skipped step. Syncs host and device."""
+        return self._device_state is not None and bool(self._device_state["found_inf"] > 0)
 
     @property
     def last_step_skipped_tensor(self) -> Tensor:
         """Whether the last update counted a skipped step, as a bool 0-dim device tensor. No sync."""
-        if self._state is None:
+        if self._device_state is None:
             return torch.zeros((), dtype=torch.bool)
-        return self._state["found_inf"] > 0
+        return self._device_state["found_inf"] > 0
 
     @property
     def scale_tensor(self) -> Tensor | None:
@@ -621,14 +594,12 @@ class DynamicLossScaler(GradScaler):
     def state_dict(self) -> dict[str, Any]:
         """GradScaler's keys (``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
         ``_growth_tracker``; so GradScaler can load it) plus the schedule, bounds and counters; with
-        ``per_optimizer``, ``{"per_optimizer": {name: state}}``. Empty when disabled without checks
+        :class:`~lightning_ext.amp.PerOptimizerLossScaler`, ``{"per_optimizer": {name: state}}``. Empty
+        when disabled without checks
         (GradScaler's). Syncs host and device."""
-        if self.per_optimizer:
-            children = {name: child.state_dict() for name, child in self._children.items()}
-            return {"per_optimizer": {**self._pending_children, **children}}
         if not self._checks:
             return {}
-        host = self._host_state()
+        host = self._read_device_state()
         base = super().state_dict() if self._enabled else {}
         ours = {key: getattr(self, key) for key in _CONFIG}
         # The exponential schedule moves the scale alone: its log2 is derived here, as pickling does.
@@ -649,20 +620,7 @@ class DynamicLossScaler(GradScaler):
             ValueError: keys missing, per-optimizer state into a shared scaler or the reverse, or
                 counters that contradict each other.
         """
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"`state_dict` must be a dict, got {type(state_dict).__name__}")
-        if self.per_optimizer != ("per_optimizer" in state_dict) and state_dict:
-            raise ValueError(
-                f"`state_dict` {'lacks' if self.per_optimizer else 'has'} per-optimizer scales (keys "
-                f"{sorted(state_dict)}) but this scaler has per_optimizer={self.per_optimizer}"
-            )
-        if self.per_optimizer:
-            for name, state in state_dict["per_optimizer"].items():
-                if name in self._children:
-                    self._children[name].load_state_dict(state)
-                else:
-                    self._pending_children[name] = state
-            return
+        _check_per_optimizer_keys(state_dict, self.per_optimizer)
         if not self._checks or (not state_dict and not self._enabled):
             return
         ours = "schedule" in state_dict
@@ -671,21 +629,21 @@ class DynamicLossScaler(GradScaler):
         if self._enabled:
             super().load_state_dict(state_dict)
         if not ours:  # a GradScaler's: its scale, fresh counters
-            self._init_state = {"hysteresis_tracker": self.hysteresis}
+            self._start = {"hysteresis_tracker": self.hysteresis}
         else:
             for key in _CONFIG:
                 setattr(self, key, state_dict.get(key, getattr(self, key)))
-            self._init_state = {
+            self._start = {
                 "log2_scale": float(state_dict["log2_scale"]),
                 "hysteresis_tracker": int(state_dict.get("_hysteresis_tracker", self.hysteresis)),
                 **{k: float(state_dict[k]) for k in ("steps", "skipped_steps", "consecutive_overflows")},
                 "found_inf": float(bool(state_dict.get("last_step_skipped", False))),
             }
-        if self._state is not None:  # rewrite the device state
-            for name, value in self._initial_state().items():
-                self._state[name].fill_(value)
+        if self._device_state is not None:  # rewrite the device state
+            for name, value in self._start_values().items():
+                self._device_state[name].fill_(value)
             if self.schedule == "log2" and self._enabled:
-                self._scale.copy_(torch.exp2(self._state["log2_scale"]))
+                self._scale.copy_(torch.exp2(self._device_state["log2_scale"]))
 
     def __getstate__(self) -> dict[str, Any]:
         # GradScaler's (the scale as a number, tensors recreated lazily), and ours alike: tensors sent
@@ -694,12 +652,22 @@ class DynamicLossScaler(GradScaler):
             state = super().__getstate__()
         else:
             state = {**self.__dict__, "_scale": None, "_growth_tracker": None}
-        host = self._host_state()
+        host = self._read_device_state()
         if self.schedule != "log2":
             del host["log2_scale"]  # derived from the scale
-        state["_init_state"], state["_state"] = host, None
-        state["_names"] = {}  # object ids mean nothing in another process
+        state["_start"], state["_device_state"] = host, None
         return state
+
+
+def _check_per_optimizer_keys(state_dict: dict[str, Any], per_optimizer: bool) -> None:
+    """Raise when ``state_dict`` holds per-optimizer scales and the scaler has one, or the reverse."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"`state_dict` must be a dict, got {type(state_dict).__name__}")
+    if per_optimizer != ("per_optimizer" in state_dict) and state_dict:
+        raise ValueError(
+            f"`state_dict` {'lacks' if per_optimizer else 'has'} per-optimizer scales (keys "
+            f"{sorted(state_dict)}) but this scaler has per_optimizer={per_optimizer}"
+        )
 
 
 def _check_state_dict(state_dict: dict[str, Any]) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_ext.amp import DynamicLossScaler, schedules
+from lightning_ext.amp import DynamicLossScaler, PerOptimizerLossScaler, schedules
 from lightning_ext.stats import Collector
 from tests.helpers.distributed import run_distributed
 
@@ -1107,6 +1107,24 @@ def test_register_optimizer_names_and_errors():
     ):
         shared.optimizer_scaler(gan.opt_D)
 
+
+
+def test_per_optimizer_true_makes_a_per_optimizer_loss_scaler_with_the_same_api():
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**4, per_optimizer=True, telemetry=False)
+    assert type(scaler) is PerOptimizerLossScaler and isinstance(scaler, DynamicLossScaler)
+    assert scaler.per_optimizer and scaler.get_scale() == 2.0**4
+    assert type(pickle.loads(pickle.dumps(scaler))) is PerOptimizerLossScaler
+    assert type(copy.deepcopy(scaler)) is PerOptimizerLossScaler
+    assert type(PerOptimizerLossScaler("cpu")) is PerOptimizerLossScaler
+    with pytest.raises(ValueError, match=r"PerOptimizerLossScaler takes per_optimizer=True, got False"):
+        PerOptimizerLossScaler("cpu", per_optimizer=False)
+
+    class Shared(DynamicLossScaler):  # a subclass of the shared scaler stays one
+        pass
+
+    with pytest.raises(ValueError, match=r"Shared takes per_optimizer=False, got True. HINT"):
+        Shared("cpu", per_optimizer=True)
+    assert type(DynamicLossScaler("cpu", telemetry=False)) is DynamicLossScaler
 
 def test_per_optimizer_scale_needs_the_optimizer():
     gan = _Gan()
