@@ -7,20 +7,39 @@ load time. ``unscale_and_check_`` is ATen's one-pass op, as in ``reference``.
 
 :func:`torch.utils.cpp_extension.load` (a C++ compiler and ``ninja``) builds the extension when a
 process first builds this backend, cached in ``TORCH_EXTENSIONS_DIR`` (default
-``~/.cache/torch_extensions``) keyed on the source; ``python -m lightning_ext.kernels.cpu`` builds it
-ahead of time.
+``~/.cache/torch_extensions/py<version>_<cpu|cuXY>``); ``python -m lightning_ext.kernels`` builds it
+ahead of time and prints where.
+
+The build key. torch keeps ONE build per extension name and rebuilds it when the environment that
+loads it differs from the one that built it last, so two environments sharing the cache (a project
+venv and a notebook venv with another torch) would rebuild it in turn, ~30 s each time. The name is
+therefore ``lightning_ext_kernels_cpu_<key>``, ``<key>`` the first 12 hex digits of a SHA-256 of
+everything that makes a build incompatible (``_build_key``): the torch version (``2.13.0+cpu``:
+it includes the CUDA/CPU variant), torch's C++ ABI (``torch.compiled_with_cxx11_abi()``, i.e.
+``torch._C._GLIBCXX_USE_CXX11_ABI``), the Python implementation, version and platform (the
+extension-module suffix, e.g. ``.cpython-311-x86_64-linux-gnu.so``), the compiler flags and the
+bytes of the source. Each environment keeps its own build directory,
+``$TORCH_EXTENSIONS_DIR/lightning_ext_kernels_cpu_<key>``, side by side with the others; a changed
+source gets a new directory (remove old ones freely: they are rebuilt on demand).
+
+A process that blocks on a build, its own or another process's (the ranks of one machine wait for
+the one that builds), says so ONCE, on every rank, through this module's logger: a ``WARNING`` naming
+the build directory, after ``_ANNOUNCE_AFTER_SECONDS`` (a cached load is silent).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import os
+import sys
+import sysconfig
 import threading
 import time
 from pathlib import Path
 from types import ModuleType
 from typing import ClassVar
 
+import torch
 from typing_extensions import override
 
 from lightning_ext.kernels.backend import OPS
@@ -31,7 +50,7 @@ __all__ = ["SOURCE", "CpuBackend", "load"]
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "kernels_cpu.cpp"
-_NAME = "lightning_ext_kernels_cpu"
+_NAME = "lightning_ext_kernels_cpu"  # + "_<build key>" (see the module docstring)
 # -fopenmp: ATen's at::parallel_for is inline OpenMP code, serial unless compiled with OpenMP; the
 # runtime (libgomp.so.1) is the one torch already loaded. No -march: the build must run on any CPU
 # that shares the extension cache (target_clones picks AVX2 at load time).
@@ -41,14 +60,84 @@ _STALE_LOCK_SECONDS = 600.0  # a build takes ~30 s; a lock file this old was lef
 
 _lock = threading.Lock()
 _module: ModuleType | None = None  # the loaded extension (one per process)
+_announce_lock = threading.Lock()
+_announced = False  # this process has said that it blocks on a build (once per process)
 
 
-def _clear_stale_lock() -> None:
-    """Wait while another process builds; remove a lock file older than ``_STALE_LOCK_SECONDS`` (torch
-    waits for it without a time limit, so a killed build would make every later process hang)."""
+def _build_key(torch_version: str, cxx11_abi: bool, python: str, source: bytes) -> str:
+    """The part of the extension's name that separates incompatible builds (see the module docstring).
+
+    Args:
+        torch_version: ``torch.__version__``, e.g. ``"2.13.0+cpu"``.
+        cxx11_abi: ``torch.compiled_with_cxx11_abi()``.
+        python: the interpreter's extension-module suffix, e.g. ``".cpython-311-x86_64-linux-gnu.so"``.
+        source: the bytes of the C++ source.
+
+    Returns:
+        12 lowercase hex digits, the same for the same arguments (and ``_CFLAGS``) in every process.
+
+    Example::
+
+        >>> python, source = ".cpython-311-x86_64-linux-gnu.so", b"int f();"
+        >>> key = _build_key("2.13.0+cpu", True, python, source)
+        >>> len(key), key == _build_key("2.13.0+cpu", True, python, source)
+        (12, True)
+        >>> key == _build_key("2.14.0+cpu", True, python, source)
+        False
+    """
+    digest = hashlib.sha256()
+    for part in (torch_version, str(int(cxx11_abi)), python, " ".join(_CFLAGS)):
+        digest.update(part.encode() + b"\0")
+    digest.update(source)
+    return digest.hexdigest()[:12]
+
+
+def _extension_name() -> str:
+    """``lightning_ext_kernels_cpu_<key>``: the extension's name (its build directory and module name)
+    for this process's torch, Python and the source as it is now."""
+    python = sysconfig.get_config_var("EXT_SUFFIX") or sys.implementation.cache_tag
+    key = _build_key(torch.__version__, torch.compiled_with_cxx11_abi(), python, SOURCE.read_bytes())
+    return f"{_NAME}_{key}"
+
+
+def _build_directory(name: str) -> Path:
+    """Where torch builds and caches the extension ``name`` (created when missing)."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    lock = Path(_get_build_directory(_NAME, verbose=False)) / "lock"
+    return Path(_get_build_directory(name, verbose=False))
+
+
+def _announce(build_directory: Path, waiting: bool = False) -> None:
+    """Say, once per process and on every rank, that this process blocks on a build and where.
+
+    Args:
+        build_directory: the extension's build directory.
+        waiting: another process holds the build lock (else this process builds, or waits inside
+            torch for another one that started at the same moment: torch does not tell which).
+    """
+    global _announced
+    with _announce_lock:
+        if _announced:
+            return
+        _announced = True
+    if waiting:
+        what = "waiting for another process to build the compiled CPU kernels"
+    else:
+        what = "building the compiled CPU kernels (or waiting for the process that builds them)"
+    log.warning(
+        "lightning_ext: %s in %s, about 30 s once per environment. "
+        "`python -m lightning_ext.kernels` builds them ahead of time.",
+        what,
+        build_directory,
+    )
+
+
+def _clear_stale_lock(directory: Path) -> None:
+    """Wait while another process builds in ``directory`` (announced after ``_ANNOUNCE_AFTER_SECONDS``);
+    remove a lock file older than ``_STALE_LOCK_SECONDS`` (torch waits for it without a time limit,
+    so a killed build would make every later process hang)."""
+    lock = directory / "lock"
+    start = time.monotonic()
     while True:
         try:
             age = time.time() - lock.stat().st_mtime
@@ -58,21 +147,15 @@ def _clear_stale_lock() -> None:
             log.warning("lightning_ext: removing the stale build lock %s (%.0f s old)", lock, age)
             lock.unlink(missing_ok=True)
             return
+        if time.monotonic() - start >= _ANNOUNCE_AFTER_SECONDS:
+            _announce(directory, waiting=True)
         time.sleep(0.5)
 
 
-def _announce() -> None:
-    if os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0":
-        log.warning(
-            "lightning_ext: building the compiled CPU kernels (%s) once, about 30 s; torch caches them. "
-            "`python -m lightning_ext.kernels.cpu` builds them ahead of time.",
-            SOURCE.name,
-        )
-
-
 def load(verbose: bool = False) -> ModuleType:
-    """The compiled extension, built first when torch's cache does not hold this source. Thread-safe;
-    processes building at once wait for each other (torch's file lock).
+    """The compiled extension, built first when torch's cache holds no build for this environment and
+    source (see the module docstring). Thread-safe; processes building at once wait for each other
+    (torch's file lock), and every process that blocks longer than a few seconds says so once.
 
     Args:
         verbose: print the compiler's output.
@@ -86,13 +169,15 @@ def load(verbose: bool = False) -> ModuleType:
         if _module is None:
             from torch.utils.cpp_extension import load as build
 
-            _clear_stale_lock()
-            announce = threading.Timer(_ANNOUNCE_AFTER_SECONDS, _announce)
+            name = _extension_name()
+            directory = _build_directory(name)
+            _clear_stale_lock(directory)
+            announce = threading.Timer(_ANNOUNCE_AFTER_SECONDS, _announce, args=(directory,))
             announce.daemon = True
             announce.start()
             try:
                 _module = build(
-                    name=_NAME,
+                    name=name,
                     sources=[str(SOURCE)],
                     extra_cflags=_CFLAGS,
                     extra_ldflags=["-fopenmp"],
@@ -132,7 +217,7 @@ class CpuBackend(ReferenceBackend):
         return device_type == "cpu"
 
 
-if __name__ == "__main__":
-    start = time.perf_counter()
-    module = load(verbose=True)
-    print(f"lightning_ext cpu kernels ready ({time.perf_counter() - start:.1f} s): {module.__file__}")
+if __name__ == "__main__":  # the former entry point: runpy warns (the package imports this module first)
+    sys.exit(
+        "lightning_ext: `python -m lightning_ext.kernels.cpu` moved: run `python -m lightning_ext.kernels`"
+    )

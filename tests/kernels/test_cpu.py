@@ -1,4 +1,5 @@
-"""The ``cpu`` backend's build: both code paths in the binary, stale locks, the build notice, fallback.
+"""The ``cpu`` backend's build: both code paths in the binary, the build key, stale locks, the build
+notice, the ahead-of-time entry point, fallback.
 
 Its ops are checked against ``reference`` with every other backend in ``test_batch_norm.py``,
 ``test_unscale.py`` and ``test_moments.py``.
@@ -9,8 +10,10 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -40,44 +43,171 @@ def test_loops_are_built_for_avx2_and_the_baseline():
         assert any("[clone .default]" in line for line in lines), kernel
 
 
-def test_stale_build_lock_is_removed_and_a_fresh_one_waited_for(monkeypatch, tmp_path, caplog):
-    """torch's build lock has no time limit: a lock left by a killed build must not hang later runs."""
-    import torch.utils.cpp_extension
+_ENVIRONMENT = ("2.13.0+cpu", True, ".cpython-311-x86_64-linux-gnu.so", b"// kernels")
 
-    monkeypatch.setattr(torch.utils.cpp_extension, "_get_build_directory", lambda *a, **k: str(tmp_path))
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        ("2.12.1+cpu", True, ".cpython-311-x86_64-linux-gnu.so", b"// kernels"),  # another torch
+        ("2.13.0+cu126", True, ".cpython-311-x86_64-linux-gnu.so", b"// kernels"),  # its CUDA build
+        ("2.13.0+cpu", False, ".cpython-311-x86_64-linux-gnu.so", b"// kernels"),  # the old C++ ABI
+        ("2.13.0+cpu", True, ".cpython-312-x86_64-linux-gnu.so", b"// kernels"),  # another Python
+        ("2.13.0+cpu", True, ".cpython-313t-x86_64-linux-gnu.so", b"// kernels"),  # free-threaded
+        ("2.13.0+cpu", True, ".pypy311-pp73-x86_64-linux-gnu.so", b"// kernels"),  # PyPy
+        ("2.13.0+cpu", True, ".cpython-311-x86_64-linux-gnu.so", b"// kernels v2"),  # another source
+    ],
+)
+def test_the_build_key_separates_incompatible_environments(changed):
+    """Environments that cannot share a build get different keys (so directories side by side); the
+    same environment gets the same key in every process (so the cache is found)."""
+    key = cpu._build_key(*_ENVIRONMENT)
+    assert re.fullmatch(r"[0-9a-f]{12}", key)
+    assert cpu._build_key(*_ENVIRONMENT) == key
+    assert cpu._build_key(*changed) != key
+
+
+def test_the_extension_name_follows_this_environment(monkeypatch):
+    """The name torch builds under is ``lightning_ext_kernels_cpu_<key>`` of this process's torch
+    version and ABI, Python and source: a valid module name, stable while they are."""
+    name = cpu._extension_name()
+    assert name.isidentifier() and re.fullmatch(r"lightning_ext_kernels_cpu_[0-9a-f]{12}", name)
+    assert cpu._extension_name() == name
+    with monkeypatch.context() as m:
+        m.setattr(torch, "__version__", "2.4.1+cu121")
+        assert cpu._extension_name() != name
+    abi = torch.compiled_with_cxx11_abi()
+    with monkeypatch.context() as m:
+        m.setattr(torch, "compiled_with_cxx11_abi", lambda: not abi)
+        assert cpu._extension_name() != name
+    with monkeypatch.context() as m:
+        m.setattr(cpu.sysconfig, "get_config_var", lambda var: ".cpython-399-x86_64-linux-gnu.so")
+        assert cpu._extension_name() != name
+    assert cpu._extension_name() == name
+
+
+def test_stale_build_lock_is_removed_and_a_fresh_one_waited_for(tmp_path, caplog):
+    """torch's build lock has no time limit: a lock left by a killed build must not hang later runs."""
     lock = tmp_path / "lock"
-    cpu._clear_stale_lock()  # no lock: returns at once
+    cpu._clear_stale_lock(tmp_path)  # no lock: returns at once
     lock.write_text("")
     old = time.time() - cpu._STALE_LOCK_SECONDS - 5
     os.utime(lock, (old, old))
     with caplog.at_level(logging.WARNING, logger=cpu.__name__):
-        cpu._clear_stale_lock()
+        cpu._clear_stale_lock(tmp_path)
     assert "stale build lock" in caplog.text and not lock.exists()
     lock.write_text("")  # a build in progress: waited for until its lock goes
     threading.Timer(1.0, lock.unlink).start()
     start = time.perf_counter()
-    cpu._clear_stale_lock()
+    cpu._clear_stale_lock(tmp_path)
     assert 0.9 < time.perf_counter() - start < 30
 
 
-def test_a_build_in_progress_is_announced(monkeypatch, caplog):
-    """A load that takes longer than a few seconds (a first build, ~30 s) says why the first use stalls;
-    a cached load says nothing."""
+def _mock_build(monkeypatch, delay: float) -> list[dict]:
+    """Replace torch's build by one that takes ``delay`` seconds; the list collects its arguments."""
     import torch.utils.cpp_extension
 
+    calls = []
+    monkeypatch.setattr(
+        torch.utils.cpp_extension, "load", lambda **kw: calls.append(kw) or time.sleep(delay) or object()
+    )
+    return calls
+
+
+def test_the_build_uses_the_keyed_name_and_its_lock(monkeypatch, tmp_path):
+    """torch builds under the keyed name, and the stale-lock check looks in that name's directory."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu, "_module", None)
+    checked = []
+    monkeypatch.setattr(cpu, "_clear_stale_lock", checked.append)
+    calls = _mock_build(monkeypatch, 0.0)
+    cpu.load()
+    assert [call["name"] for call in calls] == [cpu._extension_name()]
+    assert checked == [tmp_path / cpu._extension_name()] and checked[0].is_dir()
+
+
+def test_a_blocking_build_is_announced_once_on_every_rank(monkeypatch, tmp_path, caplog):
+    """A load that blocks longer than a few seconds (a first build, ~30 s) says why and where, once per
+    process, on any rank (the ranks that wait for rank 0's build stall as long); a cached load says
+    nothing."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "1")  # not rank zero: it speaks too
+    monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(cpu, "_ANNOUNCE_AFTER_SECONDS", 0.2)
-    monkeypatch.setattr(cpu, "_clear_stale_lock", lambda: None)
-    for delay, announced in ((1.0, True), (0.0, False)):
+    monkeypatch.setattr(cpu, "_clear_stale_lock", lambda directory: None)
+    monkeypatch.setattr(cpu, "_announced", False)
+    directory = tmp_path / cpu._extension_name()
+    for delay, announced in ((0.0, 0), (1.0, 1), (1.0, 1)):  # cached, a build, a second build: once
         monkeypatch.setattr(cpu, "_module", None)
-        module = object()
-        monkeypatch.setattr(
-            torch.utils.cpp_extension, "load", lambda d=delay, m=module, **kw: time.sleep(d) or m
-        )
-        caplog.clear()
+        _mock_build(monkeypatch, delay)
         with caplog.at_level(logging.WARNING, logger=cpu.__name__):
-            assert cpu.load() is module
+            cpu.load()
             time.sleep(0.3)  # a timer that was not cancelled would have fired by now
-        assert ("building the compiled CPU kernels" in caplog.text) == announced
+        messages = [r.getMessage() for r in caplog.records if "compiled CPU kernels" in r.getMessage()]
+        assert len(messages) == announced, messages
+    assert messages == [
+        f"lightning_ext: building the compiled CPU kernels (or waiting for the process that builds them) "
+        f"in {directory}, about 30 s once per environment. `python -m lightning_ext.kernels` builds them "
+        "ahead of time."
+    ]
+
+
+def test_waiting_for_another_process_build_is_announced_once(monkeypatch, tmp_path, caplog):
+    """A process that finds another one's build lock says it waits, where, once."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(cpu, "_ANNOUNCE_AFTER_SECONDS", 0.2)
+    monkeypatch.setattr(cpu, "_announced", False)
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    threading.Timer(1.5, lock.unlink).start()
+    with caplog.at_level(logging.WARNING, logger=cpu.__name__):
+        cpu._clear_stale_lock(tmp_path)
+        cpu._announce(tmp_path)  # a later build of the same process: silent
+    assert [r.getMessage() for r in caplog.records] == [
+        f"lightning_ext: waiting for another process to build the compiled CPU kernels in {tmp_path}, "
+        "about 30 s once per environment. `python -m lightning_ext.kernels` builds them ahead of time."
+    ]
+
+
+def test_the_ahead_of_time_build_runs_cleanly():
+    """``python -m lightning_ext.kernels`` (the build is cached here, so it is quick) exits 0 without
+    runpy's RuntimeWarning and prints the build directory and the time it took."""
+    require_cpu_backend()
+    result = subprocess.run(
+        [sys.executable, "-W", "default", "-m", "lightning_ext.kernels"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Warning" not in result.stderr, result.stderr
+    directory = re.escape(str(cpu._build_directory(cpu._extension_name())))
+    printed = rf"lightning_ext: cpu kernels (built|cached, loaded) in \d+\.\d s (in|from) {directory}\n"
+    assert re.fullmatch(printed, result.stdout), result.stdout
+
+
+def test_the_ahead_of_time_build_without_a_compiler_says_so(monkeypatch, capsys):
+    """Without a C++ compiler the entry point exits 1 naming what is missing, and builds nothing."""
+    from lightning_ext.kernels.__main__ import main
+
+    monkeypatch.setenv("CXX", "lightning-ext-no-such-compiler")
+    monkeypatch.setattr(cpu, "load", lambda **kw: pytest.fail("load() called without a compiler"))
+    assert main([]) == 1
+    assert re.match(
+        r"lightning_ext: cannot build the cpu kernels: the C\+\+ compiler 'lightning-ext-no-such-compiler' "
+        r"is not on PATH \(install g\+\+ or clang\+\+, or set CXX\)",
+        capsys.readouterr().err,
+    )
+
+
+def test_the_former_entry_point_names_the_new_one():
+    """`python -m lightning_ext.kernels.cpu` (runpy warns: the package imports the module) fails and
+    names the new command, rather than doing nothing."""
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_ext.kernels.cpu"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1
+    assert "moved: run `python -m lightning_ext.kernels`" in result.stderr
 
 
 def test_a_failed_build_falls_back_to_reference_with_one_warning(monkeypatch):
@@ -92,7 +222,7 @@ def test_a_failed_build_falls_back_to_reference_with_one_warning(monkeypatch):
         raise RuntimeError("no compiler here")
 
     monkeypatch.setattr(cpu, "_module", None)
-    monkeypatch.setattr(cpu, "_clear_stale_lock", lambda: None)
+    monkeypatch.setattr(cpu, "_clear_stale_lock", lambda directory: None)
     monkeypatch.setattr(torch.utils.cpp_extension, "load", broken)
     monkeypatch.delenv(registry.ENV_VAR, raising=False)
     registry.reset()
