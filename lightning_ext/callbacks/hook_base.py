@@ -45,11 +45,23 @@ class HookBase(Callback):
     :class:`~lightning_ext.callbacks.HookRunner` calls the same Lightning hooks.
 
     Inside the methods: ``self.trainer`` (a :func:`weakref.proxy`), ``self.pl_module``, ``self.iter``
-    (the iteration, 0-based like detectron2's ``trainer.iter``: the step Lightning's loggers write,
-    equal to ``trainer.global_step`` in automatic optimization, and continued on resume),
+    (the iteration, 0-based like detectron2's ``trainer.iter``, continued on resume),
     ``self.start_iter`` (``self.iter`` at ``before_train``), and ``self.exception``: in an
     ``after_train`` after a failure, the exception (else ``None``), so that a hook can skip work,
     above all collectives that other ranks may never join.
+
+    ``self.iter`` has one source, the driver
+    (:func:`~lightning_ext.callbacks.hook_base.iterations_done`), so all hooks read the same value,
+    whichever hook or loader failed. As detectron2's, it becomes ``i`` when iteration ``i``'s loop
+    body starts, before its batch is fetched and before any ``before_step``, and stays ``i``
+    through its ``after_step``. So ``after_train`` sees, after success, the number of iterations
+    run (detectron2's ``max_iter``), also when another hook's ``after_train`` raised; after a
+    failure, the iteration whose loop body failed (a hook raising in ``before_step`` or
+    ``after_step`` of iteration ``i``, or the loader raising on iteration ``i``'s batch: ``i``).
+    Lightning fetches a loader without ``__len__`` one batch ahead, batch ``i + 1`` before
+    iteration ``i``'s ``before_step``: that fetch failing gives ``i``, the iterations completed.
+    ``self.iter`` is also the step at which Lightning logs iteration ``i``'s ``self.log`` values,
+    and that of every row this package's callbacks write.
 
     Errors: an exception from a hook method propagates with a ``PEP 678`` note naming the hook
     class and method. On failure the ``after_train`` of each hook that started runs once; an
@@ -82,7 +94,6 @@ class HookBase(Callback):
         self.pl_module: pl.LightningModule | None = None
         self.exception: BaseException | None = None
         self.start_iter: int = 0
-        self._iter: int = 0
         self._running = False  # before_train ran and after_train has not yet
         self._in_step = False  # between before_step and after_step
         self._step_global_step = 0  # trainer.global_step when the current iteration began
@@ -116,8 +127,9 @@ class HookBase(Callback):
 
     @property
     def iter(self) -> int:
-        """The current iteration, 0-based (see the class docstring)."""
-        return self._iter
+        """The current iteration, 0-based, read from the driver (see the class docstring);
+        ``start_iter`` before the hook is attached."""
+        return self.start_iter if self._trainer_ref is None else iterations_done(self._trainer_ref)
 
     @property
     @override
@@ -134,7 +146,7 @@ class HookBase(Callback):
         try:
             getattr(self, name)()
         except BaseException as exc:
-            _add_note(exc, f"raised in hook {type(self).__qualname__}.{name}() at iteration={self._iter}")
+            _add_note(exc, f"raised in hook {type(self).__qualname__}.{name}() at iteration={self.iter}")
             raise
 
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -151,7 +163,7 @@ class HookBase(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._attach(trainer, pl_module)
         self.exception = None
-        self.start_iter = self._iter = iterations_done(trainer)
+        self.start_iter = iterations_done(trainer)
         self._in_step = False
         self._running = True
         self._call("before_train")
@@ -162,7 +174,7 @@ class HookBase(Callback):
     ) -> None:
         if not self._in_step:
             self._in_step = True
-            self._step_global_step, self._iter = trainer.global_step, iterations_done(trainer)
+            self._step_global_step = trainer.global_step
             self._call("before_step")
 
     @override
@@ -182,7 +194,6 @@ class HookBase(Callback):
         if self._running:
             self._running = False
             self.exception = None
-            self._iter = iterations_done(trainer)  # detectron2: the iteration after the last one
             self._call("after_train")
 
     @override
@@ -201,14 +212,23 @@ class HookBase(Callback):
 
 
 def iterations_done(trainer: pl.Trainer) -> int:
-    """Iterations completed before the current batch (see :class:`HookBase`), restored on resume.
+    """Iterations completed before the current batch: what ``HookBase.iter`` reads, and the log step.
 
-    Lightning's count of training batches that stepped the optimizers, the step its loggers write;
-    ``trainer.global_step`` in automatic optimization and under a
-    :class:`~lightning_ext.callbacks.HookRunner`.
+    With a Lightning ``Trainer``, its count of training batches that stepped the optimizers
+    (``trainer.global_step`` in automatic optimization, restored on resume). Lightning advances it
+    after a batch's ``on_train_batch_end`` and validation, before it fetches the next batch, and
+    writes a batch's ``self.log`` values at it: batch ``i``'s at step ``i``, and those of the
+    epoch end, after the last batch, at the number of iterations. Every row this package writes to
+    a logger uses this step, so the steps of one logger never go backwards.
+
+    Under a :class:`~lightning_ext.callbacks.HookRunner`: its
+    :attr:`~lightning_ext.callbacks.HookRunner.iter`, the same count kept by the runner.
+
+    Reads Lightning's ``fit_loop.epoch_loop._batches_that_stepped`` (private; the step its
+    ``_LoggerConnector`` logs at), the one private attribute this package reads.
     """
     fit_loop = getattr(trainer, "fit_loop", None)  # a HookRunner has none
-    return trainer.global_step if fit_loop is None else fit_loop.epoch_loop._batches_that_stepped
+    return trainer.iter if fit_loop is None else fit_loop.epoch_loop._batches_that_stepped
 
 
 def _add_note(exc: BaseException, note: str) -> None:

@@ -39,7 +39,11 @@ class HookRunner:
     Each call runs, on every hook in order, the Lightning hook the Trainer would call (``on_train_start``,
     ``on_train_epoch_start``, ``on_train_batch_start``, ``on_after_backward``, ``on_train_batch_end``
     with ``outputs=loss``, ``on_train_end`` or ``on_exception``), so a hook behaves as under a Trainer:
-    one iteration is one ``before_step``/``after_step`` pair, and :attr:`HookBase.iter` counts them.
+    one iteration is one ``before_step``/``after_step`` pair, and :attr:`HookBase.iter` reads the
+    runner's :attr:`iter` (detectron2's ``trainer.iter``), the one count all hooks share. It is also
+    the step of the rows the hooks write (``LossMonitor``'s): log your own rows of iteration ``i`` at
+    step ``i`` too (``runner.iter`` until its :meth:`after_step` returns), as a Trainer's ``self.log``
+    does, so that the steps of a logger never go backwards.
 
     Inside the hooks ``self.trainer`` is (a weak proxy to) this runner, as detectron2's hooks see their
     trainer, and ``self.pl_module`` is ``module``. The runner offers the Trainer attributes the hooks
@@ -130,6 +134,11 @@ class HookRunner:
         #: iterations completed (``after_step`` calls, skipped AMP steps included); restored by
         #: :meth:`load_state_dict`.
         self.global_step = 0
+        #: the iteration that :attr:`HookBase.iter` reads (detectron2's ``trainer.iter``): ``i`` from
+        #: the end of the previous :meth:`after_step` (before the loop fetches the batch) through
+        #: iteration ``i``'s own, so after a failure the iteration that failed; ``global_step`` at
+        #: :meth:`before_train` and after the last iteration.
+        self.iter = 0
         #: the last ``after_step`` ended an epoch (``PreciseBN(period=None)`` updates then).
         self.is_last_batch = False
         #: metrics the hooks publish (``LossMonitor/<key>``, ``Timing/data_sec_max``): 0-dim tensors.
@@ -173,7 +182,7 @@ class HookRunner:
 
     # ------------------------------------------------------------------ the loop's calls
     def before_train(self) -> None:
-        """Start training: each hook's ``before_train`` (``self.iter = self.start_iter = global_step``).
+        """Start training: each hook's ``before_train`` (``iter = start_iter = global_step``).
 
         If a hook raises, the hooks that started get their ``after_train`` (with the exception)
         before it propagates.
@@ -184,6 +193,7 @@ class HookRunner:
         if self._running:
             raise RuntimeError("HookRunner.before_train() called twice without after_train() in between")
         self._running, self._in_step, self._batch_idx, self.is_last_batch = True, False, 0, False
+        self.iter = self.global_step
         try:
             self._dispatch("on_train_start")
         except BaseException as exc:
@@ -210,7 +220,7 @@ class HookRunner:
             RuntimeError: outside ``before_train``/``after_train`` or inside an iteration.
         """
         self._check("before_step", in_step=False)
-        self._in_step = True
+        self._in_step, self.iter = True, self.global_step  # (already so unless an after_step raised)
         self._dispatch("on_train_batch_start", None, self._batch_idx)
 
     def after_backward(self) -> None:
@@ -248,9 +258,10 @@ class HookRunner:
         self.is_last_batch = bool(is_last_batch)
         self._dispatch("on_train_batch_end", loss, None, self._batch_idx)
         self._batch_idx += 1
+        self.iter = self.global_step  # the next iteration: its loop body starts here
 
     def after_train(self, exception: BaseException | None = None) -> None:
-        """End training, once: each started hook's ``after_train`` (``self.iter = global_step``).
+        """End training, once: each started hook's ``after_train`` (:attr:`iter` as it stands).
 
         Args:
             exception: ``None`` after success; else the exception that stopped the loop (the hooks
@@ -296,7 +307,7 @@ class HookRunner:
         """
         if self._running:
             raise RuntimeError("HookRunner.load_state_dict() must be called before before_train()")
-        self.global_step = int(state_dict["global_step"])
+        self.global_step = self.iter = int(state_dict["global_step"])
         for hook in self.callbacks:
             if hook.state_key in state_dict["hooks"]:
                 hook.load_state_dict(state_dict["hooks"][hook.state_key])

@@ -29,6 +29,8 @@ class IterationTimer(HookBase):
     step and the hooks in between, data time excluded): host wall time on CPU; on CUDA, events
     recorded at ``before_step``/``after_step`` and read once a later iteration finds them completed
     (``Event.query()``), so no per-step synchronization but values one or more iterations late.
+    :class:`~lightning_ext.callbacks.TrainingStats` writes them, at Lightning's step of the batch
+    that flushes (see :attr:`~HookBase.iter`).
 
     At ``after_train`` (also after a failure) it logs detectron2's summary on rank zero
     (``rank_zero_info``) and keeps it in :attr:`summary`::
@@ -106,7 +108,7 @@ class IterationTimer(HookBase):
     def before_step(self) -> None:
         self._step_start = time.perf_counter()
         on_cuda = self.pl_module is not None and _device_type(self.pl_module) == "cuda"
-        if on_cuda and self._iter - self.start_iter >= self.warmup_iter:
+        if on_cuda and self.iter - self.start_iter >= self.warmup_iter:
             self._cuda_start = torch.cuda.Event(enable_timing=True)
             self._cuda_start.record()
 
@@ -115,7 +117,7 @@ class IterationTimer(HookBase):
         now = time.perf_counter()
         step_sec = now - self._step_start - self._data_sec_later
         report("Timing/data_sec", self._data_sec)
-        iters_done = self._iter - self.start_iter + 1
+        iters_done = self.iter - self.start_iter + 1
         if iters_done > self.warmup_iter:
             self._timed_sec += step_sec + self._data_sec
             self._timed_iters += 1

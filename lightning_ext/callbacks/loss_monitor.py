@@ -156,10 +156,10 @@ class LossMonitor(HookBase):
       iteration (:attr:`~HookBase.iter`) on any rank and ``loss_dict`` that rank's losses then (or
       warns, with ``raise_on_nonfinite=False``); no rank raises while another waits in a collective;
     - rank zero writes to every logger, and every rank to ``trainer.callback_metrics`` (so
-      ``ModelCheckpoint`` can monitor them), at the step of the iterations completed
-      (``trainer.global_step`` in automatic optimization): ``LossMonitor/<key>``, the mean of each
-      loss over ranks and micro-batches, and ``Timing/data_sec_max``, the max over
-      ranks of the mean data time per iteration.
+      ``ModelCheckpoint`` can monitor them): ``LossMonitor/<key>``, the mean of each loss over ranks
+      and micro-batches, and ``Timing/data_sec_max``, the max over ranks of the mean data time per
+      iteration. The step is :attr:`~HookBase.iter`, Lightning's own for the batch: ``i`` after
+      iteration ``i``, the number of iterations at the end of training.
 
     Reading the gathered values synchronizes host and device once per period. With
     ``async_write=True`` that read, the decision and the logger writes run on one worker thread, in
@@ -270,14 +270,14 @@ class LossMonitor(HookBase):
         extras = (losses[key].clone() if key in losses else loss.new_zeros(()) for key in self._keys[1:])
         self._rows.append((loss, *extras))
         self._counts = [c + (key in losses) for c, key in zip(self._counts, self._keys)]
-        self._micro_iters.append(self._iter)
+        self._micro_iters.append(self.iter)
 
     @override
     def after_step(self) -> None:
         self._iters += 1
         if self._pending is not None:
             self._collect()
-        if (self._iter + 1) % self.period == 0:
+        if (self.iter + 1) % self.period == 0:
             self._agree()
 
     @override
@@ -318,7 +318,7 @@ class LossMonitor(HookBase):
             table = torch.stack(gathered)
         else:
             table = row.unsqueeze(0)
-        keys, step = list(self._keys), self.iter if final else self.iter + 1  # iterations completed
+        keys, step = list(self._keys), self.iter  # Lightning's step: i after iteration i, n at the end
         self._new_accumulators()
         agreement = _Agreement(self._writer_error)
         self._writer_error = None

@@ -317,7 +317,7 @@ class PreciseBN(HookBase):
 
     @override
     def after_step(self) -> None:
-        if self.trainer.is_last_batch if self.period is None else (self._iter + 1) % self.period == 0:
+        if self.trainer.is_last_batch if self.period is None else (self.iter + 1) % self.period == 0:
             self.update_stats()
 
     @override

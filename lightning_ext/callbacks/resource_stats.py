@@ -24,7 +24,8 @@ _GB = float(2**30)
 class ResourceStats(HookBase):
     """Report this rank's memory and throughput every ``every_n_train_steps`` iterations.
 
-    Names (float scalars; :class:`TrainingStats` logs their mean and max over all ranks):
+    Names (float scalars; :class:`TrainingStats` logs their mean and max over all ranks, at
+    Lightning's step of the batch that flushes; the report period counts :attr:`~HookBase.iter`):
 
     - ``Resources/cpu_mem_gb``: resident set size of the process (``psutil``), GiB;
     - ``Resources/peak_gpu_mem_gb`` and ``Resources/peak_gpu_mem_reserved_gb`` (CUDA modules only):

@@ -32,7 +32,9 @@ class TrainingStats(Callback):
     ``training_step`` calls that stepped in manual optimization: see
     :class:`~lightning_ext.callbacks.HookBase`), and at the
     end of each validation (not the sanity check, whose values are dropped) and training epoch when
-    ``on_epoch``.
+    ``on_epoch``. A flush writes at the step at which Lightning logs the ``self.log`` values of the
+    same batch: the flush after ``every_n_train_steps`` iterations at step
+    ``every_n_train_steps - 1``, as Lightning's ``log_every_n_steps`` row of that batch.
 
     Args:
         every_n_train_steps: flush period in iterations (``>= 1``).
@@ -119,10 +121,10 @@ class TrainingStats(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         stepped, self._global_step = trainer.global_step != self._global_step, trainer.global_step
-        step = iterations_done(trainer) + 1  # this batch's iteration included
-        if self.on_step and stepped and step > self.last_flush_step and step % self.every_n_train_steps == 0:
-            self.last_flush_step = step
-            self.flush(trainer, step)
+        done = iterations_done(trainer) + 1  # this batch's iteration included
+        if self.on_step and stepped and done > self.last_flush_step and done % self.every_n_train_steps == 0:
+            self.last_flush_step = done
+            self.flush(trainer)  # at Lightning's step for this batch: iterations_done(trainer)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -148,8 +150,10 @@ class TrainingStats(Callback):
 
         Writes the chosen statistics of each name with values as ``prefix + name`` (mean) and
         ``prefix + name + "/std"`` (``/min``, ``/max``, ``/num``) to every logger at ``step``
-        (default: the iterations completed, see :func:`~lightning_ext.callbacks.hook_base.iterations_done`)
-        and to ``trainer.callback_metrics`` (float32 0-dim CPU tensors, for
+        (default: the step Lightning logs the current batch's ``self.log`` values at,
+        :func:`~lightning_ext.callbacks.hook_base.iterations_done`: ``i`` in iteration ``i`` and in
+        a validation run after it, the number of iterations at the end of an epoch; so the steps of
+        a logger never go backwards) and to ``trainer.callback_metrics`` (float32 0-dim CPU tensors, for
         ``ModelCheckpoint``/``EarlyStopping``). Its wall time is ``report()``-ed as
         ``Timing/stats_flush_sec`` (seen at the next flush). Must run on every rank:
         ``Collector.update()`` runs collectives. Synchronizes host and device once.

@@ -173,12 +173,13 @@ def train(fabric: L.Fabric, args: argparse.Namespace, net: nn.Module | None = No
             runner.before_epoch()
             for i, batch in enumerate(train_loader):
                 runner.before_step()
+                step = runner.iter  # this iteration's log step, as a Trainer's self.log uses
                 loss = training_step(fabric, model, optimizer, scheduler, batch, runner)
                 runner.after_step(loss, is_last_batch=i + 1 == len(train_loader))
-                if runner.global_step % args.stats_every == 0:
-                    flush(fabric, stats, runner.global_step)
+                if (step + 1) % args.stats_every == 0:
+                    flush(fabric, stats, step)
             validate(model, val_loader)
-            means = flush(fabric, stats, runner.global_step)
+            means = flush(fabric, stats, step)  # after the epoch's last iteration, as Lightning does
     for logger in fabric.loggers:
         logger.finalize("success")
     accuracy = means["Accuracy/val"]  # over every process's validation share

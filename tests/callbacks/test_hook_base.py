@@ -4,7 +4,7 @@ import lightning as L
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from typing_extensions import override
 
 from lightning_ext.callbacks import HookBase
@@ -169,6 +169,64 @@ def test_after_train_raising_on_success_still_runs_the_others():
     assert "FailInAfterTrain.after_train() at iteration=2" in "\n".join(info.value.__notes__)
     assert failing.after_train_exceptions == [None]  # ran once, on the success path
     assert other.after_train_exceptions == [info.value]  # ran once, through on_exception
+
+
+class FailInBeforeStepAt3(HookBase):
+    def before_step(self):
+        if self.iter == 3:
+            raise ValueError("boom in before_step")
+
+
+class FailingDataset(Dataset):
+    """``tiny_loader``'s samples; reading a sample of the ``fail_batch``-th batch of 2 raises."""
+
+    def __init__(self, fail_batch: int) -> None:
+        self.data = tiny_loader().dataset
+        self.fail_batch = fail_batch
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index):
+        if index // 2 == self.fail_batch:
+            raise OSError(f"cannot read the batch of iteration {self.fail_batch}")
+        return self.data[index]
+
+
+class FailingIterable(IterableDataset):
+    """The same samples without ``__len__``: Lightning fetches one batch ahead."""
+
+    def __init__(self, fail_batch: int) -> None:
+        self.dataset = FailingDataset(fail_batch)
+
+    def __iter__(self):
+        return (self.dataset[i] for i in range(len(self.dataset)))
+
+
+@pytest.mark.parametrize(
+    ("failure", "expected"),
+    [
+        ("before_step", 3),  # a hook raises in before_step at iteration 3
+        ("loader", 4),  # the loader raises when Lightning fetches the batch of iteration 4
+        ("after_train", 5),  # after 5 iterations, the first hook's after_train raises
+        # Without __len__ Lightning fetches batch 4 in iteration 3's loop body, before its
+        # before_step: iteration 3 never started, 3 iterations completed (see HookBase).
+        ("loader_ahead", 3),
+    ],
+)
+def test_every_hook_sees_the_trainer_iteration_in_after_train(failure, expected):
+    first = FailInAfterTrain() if failure == "after_train" else Recorder()
+    last = Recorder()
+    hooks = [first, FailInBeforeStepAt3(), last] if failure == "before_step" else [first, last]
+    data = {"loader": FailingDataset(4), "loader_ahead": FailingIterable(4)}.get(failure)
+    data = tiny_loader().dataset if data is None else data
+    error = OSError if failure.startswith("loader") else ValueError
+    with pytest.raises(error):
+        make_trainer(hooks, max_steps=5 if failure == "after_train" else 10).fit(
+            TinyModule(), DataLoader(data, batch_size=2)
+        )
+    for hook in (first, last):
+        assert [e for e in hook.events if e[0] == "after_train"] == [("after_train", expected)]
 
 
 class Counter(HookBase):

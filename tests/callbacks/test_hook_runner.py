@@ -141,6 +141,40 @@ def test_after_train_raising_on_success_still_runs_the_others():
     assert other.after_train_exceptions == [info.value]  # ran once, with the exception
 
 
+class FailInBeforeStepAt3(HookBase):
+    def before_step(self):
+        if self.iter == 3:
+            raise ValueError("boom in before_step")
+
+
+@pytest.mark.parametrize(
+    ("failure", "expected"),
+    [
+        ("before_step", 3),  # a hook raises in before_step at iteration 3
+        ("loader", 4),  # the loop fails fetching the batch of iteration 4
+        ("after_train", 5),  # after 5 iterations, the first hook's after_train raises
+    ],
+)
+def test_every_hook_sees_the_driver_iteration_in_after_train(failure, expected):
+    # One count for all hooks (detectron2's trainer.iter): the hooks after the one that failed, and
+    # those after an after_train that raised, see the iteration the others see.
+    first = FailInAfterTrain() if failure == "after_train" else Recorder()
+    last = Recorder()
+    hooks = [first, FailInBeforeStepAt3(), last] if failure == "before_step" else [first, last]
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    runner = HookRunner(hooks, model)
+    error = OSError if failure == "loader" else ValueError
+    with pytest.raises(error), runner:
+        for i, x in enumerate(batches(5 if failure == "after_train" else 10)):
+            if failure == "loader" and i == 4:
+                raise OSError("cannot read the batch of iteration 4")  # before runner.before_step()
+            one_iteration(runner, model, optimizer, x)
+    for hook in (first, last):
+        assert [e for e in hook.events if e[0] == "after_train"] == [("after_train", expected)]
+    assert runner.iter == expected
+
+
 class FailInBeforeTrain(Recorder):
     def before_train(self):
         raise OSError("cannot start")
@@ -299,11 +333,33 @@ def test_loss_monitor_means_from_a_reused_loss_buffer():
     runner = HookRunner([monitor], model, loggers=[logger])
     run_loop(runner, model, epochs=2, per_epoch=3, accumulate=2, loss_at=reuse)
     seen = torch.tensor(seen, dtype=torch.float64)
-    assert [step for step, _ in logger.records] == [3, 6]
+    assert [step for step, _ in logger.records] == [2, 5]  # the step of iterations 2 and 5
     for (_, metrics), lo in zip(logger.records, [0, 3]):
         assert metrics["LossMonitor/loss"] == pytest.approx(seen[lo : lo + 3, 0].mean().item(), rel=1e-6)
         assert metrics["LossMonitor/loss_aux"] == pytest.approx(seen[lo : lo + 3, 1].mean().item())
     assert runner.callback_metrics["LossMonitor/loss"].item() == pytest.approx(seen[3:, 0].mean().item())
+
+
+def test_loss_monitor_rows_share_the_loop_rows_steps():
+    # The loop logs iteration i's row at step runner.iter (= i), as a Trainer's self.log does;
+    # LossMonitor writes the iterations it averaged at the step of the last of them, and the rest at
+    # after_train at the iterations run: one logger, steps never going backwards.
+    logger, model = RecordingLogger(), nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with HookRunner([LossMonitor(period=2)], model, loggers=[logger]) as runner:
+        for x in batches(7):
+            runner.before_step()
+            loss = model(x).square().mean()
+            loss.backward()
+            runner.after_backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            logger.log_metrics({"loop/loss": loss.item()}, step=runner.iter)
+            runner.after_step(loss)
+    steps = [step for step, _ in logger.records]
+    assert steps == sorted(steps)
+    assert [step for step, m in logger.records if "LossMonitor/loss" in m] == [1, 3, 5, 7]
+    assert [step for step, m in logger.records if "loop/loss" in m] == list(range(7))
 
 
 @pytest.mark.parametrize(("period", "raised_at"), [(1, 2), (4, 3)])
@@ -376,4 +432,4 @@ def test_precise_bn_runs_under_fabric_autocast_and_writes_to_fabric_loggers():
     assert runner.loggers == [logger]
     run_loop(runner, model, epochs=1, per_epoch=2)
     assert autocast == [(True, torch.bfloat16)] * 2
-    assert [step for step, _ in logger.records] == [2]
+    assert [step for step, _ in logger.records] == [1]  # iteration 1

@@ -19,7 +19,7 @@ from tests.helpers.float64_reference import Reference, reference_moments
 SAMPLES = 48  # 24 per rank: 8 micro-batches of 3, i.e. 4 optimizer steps with accumulate_grad_batches=2
 BATCH = 3
 ACCUMULATE = 2
-EVERY = 2  # flush at global_step 2 and 4 (every 4 micro-batches)
+EVERY = 2  # flush after 2 and 4 optimizer steps (every 4 micro-batches), at steps 1 and 3
 F32 = 2.0**-24  # callback_metrics hold float32: rounding to nearest moves a value by <= 2**-24 of it
 
 
@@ -135,16 +135,18 @@ def test_ddp_spawn_logs_match_float64_and_checkpoint_round_trips(tmp_path: Path)
     for row in rows:
         if row.get("Data/x"):
             by_step.setdefault(int(row["step"]), []).append(row)
-    # Flushes at optimizer steps 2 and 4 (not at micro-batches), plus the epoch end at step 4.
-    assert sorted(by_step) == [2, 4] and len(by_step[2]) == 1 and len(by_step[4]) == 2
+    # Flushes after optimizer steps 2 and 4 (not at micro-batches) at Lightning's steps of those
+    # iterations, 1 and 3, plus the epoch end at the iterations done, 4.
+    assert sorted(by_step) == [1, 3, 4] and [len(by_step[s]) for s in (1, 3, 4)] == [1, 1, 1]
+    rows_after = {2: by_step[1], 4: by_step[3] + by_step[4]}  # by optimizer steps done
     for step, want in expected.items():
-        for row in by_step[step]:
+        for row in rows_after[step]:
             for name, ref in want.items():
                 for suffix in ("", "/std", "/min", "/max", "/num"):
                     got = float(row[name + suffix])  # CSV holds the float64's repr: exact
                     value, tol = _expect(ref, suffix)
                     assert abs(got - value) <= tol, (step, name + suffix, got, value, tol)
-    assert float(by_step[4][0]["Timing/stats_flush_sec"]) > 0  # the flush at step 2 timed itself
+    assert float(by_step[3][0]["Timing/stats_flush_sec"]) > 0  # the first flush timed itself
 
     # callback_metrics: identical on both ranks, equal to the last flush.
     assert records[0]["callback_metrics"] == records[1]["callback_metrics"]
@@ -311,6 +313,86 @@ def test_manual_optimization_flushes_every_n_training_steps() -> None:
     )  # fmt: skip
     trainer.fit(_TwoOptimizers())
     flushes = [(step, m) for step, m in logger.logged if "Batch/idx" in m]
-    assert [step for step, _ in flushes] == [3, 6]
+    assert [step for step, _ in flushes] == [2, 5]  # Lightning's steps of iterations 2 and 5
     assert [m["Batch/idx"] for _, m in flushes] == [1.0, 4.0]  # batches 0-2, then 3-5
     assert all(m["Batch/idx/num"] == 3 for _, m in flushes)
+
+
+class _LoggingModule(pl.LightningModule):
+    """Calls ``self.log`` every training and validation step and reports the iteration it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 1)
+        self.iteration = 0  # training_step calls: the iteration (no accumulation)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("lightning/iteration", float(self.iteration))
+        report("Batch/iteration", float(self.iteration))
+        self.iteration += 1
+        return torch.nn.functional.mse_loss(self.lin(x - 1e4), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.lin(x - 1e4), y)
+        self.log("lightning/val_loss", loss)
+        report("Loss/val", loss)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(_dataset(), batch_size=BATCH)
+
+    def val_dataloader(self):
+        return DataLoader(_dataset(), batch_size=BATCH)
+
+
+def test_rows_of_every_callback_follow_lightning_steps() -> None:
+    # Every row the callbacks write carries Lightning's own step for that batch (its self.log
+    # step), so the steps reaching one logger never go backwards (W&B drops rows with an older
+    # step): batch-end rows, validation rows, epoch-end rows and LossMonitor's on_train_end row.
+    from lightning_ext.callbacks import IterationTimer, LossMonitor, ResourceStats
+
+    reset()
+    logger = _Steps()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, limit_train_batches=6, limit_val_batches=2,
+        val_check_interval=3, log_every_n_steps=2, logger=logger, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[
+            IterationTimer(warmup_iter=1), ResourceStats(every_n_train_steps=2), LossMonitor(period=5),
+            TrainingStats(every_n_train_steps=3, stats=("mean", "max")),
+        ],
+    )  # fmt: skip
+    trainer.fit(_LoggingModule())
+    steps = [step for step, _ in logger.logged]
+    assert steps == sorted(steps), [(step, sorted(m)[:2]) for step, m in logger.logged]
+
+    def rows(key: str) -> list[tuple[int, dict]]:
+        return [(step, m) for step, m in logger.logged if key in m]
+
+    # Lightning logs batch i's self.log values at step i (every 2nd batch), validation at the
+    # step of the batch it follows (batches 2, 5, 8, 11).
+    assert [(s, m["lightning/iteration"]) for s, m in rows("lightning/iteration")] == [
+        (i, float(i)) for i in (1, 3, 5, 7, 9, 11)
+    ]
+    assert [s for s, _ in rows("lightning/val_loss")] == [2, 5, 8, 11]
+    # TrainingStats: after every 3rd iteration at that iteration's step, after each validation
+    # at the validation's step, at each epoch end at the iterations done; it writes what
+    # IterationTimer and ResourceStats report.
+    flushes = [(s, m["Batch/iteration/max"]) for s, m in rows("Batch/iteration/max")]
+    assert all(maximum <= step for step, maximum in flushes) and {(i, i) for i in (2, 5, 8, 11)} <= {
+        (s, int(v)) for s, v in flushes
+    }
+    first_written = {}  # each validation's Loss/val, first written at that validation's step
+    for step, metrics in rows("Loss/val"):
+        first_written.setdefault(metrics["Loss/val"], step)
+    assert sorted(first_written.values()) == [2, 5, 8, 11]
+    assert rows("Timing/step_sec") and rows("Resources/cpu_mem_gb")
+    assert max(s for s, _ in rows("Timing/step_sec")) == 12  # the last epoch end
+    # LossMonitor: after iterations 4 and 9, and the rest at the end of training (on_train_end),
+    # which is the last row.
+    assert [s for s, _ in rows("LossMonitor/loss")] == [4, 9, 12]
+    assert "LossMonitor/loss" in logger.logged[-1][1]

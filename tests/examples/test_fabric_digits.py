@@ -42,10 +42,13 @@ def test_fabric_job_trains_on_two_processes(tmp_path):
     series = read_metrics_csv(tmp_path / "fabric_digits" / "metrics.csv")
     for key in ("Loss/train", "Accuracy/val", "AMP/loss_scale_log2", "LossMonitor/loss", "Timing/step_sec"):
         assert key in series, f"{key} missing from metrics.csv: {sorted(series)}"
-    # 2 epochs of 22 steps: the Collector flushed every 5 steps and after each validation, and
-    # LossMonitor wrote at its agreement points (every 20 iterations) and at the end.
-    assert [step for step, _ in series["Accuracy/val"]] == [22, 44]
-    assert [step for step, _ in series["LossMonitor/loss"]] == [20, 40, 44]
+    # 2 epochs of 22 steps, rows of iteration i at step i (as a Trainer's self.log): the Collector
+    # flushed every 5 iterations and after each validation, and LossMonitor wrote at its agreement
+    # points (every 20 iterations) and at the end (at the number of iterations).
+    assert [step for step, _ in series["Accuracy/val"]] == [21, 43]
+    assert [step for step, _ in series["LossMonitor/loss"]] == [19, 39, 44]
+    steps = [step for values in series.values() for step, _ in values]
+    assert max(steps) == 44
     # The scale starts at 2**20: the first steps overflow, are skipped, and the scale backs off.
     assert series["AMP/loss_scale_log2"][0][1] < 20.0
     assert max(v for _, v in series["AMP/overflow"]) > 0
