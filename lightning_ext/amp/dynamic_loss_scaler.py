@@ -325,9 +325,6 @@ class DynamicLossScaler(GradScaler):
         Args:
             outputs: what to scale (the loss).
             optimizer: ignored by a shared scale (see :class:`~lightning_ext.amp.PerOptimizerLossScaler`).
-
-        Raises:
-            GradScaler's errors.
         """
         return super().scale(outputs)
 

@@ -31,8 +31,7 @@ class PerOptimizerLossScaler(DynamicLossScaler):
     of first use; telemetry ``AMP/<name>/loss_scale_log2``, ``AMP/<name>/overflow``,
     ``AMP/<name>/skipped_steps``. Host syncs: those of each optimizer's scaler.
 
-    Args:
-        *args, **kwargs: :class:`DynamicLossScaler`'s; ``per_optimizer`` must be ``True`` if given.
+    It takes :class:`DynamicLossScaler`'s arguments (``per_optimizer`` must be ``True`` if given).
 
     Raises:
         ValueError: ``per_optimizer=False``; :class:`DynamicLossScaler`'s errors.
