@@ -17,9 +17,10 @@
 
 """detectron2's engine tests that concern the hook protocol, ported against ``HookRunner`` and a Trainer.
 
-Ported from facebookresearch/detectron2 ``tests/test_engine.py``, which tests ``detectron2/engine/train_loop.py``
-(``TrainerBase``, ``SimpleTrainer``) and ``detectron2/engine/hooks.py``; the licence notice above is
-detectron2's (``LICENSE``: Apache-2.0, and the file's own header). Each test runs through two entries
+Ported from facebookresearch/detectron2 ``tests/test_engine.py``, which tests
+``detectron2/engine/train_loop.py`` (``TrainerBase``, ``SimpleTrainer``) and
+``detectron2/engine/hooks.py``; the licence notice above is detectron2's (``LICENSE``: Apache-2.0,
+and the file's own header). Each test runs through two entries
 (``ENTRIES``): the hooks driven by a ``HookRunner`` in a plain loop (upstream's ``SimpleTrainer``
 loop, written out) and the same hooks in a ``lightning.Trainer``.
 
