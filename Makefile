@@ -20,9 +20,10 @@ $(VENV)/.examples-installed: pyproject.toml constraints.txt | $(PY)
 	touch $@
 
 # The `cpu` kernel backend (compiled C++), built once ahead of the runs instead of at its first use;
-# torch caches it by source. Without a compiler the `reference` backend serves CPU tensors.
+# torch caches it per environment (torch, Python) and source. Without a compiler the `reference`
+# backend serves CPU tensors.
 $(VENV)/.cpu-extension: lightning_ext/csrc/kernels_cpu.cpp | $(VENV)/.examples-installed
-	$(PY) -m lightning_ext.kernels.cpu || echo "the cpu kernel backend was not built: reference serves CPU tensors"
+	$(PY) -m lightning_ext.kernels || echo "the cpu kernel backend was not built: reference serves CPU tensors"
 	touch $@
 
 demo: $(VENV)/.examples-installed $(VENV)/.cpu-extension
@@ -37,10 +38,11 @@ test: lint $(VENV)/.cpu-extension
 	  if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 # The documentation site, strictly (a warning is an error; see docs/README.md): HTML with the notebooks
-# executed into docs/_build/html, then the guides' examples as doctests.
+# executed into docs/_build/html, then the guides' examples as doctests. The notebooks draw their figures
+# inline (`%matplotlib inline`) whatever MPLBACKEND says.
 SPHINX := $(PY) -m sphinx -W --keep-going -d docs/_build/doctrees
 docs: $(VENV)/.dev-installed $(VENV)/.cpu-extension
-	MPLBACKEND=Agg $(SPHINX) -b html docs docs/_build/html
+	$(SPHINX) -b html docs docs/_build/html
 	$(SPHINX) -b doctest docs docs/_build/doctest
 	@echo "open docs/_build/html/index.html"
 

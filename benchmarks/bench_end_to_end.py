@@ -110,7 +110,7 @@ def run_once(config: str, max_steps: int, warmup: int) -> dict[str, float]:
     L.seed_everything(0, verbose=False)
     if config != "ours-reference":
         return _run_once(config, max_steps, warmup)
-    with environ(**{kernels.ENV_VAR: "reference"}):  # read at every backend lookup: this run only
+    with environ(**{kernels.BACKEND_ENV_VAR: "reference"}):  # read at every backend lookup: this run only
         return _run_once(config, max_steps, warmup)
 
 
@@ -133,7 +133,7 @@ def _run_once(config: str, max_steps: int, warmup: int) -> dict[str, float]:
                 clock,
                 TrainingStats(every_n_train_steps=20),
                 IterationTimer(),
-                LossMonitor(period=20),
+                LossMonitor(every_n_train_steps=20),
                 PreciseBN(num_iter=4),
             ],
             **kwargs,
@@ -162,7 +162,7 @@ def _worker(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", NODE_RANK="0",
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )  # fmt: skip
-    os.environ.pop(kernels.ENV_VAR, None)  # automatic backend choice, except in the reference row
+    os.environ.pop(kernels.BACKEND_ENV_VAR, None)  # automatic backend choice, except in the reference row
     torch.set_num_threads(1)
     for name in ("lightning.pytorch", "lightning.fabric"):  # one banner per run otherwise
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -250,7 +250,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.steps, args.repeats, args.warmup = 15, 2, 5
-    with environ(**{kernels.ENV_VAR: None}):  # builds the cpu backend here once; every rank loads it
+    with environ(**{kernels.BACKEND_ENV_VAR: None}):  # builds the cpu backend here once; every rank loads it
         backend = kernels.get_backend(None, "cpu").name
     configs = [c for c in CONFIGS if c != "ours-fp16" or not args.no_fp16]
     with tempfile.TemporaryDirectory() as tmp:

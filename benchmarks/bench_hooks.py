@@ -7,8 +7,8 @@ processes and interleaved (A, B, C, A, B, C, ...) to share the machine's noise, 
 differ only in their callbacks:
 
 - ``baseline``: no hooks;
-- ``hooks``: ``IterationTimer()`` + ``LossMonitor(period=20)``;
-- ``hooks_async``: ``IterationTimer()`` + ``LossMonitor(period=20, async_write=True)``.
+- ``hooks``: ``IterationTimer()`` + ``LossMonitor(every_n_train_steps=20)``;
+- ``hooks_async``: ``IterationTimer()`` + ``LossMonitor(every_n_train_steps=20, async_write=True)``.
 
 A first-positioned probe callback timestamps every ``on_train_batch_start``; the step time is the
 median of consecutive differences after 10 warm-up steps (everything included: data, forward,
@@ -84,7 +84,7 @@ def _run_once(config: str, steps: int) -> tuple[float, float, float]:
     per_step: dict[int, float] = {}
     hooks: list[Any] = []
     if config != "baseline":
-        hooks = [IterationTimer(), LossMonitor(period=20, async_write=config == "hooks_async")]
+        hooks = [IterationTimer(), LossMonitor(every_n_train_steps=20, async_write=config == "hooks_async")]
         for hook in hooks:
             _time_hook_methods(hook, per_step, probe)
     trainer = L.Trainer(

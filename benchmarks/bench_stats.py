@@ -101,9 +101,9 @@ def measure_sweep(
     """Per size: median µs of ours, the NVIDIA-style anchor and ``torch.sum`` (median over ``rounds``
     interleaved rounds of ``blocked_autorange`` medians) and the paired ratio ours / anchor (median
     over rounds of each round's ratio), at ``num_threads`` threads."""
-    from lightning_ext.stats import Collector, report, reset
+    from lightning_ext.stats import Collector, clear_statistics, report
 
-    reset()
+    clear_statistics()
     _nvidia_counters.clear()
     collector = Collector(regex="Bench/.*")  # report() accumulates only names a collector wants
     rows = []
@@ -127,7 +127,7 @@ def measure_sweep(
             }
         )
         collector.update()  # keep the pending table small; untimed
-    reset()
+    clear_statistics()
     _nvidia_counters.clear()
     return rows
 
@@ -200,9 +200,9 @@ def format_sweep(results: dict[int, list[dict[str, float]]], rounds: int) -> str
 
 
 def _ours(k: int):
-    from lightning_ext.stats import Collector, report, reset
+    from lightning_ext.stats import Collector, clear_statistics, report
 
-    reset()
+    clear_statistics()
     collector = Collector()
     names = [f"Metric/{i}" for i in range(k)]
 
@@ -264,7 +264,7 @@ _FACTORIES = {"ours": _ours, "lightning": _lightning, "torchmetrics": _torchmetr
 
 def _run_method(method: str, k: int, steps: int, flush_every: int, rank: int) -> dict[str, float]:
     if method == "ours (gloo)":  # our Collector with its all_reduces on gloo instead of shared memory
-        with environ(**{distributed.ENV_VAR: "0"}):
+        with environ(**{distributed.SHM_ENV_VAR: "0"}):
             return _run_method("ours", k, steps, flush_every, rank)
     step, flush = _FACTORIES[method](k)
     gen = torch.Generator().manual_seed(rank)
@@ -356,9 +356,9 @@ def run_benchmark(
 
 def measure_float_report(calls: int) -> float:
     """``report()`` µs per call of a Python float in this process (best of three loops)."""
-    from lightning_ext.stats import Collector, report, reset
+    from lightning_ext.stats import Collector, clear_statistics, report
 
-    reset()
+    clear_statistics()
     collector = Collector()
     for _ in range(100):
         report("Bench/value", 0.5)
@@ -369,7 +369,7 @@ def measure_float_report(calls: int) -> float:
             report("Bench/value", 0.5)
         best = min(best, (time.perf_counter() - t0) / calls)
     collector.update()
-    reset()
+    clear_statistics()
     return best * 1e6
 
 

@@ -20,15 +20,22 @@ __all__ = ["__version__", "reset", *_SUBMODULES]
 
 
 def reset() -> None:
-    """Clear every process-wide cache: pending statistics and collectors (:func:`lightning_ext.stats.reset`),
-    the kernel-backend selection (:func:`lightning_ext.kernels.reset`) and the shared-memory segments
-    (:func:`lightning_ext.distributed.reset`). For notebooks and tests that run several jobs in one
-    process; local, no collective (a later reduction sets its segment up again: call it on every rank)."""
+    """Clear every process-wide cache of the package, the one call that does: reported values not yet
+    collected, the collectors' registration and the multiprocessing settings
+    (:func:`lightning_ext.stats.clear_statistics`); the built kernel backends, their selection and
+    every other kernel cache (:func:`lightning_ext.kernels.clear_backend_cache`); the shared-memory
+    segments and the groups' routes (:func:`lightning_ext.distributed.close_shared_memory`).
+
+    For notebooks and tests that run several jobs in one process; local, no collective, but call it on
+    every rank (a later reduction sets its segment up again, a collective). What it keeps: the
+    registered backends, the loaded ``cpu`` extension (a process cannot unload a compiled module) and
+    the ``torch.ops.lightning_ext`` ops (registered once per process).
+    """
     from lightning_ext import distributed, kernels, stats
 
-    stats.reset()
-    kernels.reset()
-    distributed.reset()
+    stats.clear_statistics()
+    kernels.clear_backend_cache()
+    distributed.close_shared_memory()
 
 
 def __getattr__(name: str) -> Any:

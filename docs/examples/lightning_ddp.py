@@ -48,7 +48,7 @@ def main():
     stats = TrainingStats(every_n_train_steps=4)
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy="ddp",
-        plugins=[SyncBatchNormPlugin()], callbacks=[stats, LossMonitor(period=4)], max_steps=8,
+        plugins=[SyncBatchNormPlugin()], callbacks=[stats, LossMonitor(every_n_train_steps=4)], max_steps=8,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     model = Classifier()

@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.amp.grad_scaler import GradScaler, OptState, _refresh_per_optimizer_state
 from torch.optim import Optimizer
 
+from lightning_ext._checks import check_bool, check_choice, check_int, check_number
 from lightning_ext.amp import schedules
 from lightning_ext.distributed import all_reduce_, check_process_group, is_distributed
 from lightning_ext.kernels import get_backend
@@ -28,9 +29,9 @@ from lightning_ext.stats import report
 
 __all__ = ["DynamicLossScaler"]
 
-Schedule = Literal["exponential", "log2"]
-MinScalePolicy = Literal["warn", "raise", "clamp"]
-_SCHEDULES, _POLICIES = get_args(Schedule), get_args(MinScalePolicy)
+_Schedule = Literal["exponential", "log2"]
+_MinScalePolicy = Literal["warn", "raise", "clamp"]
+_SCHEDULES, _POLICIES = get_args(_Schedule), get_args(_MinScalePolicy)
 # Our options in the state dict, and all those a per-optimizer scale copies from its parent.
 _CONFIG = ("schedule", "log2_increment", "log2_decrement", "hysteresis", "consecutive_hysteresis",
            "min_scale", "max_scale")  # fmt: skip
@@ -51,48 +52,36 @@ def _log2(scale: float) -> float:
     return math.log2(scale) if scale > 0 else -math.inf
 
 
-def _check_number(name: str, value: Any, low: float, integer: bool = False, strict: bool = True) -> None:
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
-        raise TypeError(f"`{name}` must be a finite {'int' if integer else 'float'}, got {value!r}")
-    if value < low or (strict and value == low):
-        raise ValueError(f"`{name}` must be {'>' if strict else '>='} {low}, got {value!r}")
-
-
-def _check_args(device: Any, flags: dict[str, Any], init_scale: float, growth_factor: float,
+def _check_args(owner: str, device: Any, flags: dict[str, Any], init_scale: float, growth_factor: float,
                 backoff_factor: float, growth_interval: int, schedule: str, hysteresis: int,
                 increments: tuple[float, float], min_scale: float | None, max_scale: float | None,
                 on_min_scale: str) -> None:  # fmt: skip
     """Raise the errors of :class:`DynamicLossScaler`'s ``Raises`` section (but ``process_group``'s)."""
     if not isinstance(device, str):
-        raise TypeError(f"`device` must be a device type str such as 'cuda' or 'cpu', got {device!r}")
+        raise TypeError(
+            f"{owner}: `device` must be a device type str such as 'cuda' or 'cpu', got {device!r}"
+        )
     try:
         parsed = torch.device(device).type
     except RuntimeError:
         parsed = None
     if parsed != device:
-        raise ValueError(f"`device` must be a device type such as 'cuda' or 'cpu' (no index), got {device!r}")
+        raise ValueError(
+            f"{owner}: `device` must be a device type such as 'cuda' or 'cpu' (no index), got {device!r}"
+        )
     for name, flag in flags.items():
-        if not isinstance(flag, bool):
-            raise TypeError(f"`{name}` must be a bool, got {flag!r}")
-    _check_number("init_scale", init_scale, 0.0)
-    _check_number("growth_factor", growth_factor, 1.0)
-    _check_number("backoff_factor", backoff_factor, 0.0)
-    if backoff_factor >= 1.0:
-        raise ValueError(f"`backoff_factor` must be in (0, 1), got {backoff_factor!r}")
-    _check_number("growth_interval", growth_interval, 1, integer=True, strict=False)
-    _check_number("hysteresis", hysteresis, 1, integer=True, strict=False)
-    _check_number("log2_increment", increments[0], 0.0)
-    _check_number("log2_decrement", increments[1], 0.0)
-    for name, value, allowed in (
-        ("schedule", schedule, _SCHEDULES),
-        ("on_min_scale", on_min_scale, _POLICIES),
-    ):
-        if value not in allowed:
-            raise ValueError(f"`{name}` must be one of {allowed}, got {value!r}")
-    for name, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
-        if bound is not None:
-            _check_number(name, bound, 0.0)
+        check_bool(owner, name, flag)
+    check_number(owner, "init_scale", init_scale, gt=0.0)
+    check_number(owner, "growth_factor", growth_factor, gt=1.0)
+    check_number(owner, "backoff_factor", backoff_factor, gt=0.0, lt=1.0)
+    check_int(owner, "growth_interval", growth_interval, ge=1)
+    check_int(owner, "hysteresis", hysteresis, ge=1)
+    check_number(owner, "log2_increment", increments[0], gt=0.0)
+    check_number(owner, "log2_decrement", increments[1], gt=0.0)
+    check_choice(owner, "schedule", schedule, _SCHEDULES)
+    check_choice(owner, "on_min_scale", on_min_scale, _POLICIES)
+    check_number(owner, "min_scale", min_scale, gt=0.0, optional=True)
+    check_number(owner, "max_scale", max_scale, gt=0.0, optional=True)
     low, high = min_scale or 0.0, max_scale or math.inf
     if low > high or not low <= init_scale <= high:
         raise ValueError(
@@ -141,8 +130,9 @@ class DynamicLossScaler(GradScaler):
             the floor), ``"warn"`` (stay and warn) or ``"raise"`` (``FloatingPointError``). The last
             two read a flag to the host at every update (only with ``min_scale``).
         skip_nonfinite: with ``enabled=False``: still check the gradients (read-only) and skip
-            non-finite steps, scale fixed at 1 (bf16/fp32 training). Default ``False``: GradScaler's
-            pass-through.
+            non-finite steps, scale fixed at 1 (bf16/fp32 training). Default ``False``, unlike
+            :class:`~lightning_ext.plugins.LossScalingPrecision`'s ``True``: a drop-in for GradScaler
+            must pass a disabled scaler's steps through as GradScaler does.
         process_group: the group whose ranks hold shards of the same gradients (FSDP, ZeRO):
             ``found_inf`` is MAX-reduced over it at every ``unscale_`` (one small all_reduce).
             ``None`` for replicated gradients (DDP).
@@ -156,7 +146,7 @@ class DynamicLossScaler(GradScaler):
     Raises:
         TypeError: a numeric argument is not a finite number of the right type, ``device`` not a str,
             a flag (``enabled``, ``consecutive_hysteresis``, ``skip_nonfinite``, ``telemetry``,
-            ``per_optimizer``) not a bool, or
+            ``per_optimizer``) not a bool, ``schedule`` or ``on_min_scale`` not a str, or
             ``process_group`` not a process group.
         ValueError: ``growth_factor <= 1``, ``backoff_factor`` outside ``(0, 1)``, an interval or
             ``hysteresis < 1``, non-positive increments or bounds, ``init_scale`` outside the bounds,
@@ -200,14 +190,14 @@ class DynamicLossScaler(GradScaler):
         growth_interval: int = 2000,
         enabled: bool = True,
         *,
-        schedule: Schedule = "exponential",
+        schedule: _Schedule = "exponential",
         log2_increment: float = 1e-3,
         log2_decrement: float = 1.0,
         hysteresis: int = 1,
         consecutive_hysteresis: bool = False,
         min_scale: float | None = None,
         max_scale: float | None = None,
-        on_min_scale: MinScalePolicy = "warn",
+        on_min_scale: _MinScalePolicy = "warn",
         skip_nonfinite: bool = False,
         process_group: dist.ProcessGroup | None = None,
         telemetry: bool = True,
@@ -216,9 +206,9 @@ class DynamicLossScaler(GradScaler):
         flags = {"enabled": enabled, "skip_nonfinite": skip_nonfinite, "telemetry": telemetry,
                  "per_optimizer": per_optimizer,
                  "consecutive_hysteresis": consecutive_hysteresis}  # fmt: skip
-        _check_args(device, flags, init_scale, growth_factor, backoff_factor, growth_interval, schedule,
-                    hysteresis, (log2_increment, log2_decrement), min_scale, max_scale,
-                    on_min_scale)  # fmt: skip
+        _check_args(type(self).__name__, device, flags, init_scale, growth_factor, backoff_factor,
+                    growth_interval, schedule, hysteresis, (log2_increment, log2_decrement), min_scale,
+                    max_scale, on_min_scale)  # fmt: skip
         check_process_group(process_group)
         becomes_composite = per_optimizer and type(self) is DynamicLossScaler
         if per_optimizer != self._per_optimizer and not becomes_composite:
@@ -470,7 +460,8 @@ class DynamicLossScaler(GradScaler):
 
         Raises:
             AssertionError: no optimizer step was recorded since the last update (GradScaler's).
-            ValueError: a float ``new_scale`` outside ``[min_scale, max_scale]``.
+            TypeError: ``new_scale`` neither a tensor nor a finite number.
+            ValueError: a number ``new_scale`` not ``> 0`` or outside ``[min_scale, max_scale]``.
             FloatingPointError: ``on_min_scale="raise"`` and an overflow hit the floor.
         """
         if not self._checks:
@@ -485,7 +476,7 @@ class DynamicLossScaler(GradScaler):
             self._lazy_init_scale_growth_tracker(device)
         found_infs = [f.to(device, non_blocking=True) for f in found_infs]
         for found in found_infs:
-            schedules.count_(self._device_state["steps"], self._device_state["skipped_steps"],
+            schedules._count_(self._device_state["steps"], self._device_state["skipped_steps"],
                              self._device_state["consecutive_overflows"], found)  # fmt: skip
         combined = sum(found_infs[1:], found_infs[0]) if found_infs else torch.zeros((), device=device)
         self._device_state["found_inf"].copy_(combined)
@@ -500,12 +491,12 @@ class DynamicLossScaler(GradScaler):
         """One schedule step, then the bounds and the floor policy."""
         s, scale, tracker = self._device_state, self._scale, self._growth_tracker
         if self.schedule == "log2":
-            back_off = schedules.log2_(
+            back_off = schedules._log2_(
                 scale, s["log2_scale"], tracker, s["hysteresis_tracker"], found_inf,
                 self.log2_increment, self.log2_decrement, self.hysteresis,
             )  # fmt: skip
         else:
-            back_off = schedules.exponential_(
+            back_off = schedules._exponential_(
                 scale, tracker, s["hysteresis_tracker"], found_inf,
                 self._growth_factor, self._backoff_factor, self._growth_interval, self.hysteresis,
                 self.consecutive_hysteresis,
@@ -513,7 +504,7 @@ class DynamicLossScaler(GradScaler):
         if self.min_scale is None and self.max_scale is None:
             return
         log2 = s["log2_scale"] if self.schedule == "log2" else None
-        hit_floor = schedules.clamp_(self._scale, log2, back_off, self.min_scale, self.max_scale)
+        hit_floor = schedules._clamp_(self._scale, log2, back_off, self.min_scale, self.max_scale)
         if self.min_scale is not None and self.on_min_scale != "clamp" and bool(hit_floor):  # host sync
             message = (
                 f"the loss scale hit its floor min_scale={self.min_scale!r} after "
@@ -532,10 +523,8 @@ class DynamicLossScaler(GradScaler):
             if self.min_scale is not None or self.max_scale is not None:
                 self._scale.clamp_(self.min_scale, self.max_scale)
         else:
-            low, high = self.min_scale or 0.0, self.max_scale or math.inf
-            number = not isinstance(new_scale, bool) and isinstance(new_scale, int | float)
-            if not number or not (0.0 < new_scale and low <= new_scale <= high):
-                raise ValueError(f"`new_scale` must be a float > 0 in [{low!r}, {high!r}], got {new_scale!r}")
+            low = {"gt": 0.0} if self.min_scale is None else {"ge": self.min_scale}
+            check_number(f"{type(self).__name__}.update", "new_scale", new_scale, **low, le=self.max_scale)
             super().update(float(new_scale))
         self._device_state["log2_scale"].copy_(torch.log2(self._scale.double()))
 

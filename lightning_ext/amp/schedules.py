@@ -2,10 +2,10 @@
 
 Three models:
 
-* ``torch.amp.GradScaler`` — :func:`exponential_`: ``scale *= growth_factor`` after
+* ``torch.amp.GradScaler`` — ``_exponential_``: ``scale *= growth_factor`` after
   ``growth_interval`` clean steps in a row, ``scale *= backoff_factor`` on an overflow
   (``torch._amp_update_scale_``, GradScaler's own op, so the scales agree bit for bit).
-* StyleGAN2-ADA's training loop (Karras et al. 2020) — :func:`log2_`: ``log2(scale)`` grows by
+* StyleGAN2-ADA's training loop (Karras et al. 2020) — ``_log2_``: ``log2(scale)`` grows by
   ``increment`` per clean step and drops by ``decrement`` per back-off; ``log2(scale)`` is kept in
   float64 so that small increments accumulate exactly.
 * Megatron-LM / DeepSpeed ``DynamicGradScaler`` — ``hysteresis``, for both: an overflow decrements a
@@ -14,7 +14,7 @@ Three models:
 
 Every overflowing step is skipped whatever the schedule decides (the scaler's business). Each
 schedule returns the bool 0-dim tensor ``back_off`` (this step backed the scale off), for the floor
-policy of :func:`clamp_`.
+policy of ``_clamp_``.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["clamp_", "count_", "exponential_", "log2_"]
+__all__: list[str] = []  # the scalers' maths: private helpers, tested directly
 
-LOG2_FLOAT32_MAX = math.log2(torch.finfo(torch.float32).max)  # the log2 schedule's ceiling
+_LOG2_FLOAT32_MAX = math.log2(torch.finfo(torch.float32).max)  # the log2 schedule's ceiling
 
 
 def _hysteresis(overflow: Tensor, tracker: Tensor) -> tuple[Tensor, Tensor]:
@@ -35,7 +35,7 @@ def _hysteresis(overflow: Tensor, tracker: Tensor) -> tuple[Tensor, Tensor]:
     return overflow & (after <= 0), after
 
 
-def exponential_(scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tensor, found_inf: Tensor,
+def _exponential_(scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tensor, found_inf: Tensor,
                  growth_factor: float, backoff_factor: float, growth_interval: int,
                  hysteresis: int, consecutive: bool = False) -> Tensor:  # fmt: skip
     """GradScaler's schedule with hysteresis, one optimizer step.
@@ -73,7 +73,7 @@ def exponential_(scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tens
     return back_off
 
 
-def log2_(scale: Tensor, log2_scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tensor,
+def _log2_(scale: Tensor, log2_scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tensor,
           found_inf: Tensor, increment: float, decrement: float, hysteresis: int) -> Tensor:  # fmt: skip
     """StyleGAN2-ADA's schedule with hysteresis, one optimizer step.
 
@@ -96,14 +96,14 @@ def log2_(scale: Tensor, log2_scale: Tensor, growth_tracker: Tensor, hysteresis_
     step = torch.full_like(log2_scale, increment).masked_fill_(overflow, 0.0)
     step.masked_fill_(back_off, -decrement)
     grown = log2_scale + step  # growth beyond float32's largest scale is refused, as GradScaler does
-    log2_scale.copy_(torch.where(step > 0, grown.clamp(max=LOG2_FLOAT32_MAX), grown))
+    log2_scale.copy_(torch.where(step > 0, grown.clamp(max=_LOG2_FLOAT32_MAX), grown))
     growth_tracker.copy_(torch.where(overflow, 0, growth_tracker + 1))
     hysteresis_tracker.copy_(torch.where(overflow, after, hysteresis))
     scale.copy_(torch.exp2(log2_scale))
     return back_off
 
 
-def clamp_(scale: Tensor, log2_scale: Tensor | None, back_off: Tensor, min_scale: float | None,
+def _clamp_(scale: Tensor, log2_scale: Tensor | None, back_off: Tensor, min_scale: float | None,
            max_scale: float | None) -> Tensor:  # fmt: skip
     """Keep the scale in ``[min_scale, max_scale]`` (``None``: unbounded) after a schedule step.
 
@@ -129,7 +129,7 @@ def clamp_(scale: Tensor, log2_scale: Tensor | None, back_off: Tensor, min_scale
     return hit_floor
 
 
-def count_(steps: Tensor, skipped_steps: Tensor, consecutive_overflows: Tensor, found_inf: Tensor) -> None:
+def _count_(steps: Tensor, skipped_steps: Tensor, consecutive_overflows: Tensor, found_inf: Tensor) -> None:
     """Count one optimizer step (float64 0-dim counters, in place): taken or skipped, and the run of
     skipped steps ending here."""
     overflow = (found_inf > 0).to(steps.dtype)

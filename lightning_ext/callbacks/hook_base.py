@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 import weakref
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-__all__ = ["HookBase", "iterations_done"]
+__all__ = ["HookBase"]
 
 log = logging.getLogger(__name__)
 
-_instance_ids = itertools.count()  # provisional state-key ids, unique within the process
+_instance_ids = itertools.count()  # provisional state-key ids; never reset: live hooks must keep distinct ids
 
 
 class HookBase(Callback):
@@ -44,14 +46,23 @@ class HookBase(Callback):
     Outside a Trainer (a Fabric or plain PyTorch loop),
     :class:`~lightning_ext.callbacks.HookRunner` calls the same Lightning hooks.
 
+    The driver (a ``Trainer`` or a ``HookRunner``) is what ``self.trainer`` points to. The hooks of
+    this package read from it only: ``global_step``, the iteration count behind ``self.iter``,
+    ``is_last_batch``, ``loggers``, ``callback_metrics``, ``callbacks``, ``global_rank``,
+    ``world_size``, ``is_global_zero``, ``train_dataloader``, ``strategy.batch_to_device(batch)``,
+    ``strategy.precision_plugin.forward_context()`` and, when there is one, ``progress_bar_callback``;
+    and ``on_train_batch_end``'s ``outputs`` (the loss). A hook checks what it needs itself, with
+    an error that names the fix (``PreciseBN`` a training loader at ``before_train``,
+    ``LossMonitor`` the loss at every step): the driver knows no hook class.
+
     Inside the methods: ``self.trainer`` (a :func:`weakref.proxy`), ``self.pl_module``, ``self.iter``
     (the iteration, 0-based like detectron2's ``trainer.iter``, continued on resume),
     ``self.start_iter`` (``self.iter`` at ``before_train``), and ``self.exception``: in an
     ``after_train`` after a failure, the exception (else ``None``), so that a hook can skip work,
     above all collectives that other ranks may never join.
 
-    ``self.iter`` has one source, the driver
-    (:func:`~lightning_ext.callbacks.hook_base.iterations_done`), so all hooks read the same value,
+    ``self.iter`` has one source, the driver (Lightning's count of the iterations done, or
+    :attr:`HookRunner.iter <lightning_ext.callbacks.HookRunner.iter>`), so all hooks read the same value,
     whichever hook or loader failed. As detectron2's, it becomes ``i`` when iteration ``i``'s loop
     body starts, before its batch is fetched and before any ``before_step``, and stays ``i``
     through its ``after_step``. So ``after_train`` sees, after success, the number of iterations
@@ -62,6 +73,11 @@ class HookBase(Callback):
     iteration ``i``'s ``before_step``: that fetch failing gives ``i``, the iterations completed.
     ``self.iter`` is also the step at which Lightning logs iteration ``i``'s ``self.log`` values,
     and that of every row this package's callbacks write.
+
+    ``self.data_sec``: the seconds the current iteration waited for data, host wall time from the end
+    of the previous micro-batch (or the start of the epoch, or the end of a validation run) to the
+    start of each of its micro-batches, summed over them; set before ``before_step`` (the one
+    measurement of data time, which ``IterationTimer`` and ``LossMonitor`` read).
 
     Errors: an exception from a hook method propagates with a ``PEP 678`` note naming the hook
     class and method. On failure the ``after_train`` of each hook that started runs once; an
@@ -97,6 +113,10 @@ class HookBase(Callback):
         self._running = False  # before_train ran and after_train has not yet
         self._in_step = False  # between before_step and after_step
         self._step_global_step = 0  # trainer.global_step when the current iteration began
+        self._last_batch_end: float | None = None  # perf_counter at the end of the last micro-batch
+        #: seconds the current iteration waited for data (see the class docstring).
+        self.data_sec = 0.0
+        self._data_sec_later = 0.0  # of which before its micro-batches after the first
         self._key_index: int | None = None  # position among same-class hooks of the trainer
         self._instance_id = next(_instance_ids)
 
@@ -129,7 +149,7 @@ class HookBase(Callback):
     def iter(self) -> int:
         """The current iteration, 0-based, read from the driver (see the class docstring);
         ``start_iter`` before the hook is attached."""
-        return self.start_iter if self._trainer_ref is None else iterations_done(self._trainer_ref)
+        return self.start_iter if self._trainer_ref is None else _iterations_done(self._trainer_ref)
 
     @property
     @override
@@ -149,6 +169,16 @@ class HookBase(Callback):
             _add_note(exc, f"raised in hook {type(self).__qualname__}.{name}() at iteration={self.iter}")
             raise
 
+    def _warn(self, message: str) -> None:
+        """Warn once (rank zero) on a line of its own: above the trainer's progress bar when it shows one
+        (Lightning's ``ProgressBar.print``; a warning would land inside the bar's line), else
+        ``rank_zero_warn`` (a ``UserWarning``)."""
+        bar = getattr(self.trainer, "progress_bar_callback", None)  # a HookRunner has none
+        if bar is None:
+            rank_zero_warn(message)
+        elif self.trainer.is_global_zero:
+            bar.print(f"UserWarning: {message}")
+
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._trainer_ref = trainer if isinstance(trainer, weakref.ProxyType) else weakref.proxy(trainer)
         self.pl_module = pl_module
@@ -163,15 +193,29 @@ class HookBase(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._attach(trainer, pl_module)
         self.exception = None
-        self.start_iter = iterations_done(trainer)
-        self._in_step = False
+        self.start_iter = _iterations_done(trainer)
+        self._in_step, self._last_batch_end = False, None
         self._running = True
         self._call("before_train")
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_batch_end = time.perf_counter()  # epoch-boundary work is not data time
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_batch_end = time.perf_counter()  # nor is a validation run between batches
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        wait = 0.0 if self._last_batch_end is None else time.perf_counter() - self._last_batch_end
+        if self._in_step:  # a later micro-batch of the same iteration
+            self._data_sec_later += wait
+            self.data_sec += wait
+        else:
+            self.data_sec, self._data_sec_later = wait, 0.0
         if not self._in_step:
             self._in_step = True
             self._step_global_step = trainer.global_step
@@ -188,6 +232,7 @@ class HookBase(Callback):
         if self._in_step and trainer.global_step != self._step_global_step:
             self._in_step = False
             self._call("after_step")
+        self._last_batch_end = time.perf_counter()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -211,7 +256,7 @@ class HookBase(Callback):
             _add_note(exception, f"{type(self).__qualname__}.after_train() also raised {exc!r}")
 
 
-def iterations_done(trainer: pl.Trainer) -> int:
+def _iterations_done(trainer: pl.Trainer) -> int:
     """Iterations completed before the current batch: what ``HookBase.iter`` reads, and the log step.
 
     With a Lightning ``Trainer``, its count of training batches that stepped the optimizers

@@ -12,8 +12,6 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 
 from lightning_ext.callbacks.hook_base import HookBase
-from lightning_ext.callbacks.loss_monitor import LossMonitor
-from lightning_ext.callbacks.precise_bn import PreciseBN
 from lightning_ext.distributed import get_rank, get_world_size
 
 __all__ = ["HookRunner"]
@@ -58,8 +56,8 @@ class HookRunner:
     exception, which the caller re-raises (``with runner:`` does).
 
     Collectives and syncs: the runner adds none; the hooks run theirs (``LossMonitor``: one all_gather
-    every ``period`` iterations and at a successful ``after_train``; ``PreciseBN``: its updates), so
-    every rank must make the same calls in the same order. Checkpoints: :meth:`state_dict`.
+    every ``every_n_train_steps`` iterations and at a successful ``after_train``; ``PreciseBN``: its
+    updates), so every rank must make the same calls in the same order. Checkpoints: :meth:`state_dict`.
 
     Source: detectron2 ``engine/train_loop.py`` (``TrainerBase.train``: ``before_train``, then
     ``before_step``/``run_step``/``after_step`` per iteration, ``after_train`` in ``finally``).
@@ -76,8 +74,7 @@ class HookRunner:
 
     Raises:
         TypeError: a hook is not a :class:`HookBase`, or ``module`` not an ``nn.Module``.
-        ValueError: a hook is given twice, or a ``PreciseBN`` has no ``data_loader`` and no
-            ``train_dataloader`` is given.
+        ValueError: a hook is given twice.
 
     Example::
 
@@ -115,14 +112,6 @@ class HookRunner:
             raise ValueError(f"HookRunner: each hook may be given once, got {hooks!r}")
         if not isinstance(module, nn.Module):
             raise TypeError(f"HookRunner: `module` must be a torch.nn.Module, got {module!r}")
-        if train_dataloader is None and any(
-            isinstance(h, PreciseBN) and h.data_loader is None for h in hooks
-        ):
-            raise ValueError(
-                "HookRunner: PreciseBN(data_loader=None) reads the training loader, but "
-                "`train_dataloader` is None. HINT: pass HookRunner(..., train_dataloader=loader) or "
-                "PreciseBN(data_loader=...)."
-            )
         #: the hooks, in call order (Lightning's name is ``trainer.callbacks``).
         self.callbacks: list[HookBase] = hooks
         self.module = module
@@ -139,7 +128,7 @@ class HookRunner:
         #: iteration ``i``'s own, so after a failure the iteration that failed; ``global_step`` at
         #: :meth:`before_train` and after the last iteration.
         self.iter = 0
-        #: the last ``after_step`` ended an epoch (``PreciseBN(period=None)`` updates then).
+        #: the last ``after_step`` ended an epoch (``PreciseBN(every_n_train_steps=None)`` updates then).
         self.is_last_batch = False
         #: metrics the hooks publish (``LossMonitor/<key>``, ``Timing/data_sec_max``): 0-dim tensors.
         self.callback_metrics: dict[str, torch.Tensor] = {}
@@ -148,7 +137,6 @@ class HookRunner:
             batch_to_device=self._batch_to_device,
             precision_plugin=types.SimpleNamespace(forward_context=self._forward_context),
         )
-        self._needs_loss = any(isinstance(h, LossMonitor) for h in hooks)
         self._running = False  # before_train ran and after_train has not yet
         self._in_step = False  # between before_step and after_step
         self._batch_idx = 0  # iterations since before_epoch (the batch_idx the hooks receive)
@@ -240,19 +228,15 @@ class HookRunner:
                 dtype, on any device; kept without host sync), or a dict with that under ``"loss"``
                 and other one-element tensors under keys starting with ``"loss"``. With gradient
                 accumulation, the iteration's mean. Required with a ``LossMonitor``.
-            is_last_batch: this iteration ends an epoch (``PreciseBN(period=None)`` updates then).
+            is_last_batch: this iteration ends an epoch (``PreciseBN(every_n_train_steps=None)``
+                updates then).
 
         Raises:
             RuntimeError: outside an iteration.
-            ValueError: ``loss`` is ``None`` and a ``LossMonitor`` runs.
+            ValueError: from ``LossMonitor``, when ``loss`` is ``None``.
             FloatingPointError: from ``LossMonitor`` (a non-finite loss, on every rank alike).
         """
         self._check("after_step", in_step=True)
-        if loss is None and self._needs_loss:
-            raise ValueError(
-                "HookRunner.after_step(loss=None): LossMonitor needs the iteration's loss. "
-                "HINT: pass after_step(loss), a one-element tensor or a dict with a 'loss' entry."
-            )
         self._in_step = False
         self.global_step += 1
         self.is_last_batch = bool(is_last_batch)

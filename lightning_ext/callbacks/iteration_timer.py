@@ -6,13 +6,12 @@ import datetime
 import itertools
 import time
 from collections import deque
-from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_ext._checks import check_int
 from lightning_ext.callbacks.hook_base import HookBase
 from lightning_ext.stats import report
 
@@ -46,7 +45,8 @@ class IterationTimer(HookBase):
         warmup_iter: number of first iterations excluded from ``Timing/step_sec`` and the summary.
 
     Raises:
-        ValueError: ``warmup_iter`` is not a non-negative int.
+        TypeError: ``warmup_iter`` is not an int.
+        ValueError: ``warmup_iter < 0``.
 
     Source: detectron2 ``engine/hooks.py`` ``IterationTimer``.
 
@@ -59,17 +59,13 @@ class IterationTimer(HookBase):
 
     def __init__(self, warmup_iter: int = 3) -> None:
         super().__init__()
-        if isinstance(warmup_iter, bool) or not isinstance(warmup_iter, int) or warmup_iter < 0:
-            raise ValueError(f"IterationTimer: `warmup_iter` must be a non-negative int, got {warmup_iter!r}")
+        check_int("IterationTimer", "warmup_iter", warmup_iter, ge=0)
         self.warmup_iter = warmup_iter
         #: the two summary lines logged at the end of the last training run (``None`` before).
         self.summary: str | None = None
         self._reset()
 
     def _reset(self) -> None:
-        self._last_batch_end: float | None = None  # perf_counter at the end of the previous micro-batch
-        self._data_sec = 0.0  # data time of the current iteration
-        self._data_sec_later = 0.0  # ... of its micro-batches after the first (inside the step window)
         self._step_start = 0.0  # perf_counter at before_step
         self._timed_start: float | None = None  # perf_counter when warm-up ended
         self._timed_sec = 0.0  # data + step seconds of the iterations after warm-up
@@ -93,18 +89,6 @@ class IterationTimer(HookBase):
         self._timed_start = time.perf_counter() if self.warmup_iter == 0 else None
 
     @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        data_sec = 0.0 if self._last_batch_end is None else time.perf_counter() - self._last_batch_end
-        if self._in_step:  # a later micro-batch of the same iteration
-            self._data_sec_later += data_sec
-        else:
-            self._data_sec = self._data_sec_later = 0.0
-        self._data_sec += data_sec
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-
-    @override
     def before_step(self) -> None:
         self._step_start = time.perf_counter()
         on_cuda = self.pl_module is not None and _device_type(self.pl_module) == "cuda"
@@ -115,11 +99,11 @@ class IterationTimer(HookBase):
     @override
     def after_step(self) -> None:
         now = time.perf_counter()
-        step_sec = now - self._step_start - self._data_sec_later
-        report("Timing/data_sec", self._data_sec)
+        step_sec = now - self._step_start - self._data_sec_later  # later micro-batches' waits are data
+        report("Timing/data_sec", self.data_sec)
         iters_done = self.iter - self.start_iter + 1
         if iters_done > self.warmup_iter:
-            self._timed_sec += step_sec + self._data_sec
+            self._timed_sec += step_sec + self.data_sec
             self._timed_iters += 1
             if self._cuda_start is not None:
                 end = torch.cuda.Event(enable_timing=True)
@@ -136,19 +120,6 @@ class IterationTimer(HookBase):
         while self._pending_events and self._pending_events[0][1].query():
             start, end = self._pending_events.popleft()
             report("Timing/step_sec", start.elapsed_time(end) / 1000.0)
-
-    @override
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last_batch_end = time.perf_counter()  # epoch-boundary work is not data time
-
-    on_validation_end = on_train_epoch_start  # nor is validation run between batches
-
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self._last_batch_end = time.perf_counter()
 
     @override
     def after_train(self) -> None:

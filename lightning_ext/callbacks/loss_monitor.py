@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -12,16 +11,16 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_ext._checks import check_bool, check_int
 from lightning_ext.callbacks.hook_base import HookBase
 from lightning_ext.distributed import collective_device, get_rank, get_world_size
 
 __all__ = ["LossMonitor"]
 
 
-def extract_losses(outputs: Any, accumulate_grad_batches: int = 1) -> dict[str, torch.Tensor]:
+def _extract_losses(outputs: Any, accumulate_grad_batches: int = 1) -> dict[str, torch.Tensor]:
     """The losses of a ``training_step`` output, as ``{name: 0-dim tensor}`` (detached).
 
     A tensor is the total loss ``{"loss": outputs}``. A mapping contributes its ``"loss"`` entry
@@ -33,6 +32,11 @@ def extract_losses(outputs: Any, accumulate_grad_batches: int = 1) -> dict[str, 
     Raises:
         ValueError: ``outputs`` holds no loss (``None``, or a mapping without ``"loss"``).
         TypeError: the loss is not a tensor with one element.
+
+    Example::
+
+        >>> _extract_losses({"loss": torch.tensor(2.0), "loss_box": torch.tensor(0.5), "acc": 0.9})
+        {'loss': tensor(2.), 'loss_box': tensor(0.5000)}
     """
     if isinstance(outputs, torch.Tensor):
         outputs = {"loss": outputs}
@@ -40,7 +44,8 @@ def extract_losses(outputs: Any, accumulate_grad_batches: int = 1) -> dict[str, 
         raise ValueError(
             f"LossMonitor: `training_step` returned no loss (its output reached `on_train_batch_end` as "
             f"{_short(outputs)}); LossMonitor needs the loss tensor or a dict with a 'loss' entry. "
-            "HINT: return the loss from `training_step`, or remove LossMonitor from the callbacks."
+            "HINT: return the loss from `training_step` (with a HookRunner: pass it to "
+            "`runner.after_step(loss)`), or remove LossMonitor from the callbacks."
         )
     loss = outputs["loss"]
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -63,7 +68,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-def local_row(
+def _local_row(
     rows: torch.Tensor,
     counts: list[int],
     iterations: list[int],
@@ -103,8 +108,8 @@ def local_row(
     return torch.cat([rows.sum(0), host.to(device), bad, first_bad, bad_values, tail.to(device)])
 
 
-def summarize_gathered(gathered: torch.Tensor, keys: list[str]) -> dict[str, Any]:
-    """Reduce the ``local_row`` of every rank (host float64 ``(world_size, 3K + 4)``, ``K = len(keys)``).
+def _summarize_gathered(gathered: torch.Tensor, keys: list[str]) -> dict[str, Any]:
+    """Reduce the ``_local_row`` of every rank (host float64 ``(world_size, 3K + 4)``, ``K = len(keys)``).
 
     Returns the means over ranks and micro-batches per key, the max over ranks of data time, whether
     any rank saw a non-finite total loss, the first such iteration, the ranks that saw it then and
@@ -136,19 +141,21 @@ class _Agreement:
     """Outcome of one agreement point, filled by the (possibly asynchronous) writer job."""
 
     writer_error: BaseException | None  # this rank's writer failure that the gathered table reports
-    summary: dict[str, Any] | None = None  # summarize_gathered() of the gathered table
+    summary: dict[str, Any] | None = None  # _summarize_gathered() of the gathered table
     error: FloatingPointError | None = None  # the non-finite loss decision
     metrics: dict[str, float] | None = None  # what rank zero wrote to the loggers
 
 
 class LossMonitor(HookBase):
-    """Raise on a non-finite loss on every rank alike; write loss means and data time every period.
+    """Raise on a non-finite loss on every rank alike; write loss means and data time every N steps.
 
-    Every micro-batch, the losses returned by ``training_step`` (see ``extract_losses``; under a
+    Every micro-batch, the losses returned by ``training_step`` (a tensor: ``"loss"``; a mapping: its
+    ``"loss"`` and every other one-element tensor whose key starts with ``"loss"``; under a
     :class:`~lightning_ext.callbacks.hook_runner.HookRunner`, those given to ``after_step``) are kept
     on their device: no other tensor op, no host–device synchronization, no collective on the step.
-    Every ``period`` iterations and at the end of training comes an *agreement point*: ONE
-    ``all_gather`` of each rank's ``local_row`` (``3K + 4`` float64) on the training thread.
+    Every ``every_n_train_steps`` iterations and at the end of training comes an *agreement point*: ONE
+    ``all_gather`` of each rank's row of loss sums, counts and flags (``3K + 4`` float64, ``K`` losses)
+    on the training thread.
     From the gathered data, which every rank holds:
 
     - if a total loss was non-finite, EVERY rank raises ``FloatingPointError("Loss became infinite
@@ -161,7 +168,7 @@ class LossMonitor(HookBase):
       iteration. The step is :attr:`~HookBase.iter`, Lightning's own for the batch: ``i`` after
       iteration ``i``, the number of iterations at the end of training.
 
-    Reading the gathered values synchronizes host and device once per period. With
+    Reading the gathered values synchronizes host and device once per agreement point. With
     ``async_write=True`` that read, the decision and the logger writes run on one worker thread, in
     order, and each outcome is applied at the next iteration's ``after_step``; use loggers that
     tolerate writes from two threads (TensorBoard's ``SummaryWriter`` does; ``CSVLogger`` is not
@@ -173,32 +180,30 @@ class LossMonitor(HookBase):
     on rank 0 only (the other ranks hang in the next collective) and drops writer exceptions.
 
     Args:
-        period: iterations between agreement points (cross-rank check + writing).
+        every_n_train_steps: iterations between agreement points (cross-rank check + writing).
         raise_on_nonfinite: raise ``FloatingPointError`` (``True``) or only warn (``False``).
         async_write: read back and write on a worker thread instead of the training thread.
 
     Raises:
-        ValueError: ``period`` is not a positive int (at construction); ``training_step`` returned no
+        ValueError: ``every_n_train_steps < 1`` (at construction); ``training_step`` returned no
             loss (at the first step, on every rank whose step returned none).
-        TypeError: ``raise_on_nonfinite``/``async_write`` are not bools; the loss is not a
-            one-element tensor.
+        TypeError: ``every_n_train_steps`` is not an int, ``raise_on_nonfinite``/``async_write`` are
+            not bools (at construction); the loss is not a one-element tensor.
         FloatingPointError: a total loss became non-finite (see above).
 
     Example::
 
-        >>> monitor = LossMonitor(period=10)
-        >>> extract_losses({"loss": torch.tensor(2.0), "loss_box": torch.tensor(0.5), "acc": 0.9})
-        {'loss': tensor(2.), 'loss_box': tensor(0.5000)}
+        >>> monitor = LossMonitor(every_n_train_steps=10)
     """
 
-    def __init__(self, period: int = 20, raise_on_nonfinite: bool = True, async_write: bool = False) -> None:
+    def __init__(
+        self, every_n_train_steps: int = 20, raise_on_nonfinite: bool = True, async_write: bool = False
+    ) -> None:
         super().__init__()
-        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
-            raise ValueError(f"LossMonitor: `period` must be a positive int, got {period!r}")
-        for name, value in (("raise_on_nonfinite", raise_on_nonfinite), ("async_write", async_write)):
-            if not isinstance(value, bool):
-                raise TypeError(f"LossMonitor: `{name}` must be a bool, got {value!r}")
-        self.period = period
+        check_int("LossMonitor", "every_n_train_steps", every_n_train_steps, ge=1)
+        check_bool("LossMonitor", "raise_on_nonfinite", raise_on_nonfinite)
+        check_bool("LossMonitor", "async_write", async_write)
+        self.every_n_train_steps = every_n_train_steps
         self.raise_on_nonfinite = raise_on_nonfinite
         self.async_write = async_write
         #: summary dict of the last agreement point (means, data_sec_max, bad, ...); for inspection.
@@ -210,7 +215,6 @@ class LossMonitor(HookBase):
         self._keys: list[str] | None = None  # loss names, fixed at the first step
         self._new_accumulators()
         self._accumulate = 1  # factor Lightning divided the returned "loss" by
-        self._last_batch_end: float | None = None
         self._pending: tuple[Future, _Agreement] | None = None  # async job of the last agreement
         self._writer_error: BaseException | None = None  # local writer failure not yet agreed
 
@@ -233,30 +237,13 @@ class LossMonitor(HookBase):
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="LossMonitor-writer")
 
     @override
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last_batch_end = time.perf_counter()
-
-    @override
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last_batch_end = time.perf_counter()
-
-    @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if self._last_batch_end is not None:
-            self._data_sec += time.perf_counter() - self._last_batch_end
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-
-    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         automatic = isinstance(trainer, pl.Trainer) and pl_module.automatic_optimization  # not HookRunner
         self._accumulate = trainer.accumulate_grad_batches if automatic else 1
-        self._fold(extract_losses(outputs), loss_is_copy=automatic)
+        self._fold(_extract_losses(outputs), loss_is_copy=automatic)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self._last_batch_end = time.perf_counter()
 
     def _fold(self, losses: dict[str, torch.Tensor], loss_is_copy: bool = False) -> None:
         """Keep this micro-batch's losses until the agreement point; absent ones count nothing, names
@@ -275,9 +262,10 @@ class LossMonitor(HookBase):
     @override
     def after_step(self) -> None:
         self._iters += 1
+        self._data_sec += self.data_sec
         if self._pending is not None:
             self._collect()
-        if (self.iter + 1) % self.period == 0:
+        if (self.iter + 1) % self.every_n_train_steps == 0:
             self._agree()
 
     @override
@@ -309,7 +297,7 @@ class LossMonitor(HookBase):
             if flat
             else torch.zeros(0, k, dtype=torch.float64)
         )
-        row = local_row(rows, self._counts, self._micro_iters, self._accumulate, data_sec, failed)
+        row = _local_row(rows, self._counts, self._micro_iters, self._accumulate, data_sec, failed)
         world_size = get_world_size()
         if world_size > 1:
             row = row.to(collective_device())
@@ -332,7 +320,7 @@ class LossMonitor(HookBase):
         self, table: torch.Tensor, keys: list[str], step: int, agreement: _Agreement
     ) -> None:
         """Host read-back, non-finite decision and logger writes (on the worker thread when async)."""
-        summary = summarize_gathered(table.detach().to("cpu", torch.float64), keys)
+        summary = _summarize_gathered(table.detach().to("cpu", torch.float64), keys)
         agreement.summary = summary
         self.last_summary = summary
         if summary["bad"]:
@@ -343,7 +331,7 @@ class LossMonitor(HookBase):
             if self.raise_on_nonfinite:
                 agreement.error = FloatingPointError(message)
             else:
-                rank_zero_warn(message)
+                self._warn(message)
         metrics = {f"LossMonitor/{key}": value for key, value in summary["means"].items()}
         metrics["Timing/data_sec_max"] = summary["data_sec_max"]
         agreement.metrics = metrics  # identical on every rank

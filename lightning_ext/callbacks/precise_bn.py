@@ -11,18 +11,19 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
+from lightning_ext._checks import check_int
 from lightning_ext.callbacks.hook_base import HookBase
 from lightning_ext.distributed import all_reduce_, collective_device, get_world_size, is_distributed
+from lightning_ext.stats.moments import _merge_moments
 
-__all__ = ["PreciseBN", "merge_batch_statistics", "update_bn_stats"]
+__all__ = ["PreciseBN", "update_bn_stats"]
 
 
-def merge_batch_statistics(
+def _merge_batch_statistics(
     count: torch.Tensor,
     mean: torch.Tensor,
     m2: torch.Tensor,
@@ -30,7 +31,8 @@ def merge_batch_statistics(
     batch_mean: torch.Tensor,
     batch_var: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Merge one batch into running population moments (Chan, Golub & LeVeque's parallel update).
+    """Merge one batch into running population moments (Chan, Golub & LeVeque's parallel update, by
+    :func:`lightning_ext.stats.moments._merge_moments`, the package's one implementation of it).
 
     Args:
         count, mean, m2: so far, float64: elements per channel (0-dim), mean and sum of squared
@@ -43,12 +45,14 @@ def merge_batch_statistics(
         The merged ``(count, mean, m2)`` in float64. No host–device synchronization.
     """
     batch_mean = batch_mean.to(torch.float64)
-    batch_m2 = batch_var.to(torch.float64) * (n - 1)
-    total = count + n
-    delta = batch_mean - mean
-    mean = mean + delta * (n / total)
-    m2 = m2 + batch_m2 + delta.square() * (count * n / total)
-    return total, mean, m2
+    merged = _merge_moments(_moment_rows(count, mean, m2), _moment_rows(n, batch_mean, batch_var * (n - 1)))
+    return count + n, merged[:, 1], merged[:, 2]
+
+
+def _moment_rows(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> torch.Tensor:
+    """Per-channel float64 moment rows ``(C, 5)`` (no extremes) of a count and ``(C,)`` mean and m2."""
+    inf = torch.full_like(mean, torch.inf)
+    return torch.stack([count.expand_as(mean), mean, m2.to(torch.float64), inf, -inf], -1)
 
 
 def _agree(state: float) -> float:
@@ -80,7 +84,7 @@ def update_bn_stats(
     Updated: ``_BatchNorm`` layers in training mode with ``track_running_stats`` (eval-mode ones stay
     frozen). With them at ``momentum=1`` and every other module put in training mode,
     ``forward_fn(model, batch)`` runs under ``torch.no_grad()`` on up to ``num_iter`` batches; each
-    layer's batch statistics are merged in float64 by :func:`merge_batch_statistics`, weighted by
+    layer's batch statistics are merged in float64 (Chan, Golub & LeVeque's update), weighted by
     elements per channel (``N·H·W…``), into the exact mean and UNBIASED variance (what
     ``running_var`` estimates) of all the elements it normalized, written in place in the buffers'
     dtype. Training flags, momenta and ``num_batches_tracked`` are restored.
@@ -208,7 +212,7 @@ def _write_population_stats(layers: list[_BatchNorm], records: list[list[_Record
         count, m2 = mean.new_zeros(()), torch.zeros_like(mean)
         for n, (_, mu, var) in zip(ns, runs):
             if n > 1:
-                count, mean, m2 = merge_batch_statistics(count, mean, m2, mean.new_tensor(n), mu, var)
+                count, mean, m2 = _merge_batch_statistics(count, mean, m2, mean.new_tensor(n), mu, var)
         layer.running_mean.copy_(mean)
         layer.running_var.copy_(m2 / (count - 1))
 
@@ -217,53 +221,53 @@ class PreciseBN(HookBase):
     """Recompute BatchNorm running statistics with true population averages during training.
 
     Running statistics average batches whose weights kept changing;
-    :func:`~lightning_ext.callbacks.precise_bn.update_bn_stats` (see it for the collectives and syncs,
+    :func:`~lightning_ext.callbacks.update_bn_stats` (see it for the collectives and syncs,
     and for how it differs from fvcore's function behind detectron2's hook) re-estimates them with
     frozen weights: the mean and unbiased variance of all the batches' elements. Source: Wu & Johnson,
     "Rethinking 'Batch' in BatchNorm", 2021; detectron2 ``hooks.PreciseBN``.
 
-    When: with ``period=None`` after the last iteration of each training epoch (before the
-    end-of-epoch validation, which thus sees the new statistics); with ``period=k`` after every
-    ``k``-th iteration; and at the end of a successful run if the statistics are older than the last
-    iteration. Never after a failed run: the forwards of synchronized layers are collectives.
+    When: with ``every_n_train_steps=None`` after the last iteration of each training epoch (before
+    the end-of-epoch validation, which thus sees the new statistics); with ``every_n_train_steps=k``
+    after every ``k``-th iteration; and at the end of a successful run if the statistics are older
+    than the last iteration. Never after a failed run: the forwards of synchronized layers are
+    collectives.
 
     Data: batches from ``data_loader`` (an iterable, or a zero-argument callable returning one at
     each update; ``None``: ``trainer.train_dataloader`` with its distributed sampler), moved by the
     strategy's ``batch_to_device``, forwarded under the precision plugin's ``forward_context()``.
-    With ``period`` set and ``persistent_workers=True``, pass a separate loader: restarting the
-    training loader mid-epoch would reset its workers. Values ``report()``-ed in the forward count.
+    With ``every_n_train_steps`` set and ``persistent_workers=True``, pass a separate loader:
+    restarting the training loader mid-epoch would reset its workers. Values ``report()``-ed in the
+    forward count.
 
     Args:
-        period: iterations between updates, or ``None`` for once per epoch.
+        every_n_train_steps: iterations between updates, or ``None`` for once per epoch.
         num_iter: number of batches per update (fewer if the loader runs out; a warning says so).
         data_loader: iterable or zero-argument callable returning an iterable, or ``None``.
         forward_fn: ``(pl_module, batch) -> Any``; ``None`` runs ``pl_module(batch[0])`` for
             tuple/list batches and ``pl_module(batch)`` otherwise.
 
     Raises:
-        ValueError: ``period`` or ``num_iter`` is not a positive int.
-        TypeError: ``data_loader`` is neither iterable nor callable, a callable ``data_loader``
+        ValueError: ``every_n_train_steps`` or ``num_iter`` is ``< 1``.
+        TypeError: ``every_n_train_steps`` is neither an int nor ``None``, ``num_iter`` is not an int,
+            ``data_loader`` is neither iterable nor callable, a callable ``data_loader``
             returned a non-iterable, or ``forward_fn`` is not callable.
 
     Example::
 
-        >>> hook = PreciseBN(period=100, num_iter=50, data_loader=[torch.ones(4, 2)])
+        >>> hook = PreciseBN(every_n_train_steps=100, num_iter=50, data_loader=[torch.ones(4, 2)])
     """
 
     def __init__(
         self,
-        period: int | None = None,
+        every_n_train_steps: int | None = None,
         num_iter: int = 200,
         data_loader: Iterable[Any] | Callable[[], Iterable[Any]] | None = None,
         forward_fn: Callable[[pl.LightningModule, Any], Any] | None = None,
     ) -> None:
         super().__init__()
-        if period is not None and (isinstance(period, bool) or not isinstance(period, int) or period < 1):
-            raise ValueError(
-                f"PreciseBN: `period` must be a positive int or None (every epoch), got {period!r}"
-            )
-        if isinstance(num_iter, bool) or not isinstance(num_iter, int) or num_iter < 1:
-            raise ValueError(f"PreciseBN: `num_iter` must be a positive int, got {num_iter!r}")
+        steps, per_epoch = every_n_train_steps, "None updates after every epoch."
+        check_int("PreciseBN", "every_n_train_steps", steps, ge=1, optional=True, hint=per_epoch)
+        check_int("PreciseBN", "num_iter", num_iter, ge=1)
         if data_loader is not None and not callable(data_loader) and not isinstance(data_loader, Iterable):
             raise TypeError(
                 "PreciseBN: `data_loader` must be an iterable of batches, a zero-argument callable "
@@ -271,7 +275,7 @@ class PreciseBN(HookBase):
             )
         if forward_fn is not None and not callable(forward_fn):
             raise TypeError(f"PreciseBN: `forward_fn` must be callable or None, got {forward_fn!r}")
-        self.period = period
+        self.every_n_train_steps = every_n_train_steps
         self.num_iter = num_iter
         self.data_loader = data_loader
         self.forward_fn = forward_fn
@@ -286,6 +290,15 @@ class PreciseBN(HookBase):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_update_step = state_dict["last_update_step"]
+
+    @override
+    def before_train(self) -> None:
+        if self.data_loader is None and getattr(self.trainer, "train_dataloader", None) is None:
+            raise ValueError(
+                "PreciseBN(data_loader=None) reads the training loader, but the trainer's "
+                "`train_dataloader` is None. HINT: pass HookRunner(..., train_dataloader=loader) or "
+                "PreciseBN(data_loader=...)."
+            )
 
     def _loader(self) -> Iterable[Any]:
         if self.data_loader is None:
@@ -310,14 +323,15 @@ class PreciseBN(HookBase):
         self._last_update_step = self.trainer.global_step
         self.batches_used.append(used)
         if used < self.num_iter:
-            rank_zero_warn(
+            self._warn(
                 f"PreciseBN: only {used} of num_iter={self.num_iter} batches were available on every rank"
             )
         return used
 
     @override
     def after_step(self) -> None:
-        if self.trainer.is_last_batch if self.period is None else (self.iter + 1) % self.period == 0:
+        steps = self.every_n_train_steps
+        if self.trainer.is_last_batch if steps is None else (self.iter + 1) % steps == 0:
             self.update_stats()
 
     @override

@@ -13,6 +13,7 @@ from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
+from lightning_ext._checks import check_int
 from lightning_ext.callbacks.hook_base import HookBase
 from lightning_ext.stats import report
 
@@ -50,8 +51,8 @@ class ResourceStats(HookBase):
             the first tensor's first dimension).
 
     Raises:
-        ValueError: ``every_n_train_steps`` is not an int >= 1.
-        TypeError: ``batch_size_fn`` is not callable.
+        ValueError: ``every_n_train_steps < 1``.
+        TypeError: ``every_n_train_steps`` is not an int, or ``batch_size_fn`` is not callable.
 
     Source: StyleGAN3 ``training/training_loop.py`` (``Resources/*``, ``Timing/*``) and detectron2's
     ``TorchMemoryStats``.
@@ -67,9 +68,7 @@ class ResourceStats(HookBase):
         self, every_n_train_steps: int = 1, batch_size_fn: Callable[[Any], int] | None = None
     ) -> None:
         super().__init__()
-        steps = every_n_train_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"ResourceStats: `every_n_train_steps` must be an int >= 1, got {steps!r}")
+        check_int("ResourceStats", "every_n_train_steps", every_n_train_steps, ge=1)
         if batch_size_fn is not None and not callable(batch_size_fn):
             raise TypeError(f"ResourceStats: `batch_size_fn` must be callable, got {batch_size_fn!r}")
         self.every_n_train_steps = every_n_train_steps

@@ -12,14 +12,15 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_ext import distributed as _dist
-from lightning_ext.callbacks.hook_base import iterations_done
+from lightning_ext._checks import check_bool, check_int
+from lightning_ext.callbacks.hook_base import _iterations_done
 from lightning_ext.stats import Collector, init_multiprocessing, report
-from lightning_ext.stats.collector import compile_regex
+from lightning_ext.stats.collector import _compile_regex
 
 __all__ = ["TrainingStats"]
 
 _STATS = ("mean", "std", "min", "max", "num")
-FLUSH_TIME_NAME = "Timing/stats_flush_sec"
+_FLUSH_TIME_NAME = "Timing/stats_flush_sec"
 
 
 class TrainingStats(Callback):
@@ -47,9 +48,10 @@ class TrainingStats(Callback):
         keep_previous: passed to ``Collector``.
 
     Raises:
-        ValueError: ``every_n_train_steps`` is not a positive int, ``stats`` is empty or holds an
-            unknown statistic, or ``regex`` does not compile.
-        TypeError: ``regex``/``prefix`` is not a str, or ``stats`` is a str.
+        ValueError: ``every_n_train_steps < 1``, ``stats`` is empty or holds an unknown statistic, or
+            ``regex`` does not compile.
+        TypeError: ``every_n_train_steps`` is not an int, ``regex``/``prefix`` is not a str, ``stats``
+            is a str, or ``on_step``/``on_epoch``/``keep_previous`` is not a bool.
 
     Example::
 
@@ -68,20 +70,18 @@ class TrainingStats(Callback):
         on_epoch: bool = True,
         keep_previous: bool = True,
     ) -> None:
-        steps = every_n_train_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"TrainingStats(every_n_train_steps=...) must be an int >= 1, got {steps!r}")
+        check_int("TrainingStats", "every_n_train_steps", every_n_train_steps, ge=1)
         if isinstance(stats, str):
-            raise TypeError(f"TrainingStats(stats=...) must be a sequence of names, not the str {stats!r}")
+            raise TypeError(f"TrainingStats: `stats` must be a sequence of names, not the str {stats!r}")
         stats = tuple(stats)
         unknown = [s for s in stats if s not in _STATS]
         if not stats or unknown:
-            raise ValueError(
-                f"TrainingStats(stats=...) must be a non-empty subset of {_STATS}, got {stats!r}"
-            )
+            raise ValueError(f"TrainingStats: `stats` must be a non-empty subset of {_STATS}, got {stats!r}")
         if not isinstance(prefix, str):
-            raise TypeError(f"TrainingStats(prefix=...) must be a str, got {prefix!r}")
-        compile_regex("TrainingStats", regex)
+            raise TypeError(f"TrainingStats: `prefix` must be a str, got {prefix!r}")
+        for name, flag in (("on_step", on_step), ("on_epoch", on_epoch), ("keep_previous", keep_previous)):
+            check_bool("TrainingStats", name, flag)
+        _compile_regex("TrainingStats", regex)
         self.every_n_train_steps = every_n_train_steps
         self.regex = regex
         self.stats = stats
@@ -121,10 +121,10 @@ class TrainingStats(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         stepped, self._global_step = trainer.global_step != self._global_step, trainer.global_step
-        done = iterations_done(trainer) + 1  # this batch's iteration included
+        done = _iterations_done(trainer) + 1  # this batch's iteration included
         if self.on_step and stepped and done > self.last_flush_step and done % self.every_n_train_steps == 0:
             self.last_flush_step = done
-            self.flush(trainer)  # at Lightning's step for this batch: iterations_done(trainer)
+            self.flush(trainer)  # at Lightning's step for this batch: _iterations_done(trainer)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -150,9 +150,9 @@ class TrainingStats(Callback):
 
         Writes the chosen statistics of each name with values as ``prefix + name`` (mean) and
         ``prefix + name + "/std"`` (``/min``, ``/max``, ``/num``) to every logger at ``step``
-        (default: the step Lightning logs the current batch's ``self.log`` values at,
-        :func:`~lightning_ext.callbacks.hook_base.iterations_done`: ``i`` in iteration ``i`` and in
-        a validation run after it, the number of iterations at the end of an epoch; so the steps of
+        (default: the step Lightning logs the current batch's ``self.log`` values at, which
+        :attr:`HookBase.iter <lightning_ext.callbacks.HookBase.iter>` reads: ``i`` in iteration ``i``
+        and in a validation run after it, the number of iterations at the end of an epoch; so the steps of
         a logger never go backwards) and to ``trainer.callback_metrics`` (float32 0-dim CPU tensors, for
         ``ModelCheckpoint``/``EarlyStopping``). Its wall time is ``report()``-ed as
         ``Timing/stats_flush_sec`` (seen at the next flush). Must run on every rank:
@@ -176,11 +176,11 @@ class TrainingStats(Callback):
                 metrics[key] = float(values[stat])
         if metrics:
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=iterations_done(trainer) if step is None else step)
+                logger.log_metrics(metrics, step=_iterations_done(trainer) if step is None else step)
             trainer.callback_metrics.update(
                 {k: torch.tensor(v, dtype=torch.float32) for k, v in metrics.items()}
             )
-        report(FLUSH_TIME_NAME, time.perf_counter() - start)
+        report(_FLUSH_TIME_NAME, time.perf_counter() - start)
         return metrics
 
     @override

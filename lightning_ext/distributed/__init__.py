@@ -1,7 +1,7 @@
 """Process-group helpers and :func:`all_reduce_`, the one way the pack reduces across ranks. Pure
 torch, no Lightning."""
 
-from lightning_ext.distributed.all_reduce import ENV_VAR, all_reduce_, reset, shm_available
+from lightning_ext.distributed.all_reduce import SHM_ENV_VAR, all_reduce_, close_shared_memory, shm_available
 from lightning_ext.distributed.groups import (
     check_process_group,
     collective_device,
@@ -13,15 +13,15 @@ from lightning_ext.distributed.groups import (
 )
 
 __all__ = [
-    "ENV_VAR",
+    "SHM_ENV_VAR",
     "all_reduce_",
     "check_process_group",
+    "close_shared_memory",
     "collective_device",
     "create_process_groups",
     "get_process_group",
     "get_rank",
     "get_world_size",
     "is_distributed",
-    "reset",
     "shm_available",
 ]

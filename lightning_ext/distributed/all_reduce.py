@@ -21,9 +21,9 @@ import torch.distributed as dist
 from lightning_ext.distributed import shm
 from lightning_ext.distributed.groups import collective_device
 
-__all__ = ["ENV_VAR", "all_reduce_", "reset", "shm_available"]
+__all__ = ["SHM_ENV_VAR", "all_reduce_", "close_shared_memory", "shm_available"]
 
-ENV_VAR = "LIGHTNING_EXT_SHM_COLLECTIVES"  # "0" turns the shared-memory path off (on every rank)
+SHM_ENV_VAR = "LIGHTNING_EXT_SHM_COLLECTIVES"  # "0" turns the shared-memory path off (on every rank)
 _X86 = platform.machine().lower() in ("x86_64", "amd64")  # total store order: see shm's docstring
 
 _routes: weakref.WeakKeyDictionary[Any, _Route] = weakref.WeakKeyDictionary()
@@ -43,7 +43,7 @@ class _Done:
 @dataclass(frozen=True)
 class _Route:
     device: torch.device  # the group's collective device
-    segment: shm.ShmGroup | None  # its shared-memory segment, or None: the group's own all_reduce
+    segment: shm._ShmGroup | None  # its shared-memory segment, or None: the group's own all_reduce
 
 
 def _route(group: Any) -> _Route:
@@ -52,18 +52,18 @@ def _route(group: Any) -> _Route:
     A shared-memory segment exactly for a gloo group of several ranks all on this host (the set-up
     maps one ``/dev/shm`` file on every rank or gives up on all), on x86-64, unless
     ``LIGHTNING_EXT_SHM_COLLECTIVES=0``: every rank decides alike. :func:`all_reduce_` then sends a
-    strided CPU tensor of at most ``shm.SLOT_BYTES`` bytes reduced by ``SUM``, ``MAX``, ``MIN`` or
+    strided CPU tensor of at most ``shm._SLOT_BYTES`` bytes reduced by ``SUM``, ``MAX``, ``MIN`` or
     ``PRODUCT`` through the segment, outside ``torch.compile`` tracing.
     """
     route = _routes.get(group)
     if route is None:
         capable = (
             _X86
-            and os.environ.get(ENV_VAR, "1") != "0"
+            and os.environ.get(SHM_ENV_VAR, "1") != "0"
             and dist.get_world_size(group) > 1
             and "gloo" in str(dist.get_backend(group)).lower()
         )
-        route = _Route(collective_device(group), shm.create(group) if capable else None)
+        route = _Route(collective_device(group), shm._create(group) if capable else None)
         with _routes_lock:
             _routes[group] = route
     return route
@@ -106,8 +106,8 @@ def all_reduce_(
         all_reduce_(moved, op, group)
         tensor.copy_(moved)
         return _Done() if async_op else None
-    fits = tensor.layout == torch.strided and tensor.numel() * tensor.element_size() <= shm.SLOT_BYTES
-    if route.segment is None or not fits or op not in shm.OPS or torch.compiler.is_compiling():
+    fits = tensor.layout == torch.strided and tensor.numel() * tensor.element_size() <= shm._SLOT_BYTES
+    if route.segment is None or not fits or op not in shm._OPS or torch.compiler.is_compiling():
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     if tensor.numel():
         route.segment.all_reduce_(tensor, op)
@@ -124,8 +124,9 @@ def shm_available(group: dist.ProcessGroup | None = None) -> bool:
     return _route(group).segment is not None
 
 
-def reset() -> None:
-    """Forget the groups' routes and segments. Call it on every rank: the next reduction over a group
-    decides its route again (a collective)."""
+def close_shared_memory() -> None:
+    """Close the shared-memory segments of :func:`all_reduce_` (each is unmapped once no reduction
+    holds it) and forget every group's route. Local, no collective, but call it on every rank: the
+    next reduction over a group decides its route again (a collective) and sets a segment up anew."""
     with _routes_lock:
         _routes.clear()

@@ -13,6 +13,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_ext._checks import check_int
+
+__all__ = [
+    "check_process_group",
+    "collective_device",
+    "create_process_groups",
+    "get_process_group",
+    "get_rank",
+    "get_world_size",
+    "is_distributed",
+]
+
 
 def is_distributed() -> bool:
     """``True`` when ``torch.distributed`` is available and its default group is initialized."""
@@ -103,12 +115,7 @@ def create_process_groups(group_size: int) -> dist.ProcessGroup | None:
         >>> create_process_groups(1) is None  # not distributed: a world of one
         True
     """
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
-        raise TypeError(
-            f"`group_size` must be an int, got {group_size!r} of type {type(group_size).__name__}"
-        )
-    if group_size < 1:
-        raise ValueError(f"`group_size` must be >= 1, got {group_size!r}")
+    check_int("create_process_groups", "group_size", group_size, ge=1)
     if not is_distributed():
         return None
     world_size = get_world_size()

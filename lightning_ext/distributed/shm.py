@@ -5,7 +5,7 @@ which skips gloo's worker thread and TCP loopback: each rank writes its tensor i
 its sequence counter, waits until every counter reached that sequence and reduces the slots itself,
 in rank order, so every rank computes the bitwise same result.
 
-Set-up, once per group (:func:`create`, a collective): group rank 0 creates a ``/dev/shm`` file and
+Set-up, once per group (``_create``, a collective): group rank 0 creates a ``/dev/shm`` file and
 broadcasts its path, a random token and its host name; the other ranks map it
 (``torch.from_file(shared=True)``) only on the same host and when the token reads back; two
 ``all_reduce(MIN)`` agree that every rank could and that every rank sees every other rank's process
@@ -13,7 +13,7 @@ broadcasts its path, a random token and its host name; the other ranks map it
 group keeps its own ``all_reduce``. Rank 0 then unlinks the file (the mappings stay). Layout::
 
     header: per rank one 64-byte cache line (no false sharing): int64 sequence counter, int64 pid
-    data:   2 (double buffer by sequence parity) x W slots x SLOT_BYTES
+    data:   2 (double buffer by sequence parity) x W slots x _SLOT_BYTES
 
 A rank writes buffer ``s % 2`` for sequence ``s`` only after every counter reached ``s - 1``, i.e.
 every rank finished reading that buffer at ``s - 2``. The counter is published after the data by one
@@ -34,20 +34,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["OPS", "SLOT_BYTES", "ShmGroup", "create", "process_alive"]
+__all__: list[str] = []  # the transport of all_reduce_: private, used through it only
 
-SLOT_BYTES = 1 << 17  # 128 KiB per rank and buffer: larger tensors go through the process group
+_SLOT_BYTES = 1 << 17  # 128 KiB per rank and buffer: larger tensors go through the process group
 _LINE = 64  # bytes per rank header line (sequence counter, pid)
 _SPIN_YIELDS = 20_000  # sched_yield polls before a waiter starts sleeping
 _TIMEOUT_SECONDS = 1800.0  # gloo's default collective timeout
 _LIVENESS_PERIOD = 0.5  # seconds between checks, while sleeping, that the missing ranks still run
 
 
-class ShmGroup:
+class _ShmGroup:
     """The shared segment of one process group.
 
     Args:
-        storage: uint8 tensor mapping the segment (``W * 64 + 2 * W * SLOT_BYTES`` bytes).
+        storage: uint8 tensor mapping the segment (``W * 64 + 2 * W * _SLOT_BYTES`` bytes).
         rank, world_size: this process's rank in the group and the group's size.
         pids: process id of every rank (a waiter checks that missing ranks still run).
     """
@@ -58,7 +58,7 @@ class ShmGroup:
         self.pids = pids
         header = world_size * _LINE
         self.counters = storage[:header].view(torch.int64)[:: _LINE // 8]  # (W,) int64, 64 bytes apart
-        self.data = storage[header:].view(2, world_size, SLOT_BYTES)  # (buffer, rank, bytes) uint8
+        self.data = storage[header:].view(2, world_size, _SLOT_BYTES)  # (buffer, rank, bytes) uint8
         self._counter = self.counters[rank]  # this rank's counter, written with one 8-byte store
         self.seq = int(self._counter)
         self.lock = threading.Lock()
@@ -66,7 +66,7 @@ class ShmGroup:
         self._views_cache: dict[tuple[int, torch.dtype, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
     def all_reduce_(self, tensor: torch.Tensor, op: dist.ReduceOp) -> None:
-        """Reduce ``tensor`` (CPU, at most ``SLOT_BYTES`` bytes, non-empty) in place over the group.
+        """Reduce ``tensor`` (CPU, at most ``_SLOT_BYTES`` bytes, non-empty) in place over the group.
 
         Raises:
             RuntimeError: a rank did not join within ``timeout`` seconds, or its process exited.
@@ -112,7 +112,7 @@ class ShmGroup:
             missing = [r for r, s in enumerate(self.counters.tolist()) if s < seq]
             if now >= next_check:  # a dead peer fails the wait now, as a closed gloo socket would
                 next_check = now + _LIVENESS_PERIOD
-                dead = [r for r in missing if not process_alive(self.pids[r])]
+                dead = [r for r in missing if not _process_alive(self.pids[r])]
                 if dead:
                     raise RuntimeError(
                         f"shared-memory all_reduce #{seq}: group ranks {dead} (pids "
@@ -134,10 +134,10 @@ _REDUCE = {  # ReduceOp -> out-of-place op taking out=
     dist.ReduceOp.MIN: torch.minimum,
     dist.ReduceOp.PRODUCT: torch.mul,
 }
-OPS = tuple(_REDUCE)  # the reductions the segment implements
+_OPS = tuple(_REDUCE)  # the reductions the segment implements
 
 
-def create(group: Any) -> ShmGroup | None:
+def _create(group: Any) -> _ShmGroup | None:
     """Collective over ``group``: map one shared segment on every rank, or agree that it cannot be done.
 
     Four collectives: a broadcast of (path, token, host name), a MIN all_reduce (every rank mapped the
@@ -145,7 +145,7 @@ def create(group: Any) -> ShmGroup | None:
     cleared).
     """
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    size = world_size * _LINE + 2 * world_size * SLOT_BYTES
+    size = world_size * _LINE + 2 * world_size * _SLOT_BYTES
     info: list[Any] = [_create_file(size) if rank == 0 else None]
     dist.broadcast_object_list(info, src=dist.get_global_rank(group, 0), group=group)
     storage = _map(info[0], size) if info[0] is not None else None
@@ -158,12 +158,12 @@ def create(group: Any) -> ShmGroup | None:
     if not ok:
         return None
     pids = _pid_words(storage, world_size).tolist()
-    if not _all_ranks_agree(all(process_alive(pid) for pid in pids), group):
+    if not _all_ranks_agree(all(_process_alive(pid) for pid in pids), group):
         return None
     if rank == 0:
         storage[:8].zero_()  # the token shared rank 0's counter
     dist.barrier(group=group)  # nobody publishes before rank 0 cleared its counter
-    return ShmGroup(storage, rank, world_size, pids)
+    return _ShmGroup(storage, rank, world_size, pids)
 
 
 def _create_file(size: int) -> tuple[str, int, str] | None:
@@ -210,7 +210,7 @@ def _pid_words(storage: torch.Tensor, world_size: int) -> torch.Tensor:
     return storage[: world_size * _LINE].view(torch.int64)[1 :: _LINE // 8]
 
 
-def process_alive(pid: int) -> bool:
+def _process_alive(pid: int) -> bool:
     """Whether process ``pid`` exists and has not exited (a zombie counts as exited)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:

@@ -7,8 +7,9 @@ no download) with ``Trainer(accelerator="cpu", devices=2, strategy="ddp")`` and:
 - :class:`~lightning_ext.plugins.SyncBatchNormPlugin` — BatchNorm statistics synchronized across
   the two CPU processes (Lightning's own ``sync_batchnorm=True`` fails on CPU);
 - :class:`~lightning_ext.plugins.LossScalingPrecision` ``("16-mixed")`` with the log2 schedule —
-  real fp16 autocast with dynamic loss scaling on CPU (Lightning's ``16-mixed`` silently becomes
-  ``bf16-mixed`` on CPU);
+  real fp16 autocast with dynamic loss scaling on CPU (Lightning's ``16-mixed`` becomes
+  ``bf16-mixed`` on CPU, with a warning); slow on CPU (fp16 convolutions), where it tests loss
+  scaling: ``--precision bf16-mixed`` is the CPU choice for speed;
 - :class:`~lightning_ext.callbacks.TrainingStats` — losses, accuracy, an activation statistic,
   timing and AMP telemetry ``report()``-ed from anywhere and reduced across ranks every N steps;
 - :class:`~lightning_ext.callbacks.IterationTimer`, :class:`~lightning_ext.callbacks.LossMonitor`
@@ -36,6 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
+from lightning_ext._checks import check_int, check_number
 from lightning_ext.examples.common import (
     ProgressBar,
     add_run_args,
@@ -46,7 +48,16 @@ from lightning_ext.examples.common import (
 )
 from lightning_ext.stats import report
 
-__all__ = ["ConvNet", "DigitsDataModule", "DigitsModule", "main", "parse_args"]
+__all__ = [
+    "ConvNet",
+    "DigitsDataModule",
+    "DigitsModule",
+    "build_trainer",
+    "load_digits_tensors",
+    "main",
+    "parse_args",
+    "plot_summary",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -61,10 +72,10 @@ def load_digits_tensors(val_fraction: float = 0.2, seed: int = 0) -> tuple[Tenso
     training split's mean and standard deviation only.
 
     Raises:
+        TypeError: ``val_fraction`` is not a finite number.
         ValueError: ``val_fraction`` is not in (0, 1).
     """
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"`val_fraction` must be in (0, 1), got {val_fraction!r}")
+    check_number("load_digits_tensors", "val_fraction", val_fraction, gt=0.0, lt=1.0)
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -89,6 +100,10 @@ class DigitsDataModule(L.LightningDataModule):
         val_fraction: share of the 1,797 images held out for validation.
         seed: seed of the stratified split.
 
+    Raises:
+        TypeError: ``batch_size`` is not an int, or ``val_fraction`` not a finite number.
+        ValueError: ``batch_size < 1``, or ``val_fraction`` not in (0, 1).
+
     Example::
 
         >>> dm = DigitsDataModule(batch_size=16)
@@ -100,8 +115,8 @@ class DigitsDataModule(L.LightningDataModule):
 
     def __init__(self, batch_size: int = 32, val_fraction: float = 0.2, seed: int = 0) -> None:
         super().__init__()
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}")
+        check_int("DigitsDataModule", "batch_size", batch_size, ge=1)
+        check_number("DigitsDataModule", "val_fraction", val_fraction, gt=0.0, lt=1.0)
         self.batch_size = batch_size
         self.val_fraction = val_fraction
         self.seed = seed
@@ -323,7 +338,7 @@ def build_trainer(args: argparse.Namespace, run_dir: Path) -> tuple[L.Trainer, d
     features: dict[str, Any] = {
         "timer": IterationTimer(warmup_iter=3),  # first: its step brackets the other callbacks' work
         "stats": TrainingStats(args.stats_every, stats=("mean", "std", "min", "max", "num")),
-        "loss_monitor": LossMonitor(period=20),
+        "loss_monitor": LossMonitor(every_n_train_steps=20),
     }
     if args.precise_bn_iters > 0:
         features["precise_bn"] = PreciseBN(num_iter=args.precise_bn_iters)

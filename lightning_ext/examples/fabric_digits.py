@@ -43,7 +43,7 @@ from lightning_ext.examples.digits import ConvNet, DigitsDataModule
 from lightning_ext.nn import convert_sync_batchnorm
 from lightning_ext.stats import Collector, report
 
-__all__ = ["build_fabric", "main", "parse_args", "train", "training_step"]
+__all__ = ["build_fabric", "flush", "main", "parse_args", "train", "training_step", "validate"]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -164,7 +164,7 @@ def train(fabric: L.Fabric, args: argparse.Namespace, net: nn.Module | None = No
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     timer = IterationTimer(warmup_iter=3)  # first: its step time brackets the other hooks' work
-    hooks = [timer, LossMonitor(period=20)]
+    hooks = [timer, LossMonitor(every_n_train_steps=20)]
     if args.precise_bn_iters > 0:  # at each epoch's last step, before the validation
         hooks.append(PreciseBN(num_iter=args.precise_bn_iters))
     stats = Collector(keep_previous=False)

@@ -42,12 +42,23 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.image.fid import FrechetInceptionDistance
 from typing_extensions import override
 
+from lightning_ext._checks import check_choice
 from lightning_ext.examples import common
 from lightning_ext.stats import report
 
-__all__ = ["FID", "DigitsFeatures", "GanModule", "load_gan_digits", "main", "parse_args"]
+__all__ = [
+    "FID",
+    "DigitsFeatures",
+    "GanModule",
+    "build_trainer",
+    "load_gan_digits",
+    "main",
+    "parse_args",
+    "plot_loss_scales",
+    "save_samples",
+]
 
-Z_DIM = 32
+_Z_DIM = 32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,16 +151,16 @@ class FID(Callback):
 # ---------------------------------------------------------------------------------------------
 
 
-def mlp_generator(width: int = 256) -> nn.Module:
-    """``(N, Z_DIM)`` noise -> ``(N, 1, 8, 8)`` images in ``[-1, 1]``; BatchNorm after each hidden layer."""
+def _mlp_generator(width: int = 256) -> nn.Module:
+    """``(N, _Z_DIM)`` noise -> ``(N, 1, 8, 8)`` images in ``[-1, 1]``; BatchNorm after each hidden layer."""
     return nn.Sequential(
-        nn.Linear(Z_DIM, width), nn.BatchNorm1d(width), nn.LeakyReLU(0.2),
+        nn.Linear(_Z_DIM, width), nn.BatchNorm1d(width), nn.LeakyReLU(0.2),
         nn.Linear(width, width), nn.BatchNorm1d(width), nn.LeakyReLU(0.2),
         nn.Linear(width, 64), nn.Tanh(), nn.Unflatten(1, (1, 8, 8)),
     )  # fmt: skip
 
 
-def mlp_discriminator(width: int = 256) -> nn.Module:
+def _mlp_discriminator(width: int = 256) -> nn.Module:
     """``(N, 1, 8, 8)`` images -> ``(N, 1)`` logits."""
     return nn.Sequential(
         nn.Flatten(), nn.Linear(64, width), nn.LeakyReLU(0.2), nn.Linear(width, width), nn.LeakyReLU(0.2),
@@ -157,16 +168,16 @@ def mlp_discriminator(width: int = 256) -> nn.Module:
     )  # fmt: skip
 
 
-def conv_generator(width: int = 64) -> nn.Module:
+def _conv_generator(width: int = 64) -> nn.Module:
     """The convolutional generator: 2×2 -> 4×4 -> 8×8 transposed convolutions with BatchNorm."""
     return nn.Sequential(
-        nn.Linear(Z_DIM, 2 * width * 4), nn.Unflatten(1, (2 * width, 2, 2)), nn.BatchNorm2d(2 * width),
+        nn.Linear(_Z_DIM, 2 * width * 4), nn.Unflatten(1, (2 * width, 2, 2)), nn.BatchNorm2d(2 * width),
         nn.LeakyReLU(0.2), nn.ConvTranspose2d(2 * width, width, 4, 2, 1), nn.BatchNorm2d(width),
         nn.LeakyReLU(0.2), nn.ConvTranspose2d(width, 1, 4, 2, 1), nn.Tanh(),
     )  # fmt: skip
 
 
-def conv_discriminator(width: int = 64) -> nn.Module:
+def _conv_discriminator(width: int = 64) -> nn.Module:
     """The convolutional discriminator: 8×8 -> 4×4 -> 2×2 strided convolutions, then a linear logit."""
     return nn.Sequential(
         nn.Conv2d(1, width, 4, 2, 1), nn.LeakyReLU(0.2), nn.Conv2d(width, 2 * width, 4, 2, 1),
@@ -190,25 +201,28 @@ class GanModule(L.LightningModule):
         lr: Adam learning rate of both networks (betas ``(0.5, 0.99)``).
         r1_gamma: R1 weight γ.
         r1_interval: batches between R1 steps (0: no R1).
+
+    Raises:
+        TypeError: ``arch`` is not a str.
+        ValueError: ``arch`` is neither ``"mlp"`` nor ``"conv"``.
     """
 
     def __init__(
         self, arch: str = "mlp", lr: float = 2e-3, r1_gamma: float = 0.1, r1_interval: int = 4
     ) -> None:
         super().__init__()
-        if arch not in ("mlp", "conv"):
-            raise ValueError(f"`arch` must be 'mlp' or 'conv', got {arch!r}")
+        check_choice("GanModule", "arch", arch, ("mlp", "conv"))
         self.save_hyperparameters()
         self.automatic_optimization = False
-        self.G = mlp_generator() if arch == "mlp" else conv_generator()
-        self.D = mlp_discriminator() if arch == "mlp" else conv_discriminator()
+        self.G = _mlp_generator() if arch == "mlp" else _conv_generator()
+        self.D = _mlp_discriminator() if arch == "mlp" else _conv_discriminator()
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """``n`` generated float32 images ``(n, 1, 8, 8)`` in ``[-1, 1]`` (eval mode, no grad)."""
         was_training = self.G.training
         self.G.eval()
         with torch.no_grad():
-            z = torch.randn(n, Z_DIM, generator=generator, device=self.device)
+            z = torch.randn(n, _Z_DIM, generator=generator, device=self.device)
             images = self.G(z).float()
         self.G.train(was_training)
         return images
@@ -222,7 +236,7 @@ class GanModule(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         (real,) = batch
         opt_g, opt_d = self.optimizers()
-        z = torch.randn(len(real), Z_DIM, device=self.device)
+        z = torch.randn(len(real), _Z_DIM, device=self.device)
 
         self.toggle_optimizer(opt_d)
         logits_fake, logits_real = self.D(self.G(z).detach()).float(), self.D(real).float()
@@ -367,7 +381,7 @@ def build_trainer(args: argparse.Namespace, run_dir: Path, fid: FID) -> L.Traine
         IterationTimer(warmup_iter=3),
         ResourceStats(every_n_train_steps=args.stats_every),
         TrainingStats(every_n_train_steps=args.stats_every, stats=("mean", "max", "num")),
-        LossMonitor(period=50),
+        LossMonitor(every_n_train_steps=50),
         LearningRateMonitor(logging_interval="epoch"),
         fid,
         ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True),

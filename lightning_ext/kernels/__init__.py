@@ -24,9 +24,10 @@ Adding a kernel backend
 -----------------------
 
 1. Subclass :class:`KernelBackend`, set ``name`` and ``devices`` (device types, e.g. ``("cuda",)``)
-   and implement ``_<op>`` for each op in ``lightning_ext.kernels.backend.OPS``, with the public
-   method's signature; arguments arrive validated, ``torch.compile`` support comes from the base
-   class. Subclass :class:`ReferenceBackend` instead to keep its ops where you do not override them.
+   and implement ``_<op>`` for each op, i.e. each public op method of :class:`KernelBackend`, with
+   that method's signature (each is abstract: instantiation names a missing one); arguments arrive
+   validated, ``torch.compile`` support comes from the base class. Subclass
+   :class:`ReferenceBackend` instead to keep its ops where you do not override them.
 2. Register a factory that builds it lazily and raises when the hardware or a dependency is missing,
    ``register_backend("cuda", CudaBackend, devices=("cuda",), priority=20)``, or from another package
    the entry-point group::
@@ -45,26 +46,26 @@ from lightning_ext.kernels.backend import KernelBackend
 from lightning_ext.kernels.cpu import CpuBackend
 from lightning_ext.kernels.reference import ReferenceBackend
 from lightning_ext.kernels.registry import (
+    BACKEND_ENV_VAR,
     ENTRY_POINT_GROUP,
-    ENV_VAR,
     BackendEntry,
     available_backends,
+    clear_backend_cache,
     get_backend,
     register_backend,
-    reset,
 )
 from lightning_ext.kernels.triton_backend import TritonBackend
 
 __all__ = [
+    "BACKEND_ENV_VAR",
     "ENTRY_POINT_GROUP",
-    "ENV_VAR",
     "BackendEntry",
     "CpuBackend",
     "KernelBackend",
     "ReferenceBackend",
     "TritonBackend",
     "available_backends",
+    "clear_backend_cache",
     "get_backend",
     "register_backend",
-    "reset",
 ]

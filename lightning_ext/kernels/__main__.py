@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     cached = library.stat().st_mtime_ns if library.exists() else None
     start = time.perf_counter()
     try:
-        module = cpu.load(verbose=args.verbose)
+        module = cpu._load(verbose=args.verbose)
     except (RuntimeError, OSError) as error:
         print(f"lightning_ext: building the cpu kernels failed: {error}", file=sys.stderr)
         return 1

@@ -23,9 +23,9 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import Tensor
 
-__all__ = ["OPS", "KernelBackend", "bind_ops"]
+__all__ = ["KernelBackend"]
 
-OPS = (  # the ops of a backend: public method `<op>`, implemented by `_<op>`
+_OPS = (  # the ops of a backend: public method `<op>`, implemented by `_<op>`
     "batch_norm_moments", "batch_norm_gather_stats", "batch_norm_elemt", "batch_norm_backward_reduce",
     "batch_norm_backward_elemt", "unscale_and_check_", "check_finite", "accumulate_moments_",
 )  # fmt: skip
@@ -34,7 +34,7 @@ _LIVE: dict[str, KernelBackend] = {}  # backend key -> live instance: how the cu
 _B = TypeVar("_B", bound="type[KernelBackend]")
 
 
-def stat_dtype(x: Tensor) -> torch.dtype:
+def _stat_dtype(x: Tensor) -> torch.dtype:
     """Dtype of per-channel sums for input ``x``: float64 for float64 input, else float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
@@ -86,13 +86,13 @@ def _check_float_tensors(tensors: Any) -> list[Tensor]:
     return list(tensors)
 
 
-def bind_ops(suffix: str, *modules: ModuleType) -> Callable[[_B], _B]:
-    """Class decorator: ``_<op> = staticmethod(<op>_<suffix>)`` (the op's trailing ``_`` dropped) for
-    each op of :data:`OPS` that one of the op family ``modules`` defines; other ops are inherited."""
+def _bind_ops(suffix: str, *modules: ModuleType) -> Callable[[_B], _B]:
+    """Class decorator: ``_<op> = staticmethod(_<op>_<suffix>)`` (the op's trailing ``_`` dropped) for
+    each op of ``_OPS`` that one of the op family ``modules`` defines; other ops are inherited."""
 
     def bind(cls: _B) -> _B:
-        for op, module in itertools.product(OPS, modules):
-            fn = getattr(module, f"{op.rstrip('_')}_{suffix}", None)
+        for op, module in itertools.product(_OPS, modules):
+            fn = getattr(module, f"_{op.rstrip('_')}_{suffix}", None)
             if fn is not None:
                 setattr(cls, f"_{op}", staticmethod(fn))
         abc.update_abstractmethods(cls)

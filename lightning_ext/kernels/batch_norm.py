@@ -1,6 +1,6 @@
 """Batch-norm op family: moments for the all_reduce, normalization and the two backward pieces.
 
-``<op>_reference`` (fused ATen ops), the Triton kernels and the launchers ``<op>_triton``, which own
+``_<op>_reference`` (fused ATen ops), the Triton kernels and the launchers ``_<op>_triton``, which own
 allocation, grid, float32 accumulators and layout (after Liger-Kernel ``ops/layer_norm.py``). The
 contracts are those of :class:`~lightning_ext.kernels.KernelBackend`.
 """
@@ -11,7 +11,9 @@ import torch
 from torch import Tensor
 
 from lightning_ext.kernels._triton import HAS_TRITON, sm_count, tl, triton
-from lightning_ext.kernels.backend import stat_dtype
+from lightning_ext.kernels.backend import _stat_dtype
+
+__all__: list[str] = []  # an op family: the backends bind its `_<op>_<backend>` functions
 
 
 def _memory_format(x: Tensor) -> torch.memory_format:
@@ -26,7 +28,7 @@ def _memory_format(x: Tensor) -> torch.memory_format:
 # ---------------------------------------------------------------------------- reference (pure torch)
 
 
-def batch_norm_moments_reference(x: Tensor, shift: Tensor) -> Tensor:
+def _batch_norm_moments_reference(x: Tensor, shift: Tensor) -> Tensor:
     """ATen's fused ``batch_norm_update_stats`` (mean, biased variance), re-expressed about ``shift``.
 
     Low-precision input passes float32 scratch running buffers so that ATen accumulates and returns
@@ -49,40 +51,47 @@ def batch_norm_moments_reference(x: Tensor, shift: Tensor) -> Tensor:
     return payload
 
 
-def batch_norm_gather_stats_reference(
-    payload: Tensor, shift: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
-    momentum: Tensor, eps: float,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Float64 tensor ops; ``n.clamp_min(1)``: an empty group gives ``mean = shift``."""
+def _payload_moments(payload: Tensor, shift: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(count, mean, var)`` from a summed ``batch_norm_moments`` payload, in float64: 0-dim count,
+    ``(C,)`` mean and biased variance; an empty group (count 0) gives ``mean = shift``, ``var = 0``.
+    The one reading of the payload (``_batch_norm_gather_stats_reference``, ``sync_batch_norm_stats``)."""
     n = payload[0]
     dev, sq = payload[1:].view(2, -1) / n.clamp_min(1.0)  # mean - shift, E[(x - shift)^2]
     var = torch.addcmul(sq, dev, dev, value=-1.0).clamp_min_(0.0)
-    mean = dev.add_(shift)
+    return n, dev.add_(shift), var
+
+
+def _batch_norm_gather_stats_reference(
+    payload: Tensor, shift: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
+    momentum: Tensor, eps: float,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Float64 tensor ops (:func:`_payload_moments`)."""
+    n, mean, var = _payload_moments(payload, shift)
     if running_mean is not None:
         running_mean.mul_(1.0 - momentum).add_(mean * momentum)
         running_var.mul_(1.0 - momentum).add_(var * (n / (n - 1.0) * momentum))
     return mean, var.add_(eps).rsqrt_()
 
 
-def batch_norm_elemt_reference(
+def _batch_norm_elemt_reference(
     x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None
 ) -> Tensor:
     """ATen's fused inference batch norm (one pass, keeps the memory format) with ``running_var = 1``
     and ``eps = 0`` computes exactly ``(x - mean) * (invstd * weight) + bias``."""
     if x.numel() == 0:
         return torch.empty_like(x)
-    dtype = stat_dtype(x)
+    dtype = _stat_dtype(x)
     scale = invstd.to(dtype) if weight is None else invstd.to(dtype) * weight.to(dtype)
     bias = bias.to(dtype) if bias is not None else None
     ones = x.new_ones(x.shape[1], dtype=dtype)
     return torch.batch_norm(x, scale, bias, mean.to(dtype), ones, False, 0.0, 0.0, False)
 
 
-def batch_norm_backward_reduce_reference(dy: Tensor, x: Tensor, mean: Tensor) -> Tensor:
+def _batch_norm_backward_reduce_reference(dy: Tensor, x: Tensor, mean: Tensor) -> Tensor:
     """ATen's fused ``native_batch_norm_backward`` asked for ``(grad_weight, grad_bias)`` with
     ``weight = save_invstd = 1`` returns exactly the two sums. Its CPU kernel accumulates in float32
     only when ``dy`` and ``x`` are dense in one layout, so both are made so."""
-    c, dtype = x.shape[1], stat_dtype(x)
+    c, dtype = x.shape[1], _stat_dtype(x)
     if x.numel() == 0:
         return torch.zeros(2 * c, dtype=dtype, device=x.device)
     ones = x.new_ones(c, dtype=dtype)
@@ -94,7 +103,7 @@ def batch_norm_backward_reduce_reference(dy: Tensor, x: Tensor, mean: Tensor) ->
     return torch.cat([sum_dy, sum_dy_xmu]).to(dtype)
 
 
-def batch_norm_backward_elemt_reference(
+def _batch_norm_backward_elemt_reference(
     dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, sums: Tensor, count: Tensor
 ) -> Tensor:
     """``dx = (dy - a - (x - mean) * b) * s``, ``a = G1 / n``, ``b = invstd^2 G2 / n``, ``s = invstd w``.
@@ -105,7 +114,7 @@ def batch_norm_backward_elemt_reference(
     """
     if x.numel() == 0:
         return torch.empty_like(x)
-    c, dtype = x.shape[1], stat_dtype(x)
+    c, dtype = x.shape[1], _stat_dtype(x)
     invstd = invstd.to(dtype)
     s = invstd if weight is None else invstd * weight.to(dtype)
     sums, count = sums.to(dtype), count.to(dtype)
@@ -304,7 +313,7 @@ def _channel_sums(u: Tensor, v: Tensor, mean: Tensor, out: Tensor, shift: Tensor
     target = 4 if u.is_cpu else sm_count(u.device) * _PROGRAMS_PER_SM
     per = triton.cdiv(units, max(1, min(units, target // c_blocks)))
     split = triton.cdiv(units, per)
-    part = torch.empty(split, 2, c, dtype=stat_dtype(u), device=u.device)
+    part = torch.empty(split, 2, c, dtype=_stat_dtype(u), device=u.device)
     _bn_sums_kernel[(c_blocks, split)](
         u, v, mean, part, n, c, s, *strides, s_blocks, per,
         ACC=_acc(u), MOMENTS=moments, BLOCK_S=block_s, BLOCK_C=block_c, **_opts(u, True),
@@ -317,7 +326,7 @@ def _channel_sums(u: Tensor, v: Tensor, mean: Tensor, out: Tensor, shift: Tensor
     return out
 
 
-def batch_norm_moments_triton(x: Tensor, shift: Tensor) -> Tensor:
+def _batch_norm_moments_triton(x: Tensor, shift: Tensor) -> Tensor:
     """Per-block sums about ``x[0, c, 0]``, then a float64 combine into the payload."""
     c = x.shape[1]
     out = torch.zeros(2 * c + 1, dtype=torch.float64, device=x.device)
@@ -327,9 +336,9 @@ def batch_norm_moments_triton(x: Tensor, shift: Tensor) -> Tensor:
     return _channel_sums(x, x, shift, out, shift)
 
 
-def batch_norm_backward_reduce_triton(dy: Tensor, x: Tensor, mean: Tensor) -> Tensor:
+def _batch_norm_backward_reduce_triton(dy: Tensor, x: Tensor, mean: Tensor) -> Tensor:
     """Per-block sums of ``dy`` and ``dy * (x - mean)``, combined in float64."""
-    out = torch.zeros(2 * x.shape[1], dtype=stat_dtype(x), device=x.device)
+    out = torch.zeros(2 * x.shape[1], dtype=_stat_dtype(x), device=x.device)
     return _channel_sums(dy, x, mean, out, None) if x.numel() else out
 
 
@@ -353,14 +362,14 @@ def _affine(u: Tensor, v: Tensor, vectors: list[Tensor | None], backward: bool) 
     return out
 
 
-def batch_norm_elemt_triton(
+def _batch_norm_elemt_triton(
     x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None
 ) -> Tensor:
     """One elementwise kernel writing ``y`` in ``x``'s memory format."""
     return _affine(x, x, [mean, invstd, weight, bias, None, None], False)
 
 
-def batch_norm_backward_elemt_triton(
+def _batch_norm_backward_elemt_triton(
     dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, sums: Tensor, count: Tensor
 ) -> Tensor:
     """One elementwise kernel reading ``dy`` and ``x``, writing ``dx`` in ``x``'s memory format."""

@@ -42,14 +42,14 @@ from typing import ClassVar
 import torch
 from typing_extensions import override
 
-from lightning_ext.kernels.backend import OPS
+from lightning_ext.kernels.backend import _OPS
 from lightning_ext.kernels.reference import ReferenceBackend
 
-__all__ = ["SOURCE", "CpuBackend", "load"]
+__all__ = ["CpuBackend"]
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "kernels_cpu.cpp"
+_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "kernels_cpu.cpp"
 _NAME = "lightning_ext_kernels_cpu"  # + "_<build key>" (see the module docstring)
 # -fopenmp: ATen's at::parallel_for is inline OpenMP code, serial unless compiled with OpenMP; the
 # runtime (libgomp.so.1) is the one torch already loaded. No -march: the build must run on any CPU
@@ -59,9 +59,9 @@ _ANNOUNCE_AFTER_SECONDS = 3.0  # a load taking longer than this is a build: say 
 _STALE_LOCK_SECONDS = 600.0  # a build takes ~30 s; a lock file this old was left by a killed build
 
 _lock = threading.Lock()
-_module: ModuleType | None = None  # the loaded extension (one per process)
+_module: ModuleType | None = None  # the loaded extension; kept by resets: a process cannot unload it
 _announce_lock = threading.Lock()
-_announced = False  # this process has said that it blocks on a build (once per process)
+_announced = False  # this process has said that it blocks on a build (once, again after a reset)
 
 
 def _build_key(torch_version: str, cxx11_abi: bool, python: str, source: bytes) -> str:
@@ -96,7 +96,7 @@ def _extension_name() -> str:
     """``lightning_ext_kernels_cpu_<key>``: the extension's name (its build directory and module name)
     for this process's torch, Python and the source as it is now."""
     python = sysconfig.get_config_var("EXT_SUFFIX") or sys.implementation.cache_tag
-    key = _build_key(torch.__version__, torch.compiled_with_cxx11_abi(), python, SOURCE.read_bytes())
+    key = _build_key(torch.__version__, torch.compiled_with_cxx11_abi(), python, _SOURCE.read_bytes())
     return f"{_NAME}_{key}"
 
 
@@ -132,6 +132,13 @@ def _announce(build_directory: Path, waiting: bool = False) -> None:
     )
 
 
+def _forget_announcement() -> None:
+    """Let the next build that blocks this process say so again (:func:`lightning_ext.reset`)."""
+    global _announced
+    with _announce_lock:
+        _announced = False
+
+
 def _clear_stale_lock(directory: Path) -> None:
     """Wait while another process builds in ``directory`` (announced after ``_ANNOUNCE_AFTER_SECONDS``);
     remove a lock file older than ``_STALE_LOCK_SECONDS`` (torch waits for it without a time limit,
@@ -152,7 +159,7 @@ def _clear_stale_lock(directory: Path) -> None:
         time.sleep(0.5)
 
 
-def load(verbose: bool = False) -> ModuleType:
+def _load(verbose: bool = False) -> ModuleType:
     """The compiled extension, built first when torch's cache holds no build for this environment and
     source (see the module docstring). Thread-safe; processes building at once wait for each other
     (torch's file lock), and every process that blocks longer than a few seconds says so once.
@@ -178,7 +185,7 @@ def load(verbose: bool = False) -> ModuleType:
             try:
                 _module = build(
                     name=name,
-                    sources=[str(SOURCE)],
+                    sources=[str(_SOURCE)],
                     extra_cflags=_CFLAGS,
                     extra_ldflags=["-fopenmp"],
                     verbose=verbose,
@@ -192,7 +199,8 @@ class CpuBackend(ReferenceBackend):
     """The ops of :class:`~lightning_ext.kernels.KernelBackend` as compiled one-pass CPU kernels.
 
     Raises:
-        RuntimeError: the extension cannot be built or loaded (as :func:`lightning_ext.kernels.cpu.load`).
+        RuntimeError: the extension cannot be built or loaded (no C++ compiler or ``ninja``, a
+            read-only extension cache).
 
     Example::
 
@@ -205,8 +213,8 @@ class CpuBackend(ReferenceBackend):
     devices: ClassVar[tuple[str, ...]] = ("cpu",)
 
     def __init__(self) -> None:
-        ext = load()
-        for op in OPS:  # every op but unscale_and_check_ (ATen's, inherited)
+        ext = _load()
+        for op in _OPS:  # every op but unscale_and_check_ (ATen's, inherited)
             if hasattr(ext, op):
                 setattr(self, f"_{op}", getattr(ext, op))
         self._check_finite = lambda tensors, device: ext.check_finite(tensors)  # takes no device

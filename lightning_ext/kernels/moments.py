@@ -1,5 +1,5 @@
 """``accumulate_moments_`` (contract: :meth:`~lightning_ext.kernels.KernelBackend.accumulate_moments_`):
-``accumulate_moments_reference`` and the Triton kernel's launcher ``accumulate_moments_triton``."""
+``_accumulate_moments_reference`` and the Triton kernel's launcher ``_accumulate_moments_triton``."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ from torch import Tensor
 
 from lightning_ext.kernels._triton import HAS_TRITON, sm_count, tl, triton
 
+__all__: list[str] = []  # an op family: the backends bind its `_<op>_<backend>` functions
+
 # ---------------------------------------------------------------------------- reference (pure torch)
 
 
-def accumulate_moments_reference(acc: Tensor, x: Tensor, shift: Tensor) -> None:
+def _accumulate_moments_reference(acc: Tensor, x: Tensor, shift: Tensor) -> None:
     """float64 copy, shifted sum and dot product (BLAS), ``aminmax`` (it propagates NaN)."""
     # Out of place: for float64 ``x``, ``.to(float64)`` aliases ``x`` and ``sub_`` would modify it.
     xd = x.reshape(-1).to(torch.float64) - shift
@@ -70,7 +72,7 @@ if HAS_TRITON:
 # ---------------------------------------------------------------------------- launcher
 
 
-def accumulate_moments_triton(acc: Tensor, x: Tensor, shift: Tensor) -> None:
+def _accumulate_moments_triton(acc: Tensor, x: Tensor, shift: Tensor) -> None:
     """ONE launch of at most 4 programs per multiprocessor; float64 atomics combine their partials.
 
     Non-contiguous ``x`` is flattened with a copy first. Float atomics need not propagate NaN, so one

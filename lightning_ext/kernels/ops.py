@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 from torch.library import CustomOpDef
 
-from lightning_ext.kernels.backend import _LIVE, OPS, stat_dtype
+from lightning_ext.kernels.backend import _LIVE, _stat_dtype
 
-__all__ = list(OPS)
+__all__: list[str] = []  # registers the ops; callers use torch.ops.lightning_ext.<op>
 
 
 def _define(
@@ -45,12 +45,12 @@ def _define(
     return op
 
 
-batch_norm_moments = _define(
+_batch_norm_moments = _define(
     "batch_norm_moments",
     "(Tensor x, Tensor shift) -> Tensor",
     lambda x, *_: x.new_empty((2 * x.shape[1] + 1,), dtype=torch.float64),
 )
-batch_norm_gather_stats = _define(
+_batch_norm_gather_stats = _define(
     "batch_norm_gather_stats",
     "(Tensor payload, Tensor shift, Tensor(a2!)? running_mean, Tensor(a3!)? running_var, Tensor momentum, "
     "float eps) -> (Tensor, Tensor)",
@@ -58,35 +58,35 @@ batch_norm_gather_stats = _define(
     mutates=("running_mean", "running_var"),
     clone=True,
 )
-batch_norm_elemt = _define(
+_batch_norm_elemt = _define(
     "batch_norm_elemt",
     "(Tensor x, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias) -> Tensor",
     lambda x, *_: torch.empty_like(x),
 )
-batch_norm_backward_reduce = _define(
+_batch_norm_backward_reduce = _define(
     "batch_norm_backward_reduce",
     "(Tensor dy, Tensor x, Tensor mean) -> Tensor",
-    lambda dy, x, *_: x.new_empty((2 * x.shape[1],), dtype=stat_dtype(x)),
+    lambda dy, x, *_: x.new_empty((2 * x.shape[1],), dtype=_stat_dtype(x)),
 )
-batch_norm_backward_elemt = _define(
+_batch_norm_backward_elemt = _define(
     "batch_norm_backward_elemt",
     "(Tensor dy, Tensor x, Tensor mean, Tensor invstd, Tensor? weight, Tensor sums, Tensor count) -> Tensor",
     lambda dy, x, *_: torch.empty_like(x),
 )
-unscale_and_check_ = _define(
+_unscale_and_check_ = _define(
     "unscale_and_check_",
     "(Tensor(a0!)[] tensors, Tensor inv_scale) -> Tensor",
     lambda tensors, inv_scale, _: inv_scale.new_empty((), dtype=torch.float32),
     mutates=("tensors",),
     clone=True,
 )
-check_finite = _define(
+_check_finite = _define(
     "check_finite",
     "(Tensor[] tensors, Device device) -> Tensor",
     lambda tensors, device, _: torch.empty((), dtype=torch.float32, device=device),
     clone=True,
 )
-accumulate_moments_ = _define(
+_accumulate_moments_ = _define(
     "accumulate_moments_",
     "(Tensor(a0!) acc, Tensor x, Tensor shift) -> ()",
     lambda *_: None,

@@ -1,6 +1,7 @@
 """Registry of kernel backends (its public names are re-exported by :mod:`lightning_ext.kernels`):
 registration, entry points, selection and the per-process cache, after Liger-Kernel's
-``ops/backends/registry.py``. :func:`reset` clears the process-wide state below, not registrations.
+``ops/backends/registry.py``. :func:`clear_backend_cache` clears the process-wide state of the
+kernels (this module's, and the caches of the backends and ops), not registrations.
 """
 
 from __future__ import annotations
@@ -15,12 +16,26 @@ from importlib import metadata
 
 import torch
 
-from lightning_ext.kernels.backend import KernelBackend
+from lightning_ext._checks import check_int
+from lightning_ext.kernels import cpu as _cpu
+from lightning_ext.kernels._triton import _SM_COUNT
+from lightning_ext.kernels.backend import _LIVE, KernelBackend
 from lightning_ext.kernels.cpu import CpuBackend
 from lightning_ext.kernels.reference import ReferenceBackend
 from lightning_ext.kernels.triton_backend import TritonBackend
+from lightning_ext.kernels.unscale import _META_CACHE
 
-ENV_VAR = "LIGHTNING_EXT_KERNELS"  # environment variable naming the backend to use
+__all__ = [
+    "BACKEND_ENV_VAR",
+    "ENTRY_POINT_GROUP",
+    "BackendEntry",
+    "available_backends",
+    "clear_backend_cache",
+    "get_backend",
+    "register_backend",
+]
+
+BACKEND_ENV_VAR = "LIGHTNING_EXT_KERNELS"  # environment variable naming the backend to use
 ENTRY_POINT_GROUP = "lightning_ext.kernels"  # entry-point group third-party backends register in
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_\-]*$")
 
@@ -28,7 +43,8 @@ _lock = threading.RLock()
 _entries: dict[str, BackendEntry] = {}  # name -> entry, in registration order
 _built: dict[str, KernelBackend | Exception] = {}  # name -> its factory's backend or exception (once)
 _cache: dict[tuple[str | None, str], KernelBackend] = {}  # (requested name, device type) -> backend
-_entry_points_loaded = False  # entry-point group read (once per process)
+_entry_points_loaded = False  # entry-point group read (once per process, again after a clear)
+_from_entry_points: dict[str, BackendEntry] = {}  # name -> entry an entry point registered
 _fallback_warned = False  # the one auto-fallback warning of this process was issued
 
 
@@ -67,8 +83,7 @@ class BackendEntry:
         if not valid:
             raise ValueError(f"`devices` must name at least one device type, got {self.devices!r}")
         object.__setattr__(self, "devices", tuple(valid))
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
-            raise TypeError(f"`priority` must be an int, got {self.priority!r}")
+        check_int("BackendEntry", "priority", self.priority)
 
 
 def register_backend(
@@ -126,6 +141,7 @@ def _load_entry_points() -> None:
             return
         _entry_points_loaded = True
         for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            before = dict(_entries)
             try:
                 obj = ep.load()
                 if isinstance(obj, type) and issubclass(obj, KernelBackend):
@@ -144,6 +160,7 @@ def _load_entry_points() -> None:
                     RuntimeWarning,
                     stacklevel=3,
                 )
+            _from_entry_points.update((n, e) for n, e in _entries.items() if before.get(n) is not e)
 
 
 def available_backends() -> dict[str, BackendEntry]:
@@ -222,7 +239,7 @@ def _automatic(device: torch.device) -> KernelBackend:
             warnings.warn(
                 f"lightning_ext: kernel backend(s) {', '.join(failed)} failed to load for device "
                 f"{device.type!r}; using {backend.name!r} instead (warned once per process). "
-                f"HINT: set {ENV_VAR}={backend.name} to silence this.",
+                f"HINT: set {BACKEND_ENV_VAR}={backend.name} to silence this.",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -265,9 +282,9 @@ def get_backend(name: str | None = None, device: torch.device | str | None = Non
     device = torch.get_default_device() if device is None else torch.device(device)
     source = "argument `name`"
     if name is None:
-        env = os.environ.get(ENV_VAR, "").strip()
+        env = os.environ.get(BACKEND_ENV_VAR, "").strip()
         name = None if env in ("", "auto") else env
-        source = f"environment variable {ENV_VAR}"
+        source = f"environment variable {BACKEND_ENV_VAR}"
     key = (name, device.type)
     cached = _cache.get(key)
     if cached is not None:
@@ -279,14 +296,37 @@ def get_backend(name: str | None = None, device: torch.device | str | None = Non
         return backend
 
 
-def reset() -> None:
-    """Forget loaded backends, failures, the selection cache and the fallback warning (registrations
-    stay): the next :func:`get_backend` resolves and builds backends again."""
-    global _fallback_warned
+def clear_backend_cache() -> None:
+    """Forget every process-wide cache of the kernels: the built backends and failed builds, the
+    selection cache, the fallback warning, the live instances the ``torch.library`` ops look up, the
+    backends entry points registered (the group is read again at the next lookup), the Triton
+    kernels' launch metadata and multiprocessor counts, and whether a ``cpu`` build was announced.
+
+    Registrations made with :func:`register_backend` stay, and so does the loaded ``cpu`` extension
+    (a compiled module cannot be unloaded from a process): the next :func:`get_backend` builds the
+    backend from it again without compiling. Local, no collective; :func:`lightning_ext.reset` calls it.
+
+    Example::
+
+        >>> before = get_backend("reference", device="cpu")
+        >>> clear_backend_cache()
+        >>> get_backend("reference", device="cpu") is before
+        False
+    """
+    global _fallback_warned, _entry_points_loaded
     with _lock:
         _built.clear()
         _cache.clear()
         _fallback_warned = False
+        for name, entry in _from_entry_points.items():
+            if _entries.get(name) is entry:  # not replaced by a register_backend() call since
+                del _entries[name]
+        _from_entry_points.clear()
+        _entry_points_loaded = False
+        _LIVE.clear()
+        _META_CACHE.clear()
+        _SM_COUNT.clear()
+        _cpu._forget_announcement()
 
 
 register_backend("reference", ReferenceBackend, ReferenceBackend.devices, priority=0)

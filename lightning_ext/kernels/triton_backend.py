@@ -10,18 +10,18 @@ from typing_extensions import override
 
 from lightning_ext.kernels import batch_norm, moments, unscale
 from lightning_ext.kernels._triton import HAS_TRITON
-from lightning_ext.kernels.backend import bind_ops
+from lightning_ext.kernels.backend import _bind_ops
 from lightning_ext.kernels.reference import ReferenceBackend
 
 __all__ = ["TritonBackend"]
 
 
-def interpreting() -> bool:
+def _interpreting() -> bool:
     """Whether ``TRITON_INTERPRET=1``: the kernels then run in Triton's interpreter, on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@bind_ops("triton", batch_norm, moments, unscale)
+@_bind_ops("triton", batch_norm, moments, unscale)
 class TritonBackend(ReferenceBackend):
     """Every op as a Triton kernel (the ``*_triton`` functions of the op files: fp32 accumulators, any
     memory format by strides, any C), except ``batch_norm_gather_stats``: the reference's torch ops.
@@ -49,7 +49,7 @@ class TritonBackend(ReferenceBackend):
             raise RuntimeError(
                 "the 'triton' kernel backend needs Triton: pip install 'lightning-ext[triton]'"
             )
-        if not interpreting() and not torch.cuda.is_available():
+        if not _interpreting() and not torch.cuda.is_available():
             raise RuntimeError(
                 "the 'triton' kernel backend needs a CUDA device (torch.cuda.is_available() is False). "
                 "HINT: TRITON_INTERPRET=1, set before triton is imported, runs its kernels on CPU tensors."
@@ -58,4 +58,4 @@ class TritonBackend(ReferenceBackend):
 
     @override
     def supports(self, device_type: str) -> bool:
-        return device_type == "cuda" or (device_type == "cpu" and interpreting())
+        return device_type == "cuda" or (device_type == "cpu" and _interpreting())

@@ -1,5 +1,5 @@
-"""``unscale_and_check_`` and ``check_finite``: ``<op>_reference`` (ATen, as ``torch.amp.GradScaler``)
-and ``<op>_triton``, one multi-tensor Triton kernel (its stores off for ``check_finite``)."""
+"""``unscale_and_check_`` and ``check_finite``: ``_<op>_reference`` (ATen, as ``torch.amp.GradScaler``)
+and ``_<op>_triton``, one multi-tensor Triton kernel (its stores off for ``check_finite``)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import torch
 from torch import Tensor
 
 from lightning_ext.kernels._triton import HAS_TRITON, tl, triton
+
+__all__: list[str] = []  # an op family: the backends bind its `_<op>_<backend>` functions
 
 
 def _by_dtype(tensors: list[Tensor]) -> dict[torch.dtype, list[Tensor]]:
@@ -19,7 +21,7 @@ def _by_dtype(tensors: list[Tensor]) -> dict[torch.dtype, list[Tensor]]:
 # ---------------------------------------------------------------------------- reference (pure torch)
 
 
-def unscale_and_check_reference(tensors: list[Tensor], inv_scale: Tensor) -> Tensor:
+def _unscale_and_check_reference(tensors: list[Tensor], inv_scale: Tensor) -> Tensor:
     """ATen's multi-tensor op: one call on CPU (it takes mixed dtypes), one per dtype elsewhere."""
     found = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
     groups = [tensors] if inv_scale.is_cpu else list(_by_dtype(tensors).values())
@@ -29,7 +31,7 @@ def unscale_and_check_reference(tensors: list[Tensor], inv_scale: Tensor) -> Ten
     return found
 
 
-def check_finite_reference(tensors: list[Tensor], device: torch.device) -> Tensor:
+def _check_finite_reference(tensors: list[Tensor], device: torch.device) -> Tensor:
     """Read-only: one ``aminmax`` per non-empty tensor (NaN propagates into the extremes, inf is one).
 
     GradScaler checks for fused optimizers with its multiply-and-check op at scale 1, which writes
@@ -173,15 +175,15 @@ def _multi_tensor_pass(tensors: list[Tensor], inv_scale: Tensor | None, device: 
         if others and inv_scale is not None:
             torch._amp_foreach_non_finite_check_and_unscale_(others, found, inv_scale)
         elif others:  # read-only, also for overlapping (expanded) tensors
-            torch.maximum(found, check_finite_reference(others, device), out=found)
+            torch.maximum(found, _check_finite_reference(others, device), out=found)
     return found
 
 
-def unscale_and_check_triton(tensors: list[Tensor], inv_scale: Tensor) -> Tensor:
+def _unscale_and_check_triton(tensors: list[Tensor], inv_scale: Tensor) -> Tensor:
     """One launch per dtype: each element read once, written once. No host sync."""
     return _multi_tensor_pass(tensors, inv_scale, inv_scale.device)
 
 
-def check_finite_triton(tensors: list[Tensor], device: torch.device) -> Tensor:
+def _check_finite_triton(tensors: list[Tensor], device: torch.device) -> Tensor:
     """The multi-tensor kernel with its stores off (half the bytes of unscaling). No host sync."""
     return _multi_tensor_pass(tensors, None, device)

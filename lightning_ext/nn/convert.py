@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_ext.nn.sync_batch_norm import SyncBatchNorm, warm_backend
+from lightning_ext.nn.sync_batch_norm import SyncBatchNorm, _warm_backend
 
 __all__ = ["convert_sync_batchnorm", "revert_sync_batchnorm"]
 
@@ -101,7 +101,7 @@ def convert_sync_batchnorm(
         )
         _share_state(module, converted)
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-        warm_backend(backend, tensors[0].device if tensors else None)
+        _warm_backend(backend, tensors[0].device if tensors else None)
         object.__setattr__(converted, _TEMPLATE_ATTR, _strip(module))
     for name, child in module.named_children():
         converted.add_module(name, convert_sync_batchnorm(child, process_group, backend))

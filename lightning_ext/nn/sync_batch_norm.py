@@ -43,6 +43,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_ext._checks import check_int, check_number
 from lightning_ext.distributed import (
     all_reduce_,
     check_process_group,
@@ -50,6 +51,7 @@ from lightning_ext.distributed import (
     get_world_size,
     is_distributed,
 )
+from lightning_ext.kernels.batch_norm import _payload_moments
 
 __all__ = ["SyncBatchNorm", "sync_batch_norm_stats"]
 
@@ -62,7 +64,7 @@ def _backend(name: str | None, device: torch.device) -> Any:
     return get_backend(name, device=device)
 
 
-def warm_backend(name: str | None, device: torch.device | str | None) -> None:
+def _warm_backend(name: str | None, device: torch.device | str | None) -> None:
     """Resolve the kernel backend for ``device`` now (an unknown ``name`` fails here): the registry
     caches it, and a cached lookup traces cleanly under ``torch.compile`` where a first one does not."""
     device = torch.device(device) if device is not None else torch.get_default_device()
@@ -73,15 +75,6 @@ def warm_backend(name: str | None, device: torch.device | str | None) -> None:
 def _is_recomputing() -> bool:
     """True when this forward runs inside a backward pass (``torch.utils.checkpoint`` recomputation)."""
     return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
-
-
-def _statistics(payload: Tensor, shift: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(count, mean, var)`` in float64 from the summed payload: 0-dim count, ``(C,)`` mean and biased
-    variance. NaN mean/var when the count is 0."""
-    count = payload[0]
-    s1, s2 = payload[1:].view(2, -1)
-    dev = s1 / count
-    return count, shift + dev, (s2 / count - dev * dev).clamp_min_(0.0)
 
 
 def _as_vector(t: Tensor | None) -> Tensor | None:
@@ -192,8 +185,9 @@ class SyncBatchNorm(_BatchNorm):
         ValueError: ``eps <= 0``, ``momentum`` outside ``[0, 1]``, ``num_features < 1``; at forward,
             an input of fewer than 2 dims or whose ``C`` differs from ``num_features``, or a training
             batch with a single value per channel over the whole group.
-        TypeError: a non-floating input, a ``backend`` that is not a string, or a ``process_group``
-            that is not a process group.
+        TypeError: ``num_features`` not an int, ``eps`` or ``momentum`` not a finite number, a
+            non-floating input, a ``backend`` that is not a string, or a ``process_group`` that is
+            not a process group.
 
     Host-device synchronization: none in the common case. A rank whose local batch has at most one
     value per channel reads the global count (``.item()``) to decide whether to raise; all ranks see the
@@ -221,12 +215,12 @@ class SyncBatchNorm(_BatchNorm):
         bias: bool = True,
         backend: str | None = None,
     ) -> None:
-        if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features < 1:
-            raise ValueError(f"`num_features` must be a positive int, got {num_features!r}")
-        if not eps > 0:
-            raise ValueError(f"`eps` must be > 0, got {eps!r}")
-        if momentum is not None and not 0.0 <= momentum <= 1.0:
-            raise ValueError(f"`momentum` must be in [0, 1] or None (cumulative average), got {momentum!r}")
+        owner = type(self).__name__
+        check_int(owner, "num_features", num_features, ge=1)
+        check_number(owner, "eps", eps, gt=0.0)
+        check_number(
+            owner, "momentum", momentum, ge=0.0, le=1.0, optional=True, hint="None: a cumulative average."
+        )
         if backend is not None and not isinstance(backend, str):
             raise TypeError(f"`backend` must be a kernel backend name (str) or None, got {backend!r}")
         check_process_group(process_group, allow_non_member=True)
@@ -235,7 +229,7 @@ class SyncBatchNorm(_BatchNorm):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, **factory)
         self.process_group = process_group
         self.backend = backend
-        warm_backend(backend, device)
+        _warm_backend(backend, device)
 
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2 or input.shape[1] != self.num_features:
@@ -320,5 +314,6 @@ def sync_batch_norm_stats(
     payload = _backend(backend, x.device).batch_norm_moments(x.detach(), shift)
     if sync and is_distributed():
         all_reduce_(payload, group=process_group)
-    count, mean, var = _statistics(payload, shift.double())
-    return count, mean, var * count
+    count, mean, var = _payload_moments(payload, shift.double())
+    nan = torch.full_like(mean, torch.nan)  # no element in the group: no statistics
+    return count, torch.where(count > 0, mean, nan), torch.where(count > 0, var * count, nan)

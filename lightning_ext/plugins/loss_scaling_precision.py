@@ -1,7 +1,7 @@
 """Lightning precision plugin for real fp16 loss scaling (also on CPU) with NaN/Inf step skipping.
 
 ``Trainer(plugins=[LossScalingPrecision("16-mixed", scaler=DynamicLossScaler(...))])`` replaces
-Lightning's ``MixedPrecision``, which on CPU silently switches ``16-mixed`` to ``bf16-mixed``, logs
+Lightning's ``MixedPrecision``, which on CPU switches ``16-mixed`` to ``bf16-mixed`` (with a warning), logs
 nothing about the scale and advances step-interval LR schedulers after skipped steps (Lightning
 #5558, #16228).
 
@@ -36,12 +36,13 @@ from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_ext._checks import check_bool, check_choice
 from lightning_ext.amp import DynamicLossScaler
 
 __all__ = ["LossScalingPrecision"]
 
-PrecisionMode = Literal["16-mixed", "bf16-mixed", "32-true"]
-_PRECISIONS = get_args(PrecisionMode)
+_PrecisionMode = Literal["16-mixed", "bf16-mixed", "32-true"]
+_PRECISIONS = get_args(_PrecisionMode)
 # ``(batch_idx + 1) % _NEVER`` is never 0 for a reachable batch index.
 _NEVER = 2**62
 
@@ -99,13 +100,16 @@ class LossScalingPrecision(Precision):
             enabled for ``"16-mixed"`` and disabled for the others.
         device: ``torch.autocast`` device type (``"cpu"``, ``"cuda"``); default: the model's.
         skip_nonfinite: for ``"bf16-mixed"``/``"32-true"`` without ``scaler``: skip non-finite steps.
+            Default ``True``, unlike :class:`~lightning_ext.amp.DynamicLossScaler`'s ``False`` (kept
+            for GradScaler compatibility): the plugin replaces Lightning's precision, not a
+            GradScaler, so it guards every precision against a non-finite step by default.
         optimizer_names: names of the optimizers' scales with a ``per_optimizer`` scaler, in the
             order of ``configure_optimizers``; default ``"0"``, ``"1"``, ...
 
     Raises:
         ValueError: unknown ``precision``, or a scaler whose enabled state does not fit it.
-        TypeError: ``scaler`` is not a ``DynamicLossScaler``, or ``optimizer_names`` not a sequence
-            of distinct non-empty strings.
+        TypeError: ``precision`` not a str, ``skip_nonfinite`` not a bool, ``scaler`` not a
+            ``DynamicLossScaler``, or ``optimizer_names`` not a sequence of distinct non-empty strings.
 
     Example::
 
@@ -116,14 +120,14 @@ class LossScalingPrecision(Precision):
 
     def __init__(
         self,
-        precision: PrecisionMode = "16-mixed",
+        precision: _PrecisionMode = "16-mixed",
         scaler: DynamicLossScaler | None = None,
         device: str | None = None,
         skip_nonfinite: bool = True,
         optimizer_names: Sequence[str] | None = None,
     ) -> None:
-        if precision not in _PRECISIONS:
-            raise ValueError(f"`precision` must be one of {_PRECISIONS}, got {precision!r}")
+        check_choice(type(self).__name__, "precision", precision, _PRECISIONS)
+        check_bool(type(self).__name__, "skip_nonfinite", skip_nonfinite)
         if scaler is not None and not isinstance(scaler, DynamicLossScaler):
             raise TypeError(
                 f"`scaler` must be a lightning_ext.amp.DynamicLossScaler, got {type(scaler).__name__}. "

@@ -10,6 +10,7 @@ from lightning.pytorch.plugins.layer_sync import LayerSync
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_ext._checks import check_bool, check_int
 from lightning_ext.distributed import check_process_group, collective_device, get_world_size, is_distributed
 from lightning_ext.kernels import available_backends
 from lightning_ext.nn import (
@@ -82,10 +83,7 @@ class SyncBatchNormPlugin(LayerSync):
                 f"(got process_group={process_group!r}, group_size={group_size!r})"
             )
         check_process_group(process_group, allow_non_member=True)
-        if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)):
-            raise TypeError(f"`group_size` must be an int or None, got {group_size!r}")
-        if group_size is not None and group_size < 1:
-            raise ValueError(f"`group_size` must be >= 1, got {group_size!r}")
+        check_int("SyncBatchNormPlugin", "group_size", group_size, ge=1, optional=True)
         if backend is not None and not isinstance(backend, str):
             raise TypeError(f"`backend` must be a kernel backend name (str) or None, got {backend!r}")
         if backend is not None and backend not in available_backends():
@@ -94,8 +92,7 @@ class SyncBatchNormPlugin(LayerSync):
                 f"(automatic selection), got {backend!r}. HINT: pass None, not 'auto', for automatic "
                 "selection; register other backends with lightning_ext.kernels.register_backend."
             )
-        if not isinstance(ddp_broadcast_buffers, bool):
-            raise TypeError(f"`ddp_broadcast_buffers` must be a bool, got {ddp_broadcast_buffers!r}")
+        check_bool("SyncBatchNormPlugin", "ddp_broadcast_buffers", ddp_broadcast_buffers)
         self.process_group = process_group
         self.group_size = group_size
         self.backend = backend

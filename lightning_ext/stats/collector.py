@@ -10,24 +10,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_ext._checks import check_bool
 from lightning_ext.distributed import all_reduce_, is_distributed
 from lightning_ext.stats import reporting as _report
 from lightning_ext.stats.moments import (
-    empty_moments,
-    fingerprint,
-    merge_moments,
-    moments_from_allreduce,
-    needs_recentering,
-    shifted_for_allreduce,
+    _empty_moments,
+    _fingerprint,
+    _merge_moments,
+    _moments_from_allreduce,
+    _needs_recentering,
+    _shifted_for_allreduce,
 )
 
-__all__ = ["Collector", "compile_regex"]
+__all__ = ["Collector"]
 
 _NAN_VALUES = (0, math.nan, math.nan, math.nan, math.nan)  # (num, mean, std, min, max) of an empty name
 _COMPACT_AFTER = 16  # merge received tables once this many are waiting (bounds memory between updates)
 
 
-def compile_regex(owner: str, regex: Any) -> re.Pattern[str]:
+def _compile_regex(owner: str, regex: Any) -> re.Pattern[str]:
     """``re.compile(regex)`` for the ``regex`` argument of ``owner`` (a class name, used in the errors).
 
     Raises:
@@ -35,11 +36,11 @@ def compile_regex(owner: str, regex: Any) -> re.Pattern[str]:
         ValueError: ``regex`` does not compile.
     """
     if not isinstance(regex, str):
-        raise TypeError(f"{owner}(regex=...) must be a str, got {type(regex).__name__} {regex!r}")
+        raise TypeError(f"{owner}: `regex` must be a str, got {regex!r} ({type(regex).__name__})")
     try:
         return re.compile(regex)
     except re.error as err:
-        raise ValueError(f"{owner}(regex=...) is not a valid regular expression: {regex!r} ({err})") from None
+        raise ValueError(f"{owner}: `regex` must be a regular expression, got {regex!r} ({err})") from None
 
 
 def _merged_rows(names: list[str], tables: list[_report._Table], device: torch.device) -> torch.Tensor:
@@ -48,13 +49,13 @@ def _merged_rows(names: list[str], tables: list[_report._Table], device: torch.d
     if len(tables) == 1 and tables[0].names == names:  # steady state: nothing to reorder
         return tables[0].rows.to(device)
     index = {name: i for i, name in enumerate(names)}
-    rows = empty_moments(len(names), device)
+    rows = _empty_moments(len(names), device)
     for table in tables:
         pairs = [(index[n], i) for i, n in enumerate(table.names) if n in index]
         if pairs:
             dst = torch.tensor([p[0] for p in pairs], device=device)
             src = torch.tensor([p[1] for p in pairs], device=table.rows.device)
-            rows[dst] = merge_moments(rows[dst], table.rows[src].to(device))
+            rows[dst] = _merge_moments(rows[dst], table.rows[src].to(device))
     return rows
 
 
@@ -83,8 +84,8 @@ class Collector:
     * MAX of ``[fp, -fp, max_1..R, -min_1..R, mean_1..R, -mean_1..R]``, ``fp`` a 48-bit fingerprint
       of the sorted names this rank knows now (``-inf`` for names without local values): all ranks
       know the same names iff ``max(fp) == -max(-fp)``;
-    * SUM of ``shifted_for_allreduce`` rows around the means published by the previous update,
-      redone around the largest rank mean from the MAX where ``needs_recentering`` flags a row.
+    * SUM of ``_shifted_for_allreduce`` rows around the means published by the previous update,
+      redone around the largest rank mean from the MAX where ``_needs_recentering`` flags a row.
 
     If the name sets differ, one ``all_gather_object`` agrees on the sorted union (skipped when every
     rank saw the same new names), then the MAX and the SUM (around the largest rank mean) are redone
@@ -103,8 +104,8 @@ class Collector:
 
     Example::
 
-        >>> from lightning_ext.stats import Collector, report, reset
-        >>> reset(); c = Collector(regex="Loss/.*")
+        >>> from lightning_ext.stats import Collector, clear_statistics, report
+        >>> clear_statistics(); c = Collector(regex="Loss/.*")
         >>> _ = report("Loss/total", [1.0, 2.0, 3.0]); _ = report("Other", 5.0)
         >>> c.update(); c.names(), c.mean("Loss/total"), round(c.std("Loss/total"), 4)
         (['Loss/total'], 2.0, 0.8165)
@@ -113,9 +114,8 @@ class Collector:
     """
 
     def __init__(self, regex: str = ".*", keep_previous: bool = True) -> None:
-        self._pattern = compile_regex("Collector", regex)
-        if not isinstance(keep_previous, bool):
-            raise TypeError(f"Collector(keep_previous=...) must be a bool, got {keep_previous!r}")
+        self._pattern = _compile_regex("Collector", regex)
+        check_bool("Collector", "keep_previous", keep_previous)
         self.regex = regex
         self.keep_previous = keep_previous
         self._match_cache: dict[str, bool] = {}  # name => regex matches
@@ -194,10 +194,10 @@ class Collector:
         """The protocol of the class docstring; returns (agreed names, global moment rows)."""
         names = self._agreed
         rows = _merged_rows(names, [local], device)
-        payload = _max_payload(fingerprint(candidate), rows)
+        payload = _max_payload(_fingerprint(candidate), rows)
         works = [all_reduce_(payload, op=dist.ReduceOp.MAX, group=group, async_op=True)]
         shift = torch.tensor([self._shift.get(n, 0.0) for n in names], dtype=torch.float64, device=device)
-        sums = shifted_for_allreduce(rows, shift)
+        sums = _shifted_for_allreduce(rows, shift)
         if names:
             works.append(all_reduce_(sums, op=dist.ReduceOp.SUM, group=group, async_op=True))
         for work in works:
@@ -210,25 +210,25 @@ class Collector:
         elif candidate != names:  # every rank saw the same new names: no need to gather them
             names = candidate
         if not names:
-            return names, empty_moments(0, device)
+            return names, _empty_moments(0, device)
         r = len(names)
         if names is not self._agreed:  # same decision on every rank (it follows from the reduced head)
             rows = _merged_rows(names, [local], device)
-            payload = _max_payload(fingerprint(names), rows)
+            payload = _max_payload(_fingerprint(names), rows)
             all_reduce_(payload, op=dist.ReduceOp.MAX, group=group)
             shift = payload[2 + 2 * r : 2 + 3 * r]  # the largest rank mean: inside the data range
-            sums = shifted_for_allreduce(rows, shift)
+            sums = _shifted_for_allreduce(rows, shift)
             all_reduce_(sums, op=dist.ReduceOp.SUM, group=group)
         hi, neg_lo, mean_max, neg_mean_min = payload[2:].view(4, r)
         lo, spread = -neg_lo, mean_max + neg_mean_min
-        result = moments_from_allreduce(sums, shift, lo, hi, spread)
+        result = _moments_from_allreduce(sums, shift, lo, hi, spread)
         c = torch.nan_to_num(shift, nan=0.0, posinf=0.0, neginf=0.0)
         distance = torch.maximum(mean_max - c, neg_mean_min + c)
-        if bool(needs_recentering(result, spread, distance).any()):  # rare; same on every rank
+        if bool(_needs_recentering(result, spread, distance).any()):  # rare; same on every rank
             shift = mean_max
-            sums = shifted_for_allreduce(rows, shift)
+            sums = _shifted_for_allreduce(rows, shift)
             all_reduce_(sums, op=dist.ReduceOp.SUM, group=group)
-            result = moments_from_allreduce(sums, shift, lo, hi, spread)
+            result = _moments_from_allreduce(sums, shift, lo, hi, spread)
         return names, result
 
     def names(self) -> list[str]:

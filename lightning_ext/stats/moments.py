@@ -14,27 +14,17 @@ import hashlib
 
 import torch
 
-__all__ = [
-    "EMPTY_ROW",
-    "empty_moments",
-    "fingerprint",
-    "merge_moments",
-    "moments_from_allreduce",
-    "moments_from_shifted",
-    "moments_of",
-    "needs_recentering",
-    "shifted_for_allreduce",
-]
+__all__: list[str] = []  # the maths of Collector and report(): private helpers, tested directly
 
-EMPTY_ROW = (0.0, 0.0, 0.0, float("inf"), float("-inf"))  # identity of merge_moments
+_EMPTY_ROW = (0.0, 0.0, 0.0, float("inf"), float("-inf"))  # identity of _merge_moments
 
 
-def empty_moments(rows: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def _empty_moments(rows: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """A float64 ``(rows, 5)`` table of empty moment rows on ``device``."""
-    return torch.tensor(EMPTY_ROW, dtype=torch.float64, device=device).repeat(rows, 1)
+    return torch.tensor(_EMPTY_ROW, dtype=torch.float64, device=device).repeat(rows, 1)
 
 
-def moments_of(x: torch.Tensor) -> torch.Tensor:
+def _moments_of(x: torch.Tensor) -> torch.Tensor:
     """Moment row of all elements of ``x`` computed directly in float64 (a reference for tests).
 
     Args:
@@ -45,12 +35,12 @@ def moments_of(x: torch.Tensor) -> torch.Tensor:
     """
     x = x.detach().reshape(-1).to(torch.float64)
     if x.numel() == 0:
-        return torch.tensor(EMPTY_ROW, dtype=torch.float64, device=x.device)
+        return torch.tensor(_EMPTY_ROW, dtype=torch.float64, device=x.device)
     mean = x.mean()
     return torch.stack([x.new_tensor(float(x.numel())), mean, (x - mean).square().sum(), x.min(), x.max()])
 
 
-def moments_from_shifted(acc: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+def _moments_from_shifted(acc: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """Convert shifted sums to moment rows (a shift taken from the data keeps the sums small when
     ``|mean| ≫ std``).
 
@@ -62,10 +52,10 @@ def moments_from_shifted(acc: torch.Tensor, shift: torch.Tensor) -> torch.Tensor
         float64 ``(..., 5)`` moment rows; rows with count 0 are empty.
     """
     n, s1, s2, lo, hi = acc.unbind(-1)  # the same maths as one rank's row with no within-rank m2
-    return moments_from_allreduce(torch.stack([n, torch.zeros_like(n), s1, s2], -1), shift, lo, hi)
+    return _moments_from_allreduce(torch.stack([n, torch.zeros_like(n), s1, s2], -1), shift, lo, hi)
 
 
-def merge_moments(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _merge_moments(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Chan's parallel merge of two tables of moment rows (elementwise over leading dims).
 
     ``m2 = m2_a + m2_b + δ² · n_a n_b / n`` with ``δ = mean_b - mean_a``.
@@ -79,7 +69,7 @@ def merge_moments(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     Example::
 
         >>> x = torch.arange(10.0, dtype=torch.float64)
-        >>> torch.allclose(merge_moments(moments_of(x[:3]), moments_of(x[3:])), moments_of(x))
+        >>> torch.allclose(_merge_moments(_moments_of(x[:3]), _moments_of(x[3:])), _moments_of(x))
         True
     """
     na, nb = a[..., 0], b[..., 0]
@@ -95,10 +85,10 @@ def merge_moments(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.stack([n, mean, a[..., 2] + b[..., 2] + cross, lo, hi], -1)
 
 
-def shifted_for_allreduce(rows: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+def _shifted_for_allreduce(rows: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """Re-express moment rows around a shift shared by all ranks, ready for a SUM all-reduce.
 
-    One SUM of these rows followed by :func:`moments_from_allreduce` gives the global moments by
+    One SUM of these rows followed by :func:`_moments_from_allreduce` gives the global moments by
     Chan's merge: the within-rank ``m2`` never cancels, and the between-rank term is exact when the
     shift is near the rank means.
 
@@ -115,14 +105,14 @@ def shifted_for_allreduce(rows: torch.Tensor, shift: torch.Tensor) -> torch.Tens
     return torch.stack([n, rows[:, 2], n * d, n * d * d], dim=-1)
 
 
-def moments_from_allreduce(
+def _moments_from_allreduce(
     sums: torch.Tensor,
     shift: torch.Tensor,
     lo: torch.Tensor,
     hi: torch.Tensor,
     spread: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Global moment rows from the SUM of :func:`shifted_for_allreduce` and the MAX-reduced extremes.
+    """Global moment rows from the SUM of :func:`_shifted_for_allreduce` and the MAX-reduced extremes.
 
     ``m2 = Σ m2_i + (Σ n_i d_i² - (Σ n_i d_i)² / n)``; the between-rank term is exactly 0 when
     ``spread`` is 0 (e.g. a single rank had values).
@@ -148,14 +138,14 @@ def moments_from_allreduce(
     return torch.stack([n, mean, m2, lo, hi], dim=-1)
 
 
-def needs_recentering(rows: torch.Tensor, spread: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
+def _needs_recentering(rows: torch.Tensor, spread: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
     """Rows whose between-rank term may have lost more than ~1e-10 of ``m2`` to cancellation.
 
     The rounding error of ``Σ n_i d_i² - (Σ n_i d_i)² / n`` is at most a few ``eps · n · distance²``.
     Such rows must be reduced again around a shift inside the data (e.g. the largest rank mean).
 
     Args:
-        rows: float64 ``(R, 5)`` moment rows from :func:`moments_from_allreduce`.
+        rows: float64 ``(R, 5)`` moment rows from :func:`_moments_from_allreduce`.
         spread: float64 ``(R,)`` largest minus smallest rank mean.
         distance: float64 ``(R,)`` largest ``|mean_i - shift|`` over ranks with data.
 
@@ -167,12 +157,12 @@ def needs_recentering(rows: torch.Tensor, spread: torch.Tensor, distance: torch.
     return (n > 0) & (spread > 0) & (bound > 1e-10 * m2)
 
 
-def fingerprint(names: list[str] | tuple[str, ...]) -> float:
+def _fingerprint(names: list[str] | tuple[str, ...]) -> float:
     """A 48-bit hash of a sorted name list as an exactly representable float64 (for MAX/MIN agreement).
 
     Example::
 
-        >>> fingerprint(["a", "b"]) == fingerprint(("a", "b")) != fingerprint(["a"])
+        >>> _fingerprint(["a", "b"]) == _fingerprint(("a", "b")) != _fingerprint(["a"])
         True
     """
     text = f"{len(names)}\x00" + "\x00".join(names)

@@ -15,19 +15,20 @@ import numpy as np
 import torch
 
 from lightning_ext import distributed as _dist
+from lightning_ext._checks import check_int
 from lightning_ext.kernels import get_backend
-from lightning_ext.stats.moments import EMPTY_ROW, empty_moments, merge_moments, moments_from_shifted
+from lightning_ext.stats.moments import _EMPTY_ROW, _empty_moments, _merge_moments, _moments_from_shifted
 
 if TYPE_CHECKING:
     from lightning_ext.stats.collector import Collector
 
-__all__ = ["init_multiprocessing", "report", "report0", "reset"]
+__all__ = ["clear_statistics", "init_multiprocessing", "report", "report0"]
 
 T = TypeVar("T")
 
 
 # ------------------------------------------------------------------------------------------------
-# Module state (cleared by reset()).
+# Module state (cleared by clear_statistics()).
 
 # init_multiprocessing() arguments (rank, sync_device, process_group); None = follow torch.distributed
 _settings: tuple[int, torch.device | None, Any] | None = None
@@ -50,8 +51,8 @@ def init_multiprocessing(
 ) -> None:
     """Set how collectors synchronize across processes (as NVIDIA's ``init_multiprocessing``).
 
-    Optional: without it (or after :func:`reset`) the settings follow ``torch.distributed`` (its rank
-    and :func:`lightning_ext.distributed.collective_device`). ``TrainingStats`` calls it.
+    Optional: without it (or after :func:`clear_statistics`) the settings follow ``torch.distributed``
+    (its rank and :func:`lightning_ext.distributed.collective_device`). ``TrainingStats`` calls it.
 
     Args:
         rank: rank of this process in ``process_group`` (decides what :func:`report0` keeps).
@@ -64,13 +65,10 @@ def init_multiprocessing(
         ValueError: ``rank`` is negative.
     """
     global _settings
-    if not isinstance(rank, int) or isinstance(rank, bool):
-        raise TypeError(f"init_multiprocessing(rank=...) must be an int, got {rank!r}")
-    if rank < 0:
-        raise ValueError(f"init_multiprocessing(rank=...) must be >= 0, got {rank!r}")
+    check_int("init_multiprocessing", "rank", rank, ge=0)
     if sync_device is not None and not isinstance(sync_device, torch.device | str):
         raise TypeError(
-            "init_multiprocessing(sync_device=...) must be a torch.device, a string or None, "
+            "init_multiprocessing: `sync_device` must be a torch.device, a string or None, "
             f"got {sync_device!r}"
         )
     device = torch.device(sync_device) if sync_device is not None else None
@@ -162,7 +160,7 @@ def _accumulate(acc: dict[torch.device, tuple[torch.Tensor, torch.Tensor]], x: t
         # Normal (not inference) tensors, so the first report may come from Lightning's validation
         # loop (inference_mode) and later ones from training.
         with torch.inference_mode(False):
-            sums = torch.tensor(EMPTY_ROW, dtype=torch.float64, device=x.device)
+            sums = torch.tensor(_EMPTY_ROW, dtype=torch.float64, device=x.device)
             # A non-finite shift would turn every later difference into NaN (inf - inf): use 0.
             first = x.reshape(-1)[0].to(torch.float64)
             shift = torch.nan_to_num(first, nan=0.0, posinf=0.0, neginf=0.0)
@@ -194,8 +192,8 @@ def report(name: str, value: T) -> T:
 
     Example::
 
-        >>> from lightning_ext.stats import Collector, reset
-        >>> reset(); c = Collector(regex="Loss/.*")
+        >>> from lightning_ext.stats import Collector, clear_statistics
+        >>> clear_statistics(); c = Collector(regex="Loss/.*")
         >>> report("Loss/total", 2.0), report("Loss/total", torch.tensor([4.0, 6.0]))
         (2.0, tensor([4., 6.]))
         >>> c.update(); c.mean("Loss/total"), c.num("Loss/total")
@@ -249,25 +247,25 @@ def _drain() -> None:
         return
     device = _sync_settings()[1] or torch.device("cpu")
     names = sorted(pending)
-    rows = empty_moments(len(names), device)
+    rows = _empty_moments(len(names), device)
     by_device: dict[torch.device, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
     for i, name in enumerate(names):
         for dev, (sums, shift) in pending[name].items():
             by_device.setdefault(dev, []).append((i, sums, shift))
     for entries in by_device.values():
         index, accs, shifts = zip(*entries)
-        converted = moments_from_shifted(torch.stack(accs), torch.stack(shifts)).to(device)
+        converted = _moments_from_shifted(torch.stack(accs), torch.stack(shifts)).to(device)
         idx = torch.tensor(index, device=device)
-        rows[idx] = merge_moments(rows[idx], converted)
+        rows[idx] = _merge_moments(rows[idx], converted)
     table = _Table(names, rows)
     for sink in sinks:
         sink._receive(table)
 
 
-def reset() -> None:
+def clear_statistics() -> None:
     """Clear all module state: pending values, the collector registry and the multiprocessing settings.
 
-    Collectors created before ``reset()`` stop receiving values (create new ones). Use between
+    Collectors created before ``clear_statistics()`` stop receiving values (create new ones). Use between
     independent runs in one process (e.g. several Trainers in a notebook). Local only: no collective.
     """
     global _settings, _pending

@@ -92,16 +92,16 @@ def _run_schedule(found_infs, init, schedule="exponential", min_scale=None, max_
     for f in found_infs:
         found_inf = torch.tensor(float(f))
         if schedule == "log2":
-            back_off = schedules.log2_(scale, log2_scale, growth_tracker, hysteresis_tracker, found_inf,
+            back_off = schedules._log2_(scale, log2_scale, growth_tracker, hysteresis_tracker, found_inf,
                                        kw["increment"], kw["decrement"], hysteresis)  # fmt: skip
         else:
-            back_off = schedules.exponential_(
+            back_off = schedules._exponential_(
                 scale, growth_tracker, hysteresis_tracker, found_inf,
                 kw["growth_factor"], kw["backoff_factor"], kw["growth_interval"], hysteresis, consecutive,
             )  # fmt: skip
         assert back_off.dtype == torch.bool and back_off.dim() == 0
         log2 = log2_scale if schedule == "log2" else None
-        hit = schedules.clamp_(scale, log2, back_off, min_scale, max_scale)
+        hit = schedules._clamp_(scale, log2, back_off, min_scale, max_scale)
         scales.append(scale.item())
         floors.append(bool(hit))
         log2s.append(log2_scale.item())
@@ -144,7 +144,7 @@ def test_count_counts_steps_skips_and_runs():
     steps, skipped, run = (torch.zeros((), dtype=torch.float64) for _ in range(3))
     seen = []
     for f in [1, 1, 0, 1, 0, 0, 1, 1, 1]:
-        schedules.count_(steps, skipped, run, torch.tensor(float(f)))
+        schedules._count_(steps, skipped, run, torch.tensor(float(f)))
         seen.append(int(run))
     assert seen == [1, 2, 0, 1, 0, 0, 1, 2, 3]
     assert int(steps) == 9 and int(skipped) == 6
@@ -318,8 +318,11 @@ def test_update_new_scale_respects_explicit_bounds():
     opt = _sgd(model.parameters())
     scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
     scaler.step(opt)
-    with pytest.raises(ValueError, match=r"`new_scale` must be a float > 0 in \[1\.0, 1024\.0\], got 0\.5"):
+    allowed = r"DynamicLossScaler\.update: `new_scale` must be a finite number in \[1\.0, 1024\.0\], got "
+    with pytest.raises(ValueError, match=allowed + r"0\.5$"):
         scaler.update(new_scale=0.5)
+    with pytest.raises(TypeError, match=allowed + r"True \(bool\)$"):
+        scaler.update(new_scale=True)
     scaler.update(new_scale=torch.tensor(4096.0))  # a tensor is GradScaler's path, then clamped
     assert scaler.get_scale() == 1024.0 and scaler.state_dict()["log2_scale"] == 10.0
 
@@ -580,25 +583,31 @@ def test_skip_only_protocol_misuse_raises_grad_scalers_errors():
         (dict(device=0), TypeError, r"`device` must be a device type str such as 'cuda' or 'cpu', got 0"),
         (dict(device="cuda:0"), ValueError, r"`device` must be a device type .*\(no index\), got 'cuda:0'"),
         (dict(device="gpu"), ValueError, r"`device` must be a device type .*got 'gpu'"),
-        (dict(init_scale="1"), TypeError, r"`init_scale` must be a finite float, got '1'"),
-        (dict(init_scale=math.inf), TypeError, r"`init_scale` must be a finite float, got inf"),
-        (dict(init_scale=0.0), ValueError, r"`init_scale` must be > 0\.0, got 0\.0"),
-        (dict(growth_factor=1.0), ValueError, r"`growth_factor` must be > 1\.0, got 1\.0"),
-        (dict(growth_factor=None), TypeError, r"`growth_factor` must be a finite float, got None"),
-        (dict(backoff_factor=1.0), ValueError, r"`backoff_factor` must be in \(0, 1\), got 1\.0"),
-        (dict(backoff_factor=0.0), ValueError, r"`backoff_factor` must be > 0\.0, got 0\.0"),
-        (dict(growth_interval=0), ValueError, r"`growth_interval` must be >= 1, got 0"),
-        (dict(growth_interval=2.5), TypeError, r"`growth_interval` must be a finite int, got 2\.5"),
+        (dict(init_scale="1"), TypeError,
+         r"^DynamicLossScaler: `init_scale` must be a finite number > 0\.0, got '1' \(str\)$"),
+        (dict(init_scale=math.inf), TypeError, r"`init_scale` must be a finite number > 0\.0, got inf \(fl"),
+        (dict(init_scale=math.nan), TypeError, r"`init_scale` must be a finite number > 0\.0, got nan"),
+        (dict(init_scale=0.0), ValueError,
+         r"^DynamicLossScaler: `init_scale` must be a finite number > 0\.0, got 0\.0$"),
+        (dict(growth_factor=1.0), ValueError, r"`growth_factor` must be a finite number > 1\.0, got 1\.0"),
+        (dict(growth_factor=None), TypeError, r"`growth_factor` must be a finite number > 1\.0, got None"),
+        (dict(backoff_factor=1.0), ValueError,
+         r"`backoff_factor` must be a finite number in \(0\.0, 1\.0\), got 1\.0"),
+        (dict(backoff_factor=0.0), ValueError,
+         r"`backoff_factor` must be a finite number in \(0\.0, 1\.0\), got 0\.0"),
+        (dict(growth_interval=0), ValueError, r"`growth_interval` must be an int >= 1, got 0"),
+        (dict(growth_interval=2.5), TypeError, r"`growth_interval` must be an int >= 1, got 2\.5 \(float\)"),
         (dict(enabled="yes"), TypeError, r"`enabled` must be a bool, got 'yes'"),
         (dict(schedule="linear"), ValueError, r"`schedule` must be one of \('exponential', 'log2'\), got 'l"),
-        (dict(log2_increment=0.0), ValueError, r"`log2_increment` must be > 0\.0, got 0\.0"),
-        (dict(log2_decrement=-1.0), ValueError, r"`log2_decrement` must be > 0\.0, got -1\.0"),
-        (dict(log2_decrement="1"), TypeError, r"`log2_decrement` must be a finite float, got '1'"),
-        (dict(hysteresis=0), ValueError, r"`hysteresis` must be >= 1, got 0"),
-        (dict(hysteresis=True), TypeError, r"`hysteresis` must be a finite int, got True"),
-        (dict(min_scale="1"), TypeError, r"`min_scale` must be a finite float, got '1'"),
-        (dict(min_scale=0.0), ValueError, r"`min_scale` must be > 0\.0, got 0\.0"),
-        (dict(max_scale=-1.0), ValueError, r"`max_scale` must be > 0\.0, got -1\.0"),
+        (dict(schedule=2), TypeError, r"`schedule` must be one of \('exponential', 'log2'\), got 2 \(int\)"),
+        (dict(log2_increment=0.0), ValueError, r"`log2_increment` must be a finite number > 0\.0, got 0\.0"),
+        (dict(log2_decrement=-1.0), ValueError, r"`log2_decrement` must be a finite number > 0\.0, got -1\."),
+        (dict(log2_decrement="1"), TypeError, r"`log2_decrement` must be a finite number > 0\.0, got '1'"),
+        (dict(hysteresis=0), ValueError, r"`hysteresis` must be an int >= 1, got 0"),
+        (dict(hysteresis=True), TypeError, r"`hysteresis` must be an int >= 1, got True \(bool\)"),
+        (dict(min_scale="1"), TypeError, r"`min_scale` must be a finite number > 0\.0 or None, got '1'"),
+        (dict(min_scale=0.0), ValueError, r"`min_scale` must be a finite number > 0\.0 or None, got 0\.0"),
+        (dict(max_scale=-1.0), ValueError, r"`max_scale` must be a finite number > 0\.0 or None, got -1\.0"),
         (
             dict(min_scale=8.0, max_scale=4.0, init_scale=4.0),
             ValueError,

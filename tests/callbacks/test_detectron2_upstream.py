@@ -70,7 +70,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_ext.callbacks import HookBase, HookRunner, IterationTimer, LossMonitor
-from lightning_ext.callbacks.hook_base import iterations_done
+from lightning_ext.callbacks.hook_base import _iterations_done
 from lightning_ext.stats import Collector
 
 # ADAPTED: the two entries under test (upstream has one: SimpleTrainer).
@@ -291,7 +291,7 @@ def test_simple_trainer(entry, device="cpu"):
     driver, losses = _train(entry, [], 10, device=device)
     # ADAPTED: upstream only runs; here the run's length and the iteration after success
     # (train_loop.py: "self.iter == max_iter can be used by `after_train`").
-    assert len(losses) == 10 and iterations_done(driver) == 10
+    assert len(losses) == 10 and _iterations_done(driver) == 10
 
 
 @pytest.mark.parametrize("entry", ENTRIES)
@@ -326,9 +326,9 @@ def test_writer_hooks(entry):
     max_iter = 50
     logger = _Logger()
     # ADAPTED: hooks.EvalHook(0, ...) -> _EvalHook; hooks.PeriodicWriter([CommonMetricPrinter,
-    # JSONWriter]) (every 20 iterations, the last one and after training) -> LossMonitor(period=20),
-    # which writes every 20 iterations and the rest after training.
-    hooks = [_EvalHook(0, lambda: {"metric": 100}, max_iter), LossMonitor(period=20)]
+    # JSONWriter]) (every 20 iterations, the last one and after training) ->
+    # LossMonitor(every_n_train_steps=20), which writes every 20 iterations and the rest after training.
+    hooks = [_EvalHook(0, lambda: {"metric": 100}, max_iter), LossMonitor(every_n_train_steps=20)]
     _train(entry, hooks, max_iter, loggers=[logger])
     # ADAPTED (deliberate difference): upstream [19, 39, 49, 50]; LossMonitor writes no row at the
     # last iteration, its iterations 40-49 go into the row written after training, at 50.
@@ -347,8 +347,8 @@ def test_metric_gather_and_write(entry):
 
     max_iter = 50
     logger, timing = _Logger(), Collector(regex="Timing/.*")
-    # ADAPTED: hooks.PeriodicWriter(writers, period=writer_period) -> LossMonitor(period=...).
-    hooks = [IterationTimer(), LossMonitor(period=writer_period)]
+    # ADAPTED: hooks.PeriodicWriter(writers, period=writer_period) -> LossMonitor(every_n_train_steps=...).
+    hooks = [IterationTimer(), LossMonitor(every_n_train_steps=writer_period)]
     _, losses = _train(entry, hooks, max_iter, loggers=[logger])
 
     assert [step for step, _ in logger.rows] == [9, 19, 29, 39, 49]
@@ -373,8 +373,8 @@ def test_async_write_metrics(entry):
     max_iter = 50
     logger, timing = _Logger(), Collector(regex="Timing/.*")
     # ADAPTED: SimpleTrainer(async_write_metrics=True) + PeriodicWriter(period=1) ->
-    # LossMonitor(period=1, async_write=True).
-    hooks = [IterationTimer(), LossMonitor(period=writer_period, async_write=True)]
+    # LossMonitor(every_n_train_steps=1, async_write=True).
+    hooks = [IterationTimer(), LossMonitor(every_n_train_steps=writer_period, async_write=True)]
     _, losses = _train(entry, hooks, max_iter, loggers=[logger])
 
     timing.update()
@@ -527,7 +527,8 @@ def test_nonfinite_loss(entry, async_write):
 
     recorder = _Recorder()
     with pytest.raises(FloatingPointError) as info:
-        _train(entry, [LossMonitor(period=1, async_write=async_write), recorder], 10, loss_at=nan_at_3)
+        monitor = LossMonitor(every_n_train_steps=1, async_write=async_write)
+        _train(entry, [monitor, recorder], 10, loss_at=nan_at_3)
     # ADAPTED (deliberate difference): the message names the ranks that saw it, and every rank raises.
     message = "Loss became infinite or NaN at iteration=3 on rank(s) [0]!\nloss_dict = "
     assert str(info.value).startswith(message)

@@ -137,9 +137,10 @@ def run_precise_bn(
     entry: str, model: nn.Module, make_loader: Callable[[], Iterable[torch.Tensor]], num_iters: int
 ) -> int:
     """ADAPTED: upstream's ``update_bn_stats(model, data_loader, num_iters)`` through one of ``ENTRIES``;
-    returns the number of batches used. The hooks run ``PreciseBN(period=None)`` once, after the last
-    iteration of a one-iteration epoch (one training forward of the loader's first batch, lr=0, so
-    ``num_batches_tracked`` gains 1 and the weights stay), with ``data_loader=make_loader``."""
+    returns the number of batches used. The hooks run ``PreciseBN(every_n_train_steps=None)`` once,
+    after the last iteration of a one-iteration epoch (one training forward of the loader's first
+    batch, lr=0, so ``num_batches_tracked`` gains 1 and the weights stay), with
+    ``data_loader=make_loader``."""
     if entry == "update_bn_stats":
         return update_bn_stats(model, make_loader(), num_iters, forward_fn=lambda m, batch: m(batch))
     hook = PreciseBN(num_iter=num_iters, data_loader=make_loader)

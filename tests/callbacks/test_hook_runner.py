@@ -8,7 +8,14 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from lightning_ext.callbacks import HookBase, IterationTimer, LossMonitor, PreciseBN, iteration_timer
+from lightning_ext.callbacks import (
+    HookBase,
+    IterationTimer,
+    LossMonitor,
+    PreciseBN,
+    hook_base,
+    iteration_timer,
+)
 from lightning_ext.callbacks.hook_runner import HookRunner
 from lightning_ext.stats import Collector
 
@@ -211,7 +218,6 @@ def test_calls_out_of_order_raise():
     [
         ([object()], {}, TypeError, r"`hooks` must hold HookBase instances, got <object"),
         (["twice"], {}, ValueError, r"each hook may be given once"),
-        ([PreciseBN()], {}, ValueError, r"PreciseBN\(data_loader=None\) reads the training loader, but"),
         ([], {"module": "net"}, TypeError, r"`module` must be a torch.nn.Module, got 'net'"),
     ],
 )
@@ -262,7 +268,8 @@ def test_state_dict_round_trip_continues_the_iterations():
 
 def test_iteration_timer_data_time_step_time_and_summary(monkeypatch, caplog):
     now = [1000.0]
-    monkeypatch.setattr(iteration_timer, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    for module in (iteration_timer, hook_base):  # step time and the hooks' one data-time clock
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     data_sec, step_sec, validation_sec = 2.0**-5, 2.0**-6, 4.0
 
     class TimedModel(nn.Linear):
@@ -321,7 +328,7 @@ def test_loss_monitor_means_from_a_reused_loss_buffer():
     # The loss handed to after_step is copied: overwriting the same tensor at the next iteration
     # (here a reused buffer) must not change the kept values; the loss is the one given (no
     # division by Lightning's accumulate_grad_batches), also for a LightningModule.
-    logger, monitor, model = RecordingLogger(), LossMonitor(period=3), TinyLightningModule()
+    logger, monitor, model = RecordingLogger(), LossMonitor(every_n_train_steps=3), TinyLightningModule()
     buffer, aux, seen = torch.zeros(()), torch.zeros(()), []
 
     def reuse(step, loss):
@@ -346,7 +353,7 @@ def test_loss_monitor_rows_share_the_loop_rows_steps():
     # after_train at the iterations run: one logger, steps never going backwards.
     logger, model = RecordingLogger(), nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-    with HookRunner([LossMonitor(period=2)], model, loggers=[logger]) as runner:
+    with HookRunner([LossMonitor(every_n_train_steps=2)], model, loggers=[logger]) as runner:
         for x in batches(7):
             runner.before_step()
             loss = model(x).square().mean()
@@ -362,10 +369,10 @@ def test_loss_monitor_rows_share_the_loop_rows_steps():
     assert [step for step, m in logger.records if "loop/loss" in m] == list(range(7))
 
 
-@pytest.mark.parametrize(("period", "raised_at"), [(1, 2), (4, 3)])
-def test_loss_monitor_raises_on_a_non_finite_loss(period, raised_at):
+@pytest.mark.parametrize(("every_n_train_steps", "raised_at"), [(1, 2), (4, 3)])
+def test_loss_monitor_raises_on_a_non_finite_loss(every_n_train_steps, raised_at):
     recorder, model = Recorder(), nn.Linear(3, 1)
-    runner = HookRunner([LossMonitor(period=period), recorder], model)
+    runner = HookRunner([LossMonitor(every_n_train_steps=every_n_train_steps), recorder], model)
     nan_at_2 = lambda step, loss: loss * math.nan if step == 2 else loss
     with pytest.raises(
         FloatingPointError, match=r"NaN at iteration=2 on rank\(s\) \[0\]!\nloss_dict = "
@@ -375,10 +382,16 @@ def test_loss_monitor_raises_on_a_non_finite_loss(period, raised_at):
     assert recorder.after_train_exceptions == [e.value]
 
 
-def test_loss_monitor_needs_the_loss():
+def test_hooks_check_what_they_need_from_the_runner_themselves():
+    """The runner knows no hook class: LossMonitor says it needs the loss, PreciseBN a loader."""
     model = nn.Linear(3, 1)
-    with pytest.raises(ValueError, match=r"after_step\(loss=None\): LossMonitor needs the iteration's loss"):
+    with pytest.raises(ValueError, match=r"pass it to `runner.after_step\(loss\)`"):
         run_loop(HookRunner([LossMonitor()], model), model, loss_at=lambda step, loss: None)
+    recorder = Recorder()
+    runner = HookRunner([recorder, PreciseBN()], model)  # no train_dataloader: fine until it starts
+    with pytest.raises(ValueError, match=r"PreciseBN\(data_loader=None\) reads the training loader, but"):
+        runner.before_train()
+    assert len(recorder.after_train_exceptions) == 1  # the hook that started was told
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,7 +440,7 @@ def test_precise_bn_runs_under_fabric_autocast_and_writes_to_fabric_loggers():
         return model(batch)
 
     model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
-    hooks = [PreciseBN(num_iter=2, forward_fn=forward_fn), LossMonitor(period=2)]
+    hooks = [PreciseBN(num_iter=2, forward_fn=forward_fn), LossMonitor(every_n_train_steps=2)]
     runner = HookRunner(hooks, model, fabric=fabric, train_dataloader=batches(3))
     assert runner.loggers == [logger]
     run_loop(runner, model, epochs=1, per_epoch=2)

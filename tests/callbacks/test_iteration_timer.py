@@ -7,7 +7,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_ext.callbacks import IterationTimer, iteration_timer
+from lightning_ext.callbacks import IterationTimer, hook_base, iteration_timer
 from lightning_ext.stats import Collector
 
 # The timer reads a fake clock that only the data set and the training step advance, by these exact
@@ -36,7 +36,9 @@ _clock = FakeClock()
 def clock(monkeypatch):
     global _clock
     _clock = FakeClock()
-    monkeypatch.setattr(iteration_timer, "time", types.SimpleNamespace(perf_counter=_clock.perf_counter))
+    fake = types.SimpleNamespace(perf_counter=_clock.perf_counter)
+    for module in (iteration_timer, hook_base):  # step time and the hooks' one data-time clock
+        monkeypatch.setattr(module, "time", fake)
     return _clock
 
 
@@ -120,9 +122,13 @@ def test_summary_logged_when_training_fails(caplog):
     assert "Overall training speed: 3 iterations" in caplog.text
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
-def test_bad_warmup(bad):
-    with pytest.raises(ValueError, match=r"IterationTimer: `warmup_iter` must be a non-negative int, got "):
+@pytest.mark.parametrize(
+    ("bad", "error", "got"),
+    [(-1, ValueError, "-1"), (1.5, TypeError, r"1\.5 \(float\)"), (True, TypeError, r"True \(bool\)"),
+     ("3", TypeError, r"'3' \(str\)")],
+)  # fmt: skip
+def test_bad_warmup(bad, error, got):
+    with pytest.raises(error, match=rf"^IterationTimer: `warmup_iter` must be an int >= 0, got {got}$"):
         IterationTimer(warmup_iter=bad)
 
 

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 from lightning_ext.callbacks import LossMonitor
-from lightning_ext.callbacks.loss_monitor import extract_losses, local_row, summarize_gathered
+from lightning_ext.callbacks.loss_monitor import _extract_losses, _local_row, _summarize_gathered
 from tests.helpers.distributed import run_distributed
 
 
@@ -92,7 +92,7 @@ def fit(module, monitor, max_steps, logger=None, **kwargs):
 @pytest.mark.parametrize("async_write", [False, True])
 def test_periodic_means_in_order(async_write):
     module, logger = NanModule(), RecordingLogger()
-    monitor = LossMonitor(period=3, async_write=async_write)
+    monitor = LossMonitor(every_n_train_steps=3, async_write=async_write)
     trainer = fit(module, monitor, max_steps=7, logger=logger, accumulate_grad_batches=2)
     seen = torch.tensor(module.seen, dtype=torch.float64)  # 14 micro-batches
     # agreement points after iterations 2 and 5, at their steps, + the final flush at the iterations run
@@ -140,7 +140,7 @@ def test_losses_kept_until_the_agreement_point_are_not_changed_by_later_in_place
     # The monitor keeps each step's losses until the agreement point; the user's tensors must be
     # copied, not referenced, or every kept row would read the last step's values.
     module, logger = ReusedBufferModule(manual), RecordingLogger()
-    fit(module, LossMonitor(period=4), max_steps=4, logger=logger)
+    fit(module, LossMonitor(every_n_train_steps=4), max_steps=4, logger=logger)
     seen = torch.tensor(module.seen, dtype=torch.float64)
     assert seen[:, 1].std() > 0  # the aux values differ between steps
     ((step, metrics, _),) = logger.records
@@ -156,32 +156,32 @@ def test_nan_raises_naming_first_bad_iteration(async_write, raised_at):
     with pytest.raises(
         FloatingPointError, match=r"Loss became infinite or NaN at iteration=5 on rank\(s\) \[0\]!"
     ) as e:
-        fit(module, LossMonitor(period=4, async_write=async_write), max_steps=20)
+        fit(module, LossMonitor(every_n_train_steps=4, async_write=async_write), max_steps=20)
     assert "loss_dict = {'loss': nan, 'loss_aux': " in str(e.value)
     assert f"LossMonitor.after_step() at iteration={raised_at}" in "\n".join(e.value.__notes__)
 
 
 def test_nan_at_the_end_caught_by_final_flush():
     with pytest.raises(FloatingPointError, match="iteration=5 on rank"):
-        fit(NanModule(nan_step=5), LossMonitor(period=100), max_steps=7)
+        fit(NanModule(nan_step=5), LossMonitor(every_n_train_steps=100), max_steps=7)
 
 
 def test_nan_warns_when_not_raising():
     with pytest.warns(UserWarning, match="Loss became infinite or NaN at iteration=2"):
-        fit(NanModule(nan_step=2), LossMonitor(period=3, raise_on_nonfinite=False), max_steps=6)
+        fit(NanModule(nan_step=2), LossMonitor(every_n_train_steps=3, raise_on_nonfinite=False), max_steps=6)
 
 
 def test_async_writer_exception_reraised_at_next_step():
     logger = RecordingLogger(fail_with=OSError("disk full"))
     with pytest.raises(OSError, match="disk full") as e:
-        fit(NanModule(), LossMonitor(period=2, async_write=True), max_steps=10, logger=logger)
+        fit(NanModule(), LossMonitor(every_n_train_steps=2, async_write=True), max_steps=10, logger=logger)
     assert "LossMonitor.after_step() at iteration=2" in "\n".join(e.value.__notes__)
 
 
 def test_sync_writer_exception_raised_at_once():
     logger = RecordingLogger(fail_with=OSError("disk full"))
     with pytest.raises(OSError, match="disk full") as e:
-        fit(NanModule(), LossMonitor(period=2), max_steps=10, logger=logger)
+        fit(NanModule(), LossMonitor(every_n_train_steps=2), max_steps=10, logger=logger)
     assert "LossMonitor.after_step() at iteration=1" in "\n".join(e.value.__notes__)
 
 
@@ -194,26 +194,30 @@ def test_no_loss_returned():
 
 
 def test_extract_losses():
-    out = extract_losses({"loss": torch.tensor(3.0), "loss_b": torch.tensor([1.0]), "lossy": 2.0, "x": 1}, 4)
+    out = _extract_losses({"loss": torch.tensor(3.0), "loss_b": torch.tensor([1.0]), "lossy": 2.0, "x": 1}, 4)
     assert out == {"loss": torch.tensor(12.0), "loss_b": torch.tensor(1.0)}
-    assert list(extract_losses(torch.tensor(2.0))) == ["loss"]
+    assert list(_extract_losses(torch.tensor(2.0))) == ["loss"]
     with pytest.raises(
         TypeError, match="the 'loss' returned by `training_step` must be a tensor with one element"
     ):
-        extract_losses({"loss": torch.ones(3)})
+        _extract_losses({"loss": torch.ones(3)})
     with pytest.raises(
         ValueError, match=r"returned no loss \(its output reached `on_train_batch_end` as \{'acc': 1\}\)"
     ):
-        extract_losses({"acc": 1})
+        _extract_losses({"acc": 1})
+
+
+STEPS = r"LossMonitor: `every_n_train_steps` must be an int >= 1, got "
 
 
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"period": 0}, ValueError, r"LossMonitor: `period` must be a positive int, got 0"),
-        ({"period": 2.0}, ValueError, r"`period` must be a positive int, got 2.0"),
-        ({"async_write": "yes"}, TypeError, r"LossMonitor: `async_write` must be a bool, got 'yes'"),
-        ({"raise_on_nonfinite": 1}, TypeError, r"`raise_on_nonfinite` must be a bool, got 1"),
+        ({"every_n_train_steps": 0}, ValueError, rf"^{STEPS}0$"),
+        ({"every_n_train_steps": 2.0}, TypeError, rf"^{STEPS}2\.0 \(float\)$"),
+        ({"every_n_train_steps": True}, TypeError, rf"^{STEPS}True \(bool\)$"),
+        ({"async_write": "yes"}, TypeError, r"^LossMonitor: `async_write` must be a bool, got 'yes' \(str"),
+        ({"raise_on_nonfinite": 1}, TypeError, r"`raise_on_nonfinite` must be a bool, got 1 \(int\)$"),
     ],
 )
 def test_bad_arguments(kwargs, error, match):
@@ -231,7 +235,7 @@ def test_nan_on_rank1_reaches_the_ddp_spawn_parent():
         devices=2,
         strategy="ddp_spawn",
         max_steps=16,
-        callbacks=[LossMonitor(period=4)],
+        callbacks=[LossMonitor(every_n_train_steps=4)],
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
@@ -252,7 +256,7 @@ def _fit_with_nan_on_rank1(rank: int, world_size: int) -> list[tuple[str, int]]:
             devices=world_size,
             strategy="ddp",
             max_steps=16,
-            callbacks=[LossMonitor(period=4, async_write=async_write)],
+            callbacks=[LossMonitor(every_n_train_steps=4, async_write=async_write)],
             enable_progress_bar=False,
             enable_model_summary=False,
             logger=False,
@@ -270,7 +274,7 @@ def _fit_with_nan_on_rank1(rank: int, world_size: int) -> list[tuple[str, int]]:
             devices=world_size,
             strategy="ddp",
             max_steps=16,
-            callbacks=[LossMonitor(period=4, async_write=async_write)],
+            callbacks=[LossMonitor(every_n_train_steps=4, async_write=async_write)],
             enable_progress_bar=False,
             enable_model_summary=False,
             logger=RecordingLogger(fail_with=OSError("disk full")),
@@ -299,18 +303,18 @@ def test_nan_on_rank1_raises_on_every_rank_at_the_same_step():
 
 def test_local_row_and_summary():
     rows = torch.tensor([[1.0, 0.5], [2.0, 0.0], [math.inf, 0.25], [math.nan, 1.0]], dtype=torch.float64)
-    row = local_row(rows, [4, 3], [10, 10, 11, 11], accumulate=2, data_sec=0.5, writer_failed=False)
+    row = _local_row(rows, [4, 3], [10, 10, 11, 11], accumulate=2, data_sec=0.5, writer_failed=False)
     k = 2
     assert row.dtype == torch.float64 and row.shape == (3 * k + 4,)
     assert row[:k].tolist()[1] == 1.75 and math.isnan(row[0])  # sums, total loss scaled by 2
     assert row[k : 2 * k].tolist() == [4.0, 3.0] and row[2 * k].item() == 1.0 and row[2 * k + 1].item() == 11
     assert row[2 * k + 2 : 3 * k + 2].tolist() == [math.inf, 0.25] and row[-2:].tolist() == [0.5, 0.0]
-    clean = local_row(rows[:2], [2, 1], [3, 4], accumulate=1, data_sec=0.25, writer_failed=True)
+    clean = _local_row(rows[:2], [2, 1], [3, 4], accumulate=1, data_sec=0.25, writer_failed=True)
     assert clean[2 * k].item() == 0 and clean[2 * k + 1].item() == math.inf
-    summary = summarize_gathered(torch.stack([clean, row]), ["loss", "loss_x"])
+    summary = _summarize_gathered(torch.stack([clean, row]), ["loss", "loss_x"])
     assert summary["bad"] and summary["first_bad_iter"] == 11 and summary["bad_ranks"] == [1]
     assert summary["bad_loss_dict"] == {"loss": math.inf, "loss_x": 0.25}
     assert summary["means"]["loss_x"] == pytest.approx((0.5 + 1.75) / 4)
     assert summary["data_sec_max"] == 0.5 and summary["writer_failed_ranks"] == [0]
-    empty = local_row(rows[:0], [0, 0], [], accumulate=1, data_sec=0.0, writer_failed=False)
-    assert not summarize_gathered(empty[None], ["loss", "loss_x"])["bad"]
+    empty = _local_row(rows[:0], [0, 0], [], accumulate=1, data_sec=0.0, writer_failed=False)
+    assert not _summarize_gathered(empty[None], ["loss", "loss_x"])["bad"]

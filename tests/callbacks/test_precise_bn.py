@@ -136,7 +136,7 @@ class BNModule(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def fit(hook, max_steps=-1, max_epochs=None):
+def fit(hook, max_steps=-1, max_epochs=None, progress_bar=False):
     data = torch.cat(make_batches([6] * 5, seed=2))
     module = BNModule()
     trainer = L.Trainer(
@@ -144,13 +144,22 @@ def fit(hook, max_steps=-1, max_epochs=None):
         max_steps=max_steps,
         max_epochs=max_epochs,
         callbacks=[hook],
-        enable_progress_bar=False,
+        enable_progress_bar=progress_bar,
         enable_model_summary=False,
         logger=False,
         enable_checkpointing=False,
     )
     trainer.fit(module, DataLoader(TensorDataset(data), batch_size=6))
     return module, data
+
+
+def test_short_loader_warning_is_printed_on_its_own_line_above_the_progress_bar(capsys, recwarn):
+    hook = PreciseBN(num_iter=8)  # the loader has 5 batches
+    fit(hook, max_epochs=1, progress_bar=True)
+    out = capsys.readouterr().out
+    line = "UserWarning: PreciseBN: only 5 of num_iter=8 batches were available on every rank"
+    assert f"\n{line}\n" in out or out.startswith(f"{line}\n")  # a line of its own, not in the bar's
+    assert not [w for w in recwarn if "PreciseBN" in str(w.message)]  # printed once, not also warned
 
 
 def test_hook_every_epoch_on_the_training_loader():
@@ -161,9 +170,9 @@ def test_hook_every_epoch_on_the_training_loader():
     assert module.bn.momentum == 0.1 and module.training
 
 
-def test_hook_with_period_and_callable_loader():
+def test_hook_every_n_train_steps_with_a_callable_loader():
     batches = make_batches([4, 8, 5], seed=3)
-    hook = PreciseBN(period=3, num_iter=2, data_loader=lambda: [(b,) for b in batches])
+    hook = PreciseBN(every_n_train_steps=3, num_iter=2, data_loader=lambda: [(b,) for b in batches])
     module, _ = fit(hook, max_steps=7)
     assert hook.batches_used == [2, 2, 2]  # after iterations 2 and 5, and at train end (step 7)
     assert hook.state_dict() == {"last_update_step": 7}
@@ -174,11 +183,18 @@ def test_hook_with_period_and_callable_loader():
     ("kwargs", "error", "match"),
     [
         (
-            {"period": 0},
+            {"every_n_train_steps": 0},
             ValueError,
-            r"`period` must be a positive int or None \(every epoch\), got 0",
+            r"^PreciseBN: `every_n_train_steps` must be an int >= 1 or None, got 0\. "
+            r"HINT: None updates after every epoch\.$",
         ),
-        ({"num_iter": -2}, ValueError, r"PreciseBN: `num_iter` must be a positive int, got -2"),
+        (
+            {"every_n_train_steps": 2.5},
+            TypeError,
+            r"`every_n_train_steps` must be an int >= 1 or None, got 2\.5 \(float\)\. HINT",
+        ),
+        ({"num_iter": -2}, ValueError, r"^PreciseBN: `num_iter` must be an int >= 1, got -2$"),
+        ({"num_iter": "8"}, TypeError, r"^PreciseBN: `num_iter` must be an int >= 1, got '8' \(str\)$"),
         (
             {"data_loader": 5},
             TypeError,
@@ -200,7 +216,7 @@ def test_callable_loader_returning_non_iterable():
     with pytest.raises(
         TypeError, match=r"PreciseBN: `data_loader\(\)` must return an iterable of batches, got 3"
     ):
-        fit(PreciseBN(period=2, data_loader=lambda: 3), max_steps=2)
+        fit(PreciseBN(every_n_train_steps=2, data_loader=lambda: 3), max_steps=2)
 
 
 # ------------------------------------------------------------------------------------------ 2 processes

@@ -103,8 +103,10 @@ def test_two_ranks_report_names_units_and_the_max_over_ranks(tmp_path: Path):
 
 
 def test_bad_arguments_raise():
-    with pytest.raises(ValueError, match=r"`every_n_train_steps` must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"^ResourceStats: `every_n_train_steps` must be an int >= 1, got 0"):
         ResourceStats(every_n_train_steps=0)
+    with pytest.raises(TypeError, match=r"`every_n_train_steps` must be an int >= 1, got True \(bool\)$"):
+        ResourceStats(every_n_train_steps=True)
     with pytest.raises(TypeError, match="`batch_size_fn` must be callable"):
         ResourceStats(batch_size_fn=3)
 

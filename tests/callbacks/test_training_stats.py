@@ -13,7 +13,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ext.callbacks import TrainingStats
-from lightning_ext.stats import report, report0, reset
+from lightning_ext.stats import clear_statistics, report, report0
 from tests.helpers.float64_reference import Reference, reference_moments
 
 SAMPLES = 48  # 24 per rank: 8 micro-batches of 3, i.e. 4 optimizer steps with accumulate_grad_batches=2
@@ -95,7 +95,7 @@ def _expect(ref: Reference, suffix: str) -> tuple[float, float]:
 @pytest.mark.timeout(240)
 @pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
 def test_ddp_spawn_logs_match_float64_and_checkpoint_round_trips(tmp_path: Path) -> None:
-    reset()
+    clear_statistics()
     stats = TrainingStats(every_n_train_steps=EVERY, stats=("mean", "std", "min", "max", "num"))
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="Data/x", mode="max", save_top_k=1)
     logger = CSVLogger(tmp_path, name="csv", version=0)
@@ -166,7 +166,7 @@ def test_ddp_spawn_logs_match_float64_and_checkpoint_round_trips(tmp_path: Path)
     assert abs(saved["collector"]["values"]["Data/x"][1] - data_x.mean) <= data_x.tol_mean
 
     # Resume in this process: the restored statistics are visible before any new flush.
-    reset()
+    clear_statistics()
     resumed = TrainingStats(every_n_train_steps=EVERY, stats=("mean", "std", "min", "max", "num"))
     probe = _Probe()
     trainer = pl.Trainer(
@@ -199,18 +199,22 @@ class _Probe(Callback):
 
 
 def test_bad_arguments_and_state_keys() -> None:
-    with pytest.raises(ValueError, match=r"every_n_train_steps=\.\.\.\) must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"^TrainingStats: `every_n_train_steps` must be an int >= 1, got 0"):
         TrainingStats(every_n_train_steps=0)
+    with pytest.raises(TypeError, match=r"`every_n_train_steps` must be an int >= 1, got 2\.0 \(float\)$"):
+        TrainingStats(every_n_train_steps=2.0)
     with pytest.raises(
-        ValueError, match=r"stats=\.\.\.\) must be a non-empty subset of .*got \('mean', 'median'\)"
+        ValueError, match=r"TrainingStats: `stats` must be a non-empty subset of .*got \('mean', 'median'\)"
     ):
         TrainingStats(stats=("mean", "median"))
-    with pytest.raises(TypeError, match=r"stats=\.\.\.\) must be a sequence of names, not the str 'mean'"):
+    with pytest.raises(TypeError, match=r"Stats: `stats` must be a sequence of names, not the str 'mean'"):
         TrainingStats(stats="mean")
-    with pytest.raises(ValueError, match=r"regex=\.\.\.\) is not a valid regular expression: '\['"):
+    with pytest.raises(ValueError, match=r"TrainingStats: `regex` must be a regular expression, got '\['"):
         TrainingStats(regex="[")
-    with pytest.raises(TypeError, match=r"prefix=\.\.\.\) must be a str, got 3"):
+    with pytest.raises(TypeError, match=r"TrainingStats: `prefix` must be a str, got 3"):
         TrainingStats(prefix=3)
+    with pytest.raises(TypeError, match=r"TrainingStats: `on_epoch` must be a bool, got 'no' \(str\)$"):
+        TrainingStats(on_epoch="no")
     with pytest.raises(RuntimeError, match=r"TrainingStats.flush\(\) needs a Trainer that ran setup\(\)"):
         TrainingStats().flush(None)
     a, b = TrainingStats(regex="Loss/.*"), TrainingStats(regex="AMP/.*")
@@ -241,7 +245,7 @@ class ValidatingModule(pl.LightningModule):
 
 
 def test_validation_epoch_flush_feeds_model_checkpoint_and_drops_sanity_check(tmp_path: Path) -> None:
-    reset()
+    clear_statistics()
     stats = TrainingStats(every_n_train_steps=1000, regex="Loss/.*", prefix="stats/")
     checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="stats/Loss/val", mode="min", save_top_k=1)
     trainer = pl.Trainer(
@@ -303,7 +307,7 @@ class _Steps(pl.loggers.Logger):
 
 def test_manual_optimization_flushes_every_n_training_steps() -> None:
     # global_step advances by 2 per batch; the period counts training steps (iterations).
-    reset()
+    clear_statistics()
     logger = _Steps()
     stats = TrainingStats(every_n_train_steps=3, regex="Batch/.*", stats=("mean", "num"), on_epoch=False)
     trainer = pl.Trainer(
@@ -355,15 +359,15 @@ def test_rows_of_every_callback_follow_lightning_steps() -> None:
     # step): batch-end rows, validation rows, epoch-end rows and LossMonitor's on_train_end row.
     from lightning_ext.callbacks import IterationTimer, LossMonitor, ResourceStats
 
-    reset()
+    clear_statistics()
     logger = _Steps()
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_epochs=2, limit_train_batches=6, limit_val_batches=2,
         val_check_interval=3, log_every_n_steps=2, logger=logger, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
         callbacks=[
-            IterationTimer(warmup_iter=1), ResourceStats(every_n_train_steps=2), LossMonitor(period=5),
-            TrainingStats(every_n_train_steps=3, stats=("mean", "max")),
+            IterationTimer(warmup_iter=1), ResourceStats(every_n_train_steps=2),
+            LossMonitor(every_n_train_steps=5), TrainingStats(every_n_train_steps=3, stats=("mean", "max")),
         ],
     )  # fmt: skip
     trainer.fit(_LoggingModule())

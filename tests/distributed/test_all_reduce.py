@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_ext.distributed import ENV_VAR, all_reduce_, reset, shm, shm_available
+from lightning_ext.distributed import SHM_ENV_VAR, all_reduce_, close_shared_memory, shm, shm_available
 from lightning_ext.distributed import all_reduce as all_reduce_module
 from tests.helpers.distributed import run_distributed
 
@@ -89,14 +89,14 @@ def _matches_gloo(rank: int, world_size: int) -> list[torch.Tensor]:
         assert ours.stride() == stride_before and ours.data_ptr() == ptr_before
         results.append(ours.contiguous())
     # Larger than a slot: goes to gloo, same answer.
-    big = _random((shm.SLOT_BYTES // 8 + 1,), torch.float64, generator)
+    big = _random((shm._SLOT_BYTES // 8 + 1,), torch.float64, generator)
     ref = big.clone()
     x = big.clone()
     all_reduce_(big)
     dist.all_reduce(ref)
     _assert_matches_gloo(big, ref, x, dist.ReduceOp.SUM, world_size)
     # async_op gives a waitable handle on both paths.
-    for n in (3, shm.SLOT_BYTES // 4 + 1):
+    for n in (3, shm._SLOT_BYTES // 4 + 1):
         x = torch.ones(n)
         work = all_reduce_(x, async_op=True)
         assert work.wait()
@@ -126,7 +126,7 @@ def _written_back(rank: int, world_size: int, device: str) -> list[torch.Tensor]
     """Tensors of every size and layout on ``device``, reduced over the gloo group: the caller's tensor
     (same object, same storage, same strides) holds the sum afterwards."""
     results = []
-    for shape, layout in (((5,), "dense"), ((6, 4), "transposed"), ((shm.SLOT_BYTES // 4 + 7,), "dense")):
+    for shape, layout in (((5,), "dense"), ((6, 4), "transposed"), ((shm._SLOT_BYTES // 4 + 7,), "dense")):
         base = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.float32).reshape(shape) + rank
         x = (base.t().contiguous().t() if layout == "transposed" else base.clone()).to(device)
         strides, ptr = x.stride(), x.data_ptr()
@@ -162,7 +162,7 @@ def test_all_reduce_writes_the_result_into_the_callers_tensor(device: str) -> No
         assert torch.equal(a, b)
 
 
-def _reset_and_reduce(rank: int, world_size: int) -> list[float]:
+def _close_and_reduce(rank: int, world_size: int) -> list[float]:
     world = dist.group.WORLD
     sums = []
     x = torch.tensor([float(rank + 1)])
@@ -170,7 +170,7 @@ def _reset_and_reduce(rank: int, world_size: int) -> list[float]:
     sums.append(float(x))
     first = all_reduce_module._routes[world].segment
     assert first is not None and first.seq == 1
-    reset()  # every rank, between the same two reductions
+    close_shared_memory()  # every rank, between the same two reductions
     assert world not in all_reduce_module._routes
     for _ in range(3):  # the first of these sets the segment up again (a collective on every rank)
         x = torch.tensor([float(rank + 1)])
@@ -184,8 +184,8 @@ def _reset_and_reduce(rank: int, world_size: int) -> list[float]:
 
 @needs_shm
 @pytest.mark.timeout(120)
-def test_reset_sets_the_segment_up_again_on_the_next_reduction() -> None:
-    assert run_distributed(_reset_and_reduce, 2, timeout=90) == [[3.0] * 4] * 2
+def test_close_shared_memory_sets_the_segment_up_again_on_the_next_reduction() -> None:
+    assert run_distributed(_close_and_reduce, 2, timeout=90) == [[3.0] * 4] * 2
 
 
 def _subgroup(rank: int, world_size: int) -> list[float]:
@@ -211,7 +211,7 @@ def test_subgroup_with_a_rank_outside() -> None:
 
 
 def _disabled(rank: int, world_size: int) -> bool:
-    os.environ[ENV_VAR] = "0"
+    os.environ[SHM_ENV_VAR] = "0"
     x = torch.tensor([1.0])
     all_reduce_(x)
     assert float(x) == world_size
@@ -249,19 +249,19 @@ def test_a_rank_that_never_joins_raises_naming_it_instead_of_hanging() -> None:
 
 def test_single_process_takes_the_process_group_path() -> None:
     assert not shm_available()  # not distributed
-    reset()  # nothing to forget: a no-op
+    close_shared_memory()  # nothing to forget: a no-op
 
 
 def test_process_alive_tells_running_from_exited_processes() -> None:
-    assert shm.process_alive(os.getpid())
+    assert shm._process_alive(os.getpid())
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()  # reaped: the pid no longer exists
-    assert not shm.process_alive(child.pid)
+    assert not shm._process_alive(child.pid)
     zombie = subprocess.Popen([sys.executable, "-c", "pass"])
     deadline = time.monotonic() + 30
-    while shm.process_alive(zombie.pid) and time.monotonic() < deadline:
+    while shm._process_alive(zombie.pid) and time.monotonic() < deadline:
         time.sleep(0.05)  # exited but not reaped yet: a zombie counts as exited
-    assert not shm.process_alive(zombie.pid)
+    assert not shm._process_alive(zombie.pid)
     zombie.wait()
 
 
@@ -271,7 +271,7 @@ def test_waiting_for_a_rank_whose_process_exited_raises_at_once() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     world_size = 2
-    storage = torch.zeros(world_size * shm._LINE + 2 * world_size * shm.SLOT_BYTES, dtype=torch.uint8)
-    group = shm.ShmGroup(storage, 0, world_size, [os.getpid(), child.pid])
+    storage = torch.zeros(world_size * shm._LINE + 2 * world_size * shm._SLOT_BYTES, dtype=torch.uint8)
+    group = shm._ShmGroup(storage, 0, world_size, [os.getpid(), child.pid])
     with pytest.raises(RuntimeError, match=rf"group ranks \[1\] \(pids \[{child.pid}\]\) exited"):
         group.all_reduce_(torch.ones(3), dist.ReduceOp.SUM)

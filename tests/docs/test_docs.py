@@ -7,12 +7,15 @@ the ``docs`` extra (Sphinx, myst-nb, furo) is not installed.
 
 from __future__ import annotations
 
+import ast
+import json
 import os
 import pickle
 import re
 import subprocess
 import sys
 import zlib
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -35,6 +38,7 @@ def _sphinx(builder: str, out: Path, doctrees: Path) -> subprocess.CompletedProc
         sys.executable, "-m", "sphinx", "-W", "--keep-going", "-b", builder,
         "-d", str(doctrees), str(DOCS), str(out / builder),
     ]  # fmt: skip
+    # MPLBACKEND=Agg as in CI (.ci/run exports it): the notebooks' figures must render even so.
     env = {**os.environ, "LIGHTNING_EXT_DOCS_EXECUTE": "force", "MPLBACKEND": "Agg"}
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
 
@@ -125,6 +129,79 @@ def test_notebooks_are_rendered_with_their_outputs(site: Path):
         html = page.read_text()
         assert 'class="cell_output' in html, f"{name}: no cell outputs rendered (was it executed?)"
     assert "all checks passed" in (site / "html" / "notebooks" / "02_loss_scaling.html").read_text()
+
+
+# pyplot functions that make a new figure; each figure a notebook makes is one image output.
+_FIGURE_FUNCTIONS = {"figure", "subplots", "subplot_mosaic"}
+
+
+def _figures_made(source: str) -> int:
+    """Number of ``plt.figure``/``plt.subplots``/``plt.subplot_mosaic`` calls in a code cell's source
+    (IPython magics and shell lines dropped). A figure made in a loop counts once: such a cell fails
+    the check below until it is counted otherwise."""
+    code = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!")))
+    return sum(
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in _FIGURE_FUNCTIONS
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "plt"
+        for node in ast.walk(ast.parse(code))
+    )
+
+
+class _OutputImages(HTMLParser):
+    """The ``src`` of every ``<img>`` inside a ``div.cell_output`` (a rendered notebook output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._divs: list[bool] = []  # per open <div>: whether it is or is inside a cell output
+        self.sources: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "div":
+            classes = (dict(attrs).get("class") or "").split()
+            self._divs.append(bool(self._divs and self._divs[-1]) or "cell_output" in classes)
+        elif tag == "img" and self._divs and self._divs[-1]:
+            self.sources.append(dict(attrs).get("src") or "")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "div" and self._divs:
+            self._divs.pop()
+
+
+def test_notebook_pages_show_every_figure(site: Path):
+    """Every figure a notebook makes is an image/png output of its cell in the executed notebook and
+    an image on its page, also with ``MPLBACKEND=Agg`` in the environment (see ``_sphinx``)."""
+    made_total = 0
+    for source in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        code = [c for c in json.loads(source.read_text())["cells"] if c["cell_type"] == "code"]
+        executed = json.loads((site / "jupyter_execute" / "notebooks" / source.name).read_text())
+        ran = [c for c in executed["cells"] if c["cell_type"] == "code"]
+        assert len(ran) == len(code), f"{source.name}: the executed notebook has other cells"
+        made = 0
+        for index, (cell, run) in enumerate(zip(code, ran)):
+            expected = _figures_made("".join(cell["source"]))
+            shown = sum("image/png" in output.get("data", {}) for output in run.get("outputs", []))
+            assert shown == expected, (
+                f"{source.name}, code cell {index}: makes {expected} figure(s) but its executed outputs "
+                f"hold {shown} image/png; HINT: `%matplotlib inline` in the first code cell (a kernel "
+                "inherits MPLBACKEND, and Agg shows nothing), and no `matplotlib.use(...)` after it"
+            )
+            made += expected
+        page = site / "html" / "notebooks" / f"{source.stem}.html"
+        parser = _OutputImages()
+        parser.feed(page.read_text())
+        assert len(parser.sources) == made, (
+            f"{page.name}: {len(parser.sources)} image(s) in its cell outputs, its notebook makes {made}"
+        )
+        for src in parser.sources:
+            image = (page.parent / src).resolve()
+            assert image.is_file() and image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{page.name}: {src}"
+        uses_pyplot = any("pyplot" in "".join(c["source"]) for c in code)
+        assert made > 0 or not uses_pyplot, f"{source.name} imports pyplot but no figure was counted"
+        made_total += made
+    assert made_total > 0, "no notebook makes a figure: was _FIGURE_FUNCTIONS outgrown?"
 
 
 def test_benchmark_results_are_included(site: Path):

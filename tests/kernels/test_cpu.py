@@ -36,7 +36,7 @@ def test_loops_are_built_for_avx2_and_the_baseline():
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     if "Free Software Foundation" not in version:  # the clones are a GCC attribute (see the .cpp)
         pytest.skip(f"built with {compiler} ({version.splitlines()[:1]}), not GCC")
-    symbols = subprocess.run(["nm", "-C", cpu.load().__file__], capture_output=True, text=True, check=True)
+    symbols = subprocess.run(["nm", "-C", cpu._load().__file__], capture_output=True, text=True, check=True)
     for kernel in ("channel_terms", "channel_affine", "rows_terms", "rows_affine", "moments_range"):
         lines = [line for line in symbols.stdout.splitlines() if f"{kernel}<" in line]
         assert any("[clone .arch_x86_64_v3]" in line for line in lines), kernel
@@ -121,7 +121,7 @@ def test_the_build_uses_the_keyed_name_and_its_lock(monkeypatch, tmp_path):
     checked = []
     monkeypatch.setattr(cpu, "_clear_stale_lock", checked.append)
     calls = _mock_build(monkeypatch, 0.0)
-    cpu.load()
+    cpu._load()
     assert [call["name"] for call in calls] == [cpu._extension_name()]
     assert checked == [tmp_path / cpu._extension_name()] and checked[0].is_dir()
 
@@ -141,7 +141,7 @@ def test_a_blocking_build_is_announced_once_on_every_rank(monkeypatch, tmp_path,
         monkeypatch.setattr(cpu, "_module", None)
         _mock_build(monkeypatch, delay)
         with caplog.at_level(logging.WARNING, logger=cpu.__name__):
-            cpu.load()
+            cpu._load()
             time.sleep(0.3)  # a timer that was not cancelled would have fired by now
         messages = [r.getMessage() for r in caplog.records if "compiled CPU kernels" in r.getMessage()]
         assert len(messages) == announced, messages
@@ -191,7 +191,7 @@ def test_the_ahead_of_time_build_without_a_compiler_says_so(monkeypatch, capsys)
     from lightning_ext.kernels.__main__ import main
 
     monkeypatch.setenv("CXX", "lightning-ext-no-such-compiler")
-    monkeypatch.setattr(cpu, "load", lambda **kw: pytest.fail("load() called without a compiler"))
+    monkeypatch.setattr(cpu, "_load", lambda **kw: pytest.fail("_load() called without a compiler"))
     assert main([]) == 1
     assert re.match(
         r"lightning_ext: cannot build the cpu kernels: the C\+\+ compiler 'lightning-ext-no-such-compiler' "
@@ -224,8 +224,8 @@ def test_a_failed_build_falls_back_to_reference_with_one_warning(monkeypatch):
     monkeypatch.setattr(cpu, "_module", None)
     monkeypatch.setattr(cpu, "_clear_stale_lock", lambda directory: None)
     monkeypatch.setattr(torch.utils.cpp_extension, "load", broken)
-    monkeypatch.delenv(registry.ENV_VAR, raising=False)
-    registry.reset()
+    monkeypatch.delenv(registry.BACKEND_ENV_VAR, raising=False)
+    registry.clear_backend_cache()
     try:
         with pytest.warns(
             RuntimeWarning, match=r"'cpu' \(RuntimeError\('no compiler here'\)\).*using 'reference'"
@@ -238,12 +238,12 @@ def test_a_failed_build_falls_back_to_reference_with_one_warning(monkeypatch):
             get_backend("cpu", device="cpu")
         assert len(attempts) == 1
     finally:
-        registry.reset()
+        registry.clear_backend_cache()
 
 
 def test_auto_selects_the_cpu_backend_on_cpu():
     require_cpu_backend()
-    registry.reset()
+    registry.clear_backend_cache()
     assert get_backend(device="cpu").name == "cpu"
     x = torch.randn(3, 2)
     assert get_backend(device="cpu").batch_norm_moments(x, torch.zeros(2)).dtype == torch.float64

@@ -70,7 +70,7 @@ def test_triton_multi_tensor_unscale_compiled(dtype):
     on either side of the base tensor, a transposed (dense, not contiguous) tensor, a poison in the first
     element of a full block, the last element of a tensor or nowhere; bit-identical to ATen's op, the
     check read-only."""
-    from lightning_ext.kernels.unscale import _BLOCK, check_finite_triton, unscale_and_check_triton
+    from lightning_ext.kernels.unscale import _BLOCK, _check_finite_triton, _unscale_and_check_triton
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     shared = torch.randn(4 * _BLOCK + 8000, device="cuda", generator=gen).to(dtype)
@@ -93,10 +93,10 @@ def test_triton_multi_tensor_unscale_compiled(dtype):
         flag = torch.zeros((), device="cuda")
         torch._amp_foreach_non_finite_check_and_unscale_(expected, flag, inv)
         before = [t.clone() for t in tensors]
-        assert check_finite_triton(tensors, torch.device("cuda")).item() == flag.item()
+        assert _check_finite_triton(tensors, torch.device("cuda")).item() == flag.item()
         for t, b in zip(tensors, before):
             torch.testing.assert_close(t, b, atol=0, rtol=0, equal_nan=True)
-        assert unscale_and_check_triton(tensors, inv).item() == flag.item() == (poison is not None)
+        assert _unscale_and_check_triton(tensors, inv).item() == flag.item() == (poison is not None)
         for i, (t, e) in enumerate(zip(tensors, expected)):
             torch.testing.assert_close(t, e, atol=0, rtol=0, equal_nan=True, msg=lambda m, i=i: f"{i}: {m}")
 

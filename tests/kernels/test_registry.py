@@ -1,5 +1,5 @@
 """Registry: resolution order, explicit failures, one-warning auto fallback, entry points, validation,
-``reset()``."""
+``clear_backend_cache()``."""
 
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from lightning_ext.kernels import (
-    ENV_VAR,
+    BACKEND_ENV_VAR,
     BackendEntry,
     CpuBackend,
     KernelBackend,
     ReferenceBackend,
     available_backends,
+    clear_backend_cache,
     get_backend,
     register_backend,
     registry,
-    reset,
 )
 from tests.helpers.cpu_extension import require_cpu_backend
 
@@ -29,17 +29,17 @@ from tests.helpers.cpu_extension import require_cpu_backend
 @pytest.fixture(autouse=True)
 def clean_registry(monkeypatch):
     """Each test sees the built-in registry, no cache, no warning issued yet; restored afterwards."""
-    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
     saved = dict(registry._entries)
     saved_ep = registry._entry_points_loaded
     for name in set(saved) - {"reference", "cpu", "triton"}:  # e.g. a doctest's registration
         del registry._entries[name]
-    reset()
+    clear_backend_cache()
     yield
     registry._entries.clear()
     registry._entries.update(saved)
     registry._entry_points_loaded = saved_ep
-    reset()
+    clear_backend_cache()
 
 
 def _broken():
@@ -69,10 +69,10 @@ def test_builtin_backends_and_resolution(monkeypatch):
     assert get_backend(device="meta") is backend is get_backend("reference", "meta")
     # The environment variable beats auto; the explicit argument beats the environment variable.
     register_backend("cpu_ref", _CpuReference, devices=("cpu",), priority=-1)
-    monkeypatch.setenv(ENV_VAR, "cpu_ref")
+    monkeypatch.setenv(BACKEND_ENV_VAR, "cpu_ref")
     assert isinstance(get_backend(device="cpu"), _CpuReference)
     assert type(get_backend("reference", device="cpu")) is ReferenceBackend
-    monkeypatch.setenv(ENV_VAR, "auto")
+    monkeypatch.setenv(BACKEND_ENV_VAR, "auto")
     assert type(get_backend(device="meta")) is ReferenceBackend
 
 
@@ -86,9 +86,9 @@ def test_auto_selects_the_compiled_cpu_backend_on_cpu():
     assert type(get_backend("reference", "cpu")) is ReferenceBackend
 
 
-def test_reset_forgets_instances_failures_cache_and_the_warning():
-    """After `reset()` the next lookup builds backends again (a failed factory is retried) and the
-    fallback warns again; registrations stay."""
+def test_clear_backend_cache_forgets_instances_failures_cache_and_the_warning():
+    """After `clear_backend_cache()` the next lookup builds backends again (a failed factory is
+    retried) and the fallback warns again; registrations stay."""
     calls = []
 
     def flaky():
@@ -103,12 +103,12 @@ def test_reset_forgets_instances_failures_cache_and_the_warning():
     registry._cache.clear()
     assert type(get_backend(device="meta")) is ReferenceBackend and len(calls) == 1  # failure cached
     first = get_backend("reference", "meta")
-    reset()
+    clear_backend_cache()
     assert "flaky" in available_backends()
     assert type(get_backend(device="meta")) is _CpuReference and len(calls) == 2  # retried
     assert get_backend("reference", "meta") is not first  # built again
     register_backend("broken", _broken, devices=("xpu",), priority=100)
-    reset()
+    clear_backend_cache()
     with pytest.warns(RuntimeWarning, match=r"'broken' .* failed to load for device 'xpu'"):
         assert type(get_backend(device="xpu")) is ReferenceBackend
 
@@ -120,12 +120,12 @@ def test_explicit_failures_raise(monkeypatch):
         r"registered backends: \['cpu', 'reference', 'triton'\]",
     ):
         get_backend("nope", "cpu")
-    monkeypatch.setenv(ENV_VAR, "nope")
+    monkeypatch.setenv(BACKEND_ENV_VAR, "nope")
     with pytest.raises(
         ValueError, match=r"unknown kernel backend 'nope' \(from environment variable LIGHTNING_EXT_KERNELS\)"
     ):
         get_backend(device="cpu")
-    monkeypatch.delenv(ENV_VAR)
+    monkeypatch.delenv(BACKEND_ENV_VAR)
     register_backend("cuda_only", _CudaOnly, devices=("cuda",))
     with pytest.raises(
         ValueError,
@@ -246,7 +246,7 @@ def test_triton_without_gpu_raises_unless_interpreting(monkeypatch):
         r"RuntimeError\(.*needs a CUDA device",
     ):
         get_backend("triton", "cuda")
-    reset()
+    clear_backend_cache()
     with pytest.warns(
         RuntimeWarning, match=r"'triton' .* failed to load for device 'cuda'; using 'reference'"
     ):
@@ -263,7 +263,7 @@ def test_triton_without_gpu_raises_unless_interpreting(monkeypatch):
     assert backend.key == "triton" and backend.supports("cpu") and backend.supports("cuda")
     moments = backend.batch_norm_moments(torch.tensor([[1.0], [3.0]]), torch.zeros(1))
     assert moments.dtype == torch.float64 and moments.tolist() == [2.0, 4.0, 10.0]
-    reset()
+    clear_backend_cache()
     assert type(get_backend("triton", "cpu")) is TritonBackend  # named explicitly: serves CPU tensors
     with pytest.raises(
         ValueError, match=r"kernel backend 'triton' .* supports devices \('cuda',\), not 'meta'"

@@ -158,7 +158,7 @@ def test_check_finite_empty_and_bad_input(backend):
 def test_triton_multi_tensor_launch_covers_every_element(check_only):
     """One launch per dtype: tensors of many blocks and partial blocks, a misaligned view (ATen path),
     the metadata cache on a second call with new values, a poison in any tensor."""
-    from lightning_ext.kernels.unscale import check_finite_triton, unscale_and_check_triton
+    from lightning_ext.kernels.unscale import _check_finite_triton, _unscale_and_check_triton
 
     device = _triton_device()
     gen = torch.Generator().manual_seed(11)
@@ -181,10 +181,10 @@ def test_triton_multi_tensor_launch_covers_every_element(check_only):
         torch._amp_foreach_non_finite_check_and_unscale_(expected, flag, inv)
         before = [t.clone() for t in tensors]
         if check_only:
-            found = check_finite_triton(tensors, device)
+            found = _check_finite_triton(tensors, device)
             expected = before
         else:
-            found = unscale_and_check_triton(tensors, inv)
+            found = _unscale_and_check_triton(tensors, inv)
         assert found.item() == flag.item() == (0.0 if poison is None else 1.0)
         for i, (t, e) in enumerate(zip(tensors, expected)):
             torch.testing.assert_close(t, e, atol=0, rtol=0, equal_nan=True, msg=lambda m, i=i: f"{i}: {m}")
@@ -208,7 +208,7 @@ def test_triton_tensors_beyond_the_table_offset_take_atens_op(monkeypatch):
     expected = [t.clone() for t in tensors]
     flag, inv = torch.zeros((), device=device), torch.tensor(0.125, device=device)
     torch._amp_foreach_non_finite_check_and_unscale_(expected, flag, inv)
-    found = us.unscale_and_check_triton(tensors, inv)
+    found = us._unscale_and_check_triton(tensors, inv)
     assert found.item() == flag.item() == 1.0
     for t, e in zip(tensors, expected):
         torch.testing.assert_close(t, e, atol=0, rtol=0, equal_nan=True)

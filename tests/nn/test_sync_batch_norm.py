@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import lightning_ext.nn.sync_batch_norm as sbn
-from lightning_ext.kernels import ENV_VAR, get_backend, registry
+from lightning_ext.kernels import BACKEND_ENV_VAR, get_backend, registry
+from lightning_ext.kernels.batch_norm import _payload_moments as payload_moments
 from lightning_ext.nn import SyncBatchNorm, create_process_groups, sync_batch_norm_stats
 from tests.helpers.cpu_extension import require_cpu_backend
 from tests.helpers.distributed import run_distributed
@@ -238,8 +238,8 @@ def _check_case(case_index, case, outs, large_mean=False):
 
 
 def _equivalence_worker(rank, world_size, backend="cpu"):
-    os.environ[ENV_VAR] = backend  # every layer of this run uses this kernel backend
-    registry.reset()
+    os.environ[BACKEND_ENV_VAR] = backend  # every layer of this run uses this kernel backend
+    registry.clear_backend_cache()
     results = {"cases": [_run_case(rank, world_size, i, case) for i, case in enumerate(CASES)]}
     results["backend"] = get_backend(device="cpu").name
     results["large_mean"] = _run_case(
@@ -396,7 +396,7 @@ def test_combination_is_exact_far_from_zero(backend):
     full = torch.cat(shards)
     shift = full[:1].mean(0)  # any value identical on every rank near the data, e.g. running_mean
     payload = sum(kernels.batch_norm_moments(s, shift) for s in shards)
-    n, mean, var = sbn._statistics(payload, shift)
+    n, mean, var = payload_moments(payload, shift)
     assert float(n) == full.shape[0]
     torch.testing.assert_close(mean, full.mean(0), rtol=1e-15, atol=1e-7)
     torch.testing.assert_close(var, full.var(0, unbiased=False), rtol=1e-6, atol=0)
@@ -498,14 +498,19 @@ def test_bad_inputs():
         sync_batch_norm_stats([[1.0, 2.0]], sync=False)
     with pytest.raises(ValueError, match=r"`shift` must have shape \(3,\) on cpu, got \(2,\)"):
         sync_batch_norm_stats(torch.randn(4, C), shift=torch.zeros(2, dtype=torch.float64), sync=False)
-    with pytest.raises(ValueError, match=r"`eps` must be > 0, got 0.0"):
+    with pytest.raises(ValueError, match=r"^SyncBatchNorm: `eps` must be a finite number > 0\.0, got 0\.0$"):
         SyncBatchNorm(C, eps=0.0)
-    with pytest.raises(ValueError, match=r"`momentum` must be in \[0, 1\] or None.*got 1.5"):
+    with pytest.raises(TypeError, match=r"`eps` must be a finite number > 0\.0, got nan \(float\)$"):
+        SyncBatchNorm(C, eps=float("nan"))
+    in_range = r"`momentum` must be a finite number in \[0\.0, 1\.0\] or None, got "
+    with pytest.raises(ValueError, match=in_range + r"1\.5\. HINT: None: a cumulative average\.$"):
         SyncBatchNorm(C, momentum=1.5)
-    with pytest.raises(ValueError, match=r"`momentum` must be in \[0, 1\].*got -0.1"):
+    with pytest.raises(ValueError, match=in_range + r"-0\.1\."):
         SyncBatchNorm(C, momentum=-0.1)
-    with pytest.raises(ValueError, match=r"`num_features` must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"^SyncBatchNorm: `num_features` must be an int >= 1, got 0$"):
         SyncBatchNorm(0)
+    with pytest.raises(TypeError, match=r"`num_features` must be an int >= 1, got 3\.0 \(float\)$"):
+        SyncBatchNorm(3.0)
     with pytest.raises(TypeError, match=r"`backend` must be a kernel backend name \(str\) or None, got 3"):
         SyncBatchNorm(C, backend=3)
     with pytest.raises(ValueError, match=r"unknown kernel backend 'nope'"):
@@ -516,9 +521,9 @@ def test_bad_inputs():
         SyncBatchNorm(C, process_group="world")
     with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
         SyncBatchNorm(C, momentum=None)(torch.randn(1, C))
-    with pytest.raises(TypeError, match=r"`group_size` must be an int, got 2.0"):
+    with pytest.raises(TypeError, match=r"^create_process_groups: `group_size` must be an int >= 1, got 2\."):
         create_process_groups(2.0)
-    with pytest.raises(ValueError, match=r"`group_size` must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"^create_process_groups: `group_size` must be an int >= 1, got 0$"):
         create_process_groups(0)
 
 

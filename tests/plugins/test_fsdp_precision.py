@@ -86,7 +86,7 @@ def test_is_an_fsdp_precision_with_our_scaler():
     # FSDP's dtypes are Lightning's own for the precision (they differ between Lightning versions).
     assert bf16.mixed_precision_config == FSDPPrecision("bf16-mixed").mixed_precision_config
     assert bf16.mixed_precision_config.reduce_dtype == torch.bfloat16 and not bf16.scaler.is_enabled()
-    with pytest.raises(ValueError, match=r"`precision` must be one of"):
+    with pytest.raises(ValueError, match=r"LossScalingFSDPPrecision: `precision` must be one of"):
         LossScalingFSDPPrecision("16-true")
 
 

@@ -47,7 +47,7 @@ trainer:
         stats: [mean, max]
     - class_path: lightning_ext.callbacks.LossMonitor
       init_args:
-        period: 2
+        every_n_train_steps: 2
 model:
   lr: 0.05
 """

@@ -400,8 +400,12 @@ def test_bf16_and_fp32_skip_nonfinite_steps_without_scaling():
 
 
 def test_bad_arguments_raise():
-    with pytest.raises(ValueError, match=r"`precision` must be one of .*got '16-true'"):
+    with pytest.raises(ValueError, match=r"^LossScalingPrecision: `precision` must be one of .*'16-true'$"):
         LossScalingPrecision("16-true")
+    with pytest.raises(TypeError, match=r"`precision` must be one of \('16-mixed', .*got 16 \(int\)$"):
+        LossScalingPrecision(16)
+    with pytest.raises(TypeError, match=r"LossScalingPrecision: `skip_nonfinite` must be a bool, got 1 \("):
+        LossScalingPrecision("bf16-mixed", skip_nonfinite=1)
     with pytest.raises(
         ValueError, match=r"needs an enabled scaler.*HINT: on CPU build it as DynamicLossScaler\('cpu'\)"
     ):

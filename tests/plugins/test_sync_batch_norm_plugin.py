@@ -232,13 +232,15 @@ def test_apply_and_revert_without_trainer():
 def test_bad_arguments():
     with pytest.raises(ValueError, match=r"pass either `process_group` or `group_size`, not both"):
         SyncBatchNormPlugin(process_group=object(), group_size=2)
-    with pytest.raises(ValueError, match=r"`group_size` must be >= 1, got 0"):
+    with pytest.raises(
+        ValueError, match=r"^SyncBatchNormPlugin: `group_size` must be an int >= 1 or None, got 0$"
+    ):
         SyncBatchNormPlugin(group_size=0)
-    with pytest.raises(TypeError, match=r"`group_size` must be an int or None, got '2'"):
+    with pytest.raises(TypeError, match=r"`group_size` must be an int >= 1 or None, got '2' \(str\)$"):
         SyncBatchNormPlugin(group_size="2")
     with pytest.raises(TypeError, match=r"`backend` must be a kernel backend name \(str\) or None, got 5"):
         SyncBatchNormPlugin(backend=5)
-    with pytest.raises(TypeError, match=r"`ddp_broadcast_buffers` must be a bool, got 'yes'"):
+    with pytest.raises(TypeError, match=r"Plugin: `ddp_broadcast_buffers` must be a bool, got 'yes' \(str\)"):
         SyncBatchNormPlugin(ddp_broadcast_buffers="yes")
     with pytest.raises(
         TypeError, match=r"`process_group` must be a torch\.distributed\.ProcessGroup or None, got 'world'"

@@ -11,14 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_ext.stats.moments import (
-    empty_moments,
-    fingerprint,
-    merge_moments,
-    moments_from_allreduce,
-    moments_from_shifted,
-    moments_of,
-    needs_recentering,
-    shifted_for_allreduce,
+    _empty_moments,
+    _fingerprint,
+    _merge_moments,
+    _moments_from_allreduce,
+    _moments_from_shifted,
+    _moments_of,
+    _needs_recentering,
+    _shifted_for_allreduce,
 )
 from tests.helpers.float64_reference import assert_moments_close
 
@@ -27,7 +27,7 @@ def _exact_row(x: torch.Tensor) -> torch.Tensor:
     """Moment row of ``x`` from ``math.fsum`` (correctly rounded sums): a leaf with no summation error."""
     v = x.to(torch.float64).reshape(-1).tolist()
     if not v:
-        return empty_moments(1)[0]
+        return _empty_moments(1)[0]
     mean = math.fsum(v) / len(v)
     return torch.tensor(
         [len(v), mean, math.fsum((a - mean) ** 2 for a in v), min(v), max(v)], dtype=torch.float64
@@ -52,12 +52,12 @@ def test_shifted_then_merge_matches_direct(offset: float) -> None:
     x = offset + torch.randn(1001, generator=gen, dtype=torch.float64)
     parts = [x[:1], x[1:400], x[400:401], x[401:]]
     rows = [
-        moments_from_shifted(_shifted(p, float(p[0])), torch.tensor(float(p[0]), dtype=torch.float64))
+        _moments_from_shifted(_shifted(p, float(p[0])), torch.tensor(float(p[0]), dtype=torch.float64))
         for p in parts
     ]
-    merged = empty_moments(1)[0]
+    merged = _empty_moments(1)[0]
     for row in rows:
-        merged = merge_moments(merged, row)
+        merged = _merge_moments(merged, row)
     # Four leaves summed around their first value, three real merges (the first, into the empty
     # row, is exact): within the derived bound, dominated by the spacing of the mean (|offset|·eps)
     # entering the merges' between-part terms, not by cancellation.
@@ -65,11 +65,11 @@ def test_shifted_then_merge_matches_direct(offset: float) -> None:
 
 
 def test_merge_with_empty_is_identity_and_empty_with_empty_is_empty() -> None:
-    row = moments_of(torch.tensor([1.0, 2.0, 4.0]))
-    empty = empty_moments(1)[0]
-    torch.testing.assert_close(merge_moments(row, empty), row)
-    torch.testing.assert_close(merge_moments(empty, row), row)
-    both = merge_moments(empty, empty)
+    row = _moments_of(torch.tensor([1.0, 2.0, 4.0]))
+    empty = _empty_moments(1)[0]
+    torch.testing.assert_close(_merge_moments(row, empty), row)
+    torch.testing.assert_close(_merge_moments(empty, row), row)
+    both = _merge_moments(empty, empty)
     assert both.tolist() == [0.0, 0.0, 0.0, math.inf, -math.inf]
 
 
@@ -83,21 +83,21 @@ def test_allreduce_formulae_reproduce_global_moments_with_large_offset() -> None
     shift = means.max().reshape(1)
     spread = (means.max() - rows[rows[:, 0] > 0, 1].min()).reshape(1)
     lo, hi = rows[:, 3].min().reshape(1), rows[:, 4].max().reshape(1)
-    sums = sum(shifted_for_allreduce(rows[w : w + 1], shift) for w in range(3))
-    got = moments_from_allreduce(sums, shift, lo, hi, spread)[0]
+    sums = sum(_shifted_for_allreduce(rows[w : w + 1], shift) for w in range(3))
+    got = _moments_from_allreduce(sums, shift, lo, hi, spread)[0]
     # One merge of 3 rows around a shift inside the data: within the derived rounding bound.
     assert_moments_close(_stats(got), torch.cat(shards), "all-reduce", merges=1, ways=3)
     ref = _exact_row(torch.cat(shards))
     distance = (means.max() - rows[rows[:, 0] > 0, 1].min()).reshape(1)
-    assert not needs_recentering(got.reshape(1, 5), spread, distance).any()
+    assert not _needs_recentering(got.reshape(1, 5), spread, distance).any()
     # Around a shift far outside the data (0 instead of ~1e8) the bound flags the row.
     far = torch.zeros(1, dtype=torch.float64)
-    sums_far = sum(shifted_for_allreduce(rows[w : w + 1], far) for w in range(3))
-    got_far = moments_from_allreduce(sums_far, far, lo, hi, spread)
-    assert needs_recentering(got_far, spread, means.max().reshape(1)).all()
+    sums_far = sum(_shifted_for_allreduce(rows[w : w + 1], far) for w in range(3))
+    got_far = _moments_from_allreduce(sums_far, far, lo, hi, spread)
+    assert _needs_recentering(got_far, spread, means.max().reshape(1)).all()
     # One rank with values (spread 0): the between-rank term is exactly 0 whatever the shift.
-    single = moments_of(torch.tensor([5.0, 5.0], dtype=torch.float64)).reshape(1, 5)
-    one = moments_from_allreduce(shifted_for_allreduce(single, far + 3.0), far + 3.0, lo, hi, far)
+    single = _moments_of(torch.tensor([5.0, 5.0], dtype=torch.float64)).reshape(1, 5)
+    one = _moments_from_allreduce(_shifted_for_allreduce(single, far + 3.0), far + 3.0, lo, hi, far)
     assert one[0, 2] == 0.0 and one[0, 1] == 5.0
     # The textbook E[x²] - E[x]² from raw sums loses everything at this offset: the test discriminates.
     x = torch.cat(shards)
@@ -106,10 +106,10 @@ def test_allreduce_formulae_reproduce_global_moments_with_large_offset() -> None
 
 
 def test_fingerprint_is_exact_in_float64_and_order_sensitive() -> None:
-    fp = fingerprint(["a", "b"])
+    fp = _fingerprint(["a", "b"])
     assert fp == float(int(fp)) and 0 < fp < 2**53
-    assert fingerprint(["a", "b"]) != fingerprint(["b", "a"])
-    assert fingerprint([]) != fingerprint([""])
+    assert _fingerprint(["a", "b"]) != _fingerprint(["b", "a"])
+    assert _fingerprint([]) != _fingerprint([""])
 
 
 @settings(max_examples=60, deadline=None)
@@ -121,11 +121,11 @@ def test_fingerprint_is_exact_in_float64_and_order_sensitive() -> None:
 def test_any_split_merges_to_the_direct_moments(values, cuts, offset) -> None:
     x = torch.tensor(values, dtype=torch.float64) + offset
     bounds = sorted({0, len(values), *(min(c, len(values)) for c in cuts)})
-    merged = empty_moments(1)[0]
+    merged = _empty_moments(1)[0]
     for lo, hi in itertools.pairwise(bounds):
-        merged = merge_moments(merged, _exact_row(x[lo:hi]))
+        merged = _merge_moments(merged, _exact_row(x[lo:hi]))
     if not values:
         assert merged.tolist() == [0.0, 0.0, 0.0, math.inf, -math.inf]
         return
-    # Exact leaves, at most len(bounds) - 1 merges: only merge_moments' rounding is measured.
+    # Exact leaves, at most len(bounds) - 1 merges: only _merge_moments' rounding is measured.
     assert_moments_close(_stats(merged), x, merges=len(bounds) - 1)

@@ -1,4 +1,4 @@
-"""report(), report0(), reset() and init_multiprocessing() in one process."""
+"""report(), report0(), clear_statistics() and init_multiprocessing() in one process."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_ext.stats import Collector, init_multiprocessing, report, report0, reset
+from lightning_ext.stats import Collector, clear_statistics, init_multiprocessing, report, report0
 from tests.helpers.float64_reference import assert_moments_close
 
 
 @pytest.fixture(autouse=True)
 def _clean_state():
-    reset()
+    clear_statistics()
     yield
-    reset()
+    clear_statistics()
 
 
 def _check(c: Collector, name: str, values: list[float] | torch.Tensor, lanes: bool = False) -> None:
@@ -210,7 +210,7 @@ def test_bad_input_raises_type_error_naming_the_name(name, value, match) -> None
     for fn in (report, report0):
         with pytest.raises(TypeError, match=match):
             fn(name, value)
-    reset()  # also when nobody collects the name
+    clear_statistics()  # also when nobody collects the name
     with pytest.raises(TypeError, match=match):
         report(name, value)
 
@@ -227,12 +227,14 @@ def test_report0_keeps_only_rank_zero_values_and_registers_elsewhere() -> None:
 
 
 def test_init_multiprocessing_validates_arguments() -> None:
-    with pytest.raises(TypeError, match=r"rank=\.\.\.\) must be an int, got '0'"):
+    with pytest.raises(TypeError, match=r"^init_multiprocessing: `rank` must be an int >= 0, got '0' \(str"):
         init_multiprocessing("0", None)
-    with pytest.raises(ValueError, match=r"rank=\.\.\.\) must be >= 0, got -1"):
+    with pytest.raises(TypeError, match=r"`rank` must be an int >= 0, got True \(bool\)$"):
+        init_multiprocessing(True, None)
+    with pytest.raises(ValueError, match=r"^init_multiprocessing: `rank` must be an int >= 0, got -1$"):
         init_multiprocessing(-1, None)
     with pytest.raises(
-        TypeError, match=r"sync_device=\.\.\.\) must be a torch.device, a string or None, got 3"
+        TypeError, match=r"processing: `sync_device` must be a torch.device, a string or None, got 3"
     ):
         init_multiprocessing(0, 3)
     init_multiprocessing(0, "cpu")  # a world of one: update() still works without collectives
@@ -242,10 +244,10 @@ def test_init_multiprocessing_validates_arguments() -> None:
     assert c.mean("A") == 1.0
 
 
-def test_reset_detaches_collectors_and_clears_pending() -> None:
+def test_clear_statistics_detaches_collectors_and_clears_pending() -> None:
     c = Collector()
     report("A", 1.0)
-    reset()
+    clear_statistics()
     report("A", 2.0)  # no live registered collector any more
     c.update()
     assert c.names() == []

@@ -1,0 +1,203 @@
+"""Argument checks of the public entry points: one rule, one message format (private; no Lightning import).
+
+The rule: ``TypeError`` for a value of the wrong type — anything but an ``int`` where an int is asked
+(``True`` is an ``int`` to Python, never to these checks), NaN or ±inf where a finite number is asked —
+and ``ValueError`` for a value of the right type outside what is allowed. Every message names the owner
+(the class, function or method the user called), the argument, what is allowed and the value received
+(its type too on a ``TypeError``), then a ``HINT:`` where the caller gives one::
+
+    LossMonitor: `every_n_train_steps` must be an int >= 1, got 0
+    DynamicLossScaler: `init_scale` must be a finite number > 0.0, got inf (float)
+
+The checks are for the simple kinds only (int, finite number, bool, one of a few choices); contextual
+checks (shapes, devices, state-dict consistency, process groups) stay where they are, with their own
+messages in the same spirit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from typing import Any, NoReturn
+
+__all__ = ["check_bool", "check_choice", "check_int", "check_number"]
+
+_REPR_LIMIT = 80  # characters of a received value's repr kept in a message
+
+
+def _received(value: Any, with_type: bool) -> str:
+    """``repr(value)`` cut to a readable length, followed by its type name for a ``TypeError``."""
+    text = repr(value)
+    if len(text) > _REPR_LIMIT:
+        text = text[: _REPR_LIMIT - 3] + "..."
+    return f"{text} ({type(value).__name__})" if with_type and value is not None else text
+
+
+def _fail(
+    error: type[Exception], owner: str, name: str, allowed: str, value: Any, hint: str | None
+) -> NoReturn:
+    message = f"{owner}: `{name}` must be {allowed}, got {_received(value, error is TypeError)}"
+    raise error(f"{message}. HINT: {hint}" if hint else message)
+
+
+def _range(gt: float | None, ge: float | None, lt: float | None, le: float | None) -> str:
+    """The bounds in words: ``" >= 1"``, ``" < 1.0"``, ``" in (0.0, 1.0]"`` or ``""``."""
+    assert gt is None or ge is None, "give at most one lower bound"
+    assert lt is None or le is None, "give at most one upper bound"
+    low = gt if gt is not None else ge
+    high = lt if lt is not None else le
+    if low is not None and high is not None:
+        return f" in {'(' if gt is not None else '['}{low!r}, {high!r}{')' if lt is not None else ']'}"
+    if low is not None:
+        return f" {'>' if gt is not None else '>='} {low!r}"
+    if high is not None:
+        return f" {'<' if lt is not None else '<='} {high!r}"
+    return ""
+
+
+def _in_range(value: float, gt: float | None, ge: float | None, lt: float | None, le: float | None) -> bool:
+    return (
+        (gt is None or value > gt)
+        and (ge is None or value >= ge)
+        and (lt is None or value < lt)
+        and (le is None or value <= le)
+    )
+
+
+def check_int(
+    owner: str,
+    name: str,
+    value: Any,
+    *,
+    gt: int | None = None,
+    ge: int | None = None,
+    lt: int | None = None,
+    le: int | None = None,
+    optional: bool = False,
+    hint: str | None = None,
+) -> None:
+    """Raise unless ``value`` is an ``int`` (not a ``bool``) within the bounds, or ``None`` if ``optional``.
+
+    Args:
+        owner: what the user called, as they wrote it: ``"LossMonitor"``, ``"create_process_groups"``.
+        name: the argument's name.
+        value: the value received.
+        gt, ge, lt, le: bounds (``>``, ``>=``, ``<``, ``<=``); at most one lower and one upper.
+        optional: ``None`` is allowed too.
+        hint: appended as ``HINT: ...`` to either error.
+
+    Raises:
+        TypeError: ``value`` is not an ``int`` (a ``bool`` or a float with an integral value included),
+            nor ``None`` where ``optional``.
+        ValueError: ``value`` is outside the bounds.
+
+    Example::
+
+        >>> check_int("LossMonitor", "every_n_train_steps", 0, ge=1)
+        Traceback (most recent call last):
+        ...
+        ValueError: LossMonitor: `every_n_train_steps` must be an int >= 1, got 0
+        >>> check_int("LossMonitor", "every_n_train_steps", True, ge=1)
+        Traceback (most recent call last):
+        ...
+        TypeError: LossMonitor: `every_n_train_steps` must be an int >= 1, got True (bool)
+    """
+    if value is None and optional:
+        return
+    allowed = f"an int{_range(gt, ge, lt, le)}{' or None' if optional else ''}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(TypeError, owner, name, allowed, value, hint)
+    if not _in_range(value, gt, ge, lt, le):
+        _fail(ValueError, owner, name, allowed, value, hint)
+
+
+def check_number(
+    owner: str,
+    name: str,
+    value: Any,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+    optional: bool = False,
+    hint: str | None = None,
+) -> None:
+    """Raise unless ``value`` is a finite ``int`` or ``float`` (not a ``bool``) within the bounds.
+
+    Args:
+        owner, name, value, gt, ge, lt, le, optional, hint: as :func:`check_int`'s.
+
+    Raises:
+        TypeError: ``value`` is not an ``int``/``float``, is a ``bool``, NaN or ±inf, nor ``None`` where
+            ``optional``.
+        ValueError: ``value`` is outside the bounds.
+
+    Example::
+
+        >>> check_number("SyncBatchNorm", "momentum", 1.5, ge=0.0, le=1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: SyncBatchNorm: `momentum` must be a finite number in [0.0, 1.0], got 1.5
+        >>> check_number("SyncBatchNorm", "eps", float("nan"), gt=0.0)
+        Traceback (most recent call last):
+        ...
+        TypeError: SyncBatchNorm: `eps` must be a finite number > 0.0, got nan (float)
+    """
+    if value is None and optional:
+        return
+    allowed = f"a finite number{_range(gt, ge, lt, le)}{' or None' if optional else ''}"
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        _fail(TypeError, owner, name, allowed, value, hint)
+    if not _in_range(value, gt, ge, lt, le):
+        _fail(ValueError, owner, name, allowed, value, hint)
+
+
+def check_bool(owner: str, name: str, value: Any, *, hint: str | None = None) -> None:
+    """Raise unless ``value`` is ``True`` or ``False`` (``0``, ``1`` and ``None`` are not).
+
+    Args:
+        owner, name, value, hint: as :func:`check_int`'s.
+
+    Raises:
+        TypeError: ``value`` is not a ``bool``.
+
+    Example::
+
+        >>> check_bool("LossMonitor", "async_write", "yes")
+        Traceback (most recent call last):
+        ...
+        TypeError: LossMonitor: `async_write` must be a bool, got 'yes' (str)
+    """
+    if not isinstance(value, bool):
+        _fail(TypeError, owner, name, "a bool", value, hint)
+
+
+def check_choice(
+    owner: str, name: str, value: Any, choices: Collection[Any], *, hint: str | None = None
+) -> None:
+    """Raise unless ``value`` is one of ``choices``.
+
+    Args:
+        owner, name, value, hint: as :func:`check_int`'s.
+        choices: the allowed values (hashable or not; compared with ``==``).
+
+    Raises:
+        TypeError: ``value`` is of none of the choices' types (a ``bool`` counts as one only where a
+            choice is a ``bool``).
+        ValueError: ``value`` is of a choice's type but none of them.
+
+    Example::
+
+        >>> check_choice("DynamicLossScaler", "schedule", "linear", ("exponential", "log2"))
+        Traceback (most recent call last):
+        ...
+        ValueError: DynamicLossScaler: `schedule` must be one of ('exponential', 'log2'), got 'linear'
+    """
+    choices = tuple(choices)
+    allowed = f"one of {choices!r}"
+    types = {type(c) for c in choices}
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, tuple(types)):
+        _fail(TypeError, owner, name, allowed, value, hint)
+    if not any(value == c for c in choices):
+        _fail(ValueError, owner, name, allowed, value, hint)
