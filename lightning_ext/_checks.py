@@ -17,7 +17,7 @@ messages in the same spirit.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, NoReturn
 
 __all__ = ["check_bool", "check_choice", "check_int", "check_number"]
@@ -64,27 +64,16 @@ def _in_range(value: float, gt: float | None, ge: float | None, lt: float | None
     )
 
 
-def check_int(
-    owner: str,
-    name: str,
-    value: Any,
-    *,
-    gt: int | None = None,
-    ge: int | None = None,
-    lt: int | None = None,
-    le: int | None = None,
-    optional: bool = False,
-    hint: str | None = None,
-) -> None:
+def check_int(owner: str, name: str, value: Any, **bounds: Any) -> None:
     """Raise unless ``value`` is an ``int`` (not a ``bool``) within the bounds, or ``None`` if ``optional``.
 
     Args:
         owner: what the user called, as they wrote it: ``"LossMonitor"``, ``"create_process_groups"``.
         name: the argument's name.
         value: the value received.
-        gt, ge, lt, le: bounds (``>``, ``>=``, ``<``, ``<=``); at most one lower and one upper.
-        optional: ``None`` is allowed too.
-        hint: appended as ``HINT: ...`` to either error.
+        bounds: keywords ``gt``, ``ge``, ``lt``, ``le`` (``>``, ``>=``, ``<``, ``<=``; at most one
+            lower and one upper), ``optional`` (``None`` is allowed too) and ``hint`` (appended as
+            ``HINT: ...`` to either error).
 
     Raises:
         TypeError: ``value`` is not an ``int`` (a ``bool`` or a float with an integral value included),
@@ -102,31 +91,15 @@ def check_int(
         ...
         TypeError: LossMonitor: `every_n_train_steps` must be an int >= 1, got True (bool)
     """
-    if value is None and optional:
-        return
-    allowed = f"an int{_range(gt, ge, lt, le)}{' or None' if optional else ''}"
-    if isinstance(value, bool) or not isinstance(value, int):
-        _fail(TypeError, owner, name, allowed, value, hint)
-    if not _in_range(value, gt, ge, lt, le):
-        _fail(ValueError, owner, name, allowed, value, hint)
+
+    _check_bounded("an int", _is_int, owner, name, value, **bounds)
 
 
-def check_number(
-    owner: str,
-    name: str,
-    value: Any,
-    *,
-    gt: float | None = None,
-    ge: float | None = None,
-    lt: float | None = None,
-    le: float | None = None,
-    optional: bool = False,
-    hint: str | None = None,
-) -> None:
+def check_number(owner: str, name: str, value: Any, **bounds: Any) -> None:
     """Raise unless ``value`` is a finite ``int`` or ``float`` (not a ``bool``) within the bounds.
 
     Args:
-        owner, name, value, gt, ge, lt, le, optional, hint: as :func:`check_int`'s.
+        owner, name, value, bounds: as :func:`check_int`'s.
 
     Raises:
         TypeError: ``value`` is not an ``int``/``float``, is a ``bool``, NaN or ±inf, nor ``None`` where
@@ -144,10 +117,37 @@ def check_number(
         ...
         TypeError: SyncBatchNorm: `eps` must be a finite number > 0.0, got nan (float)
     """
+
+    _check_bounded("a finite number", _is_finite_number, owner, name, value, **bounds)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_bounded(
+    kind: str,
+    accepts: Callable[[Any], bool],
+    owner: str,
+    name: str,
+    value: Any,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+    optional: bool = False,
+    hint: str | None = None,
+) -> None:
+    """:func:`check_int` and :func:`check_number`: ``kind`` names the type, ``accepts`` tests it."""
     if value is None and optional:
         return
-    allowed = f"a finite number{_range(gt, ge, lt, le)}{' or None' if optional else ''}"
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    allowed = f"{kind}{_range(gt, ge, lt, le)}{' or None' if optional else ''}"
+    if not accepts(value):
         _fail(TypeError, owner, name, allowed, value, hint)
     if not _in_range(value, gt, ge, lt, le):
         _fail(ValueError, owner, name, allowed, value, hint)

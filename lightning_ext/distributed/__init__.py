@@ -13,15 +13,7 @@ from lightning_ext.distributed.groups import (
 )
 
 __all__ = [
-    "SHM_ENV_VAR",
-    "all_reduce_",
-    "check_process_group",
-    "close_shared_memory",
-    "collective_device",
-    "create_process_groups",
-    "get_process_group",
-    "get_rank",
-    "get_world_size",
-    "is_distributed",
+    "SHM_ENV_VAR", "all_reduce_", "check_process_group", "close_shared_memory", "collective_device",
+    "create_process_groups", "get_process_group", "get_rank", "get_world_size", "is_distributed",
     "shm_available",
-]
+]  # fmt: skip
