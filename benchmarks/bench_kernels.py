@@ -40,6 +40,11 @@ from _common import write_result  # noqa: E402
 from lightning_ext.kernels import get_backend  # noqa: E402
 
 ROWS: list[tuple] = []  # CPU rows: (section, op, backend, case, ms, GB/s, vs ATen, vs copy)
+# The guard: every (op, case) timed for the automatically chosen CPU backend and for `reference`, as
+# (op, case, auto seconds, reference seconds, A/A): A/A is |second / first - 1| of the reference op
+# timed twice in the same run, the noise the guard allows that pair (at least MIN_NOISE).
+GUARD: list[tuple[str, str, float, float, float]] = []
+MIN_NOISE = 0.10  # two timings of one op in this run differ by up to ~9% (the deferred float16 pairs)
 MIN_RUN_TIME = 0.5  # seconds per CPU timing (--quick: less)
 
 
@@ -105,11 +110,13 @@ def bench_cpu(quick: bool) -> None:
     ref = backends[-1]
     copy_gbs = copy_bandwidth("cpu", cpu_time)
     print(f"CPU copy bandwidth: {copy_gbs:.1f} GB/s")
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
     cases = [
         ((32, 64, 32, 32), dtype, fmt)
-        for dtype in (torch.float32, torch.bfloat16, torch.float16)
+        for dtype in dtypes
         for fmt in (torch.contiguous_format, torch.channels_last)
     ] + [((32, 64, 8, 8), torch.bfloat16, torch.contiguous_format)]  # a layer of the digits demo
+    cases += [((2, 8, 3, 3), dtype, torch.contiguous_format) for dtype in dtypes]  # per-call overhead
     for shape, dtype, fmt in cases[:1] if quick else cases:
         x = (torch.randn(shape) * 2 + 1).to(dtype).contiguous(memory_format=fmt)
         dy = torch.randn(shape).to(dtype).contiguous(memory_format=fmt)
@@ -117,13 +124,14 @@ def bench_cpu(quick: bool) -> None:
         case = f"{tuple(shape)} {str(dtype)[6:]} {'CL' if fmt == torch.channels_last else 'NCHW'}"
         shift = torch.zeros(c, dtype=torch.float64)  # the running mean at the first step
         count, mean, invstd = _statistics(ref.batch_norm_moments(x, shift), shift)
-        w, b = torch.randn(c), torch.randn(c)
+        pdt = torch.float64 if dtype == torch.float64 else torch.float32  # parameters (ATen: same)
+        w, b = torch.randn(c, dtype=pdt), torch.randn(c, dtype=pdt)
         sums = ref.batch_norm_backward_reduce(dy, x, mean)
-        # ATen's fused BatchNorm pieces, with float32 statistics: moments (batch_norm_update_stats),
-        # training forward (moments + normalize), eval forward (normalize), backward (the two sums
-        # alone; the whole input gradient).
-        mean32, invstd32 = mean.float(), invstd.float()
-        rm, rv = torch.zeros(c), torch.ones(c)
+        # ATen's fused BatchNorm pieces, with float32 statistics (float64 for float64 input): moments
+        # (batch_norm_update_stats), training forward (moments + normalize), eval forward (normalize),
+        # backward (the two sums alone; the whole input gradient).
+        mean32, invstd32 = mean.to(pdt), invstd.to(pdt)
+        rm, rv = torch.zeros(c, dtype=pdt), torch.ones(c, dtype=pdt)
         t_moments = cpu_time(lambda: torch.batch_norm_update_stats(x, rm, rv, 0.0))
         t_fwd = cpu_time(lambda: torch.batch_norm(x, w, b, None, None, True, 0.0, 1e-5, False))
         rvar = invstd32.pow(-2)
@@ -136,11 +144,17 @@ def bench_cpu(quick: bool) -> None:
             lambda: aten_bwd(dy, x, w, None, None, mean32, invstd32, True, 1e-5, [True, True, True])
         )
         nb = nbytes(x)
+        calls = {
+            "batch_norm_moments": lambda be: be.batch_norm_moments(x, shift),
+            "batch_norm_elemt": lambda be: be.batch_norm_elemt(x, mean, invstd, w, b),
+            "batch_norm_backward_reduce": lambda be: be.batch_norm_backward_reduce(dy, x, mean),
+            "batch_norm_backward_elemt": (
+                lambda be: be.batch_norm_backward_elemt(dy, x, mean, invstd, w, sums, count)
+            ),
+        }
+        times = guarded(backends, calls, case)
         for be in backends:
-            t_m = cpu_time(lambda: be.batch_norm_moments(x, shift))
-            t_e = cpu_time(lambda: be.batch_norm_elemt(x, mean, invstd, w, b))
-            t_r = cpu_time(lambda: be.batch_norm_backward_reduce(dy, x, mean))
-            t_be = cpu_time(lambda: be.batch_norm_backward_elemt(dy, x, mean, invstd, w, sums, count))
+            t_m, t_e, t_r, t_be = (times[be.name][op] for op in calls)
             add("cpu", "batch_norm_moments", be.name, case, t_m, nb, t_moments, copy_gbs)
             add("cpu", "batch_norm_elemt", be.name, case, t_e, 2 * nb, t_eval, copy_gbs)
             add("cpu", "moments+elemt (fwd)", be.name, case, t_m + t_e, 3 * nb, t_fwd, copy_gbs)
@@ -176,24 +190,66 @@ def bench_cpu(quick: bool) -> None:
     add("cpu", "GradScaler check at scale 1 (anchor)", "aten", case, t_gs_check, 2 * nbytes(*grads),
         t_gs_check, copy_gbs)  # fmt: skip
     add("cpu", "read grads once (foreach_norm)", "aten", case, t_read, nbytes(*grads), None, copy_gbs)
+    calls = {
+        "unscale_and_check_": lambda be: be.unscale_and_check_(grads, inv),
+        "check_finite": lambda be: be.check_finite(grads, "cpu"),
+    }
+    times = guarded(backends, calls, case)
     for be in backends:
-        t_us = cpu_time(lambda: be.unscale_and_check_(grads, inv))
-        t_check = cpu_time(lambda: be.check_finite(grads, "cpu"))
+        t_us, t_check = times[be.name]["unscale_and_check_"], times[be.name]["check_finite"]
         add("cpu", "unscale_and_check_", be.name, case, t_us, 2 * nbytes(*grads), t_gs, copy_gbs)
         add("cpu", "check_finite (fused optimizers)", be.name, case, t_check, nbytes(*grads), t_gs_check,
             copy_gbs)  # fmt: skip
 
-    # accumulate_moments_ (report()) vs the ATen reductions it needs, on a 1M-element activation.
-    x = torch.randn(2**20) + 3
-    shift = torch.tensor(3.0, dtype=torch.float64)
-    t_a = cpu_time(lambda: (x.sum(), (x * x).sum(), torch.aminmax(x)))
-    one = torch.ones(())
+    # batch_norm_gather_stats: statistics and running update from a summed 64-channel payload.
+    x = torch.randn(32, 64, 8, 8)
+    shift, rm, rv = torch.zeros(64), torch.zeros(64), torch.ones(64)
+    payload, momentum = ref.batch_norm_moments(x, shift), torch.tensor(0.1, dtype=torch.float64)
+    args = (payload, shift, rm, rv, momentum, 1e-5)
+    gather = {"batch_norm_gather_stats": lambda be: be.batch_norm_gather_stats(*args)}
+    times = guarded(backends, gather, "C=64 payload")
     for be in backends:
+        t_g = times[be.name]["batch_norm_gather_stats"]
+        add("cpu", "batch_norm_gather_stats", be.name, "C=64 payload", t_g, nbytes(payload), None, copy_gbs)
+
+    # accumulate_moments_ (report()) vs the ATen reductions it needs, on a 1M-element activation of
+    # each dtype, and on a scalar (per-call overhead).
+    shift = torch.tensor(3.0, dtype=torch.float64)
+    inputs = [(f"1M {str(d)[6:]} (float64 sums)", (torch.randn(2**20) + 3).to(d)) for d in dtypes]
+    for case, x in [*(inputs[:1] if quick else inputs), ("scalar (per-call overhead)", torch.ones(()))]:
+        xf = x if x.dtype == torch.float64 else x.float()
+        t_a = cpu_time(lambda: (xf.sum(), (xf * xf).sum(), torch.aminmax(xf))) if x.dim() else None
         acc = torch.tensor([0, 0, 0, math.inf, -math.inf], dtype=torch.float64)
-        t_m = cpu_time(lambda: be.accumulate_moments_(acc, x, shift))
-        add("cpu", "accumulate_moments_", be.name, "1M fp32 (float64 sums)", t_m, nbytes(x), t_a, copy_gbs)
-        t_small = cpu_time(lambda: be.accumulate_moments_(acc, one, shift))
-        add("cpu", "accumulate_moments_", be.name, "scalar (per-call overhead)", t_small, 4, None, copy_gbs)
+        times = guarded(backends, {"acc": lambda be: be.accumulate_moments_(acc, x, shift)}, case)
+        for be in backends:
+            add("cpu", "accumulate_moments_", be.name, case, times[be.name]["acc"], nbytes(x), t_a, copy_gbs)
+
+
+def guarded(backends: list, calls: dict, case: str) -> dict[str, dict[str, float]]:
+    """Time each call on each backend (``{backend: {op: seconds}}``); record, for the guard, each op's
+    automatic-backend time against reference's, and an A/A second timing of reference."""
+    times = {be.name: {op: cpu_time(lambda: call(be)) for op, call in calls.items()} for be in backends}
+    auto = get_backend(device="cpu").name
+    if auto != "reference" and auto in times:
+        ref = next(be for be in backends if be.name == "reference")
+        for op, call in calls.items():
+            again = cpu_time(lambda: call(ref))
+            noise = abs(again / times["reference"][op] - 1.0)
+            GUARD.append((op, case, times[auto][op], times["reference"][op], noise))
+    return times
+
+
+def check_guard() -> int:
+    """Print every (op, case) where the automatic CPU backend is slower than ``reference`` by more than
+    the run's A/A noise; 1 when there is one (the backend's defer rule must change), else 0."""
+    slower = [row for row in GUARD if row[2] > row[3] * (1.0 + max(MIN_NOISE, row[4]))]
+    auto = get_backend(device="cpu").name
+    print(f"guard: automatic CPU backend {auto!r} vs reference on {len(GUARD)} (op, case) pairs, each "
+          f"allowed max({MIN_NOISE:.0%}, its A/A noise): {len(slower)} slower")  # fmt: skip
+    for op, case, a, r, noise in slower:
+        print(f"  SLOWER {op} {case}: {auto} {a * 1e3:.4f} ms, reference {r * 1e3:.4f} ms "
+              f"({a / r:.2f}x; A/A {noise:.1%})")  # fmt: skip
+    return 1 if slower else 0
 
 
 # ---------------------------------------------------------------------------- GPU
@@ -430,7 +486,7 @@ def main() -> int:
     markdown = _cpu_table()
     print(markdown)
     write_result("kernels", markdown, quick=args.quick)
-    return 0
+    return check_guard()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """SyncBatchNorm cost: ours (2 gloo ranks, CPU) vs local ATen ``nn.BatchNorm2d`` in the same run.
 
-For per-rank shapes (32, 64, 32, 32) and (64, 256, 14, 14), fp32, NCHW and channels_last (and bf16
-input at (32, 64, 32, 32) and at the digits model's (32, 64, 8, 8)), each of two spawned gloo ranks
+For per-rank shapes (32, 64, 32, 32) and (64, 256, 14, 14), fp32, NCHW and channels_last (and bf16,
+fp16 and float64 input in both formats at (32, 64, 32, 32), and bf16 at the digits model's
+(32, 64, 8, 8)), each of two spawned gloo ranks
 times one training step of a single layer (forward + backward with a fixed upstream gradient):
 :class:`lightning_ext.nn.SyncBatchNorm` (one float64 ``all_reduce`` of ``2C + 1`` numbers in forward,
 one float32 ``all_reduce`` of ``2C`` in backward) with the kernel backend chosen automatically
@@ -50,12 +51,14 @@ from tests.helpers.distributed import run_distributed  # noqa: E402
 
 SHAPES = [(32, 64, 32, 32), (64, 256, 14, 14)]
 FORMATS = {"NCHW": torch.contiguous_format, "channels_last": torch.channels_last}
-# (shape, format, dtype): fp32 at the target's shapes, then bf16 input as autocast gives it (float32
-# parameters), at the first shape and at a layer of the end-to-end digits model.
-CASES = [(shape, fmt, torch.float32) for shape in SHAPES for fmt in FORMATS] + [
-    ((32, 64, 32, 32), "NCHW", torch.bfloat16),
-    ((32, 64, 8, 8), "NCHW", torch.bfloat16),
-]
+# (shape, format, dtype): fp32 at the target's shapes, then every other input dtype (bf16/fp16 as
+# autocast gives them, float32 parameters; float64) in both formats at the first shape, and bf16 at a
+# layer of the end-to-end digits model.
+CASES = (
+    [(shape, fmt, torch.float32) for shape in SHAPES for fmt in FORMATS]
+    + [(SHAPES[0], fmt, dtype) for dtype in (torch.bfloat16, torch.float16, torch.float64) for fmt in FORMATS]
+    + [((32, 64, 8, 8), "NCHW", torch.bfloat16)]
+)
 
 
 def _step(bn: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> None:
@@ -92,15 +95,18 @@ def _worker(rank: int, world_size: int, iters: int) -> list[dict]:
         x = (1.0 + torch.randn(shape, generator=g)).to(dtype).contiguous(memory_format=fmt)
         x.requires_grad_(True)
         dy = torch.randn(shape, generator=g).to(dtype).contiguous(memory_format=fmt)
-        ours = SyncBatchNorm(shape[1])
+        # float64 input with float64 parameters (ATen's BatchNorm takes no float32 ones with it); half
+        # precision input with float32 parameters, as autocast gives it.
+        params = {"dtype": torch.float64} if dtype == torch.float64 else {}
+        ours = SyncBatchNorm(shape[1], **params)
         with CollectiveCounter() as counter:
             _step(ours, x, dy)
         x.grad = None
         layers = {
-            "local": nn.BatchNorm2d(shape[1]),
+            "local": nn.BatchNorm2d(shape[1], **params),
             "ours": ours,
-            "without": _WithoutCollectives(SyncBatchNorm(shape[1])),
-            "reference": SyncBatchNorm(shape[1], backend="reference"),
+            "without": _WithoutCollectives(SyncBatchNorm(shape[1], **params)),
+            "reference": SyncBatchNorm(shape[1], backend="reference", **params),
         }
         times: dict[str, list[float]] = {name: [] for name in layers}
         paired: list[float] = []

@@ -35,9 +35,10 @@ import sys
 import sysconfig
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from typing_extensions import override
@@ -195,6 +196,33 @@ def _load(verbose: bool = False) -> ModuleType:
         return _module
 
 
+# The one rule by which this backend hands a call to the reference op: op -> a test of its first
+# tensor argument (x, or dy) that is true where the compiled kernel loses to ATen. The float16
+# reductions and forward stay scalar in the kernels where ATen's are vectorized; the float16
+# backward_elemt loses only in NCHW (channels last, ATen's is several times slower); float16
+# accumulate_moments_ still wins. benchmarks/bench_kernels.py fails when the automatic choice is
+# slower than `reference` anywhere, so this table follows measurement.
+def _half(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float16
+
+
+_DEFER_TO_REFERENCE: dict[str, Callable[[torch.Tensor], bool]] = {
+    "batch_norm_moments": _half,
+    "batch_norm_elemt": _half,
+    "batch_norm_backward_reduce": _half,
+    "batch_norm_backward_elemt": lambda dy: _half(dy) and dy.is_contiguous(),
+}
+
+
+def _deferring(kernel: Callable[..., Any], reference: Callable[..., Any], test: Callable) -> Callable:
+    """``kernel``, but ``reference`` where ``test(first argument)`` holds."""
+
+    def run(*args: Any) -> Any:
+        return (reference if test(args[0]) else kernel)(*args)
+
+    return run
+
+
 class CpuBackend(ReferenceBackend):
     """The ops of :class:`~lightning_ext.kernels.KernelBackend` as compiled one-pass CPU kernels.
 
@@ -216,7 +244,10 @@ class CpuBackend(ReferenceBackend):
         ext = _load()
         for op in _OPS:  # every op but unscale_and_check_ (ATen's, inherited)
             if hasattr(ext, op):
-                setattr(self, f"_{op}", getattr(ext, op))
+                kernel, test = getattr(ext, op), _DEFER_TO_REFERENCE.get(op)
+                if test is not None:
+                    kernel = _deferring(kernel, getattr(ReferenceBackend, f"_{op}"), test)
+                setattr(self, f"_{op}", kernel)
         self._check_finite = lambda tensors, device: ext.check_finite(tensors)  # takes no device
         super().__init__()
 

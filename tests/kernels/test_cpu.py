@@ -247,3 +247,39 @@ def test_auto_selects_the_cpu_backend_on_cpu():
     assert get_backend(device="cpu").name == "cpu"
     x = torch.randn(3, 2)
     assert get_backend(device="cpu").batch_norm_moments(x, torch.zeros(2)).dtype == torch.float64
+
+
+def test_the_one_defer_rule_sends_float16_batch_norm_ops_to_reference(monkeypatch):
+    """Where a compiled kernel loses to ATen (bench_kernels.py's guard), the backend hands the call to
+    the reference op, by one table: float16 batch-norm ops, but the channels-last backward_elemt (the
+    kernel wins there), and no other dtype."""
+    require_cpu_backend()
+    from lightning_ext.kernels.reference import ReferenceBackend
+
+    calls: list[str] = []
+    for op in cpu._DEFER_TO_REFERENCE:
+        original = getattr(ReferenceBackend, f"_{op}")
+        spy = staticmethod(lambda *args, _fn=original, _op=op: calls.append(_op) or _fn(*args))
+        monkeypatch.setattr(ReferenceBackend, f"_{op}", spy)
+    backend = cpu.CpuBackend()
+    try:
+        x = torch.randn(4, 3, 5, 2)
+        shift, mean, invstd = torch.zeros(3), torch.zeros(3), torch.ones(3)
+        four = sorted(cpu._DEFER_TO_REFERENCE)  # backward_elemt, backward_reduce, elemt, moments
+        for dtype, fmt, expected in [
+            (torch.float32, torch.contiguous_format, []),
+            (torch.bfloat16, torch.contiguous_format, []),
+            (torch.float64, torch.channels_last, []),
+            (torch.float16, torch.contiguous_format, four),
+            (torch.float16, torch.channels_last, four[1:]),  # backward_elemt: the kernel's
+        ]:
+            calls.clear()
+            xd = x.to(dtype).contiguous(memory_format=fmt)
+            backend.batch_norm_moments(xd, shift)
+            backend.batch_norm_elemt(xd, mean, invstd, None, None)
+            sums = backend.batch_norm_backward_reduce(xd, xd, mean)
+            backend.batch_norm_backward_elemt(xd, xd, mean, invstd, None, sums, torch.tensor(40.0))
+            assert sorted(calls) == expected, (dtype, fmt)
+    finally:
+        monkeypatch.undo()
+        cpu.CpuBackend()  # the live instance the custom ops find is an unpatched one again
