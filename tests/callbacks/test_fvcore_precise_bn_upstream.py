@@ -58,6 +58,7 @@ from typing_extensions import override
 
 from lightning_ext.callbacks import HookRunner, PreciseBN
 from lightning_ext.callbacks.precise_bn import update_bn_stats
+from tests.helpers.hooks import one_iteration
 
 # ADAPTED: upstream's loop over these three lists -> one parametrized case per BatchNorm type.
 _bn_types = [nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d]
@@ -149,13 +150,7 @@ def run_precise_bn(
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         with HookRunner([hook], model) as runner:
             runner.before_epoch()
-            runner.before_step()
-            loss = model(x).square().mean()
-            loss.backward()
-            runner.after_backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            runner.after_step(loss, is_last_batch=True)
+            one_iteration(runner, model, optimizer, x, is_last_batch=True)
     else:
         trainer = L.Trainer(
             accelerator="cpu",

@@ -18,6 +18,7 @@ from lightning_ext.callbacks import (
 )
 from lightning_ext.callbacks.hook_runner import HookRunner
 from lightning_ext.stats import Collector
+from tests.helpers.hooks import one_iteration
 
 # ---------------------------------------------------------------------------------------------
 # A plain PyTorch loop driving the hooks
@@ -27,17 +28,6 @@ from lightning_ext.stats import Collector
 def batches(n: int = 6, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return list(torch.randn(n, 4, 3, generator=g))
-
-
-def one_iteration(runner, model, optimizer, x, **after_step_kwargs):
-    """One iteration of HookRunner's docstring loop, without accumulation."""
-    runner.before_step()
-    loss = model(x).square().mean()
-    loss.backward()
-    runner.after_backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    runner.after_step(loss, **after_step_kwargs)
 
 
 def run_loop(runner, model, epochs=2, per_epoch=3, accumulate=1, loss_at=None, between_epochs=None):
@@ -355,14 +345,8 @@ def test_loss_monitor_rows_share_the_loop_rows_steps():
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     with HookRunner([LossMonitor(every_n_train_steps=2)], model, loggers=[logger]) as runner:
         for x in batches(7):
-            runner.before_step()
-            loss = model(x).square().mean()
-            loss.backward()
-            runner.after_backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            logger.log_metrics({"loop/loss": loss.item()}, step=runner.iter)
-            runner.after_step(loss)
+            log = lambda loss: logger.log_metrics({"loop/loss": loss.item()}, step=runner.iter)
+            one_iteration(runner, model, optimizer, x, before_after_step=log)
     steps = [step for step, _ in logger.records]
     assert steps == sorted(steps)
     assert [step for step, m in logger.records if "LossMonitor/loss" in m] == [1, 3, 5, 7]
