@@ -200,17 +200,28 @@ def _load(verbose: bool = False) -> ModuleType:
 # tensor argument (x, or dy) that is true where the compiled kernel loses to ATen. The float16
 # reductions and forward stay scalar in the kernels where ATen's are vectorized; the float16
 # backward_elemt loses only in NCHW (channels last, ATen's is several times slower); float16
-# accumulate_moments_ still wins. benchmarks/bench_kernels.py fails when the automatic choice is
-# slower than `reference` anywhere, so this table follows measurement.
+# accumulate_moments_ still wins. ATen's float64 normalize and channels-last float64 backward sums
+# are faster, and so is its NCHW bfloat16 normalize from about a million elements (below, the
+# kernel's lower overhead wins: the digits model's layers). benchmarks/bench_kernels.py fails when
+# the automatic choice is slower than `reference` anywhere, so this table follows measurement.
+_LARGE = 2**20  # elements
+
+
 def _half(x: torch.Tensor) -> bool:
     return x.dtype == torch.float16
 
 
+def _channels_last(x: torch.Tensor) -> bool:
+    return not x.is_contiguous()
+
+
 _DEFER_TO_REFERENCE: dict[str, Callable[[torch.Tensor], bool]] = {
     "batch_norm_moments": _half,
-    "batch_norm_elemt": _half,
-    "batch_norm_backward_reduce": _half,
-    "batch_norm_backward_elemt": lambda dy: _half(dy) and dy.is_contiguous(),
+    "batch_norm_elemt": lambda x: _half(x) or x.dtype == torch.float64 or (
+        x.dtype == torch.bfloat16 and not _channels_last(x) and x.numel() >= _LARGE
+    ),
+    "batch_norm_backward_reduce": lambda dy: _half(dy) or (dy.dtype == torch.float64 and _channels_last(dy)),
+    "batch_norm_backward_elemt": lambda dy: _half(dy) and not _channels_last(dy),
 }
 
 

@@ -251,8 +251,9 @@ def test_auto_selects_the_cpu_backend_on_cpu():
 
 def test_the_one_defer_rule_sends_float16_batch_norm_ops_to_reference(monkeypatch):
     """Where a compiled kernel loses to ATen (bench_kernels.py's guard), the backend hands the call to
-    the reference op, by one table: float16 batch-norm ops, but the channels-last backward_elemt (the
-    kernel wins there), and no other dtype."""
+    the reference op, by one table: float16 batch-norm ops but the channels-last backward_elemt (the
+    kernel wins there), float64 normalize and channels-last backward_reduce, and nothing else for
+    small bfloat16/float32 tensors."""
     require_cpu_backend()
     from lightning_ext.kernels.reference import ReferenceBackend
 
@@ -269,7 +270,8 @@ def test_the_one_defer_rule_sends_float16_batch_norm_ops_to_reference(monkeypatc
         for dtype, fmt, expected in [
             (torch.float32, torch.contiguous_format, []),
             (torch.bfloat16, torch.contiguous_format, []),
-            (torch.float64, torch.channels_last, []),
+            (torch.float64, torch.contiguous_format, ["batch_norm_elemt"]),
+            (torch.float64, torch.channels_last, ["batch_norm_backward_reduce", "batch_norm_elemt"]),
             (torch.float16, torch.contiguous_format, four),
             (torch.float16, torch.channels_last, four[1:]),  # backward_elemt: the kernel's
         ]:
@@ -280,6 +282,10 @@ def test_the_one_defer_rule_sends_float16_batch_norm_ops_to_reference(monkeypatc
             sums = backend.batch_norm_backward_reduce(xd, xd, mean)
             backend.batch_norm_backward_elemt(xd, xd, mean, invstd, None, sums, torch.tensor(40.0))
             assert sorted(calls) == expected, (dtype, fmt)
+        calls.clear()
+        large = torch.randn(1, 3, 2**19 // 3 + 1, 2).bfloat16()  # >= _LARGE elements: ATen's normalize
+        backend.batch_norm_elemt(large, mean, invstd, None, None)
+        assert calls == ["batch_norm_elemt"]
     finally:
         monkeypatch.undo()
         cpu.CpuBackend()  # the live instance the custom ops find is an unpatched one again
