@@ -229,7 +229,8 @@ def _collectives_only(module: DigitsModule) -> DigitsModule:
 
 
 CONFIGS = {
-    "plain": 'plain Lightning DDP (`precision="16-mixed"` → bf16 autocast on CPU, with a warning), no callbacks',
+    "plain": 'plain Lightning DDP (`precision="16-mixed"` → bf16 autocast on CPU, with a warning), '
+    "no callbacks",
     "ours-bf16": 'ours, all features, `LossScalingPrecision("bf16-mixed")` + SyncBN + TrainingStats + '
     "IterationTimer + LossMonitor + PreciseBN",
     "ours-reference": "ours, all features (bf16), every kernel on the `reference` backend "
