@@ -32,7 +32,14 @@ Collectives are counted in a separate pass (``_common.CollectiveCounter``, bench
 ``report()`` of a Python float <= 10 µs; K=100 flush >= 100x faster than torchmetrics' synced
 compute; >= 50x cheaper per step than ``sync_dist=True`` at K=10.
 
-Usage: ``python benchmarks/bench_stats.py [--quick] [--sweep-only]``.
+Part 3, the flush near its floor (2 gloo ranks, spawned): ``Collector.update()`` of K in {10, 100,
+1000} names, one value each, against its floor: the same two async all_reduces (MAX of ``2 + 4K``
+float64, SUM of ``4K`` float64) through ``lightning_ext.distributed.all_reduce_``, timed in the same
+run, interleaved; medians of the slower rank. Target: flush <= 3x floor. Also ``report()`` per call
+(µs, best of 5 ``timeit`` repeats) of a Python float, a 0-dim tensor and ``torch.ones(20)``: target
+<= 3 µs each.
+
+Usage: ``python benchmarks/bench_stats.py [--quick] [--sweep-only | --flush-only]``.
 """
 
 from __future__ import annotations
@@ -373,6 +380,131 @@ def measure_float_report(calls: int) -> float:
     return best * 1e6
 
 
+def measure_report_calls(number: int = 20_000, repeat: int = 5) -> dict[str, float]:
+    """``report()`` µs per call (best of ``repeat`` ``timeit`` loops of ``number`` calls) of a Python
+    float, a 0-dim float32 tensor and ``torch.ones(20)``, in this process, a collector wanting the name."""
+    import timeit
+
+    from lightning_ext.stats import Collector, clear_statistics, report
+
+    clear_statistics()
+    collector = Collector()
+    values = {"Python float": 0.5, "0-dim tensor": torch.tensor(0.5), "torch.ones(20)": torch.ones(20)}
+    result = {}
+    for label, value in values.items():
+        report("Bench/value", value)  # the first report of a name sets its accumulator up: untimed
+        loops = timeit.repeat(lambda v=value: report("Bench/value", v), number=number, repeat=repeat)
+        result[label] = min(loops) / number * 1e6
+        collector.update()
+    clear_statistics()
+    return result
+
+
+def _floor_flush(k: int, group=None):
+    """One flush's collectives alone: the MAX and SUM all_reduces of ``Collector.update()`` for K names."""
+    from lightning_ext.distributed import all_reduce_
+
+    payload = torch.zeros(2 + 4 * k, dtype=torch.float64)
+    sums = torch.zeros(k, 4, dtype=torch.float64)
+
+    def floor() -> None:
+        works = [
+            all_reduce_(payload, op=dist.ReduceOp.MAX, group=group, async_op=True),
+            all_reduce_(sums, op=dist.ReduceOp.SUM, group=group, async_op=True),
+        ]
+        for work in works:
+            work.wait()
+
+    return floor
+
+
+def _flush_worker(rank: int, world_size: int, init_file: str, config: dict, out_file: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        from lightning_ext.stats import Collector, clear_statistics, report
+
+        distributed.shm_available()
+        results = {}
+        for k in config["ks"]:
+            clear_statistics()
+            collector = Collector()
+            names = [f"Metric/{i}" for i in range(k)]
+            gen = torch.Generator().manual_seed(rank)
+            values = [torch.rand((), generator=gen) for _ in range(k)]
+            floor = _floor_flush(k)
+
+            for name, value in zip(names, values):  # warm-up: the first update agrees on the names
+                report(name, value)
+            collector.update()
+            floor()
+            times: dict[str, list[float]] = {"flush": [], "floor": []}
+            for _ in range(config["rounds"]):
+                for name, value in zip(names, values):  # untimed
+                    report(name, value)
+                for key, fn in (("flush", collector.update), ("floor", floor)):
+                    align_ranks()
+                    t0 = time.perf_counter()
+                    fn()
+                    times[key].append(time.perf_counter() - t0)
+            t = torch.tensor(
+                [statistics.median(times["flush"]), statistics.median(times["floor"])], dtype=torch.float64
+            )
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            results[k] = {"flush_ms": 1e3 * t[0].item(), "floor_ms": 1e3 * t[1].item()}
+        clear_statistics()
+        if rank == 0:
+            torch.save(results, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_flush_floor(ks: tuple[int, ...] = (10, 100, 1000), rounds: int = 200) -> dict[int, dict[str, float]]:
+    """Spawn 2 gloo ranks; per K the median ms of ``Collector.update()`` and of its floor."""
+    with tempfile.TemporaryDirectory(prefix="bench_stats_") as tmp:
+        init_file, out_file = os.path.join(tmp, "store"), os.path.join(tmp, "out.pt")
+        config = {"ks": tuple(ks), "rounds": rounds}
+        with environ(OMP_NUM_THREADS="1"):
+            mp.spawn(_flush_worker, args=(2, init_file, config, out_file), nprocs=2, join=True)
+        return torch.load(out_file)
+
+
+def format_flush_floor(floor: dict[int, dict[str, float]], calls: dict[str, float], rounds: int) -> str:
+    lines = [
+        "## Flush vs its floor, and `report()` per call (`bench_stats.py`)",
+        "",
+        "2 gloo ranks on CPU, one thread each: `Collector.update()` of K names (one 0-dim value each, "
+        "reported untimed before each flush) against the floor: the same two async all_reduces (MAX of "
+        "2 + 4K and SUM of 4K float64) through `lightning_ext.distributed.all_reduce_`, interleaved in "
+        f"the same run; medians over {rounds} flushes, slower rank; ranks aligned (untimed) before each.",
+        "",
+        "| K | flush ms | floor ms | flush / floor |",
+        "|---:|---:|---:|---:|",
+    ]
+    for k, r in sorted(floor.items()):
+        lines.append(
+            f"| {k} | {r['flush_ms']:.3f} | {r['floor_ms']:.3f} | {r['flush_ms'] / r['floor_ms']:.1f}× |"
+        )
+    lines += [
+        "",
+        "`report(name, value)` per call in one process (best of 5 `timeit` loops), a collector "
+        "wanting the name:",
+        "",
+        "| value | µs / call |",
+        "|---|---:|",
+        *(f"| {label} | {us:.2f} |" for label, us in calls.items()),
+        "",
+        "| target | measured | goal | met |",
+        "|---|---:|---:|:---:|",
+    ]
+    worst = max(r["flush_ms"] / r["floor_ms"] for r in floor.values())
+    lines.append(f"| flush / floor, worst K | {worst:.1f}× | ≤ 3× | {'yes' if worst <= 3 else 'NO'} |")
+    slowest = max(calls.values())
+    met = "yes" if slowest <= 3 else "NO"
+    lines.append(f"| `report()` per call, slowest value | {slowest:.2f} µs | ≤ 3 µs | {met} |")
+    return "\n".join(lines)
+
+
 def format_markdown(results: dict, float_us: float, flush_every: int = 50) -> str:
     lines = [
         "## Training statistics, 2 ranks (`bench_stats.py`)",
@@ -421,7 +553,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds and steps (smoke run)")
     parser.add_argument("--sweep-only", action="store_true", help="only part 1, the size sweep")
+    parser.add_argument("--flush-only", action="store_true", help="only part 3, flush vs floor and report()")
     args = parser.parse_args()
+    flush_rounds = 50 if args.quick else 300
+    if args.flush_only:
+        markdown = format_flush_floor(
+            run_flush_floor(rounds=flush_rounds), measure_report_calls(), flush_rounds
+        )
+        print(markdown, flush=True)
+        write_result("stats_flush_floor", markdown, quick=args.quick)
+        return 0
     rounds, min_run_time = (1, 0.02) if args.quick else (3, 0.2)
     sweep = {}
     for threads in dict.fromkeys((DEFAULT_THREADS, 1)):
@@ -436,6 +577,9 @@ def main() -> int:
     markdown = format_markdown(results, float_us)
     print(markdown)
     write_result("stats", markdown, quick=args.quick)
+    markdown = format_flush_floor(run_flush_floor(rounds=flush_rounds), measure_report_calls(), flush_rounds)
+    print(markdown)
+    write_result("stats_flush_floor", markdown, quick=args.quick)
     return 0
 
 

@@ -38,6 +38,7 @@ PACKAGE = Path(lightning_ext.__file__).parent
 CLEARED = {
     ("lightning_ext.stats.reporting", "_settings"),
     ("lightning_ext.stats.reporting", "_pending"),
+    ("lightning_ext.stats.reporting", "_slabs"),
     ("lightning_ext.stats.reporting", "_sinks"),
     ("lightning_ext.stats.reporting", "_wanted"),
     ("lightning_ext.kernels.registry", "_built"),
@@ -168,6 +169,7 @@ def test_reset_empties_every_cache(plugin_path, monkeypatch, caplog, tmp_path) -
     filled = {
         "_settings": reporting._settings is not None,
         "_pending": bool(reporting._pending),
+        "_slabs": bool(reporting._slabs),
         "_sinks": bool(reporting._sinks),
         "_wanted": bool(reporting._wanted),
         "_built": bool(registry._built),
@@ -187,7 +189,7 @@ def test_reset_empties_every_cache(plugin_path, monkeypatch, caplog, tmp_path) -
     lightning_ext.reset()
 
     assert reporting._settings is None and not reporting._pending and not reporting._sinks
-    assert not reporting._wanted
+    assert not reporting._wanted and not reporting._slabs
     assert not registry._built and not registry._cache and not registry._fallback_warned
     assert not registry._entry_points_loaded and not registry._from_entry_points
     assert "reset_plugin" not in registry._entries  # read again from the group at the next lookup

@@ -126,6 +126,12 @@ class Collector:
         # name => (num, mean, std, min, max) published by the last update
         self._values: dict[str, tuple[int, float, float, float, float]] = {}
         self._shift: dict[str, float] = {}  # name => last published global mean (shift of the next SUM)
+        # Caches of the steady state (the same name lists, by identity, from update to update):
+        self._combined: tuple[list[str] | None, list[str]] = (None, [])  # drained names -> matching ones
+        self._seen_from: list[str] | None = None  # the names last added to _seen
+        self._fp: tuple[list[str] | None, float] = (None, 0.0)  # names -> _fingerprint(names)
+        self._shift_rows: tuple[list[str] | None, torch.Tensor | None] = (None, None)  # names -> float64
+        # (len(names),) of self._shift.get(name, 0.0), on the sync device
         _report._register(self)
 
     def _matches(self, name: str) -> bool:
@@ -156,6 +162,16 @@ class Collector:
 
     def _combine(self) -> _report._Table:
         """Merge the received tables into one table restricted to the names this collector matches."""
+        if len(self._tables) == 1:  # the usual case: one drain since the last update
+            table = self._tables[0]  # its names are sorted and distinct
+            source, names = self._combined
+            if table.names is not source:  # a drain reuses its name list while the names repeat
+                names = [n for n in table.names if self._matches(n)]
+                names = table.names if len(names) == len(table.names) else names
+                self._combined = (table.names, names)
+            if names is table.names:
+                return table
+            return _report._Table(names, _merged_rows(names, self._tables, table.rows.device))
         names = sorted({n for t in self._tables for n in t.names if self._matches(n)})
         device = self._tables[0].rows.device if self._tables else torch.device("cpu")
         return _report._Table(names, _merged_rows(names, self._tables, device))
@@ -171,7 +187,9 @@ class Collector:
         _report._drain()
         local = self._combine()
         self._tables = []
-        self._seen.update(local.names)
+        if local.names is not self._seen_from:
+            self._seen.update(local.names)
+            self._seen_from = local.names
         _rank, device, group = _report._sync_settings()
         world_size = dist.get_world_size(group=group) if device is not None and is_distributed() else 1
         candidate = self._agreed if self._seen <= self._agreed_set else sorted(self._agreed_set | self._seen)
@@ -180,13 +198,52 @@ class Collector:
             names, rows = self._reduce(candidate, local, device, group, world_size)
         else:
             names, rows = candidate, _merged_rows(candidate, [local], device)
-        self._agreed, self._agreed_set = names, set(names)
-        for name, (n, mean, m2, lo, hi) in zip(names, rows.tolist()):
-            if n > 0:
-                self._values[name] = (round(n), mean, math.sqrt(m2 / n), lo, hi)
-                self._shift[name] = mean
-            elif not self.keep_previous or name not in self._values:
-                self._values[name] = _NAN_VALUES
+        if names is not self._agreed:
+            self._agreed, self._agreed_set = names, set(names)
+        self._publish(names, rows)
+
+    def _publish(self, names: list[str], rows: torch.Tensor) -> None:
+        """Write the global moment ``rows`` of ``names`` into the published values and shifts (one host
+        read of all rows, no Python arithmetic per name unless some names had no values)."""
+        n = rows[:, 0]
+        counts = n.round().to(torch.int64).tolist()
+        # std = sqrt(m2 / n) in float64, element for element what math.sqrt(m2 / n) gives
+        means, stds, los, his = torch.stack(
+            [rows[:, 1], (rows[:, 2] / n).sqrt(), rows[:, 3], rows[:, 4]]
+        ).tolist()
+        values = dict(zip(names, zip(counts, means, stds, los, his)))
+        shifts = dict(zip(names, means))
+        if 0 in counts:  # names without values in this interval
+            for name, count in zip(names, counts):
+                if count == 0:
+                    del shifts[name]
+                    if self.keep_previous and name in self._values:
+                        del values[name]
+                    else:
+                        values[name] = _NAN_VALUES
+        self._values.update(values)
+        self._shift.update(shifts)
+        cached_names, previous = self._shift_rows
+        if cached_names is names and previous is not None and previous.device == rows.device:
+            self._shift_rows = (names, torch.where(n > 0, rows[:, 1], previous))
+        else:
+            self._shift_rows = (None, None)  # rebuilt from self._shift when needed
+
+    def _shift_tensor(self, names: list[str], device: torch.device) -> torch.Tensor:
+        """Float64 ``(len(names),)``: the shift of the next SUM per name (last published mean, else 0)."""
+        cached_names, shift = self._shift_rows
+        if cached_names is not names or shift is None or shift.device != device:
+            shift = torch.tensor([self._shift.get(n, 0.0) for n in names], dtype=torch.float64, device=device)
+            self._shift_rows = (names, shift)
+        return shift
+
+    def _fingerprint(self, names: list[str]) -> float:
+        """:func:`_fingerprint` of ``names``, cached while the same list comes back."""
+        cached_names, fp = self._fp
+        if cached_names is not names:
+            fp = _fingerprint(names)
+            self._fp = (names, fp)
+        return fp
 
     def _reduce(
         self, candidate: list[str], local: _report._Table, device: torch.device, group: Any, world_size: int
@@ -194,9 +251,9 @@ class Collector:
         """The protocol of the class docstring; returns (agreed names, global moment rows)."""
         names = self._agreed
         rows = _merged_rows(names, [local], device)
-        payload = _max_payload(_fingerprint(candidate), rows)
+        payload = _max_payload(self._fingerprint(candidate), rows)
         works = [all_reduce_(payload, op=dist.ReduceOp.MAX, group=group, async_op=True)]
-        shift = torch.tensor([self._shift.get(n, 0.0) for n in names], dtype=torch.float64, device=device)
+        shift = self._shift_tensor(names, device)
         sums = _shifted_for_allreduce(rows, shift)
         if names:
             works.append(all_reduce_(sums, op=dist.ReduceOp.SUM, group=group, async_op=True))
@@ -214,7 +271,7 @@ class Collector:
         r = len(names)
         if names is not self._agreed:  # same decision on every rank (it follows from the reduced head)
             rows = _merged_rows(names, [local], device)
-            payload = _max_payload(_fingerprint(names), rows)
+            payload = _max_payload(self._fingerprint(names), rows)
             all_reduce_(payload, op=dist.ReduceOp.MAX, group=group)
             shift = payload[2 + 2 * r : 2 + 3 * r]  # the largest rank mean: inside the data range
             sums = _shifted_for_allreduce(rows, shift)

@@ -7,6 +7,7 @@ receives exactly the values reported since *its* previous ``update()``: every ``
 
 from __future__ import annotations
 
+import math
 import numbers
 import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
@@ -16,7 +17,7 @@ import torch
 
 from lightning_ext import distributed as _dist
 from lightning_ext._checks import check_int
-from lightning_ext.kernels import get_backend
+from lightning_ext.kernels import KernelBackend, get_backend
 from lightning_ext.stats.moments import _EMPTY_ROW, _empty_moments, _merge_moments, _moments_from_shifted
 
 if TYPE_CHECKING:
@@ -25,6 +26,13 @@ if TYPE_CHECKING:
 __all__ = ["clear_statistics", "init_multiprocessing", "report", "report0"]
 
 T = TypeVar("T")
+_CPU = torch.device("cpu")
+_MIN_ROWS = 64  # rows of a device's first accumulator block
+
+# One (name, device) accumulator: (float64 (5,) sums in the layout of accumulate_moments_: a row of its
+# device's _Slab, float64 0-dim shift = the first value seen there, the slab's kernel backend, the slab's
+# float64 0-dim scratch that Python numbers are written into). A plain tuple: report() indexes it.
+_Entry = tuple[torch.Tensor, torch.Tensor, "KernelBackend", torch.Tensor]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -32,9 +40,10 @@ T = TypeVar("T")
 
 # init_multiprocessing() arguments (rank, sync_device, process_group); None = follow torch.distributed
 _settings: tuple[int, torch.device | None, Any] | None = None
-# name => {device: (float64 (5,) sums in the layout of accumulate_moments_, float64 0-dim shift)}:
-# the values reported since the last drain; the shift is the first value seen on that device
-_pending: dict[str, dict[torch.device, tuple[torch.Tensor, torch.Tensor]]] = {}
+# name => {device: _Entry}: the values reported since the last drain
+_pending: dict[str, dict[torch.device, _Entry]] = {}
+# device => _Slab: that device's accumulator rows (reused from drain to drain) and its kernel backend
+_slabs: dict[torch.device, _Slab] = {}
 _sinks: list[weakref.ref[Collector]] = []  # live collectors; each receives every drained table
 _wanted: dict[str, bool] = {}  # name => some live collector's regex matches it (cache)
 
@@ -146,7 +155,8 @@ def _as_array(name: str, value: Any) -> np.ndarray:
 def _as_tensor(name: str, value: Any) -> torch.Tensor:
     """``value`` as a real tensor (detached; bool as uint8), else TypeError naming ``name``."""
     if isinstance(value, torch.Tensor):
-        _check_value(name, value)
+        if value.is_complex():
+            _check_value(name, value)  # raises
         x = value.detach()
         return x.to(torch.uint8) if x.dtype == torch.bool else x
     if isinstance(value, numbers.Real) and not isinstance(value, np.ndarray):
@@ -154,18 +164,131 @@ def _as_tensor(name: str, value: Any) -> torch.Tensor:
     return torch.from_numpy(_as_array(name, value))
 
 
-def _accumulate(acc: dict[torch.device, tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> None:
-    entry = acc.get(x.device)
-    if entry is None:
+class _Slab:
+    """The accumulator rows of one device: a float64 ``(5,)`` row of sums and a float64 shift per name
+    reported there, kept from drain to drain (reset to the empty row by each drain), so the drain reads
+    an interval's rows with a few tensor ops and ``report()`` reuses a name's row.
+
+    Rows live in blocks (a new one, as large as all before it, when they are full; merged into one at
+    the next drain). A drain that finds fewer than half of the rows used forgets them all (names that
+    come and go do not pile up). The kernel backend is resolved once, when the slab is made (the first
+    report on the device after :func:`clear_statistics`).
+    """
+
+    def __init__(self, device: torch.device) -> None:
         # Normal (not inference) tensors, so the first report may come from Lightning's validation
         # loop (inference_mode) and later ones from training.
         with torch.inference_mode(False):
-            sums = torch.tensor(_EMPTY_ROW, dtype=torch.float64, device=x.device)
-            # A non-finite shift would turn every later difference into NaN (inf - inf): use 0.
-            first = x.reshape(-1)[0].to(torch.float64)
-            shift = torch.nan_to_num(first, nan=0.0, posinf=0.0, neginf=0.0)
-        entry = acc[x.device] = (sums, shift)
-    get_backend(device=x.device).accumulate_moments_(entry[0], x, entry[1])
+            self.empty = torch.tensor(_EMPTY_ROW, dtype=torch.float64, device=device)
+            self.scratch = torch.empty((), dtype=torch.float64, device=device)
+        self.device = device
+        self.backend = get_backend(device=device)
+        # cache of the drain: (names of a drain's rows, those names sorted, the permutation sorting the
+        # rows or None when they are in order), reused while the drains see the same names in order
+        self.order: tuple[list[str], list[str], torch.Tensor | None] | None = None
+        self._forget()
+
+    def _forget(self) -> None:
+        self.blocks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (sums (B, 5), shifts (B,)), in row order
+        self.capacity = 0  # rows in all blocks
+        self.names: list[str] = []  # name of each row, in row order
+        self.entries: dict[str, tuple[_Entry, int]] = {}  # name => (its accumulator, its row)
+        self.taken: list[int] = []  # rows taken since the last drain, in order
+
+    def _add_block(self, size: int) -> None:
+        with torch.inference_mode(False):
+            block = (self.empty.repeat(size, 1), torch.zeros(size, dtype=torch.float64, device=self.device))
+        self.blocks.append(block)
+        self.capacity += size
+
+    def take(self, name: str) -> _Entry:
+        """The accumulator of ``name`` for this interval (empty; the caller sets its shift)."""
+        found = self.entries.get(name)
+        if found is None:
+            row = len(self.names)
+            if row == self.capacity:
+                self._add_block(max(_MIN_ROWS, self.capacity))
+            sums, shifts = self.blocks[-1]
+            j = row - (self.capacity - sums.shape[0])
+            with torch.inference_mode(False):
+                found = self.entries[name] = ((sums[j], shifts[j], self.backend, self.scratch), row)
+            self.names.append(name)
+        self.taken.append(found[1])
+        return found[0]
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        """Sums ``(n, 5)``, shifts ``(n,)`` and names of the ``n`` rows taken since the last drain."""
+        n = len(self.names)
+        if len(self.blocks) == 1:
+            sums, shifts = self.blocks[0]
+        else:
+            sums, shifts = (torch.cat([b[k] for b in self.blocks]) for k in (0, 1))
+        if len(self.taken) == n:  # every row: in row order
+            return sums[:n], shifts[:n], self.names
+        index = torch.tensor(self.taken, device=self.device)
+        return sums[index], shifts[index], [self.names[i] for i in self.taken]
+
+    def sorted_order(self, names: list[str]) -> tuple[list[str], torch.Tensor | None]:
+        """``names`` sorted (the same list while they repeat), and the permutation that sorts their rows
+        (None: already in order)."""
+        cached = self.order
+        if cached is not None and cached[0] == names:
+            return cached[1], cached[2]
+        order = sorted(range(len(names)), key=names.__getitem__)
+        perm = None if order == list(range(len(names))) else torch.tensor(order, device=self.device)
+        self.order = (list(names), [names[i] for i in order], perm)
+        return self.order[1], perm
+
+    def clear(self) -> None:
+        """After a drain read the rows: reset them to the empty row."""
+        if not self.taken:
+            return
+        if 2 * len(self.taken) < len(self.names):
+            self._forget()
+        elif len(self.blocks) > 1:  # one block for all rows, new views of it
+            size, self.blocks, self.capacity = self.capacity, [], 0
+            self._add_block(size)
+            sums, shifts = self.blocks[0]
+            with torch.inference_mode(False):
+                self.entries = {
+                    name: ((sums[i], shifts[i], self.backend, self.scratch), i)
+                    for i, name in enumerate(self.names)
+                }
+        else:
+            with torch.inference_mode(False):
+                self.blocks[0][0][: len(self.names)].copy_(self.empty)
+        self.taken = []
+
+
+def _slab(device: torch.device) -> _Slab:
+    slab = _slabs.get(device)
+    if slab is None:
+        slab = _slabs[device] = _Slab(device)
+    return slab
+
+
+def _accumulate(name: str, acc: dict[torch.device, _Entry], x: torch.Tensor) -> None:
+    """Add the non-empty, detached, real ``x`` into its device's accumulator in ``acc``."""
+    entry = acc.get(x.device)
+    if entry is None:
+        entry = acc[x.device] = _slab(x.device).take(name)
+        # The shift: the first value (in float64), 0 where it is not finite, since a non-finite shift
+        # would turn every later difference into NaN (inf - inf). In-place writes into a normal tensor
+        # are allowed in inference mode.
+        entry[1].copy_(x.reshape(-1)[0]).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    # The unchecked call of accumulate_moments_: sums and shift are valid by construction, x by _as_tensor.
+    entry[2].run("accumulate_moments_", entry[0], x, entry[1])
+
+
+def _accumulate_number(name: str, acc: dict[torch.device, _Entry], value: float) -> None:
+    """Add the Python float ``value`` into the CPU accumulator of ``acc`` (as a float64 value)."""
+    entry = acc.get(_CPU)
+    if entry is None:
+        entry = acc[_CPU] = _slab(_CPU).take(name)
+        entry[1].fill_(value if math.isfinite(value) else 0.0)  # the shift, as in _accumulate
+    scratch = entry[3]
+    scratch.fill_(value)  # a normal tensor: in-place writes are allowed in inference mode too
+    entry[2].run("accumulate_moments_", entry[0], scratch, entry[1])
 
 
 def report(name: str, value: T) -> T:
@@ -175,7 +298,8 @@ def report(name: str, value: T) -> T:
     in any order; not thread-safe. A name nobody collects costs a dict lookup and a type check; else
     the value is accumulated where it lives (numbers and NumPy data on the CPU) by the kernel
     backend's ``accumulate_moments_``: float64 count and sums shifted by the first value (16/32-bit
-    elements may be squared in float32 first), min, max.
+    elements may be squared in float32 first), min, max. The backend is resolved once per device (the
+    first value there after :func:`clear_statistics`), not per call.
     No host-device sync, no collective. An empty value registers the name (NaN until it has values).
 
     Args:
@@ -206,9 +330,15 @@ def report(name: str, value: T) -> T:
             _check_value(name, value)
             return value
         acc = _pending[name] = {}
+    if type(value) is float:  # the common Python number: no tensor built
+        _accumulate_number(name, acc, value)
+        return value
+    if isinstance(value, numbers.Real) and not isinstance(value, torch.Tensor | np.ndarray):
+        _accumulate_number(name, acc, float(value))
+        return value
     x = _as_tensor(name, value)
     if x.numel():
-        _accumulate(acc, x)
+        _accumulate(name, acc, x)
     return value
 
 
@@ -242,24 +372,38 @@ def _drain() -> None:
     if not _pending:
         return
     pending, _pending = _pending, {}
-    sinks = _live_sinks()
-    if not sinks:
-        return
-    device = _sync_settings()[1] or torch.device("cpu")
-    names = sorted(pending)
-    rows = _empty_moments(len(names), device)
-    by_device: dict[torch.device, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
-    for i, name in enumerate(names):
-        for dev, (sums, shift) in pending[name].items():
-            by_device.setdefault(dev, []).append((i, sums, shift))
-    for entries in by_device.values():
-        index, accs, shifts = zip(*entries)
-        converted = _moments_from_shifted(torch.stack(accs), torch.stack(shifts)).to(device)
-        idx = torch.tensor(index, device=device)
-        rows[idx] = _merge_moments(rows[idx], converted)
-    table = _Table(names, rows)
+    try:
+        sinks = _live_sinks()
+        if not sinks:
+            return
+        table = _table(pending)
+    finally:
+        for slab in _slabs.values():
+            slab.clear()
     for sink in sinks:
         sink._receive(table)
+
+
+def _table(pending: dict[str, dict[torch.device, _Entry]]) -> _Table:
+    """The drained table of ``pending`` (whose accumulator rows are in the slabs)."""
+    device = _sync_settings()[1] or torch.device("cpu")
+    slabs = [slab for slab in _slabs.values() if slab.taken]
+    if len(slabs) == 1 and len(slabs[0].taken) == len(pending):  # one device has every name: no merge
+        sums, shifts, names = slabs[0].rows()
+        names, perm = slabs[0].sorted_order(names)
+        rows = _moments_from_shifted(sums, shifts)
+        return _Table(names, (rows if perm is None else rows[perm]).to(device))
+    names = sorted(pending)
+    index = {name: i for i, name in enumerate(names)}
+    rows = _empty_moments(len(names), device)
+    # The devices in the order of their first name (the order the rows of a name are merged in).
+    devices = dict.fromkeys(dev for name in names for dev in pending[name])
+    for dev in devices:
+        sums, shifts, slab_names = _slabs[dev].rows()
+        converted = _moments_from_shifted(sums, shifts).to(device)
+        idx = torch.tensor([index[name] for name in slab_names], device=device)
+        rows[idx] = _merge_moments(rows[idx], converted)
+    return _Table(names, rows)
 
 
 def clear_statistics() -> None:
@@ -272,5 +416,6 @@ def clear_statistics() -> None:
     for sink in _live_sinks():
         sink._detach()
     _settings, _pending = None, {}
+    _slabs.clear()
     _sinks.clear()
     _wanted.clear()

@@ -277,3 +277,45 @@ def test_report_of_cuda_tensors_never_syncs_host_and_device() -> None:
     c.update()
     values = torch.cat([x[:1], *[torch.cat([x, x[:1], x.half().float()]) for _ in range(3)]])
     _check(c, "G", values.double().cpu())
+
+
+def test_rows_are_reused_across_intervals_for_changing_name_sets() -> None:
+    """Each interval's statistics are exactly its own values, whatever the names do between drains:
+    the same names again (rows reused), a subset (rows gathered), more names than a block holds
+    (blocks added, then merged), and a mostly idle set (rows forgotten)."""
+    c = Collector(keep_previous=False)
+    gen = torch.Generator().manual_seed(0)
+    for interval, names in enumerate(
+        [range(10), range(10), range(0, 10, 3), range(300), range(300), range(5), [7, 2, 250]]
+    ):
+        values = {n: (torch.randn(3, generator=gen) * 10 + interval).tolist() for n in names}
+        for n in reversed(list(names)):  # not in sorted order: the drain permutes the rows
+            report(f"N/{n}", values[n][0])  # a Python number first: the shift of this interval
+            report(f"N/{n}", torch.tensor(values[n][1:], dtype=torch.float64))
+        c.update()
+        for n, v in values.items():
+            _check(c, f"N/{n}", v)
+        assert set(c.names()) >= {f"N/{n}" for n in names}
+        assert all(c.num(name) == 0 for name in c.names() if int(name[2:]) not in values)
+
+
+def test_backend_is_resolved_once_per_device_until_clear_statistics(monkeypatch) -> None:
+    from lightning_ext.kernels import BACKEND_ENV_VAR
+    from lightning_ext.stats import reporting
+
+    monkeypatch.setenv(BACKEND_ENV_VAR, "reference")
+    c = Collector()
+    report("A", 1.0)
+    assert reporting._slabs[torch.device("cpu")].backend.name == "reference"
+    monkeypatch.setenv(BACKEND_ENV_VAR, "no-such-backend")  # not looked up again by report()
+    report("A", torch.ones(3))
+    c.update()
+    report("A", 2.0)
+    c.update()
+    assert c.mean("A") == 2.0
+    clear_statistics()  # forgets the choice: the next report looks the backend up again
+    monkeypatch.setenv(BACKEND_ENV_VAR, "reference")
+    c = Collector()
+    report("A", torch.tensor([3.0, 5.0]))
+    c.update()
+    assert c.mean("A") == 4.0 and reporting._slabs[torch.device("cpu")].backend.name == "reference"
