@@ -90,12 +90,8 @@ def update_bn_stats(
     dtype. Training flags, momenta and ``num_batches_tracked`` are restored.
 
     Source: fvcore ``nn/precise_bn.py`` (``update_bn_stats``), which also weighs batches by elements
-    per channel, but writes the biased variance ``E[x²] - E[x]²``, accumulated in the buffers' dtype,
-    into new buffer tensors; leaves every module's mode to its caller; updates only
-    ``BatchNorm1d/2d/3d`` and ``torch.nn.SyncBatchNorm``; skips a layer a forward did not use (here:
-    ``RuntimeError``); advances ``num_batches_tracked`` by ``num_iters``; and raises ``AssertionError``
-    after the forwards, momenta left at 1, when the loader has fewer than ``num_iters`` batches (here:
-    the batches there are, counted in the return value).
+    per channel but writes the biased variance and leaves modes to its caller; every difference is
+    listed in the documentation's "coming from detectron2" page.
 
     Distributed: ``SyncBatchNorm`` layers (ours or torch's) give batch statistics over their group,
     and their element counts are summed likewise (one all_reduce per group at the end): each rank
@@ -131,23 +127,36 @@ def update_bn_stats(
     ]
     if not layers:
         return 0
-    used, error = 0, None
     with _population_mode(model, layers) as records:
-        iterator = iter(batches)
-        while True:
-            has_batch = used < num_iter and (batch := next(iterator, _END)) is not _END
-            state = _agree(-1.0 if error else float(has_batch))
-            if state < 0:  # every rank raises together: none waits in a collective for the others
-                raise RuntimeError(error or "PreciseBN: a BatchNorm layer failed on another rank")
-            if not state:
-                break
-            with torch.no_grad():
-                forward_fn(model, batch)
-            used += 1
-            error = _runs_error(layers, records, used)
+        used = _run_batches(model, layers, records, batches, num_iter, forward_fn)
         if used:
             _write_population_stats(layers, records)
     return used
+
+
+def _run_batches(
+    model: nn.Module,
+    layers: list[_BatchNorm],
+    records: list[list[_Record]],
+    batches: Iterable[Any],
+    num_iter: int,
+    forward_fn: Callable[[nn.Module, Any], Any],
+) -> int:
+    """Forward up to ``num_iter`` batches while every rank has one; the number run. Before each batch
+    the ranks agree (one all_reduce), so they stop, or raise, at the same batch."""
+    used, error = 0, None
+    iterator = iter(batches)
+    while True:
+        has_batch = used < num_iter and (batch := next(iterator, _END)) is not _END
+        state = _agree(-1.0 if error else float(has_batch))
+        if state < 0:  # every rank raises together: none waits in a collective for the others
+            raise RuntimeError(error or "PreciseBN: a BatchNorm layer failed on another rank")
+        if not state:
+            return used
+        with torch.no_grad():
+            forward_fn(model, batch)
+        used += 1
+        error = _runs_error(layers, records, used)
 
 
 _END = object()
