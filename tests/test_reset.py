@@ -41,6 +41,11 @@ CLEARED = {
     ("lightning_ext.stats.reporting", "_slabs"),
     ("lightning_ext.stats.reporting", "_sinks"),
     ("lightning_ext.stats.reporting", "_wanted"),
+    ("lightning_ext.stats.reporting", "_backends"),
+    ("lightning_ext.stats.reporting", "_registered"),
+    ("lightning_ext.stats.reporting", "_dirty"),
+    ("lightning_ext.stats.reporting", "_drains"),
+    ("lightning_ext.stats.reporting", "_pruning"),
     ("lightning_ext.kernels.registry", "_built"),
     ("lightning_ext.kernels.registry", "_cache"),
     ("lightning_ext.kernels.registry", "_entry_points_loaded"),
@@ -149,6 +154,11 @@ def test_reset_empties_every_cache(plugin_path, monkeypatch, caplog, tmp_path) -
     init_multiprocessing(0, None)
     collector = Collector(regex="Loss/.*")
     report("Loss/a", 1.0)
+    collector.update()  # a drain: counted
+    del collector  # a dead collector: its names are pruned at the next drain
+    collector = Collector(regex="Loss/.*")
+    report("Loss/a", 1.0)
+    report("Loss/b", [])  # a name registered without values
     # kernels: a selection and a build, the live instance, the entry points, the fallback warning
     assert "reset_plugin" in available_backends()
     get_backend("reference", device="cpu")
@@ -172,6 +182,11 @@ def test_reset_empties_every_cache(plugin_path, monkeypatch, caplog, tmp_path) -
         "_slabs": bool(reporting._slabs),
         "_sinks": bool(reporting._sinks),
         "_wanted": bool(reporting._wanted),
+        "_backends": bool(reporting._backends),
+        "_registered": bool(reporting._registered),
+        "_dirty": reporting._dirty,
+        "_drains": bool(reporting._drains),
+        "_pruning": reporting._pruning,
         "_built": bool(registry._built),
         "_cache": bool(registry._cache),
         "_entry_points_loaded": registry._entry_points_loaded,
@@ -189,7 +204,9 @@ def test_reset_empties_every_cache(plugin_path, monkeypatch, caplog, tmp_path) -
     lightning_ext.reset()
 
     assert reporting._settings is None and not reporting._pending and not reporting._sinks
-    assert not reporting._wanted and not reporting._slabs
+    assert not reporting._wanted and not reporting._slabs and not reporting._backends
+    assert not reporting._registered and not reporting._dirty and not reporting._drains
+    assert not reporting._pruning
     assert not registry._built and not registry._cache and not registry._fallback_warned
     assert not registry._entry_points_loaded and not registry._from_entry_points
     assert "reset_plugin" not in registry._entries  # read again from the group at the next lookup

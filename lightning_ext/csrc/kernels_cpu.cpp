@@ -11,7 +11,7 @@
 // each channel with a scalar loop; these loops are vectorized per channel.
 // Loss scaling: check_finite reads the gradients once without writing them.
 // Statistics: accumulate_moments_ adds count, shifted sums (float64 totals) and extremes of any real
-// tensor.
+// tensor; moments_payload_ and moments_finish_ are the arithmetic of a Collector's flush over its names.
 //
 // Arithmetic: float32 per element (float64 for float64 and integer input), accumulated in blocks
 // (BLOCK elements per channel; 32 per lane for the moments) and summed across blocks in float64;
@@ -664,6 +664,90 @@ void accumulate_moments_(Tensor& acc, const Tensor& x, const Tensor& shift) {
   if (std::isnan(a[2])) a[3] = a[4] = std::numeric_limits<double>::quiet_NaN();
 }
 
+
+// ------------------------------------------------------------------------------ statistics flush
+// moments_payload_ and moments_finish_ (contracts: KernelBackend): one loop over the R names each, the
+// float64 operations of the reference (lightning_ext/kernels/moments.py) in the same order.
+
+double finite_or_zero(double v) { return std::isfinite(v) ? v : 0.0; }
+
+double max_nan(double a, double b) {  // torch.maximum: NaN if either is NaN
+  return std::isnan(a) || std::isnan(b) ? std::numeric_limits<double>::quiet_NaN() : std::max(a, b);
+}
+
+double clamp_min_zero(double v) { return v < 0.0 ? 0.0 : v; }  // clamp_min(0): NaN stays NaN
+
+// max_payload (2 + 4R,) = [fp, -fp, max, -min, mean, -mean]; sum_payload (R, 4) = [n, m2, n d, n d^2].
+void moments_payload_(Tensor& max_payload, Tensor& sum_payload, const Tensor& sums, const Tensor& shifts,
+                      const Tensor& center, double fingerprint) {
+  const int64_t r = sums.size(0);
+  const double* s = sums.const_data_ptr<double>();
+  const double* a = shifts.const_data_ptr<double>();
+  const double* c = center.const_data_ptr<double>();
+  double* mx = max_payload.data_ptr<double>();
+  double* out = sum_payload.data_ptr<double>();
+  const double ninf = -std::numeric_limits<double>::infinity();
+  mx[0] = fingerprint;
+  mx[1] = -fingerprint;
+  double *hi = mx + 2, *neg_lo = hi + r, *mean_max = neg_lo + r, *neg_mean_min = mean_max + r;
+  for (int64_t i = 0; i < r; ++i) {
+    const double* row = s + 5 * i;
+    const double n = row[0];
+    const bool has = n > 0;
+    const double safe_n = has ? n : 1.0;
+    const double mean = has ? finite_or_zero(a[i]) + row[1] / safe_n : 0.0;
+    const double m2 = has ? 0.0 + clamp_min_zero(row[2] - row[1] * row[1] / safe_n) : 0.0;
+    const double d = has ? mean - finite_or_zero(c[i]) : 0.0;
+    double* o = out + 4 * i;
+    o[0] = n;
+    o[1] = m2;
+    o[2] = n * d;
+    o[3] = n * d * d;
+    hi[i] = row[4];
+    neg_lo[i] = -row[3];
+    mean_max[i] = has ? mean : ninf;
+    neg_mean_min[i] = has ? -mean : ninf;
+  }
+}
+
+// published (R, 5) = [n, mean, std, min, max] and next_shift (R,) from the reduced payloads; returns
+// whether a row needs another reduction around max(mean).
+Tensor moments_finish_(Tensor& published, Tensor& next_shift, const Tensor& max_payload,
+                       const Tensor& sum_payload, const Tensor& center, bool keep_previous) {
+  const int64_t r = sum_payload.size(0);
+  const double* mx = max_payload.const_data_ptr<double>();
+  const double *hi = mx + 2, *neg_lo = hi + r, *mean_max = neg_lo + r, *neg_mean_min = mean_max + r;
+  const double* sp = sum_payload.const_data_ptr<double>();
+  const double* c0 = center.const_data_ptr<double>();
+  double* pub = published.data_ptr<double>();
+  double* shift = next_shift.data_ptr<double>();
+  const double eps = std::numeric_limits<double>::epsilon(), nan = std::numeric_limits<double>::quiet_NaN();
+  bool needs = false;
+  for (int64_t i = 0; i < r; ++i) {
+    const double *o = sp + 4 * i, n = o[0], c = finite_or_zero(c0[i]);
+    const bool has = n > 0;
+    const double safe_n = has ? n : 1.0, spread = mean_max[i] + neg_mean_min[i];
+    const double between = spread > 0 ? clamp_min_zero(o[3] - o[2] * o[2] / safe_n) : 0.0;
+    const double m2 = has ? o[1] + between : 0.0;
+    const double distance = max_nan(mean_max[i] - c, neg_mean_min[i] + c);
+    needs = needs || (has && spread > 0 && 8 * eps * n * distance * distance > 1e-10 * m2);
+    double* p = pub + 5 * i;
+    if (has) {
+      const double mean = spread == 0 ? mean_max[i] : c + o[2] / safe_n;
+      p[0] = n;
+      p[1] = mean;
+      p[2] = std::sqrt(m2 / n);
+      p[3] = -neg_lo[i];
+      p[4] = hi[i];
+      shift[i] = mean;
+    } else if (!keep_previous) {
+      p[0] = 0.0;
+      p[1] = p[2] = p[3] = p[4] = nan;
+    }
+  }
+  return at::scalar_tensor(needs, at::TensorOptions().dtype(at::kBool));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -675,4 +759,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("batch_norm_backward_elemt", &batch_norm_backward_elemt);
   m.def("check_finite", &check_finite);
   m.def("accumulate_moments_", &accumulate_moments_);
+  m.def("moments_payload_", &moments_payload_);
+  m.def("moments_finish_", &moments_finish_);
 }

@@ -28,6 +28,7 @@ __all__ = ["KernelBackend"]
 _OPS = (  # the ops of a backend: public method `<op>`, implemented by `_<op>`
     "batch_norm_moments", "batch_norm_gather_stats", "batch_norm_elemt", "batch_norm_backward_reduce",
     "batch_norm_backward_elemt", "unscale_and_check_", "check_finite", "accumulate_moments_",
+    "moments_payload_", "moments_finish_",
 )  # fmt: skip
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # allowed dtypes of x / dy
 _LIVE: dict[str, KernelBackend] = {}  # backend key -> live instance: how the custom ops find theirs
@@ -69,6 +70,24 @@ def _check_vector(t: object, arg: str, size: int, device: torch.device, optional
     if tuple(t.shape) != (size,) or t.device != device:
         raise ValueError(
             f"`{arg}` must have shape ({size},) on {device}, got {tuple(t.shape)!r} on {t.device}"
+        )
+
+
+def _check_rows(t: object, width: int, arg: str) -> int:
+    """The ``R`` of a float64 ``(R, width)`` contiguous tensor ``t``, else the error naming ``arg``."""
+    if not isinstance(t, Tensor) or t.dim() != 2:
+        raise ValueError(f"`{arg}` must be a float64 tensor of shape (R, {width}), got {_got(t)!r}")
+    _check_float64(t, arg, (t.shape[0], width), t.device)
+    return t.shape[0]
+
+
+def _check_float64(t: object, arg: str, shape: tuple[int, ...], device: torch.device) -> None:
+    if not isinstance(t, Tensor) or t.dtype != torch.float64:
+        raise TypeError(f"`{arg}` must be a float64 tensor of shape {shape}, got {_got(t)!r}")
+    if tuple(t.shape) != shape or t.device != device or not t.is_contiguous():
+        raise ValueError(
+            f"`{arg}` must be a contiguous tensor of shape {shape} on {device}, "
+            f"got shape {tuple(t.shape)} on {t.device}"
         )
 
 
@@ -150,6 +169,7 @@ class KernelBackend(abc.ABC):
     _batch_norm_moments = _batch_norm_gather_stats = _batch_norm_elemt = _op
     _batch_norm_backward_reduce = _batch_norm_backward_elemt = _op
     _unscale_and_check_ = _check_finite = _accumulate_moments_ = _op
+    _moments_payload_ = _moments_finish_ = _op
     del _op
 
     # ------------------------------------------------------------------ batch norm
@@ -398,3 +418,95 @@ class KernelBackend(abc.ABC):
             raise ValueError(f"`acc` ({acc.device}) and `shift` ({shift.device}) must be on {x.device}")
         if x.numel():
             self.run("accumulate_moments_", acc, x.detach(), shift)
+
+    def moments_payload_(
+        self,
+        max_payload: Tensor,
+        sum_payload: Tensor,
+        sums: Tensor,
+        shifts: Tensor,
+        center: Tensor,
+        fingerprint: float,
+    ) -> None:
+        """Write one rank's moment rows of ``R`` statistics as the two payloads of a flush, in place.
+
+        Each row's local moments come from its shifted sums: ``mean = shift + S1 / n``,
+        ``m2 = max(S2 - S1^2 / n, 0)``; then, with ``d = mean - center`` (0 where ``n = 0``;
+        non-finite centers count as 0):
+
+        * ``max_payload`` (MAX all-reduce) ``= [fingerprint, -fingerprint, max_1..R, -min_1..R,
+          mean_1..R, -mean_1..R]``, the means ``-inf`` where ``n = 0``;
+        * ``sum_payload`` (SUM all-reduce) ``= [n, m2, n d, n d^2]`` per row.
+
+        Summed over ranks around a ``center`` shared by all, :meth:`moments_finish_` turns them into
+        the global moments by Chan, Golub & LeVeque's merge (1979): the within-rank ``m2`` never
+        cancels, the between-rank term is exact when the center is near the rank means.
+
+        Args:
+            max_payload: float64 ``(2 + 4R,)``, written.
+            sum_payload: float64 ``(R, 4)``, written.
+            sums: float64 ``(R, 5)``, per row ``[n, S1, S2, min, max]`` with ``S1 = sum(x - shift)``,
+                ``S2 = sum((x - shift)^2)`` (the layout of :meth:`accumulate_moments_`; a moment row
+                ``[n, mean, m2, min, max]`` is the case ``S1 = 0``, ``shift = mean``).
+            shifts: float64 ``(R,)``, each row's shift.
+            center: float64 ``(R,)``, the same on every rank.
+            fingerprint: a float64 identifying the names (see :class:`~lightning_ext.stats.Collector`).
+
+        Raises:
+            TypeError, ValueError: a tensor that is not float64 of the shape above, contiguous, on
+                ``sums``' device.
+        """
+        r = _check_rows(sums, 5, "sums")
+        for t, arg, shape in (
+            (max_payload, "max_payload", (2 + 4 * r,)), (sum_payload, "sum_payload", (r, 4)),
+            (shifts, "shifts", (r,)), (center, "center", (r,)),
+        ):  # fmt: skip
+            _check_float64(t, arg, shape, sums.device)
+        self.run("moments_payload_", max_payload, sum_payload, sums, shifts, center, float(fingerprint))
+
+    def moments_finish_(
+        self,
+        published: Tensor,
+        next_shift: Tensor,
+        max_payload: Tensor,
+        sum_payload: Tensor,
+        center: Tensor,
+        keep_previous: bool,
+    ) -> Tensor:
+        """Publish the global moments of ``R`` statistics from the reduced payloads of
+        :meth:`moments_payload_`, in place; say whether a row must be reduced again.
+
+        Per row, with ``spread = max(mean) - min(mean)`` over the ranks that had values:
+        ``n = sum(n)``, ``mean = center + sum(n d) / n`` (the only rank mean when ``spread == 0``:
+        exact), ``m2 = sum(m2) + (sum(n d^2) - sum(n d)^2 / n)`` (the second term clipped at 0 and
+        exactly 0 when ``spread == 0``), ``std = sqrt(m2 / n)`` (population), min and max. A row
+        with ``n > 0`` is written to ``published`` and its mean to ``next_shift``; a row with
+        ``n = 0`` keeps both when ``keep_previous``, else its ``published`` row becomes
+        ``[0, nan, nan, nan, nan]`` (``next_shift`` is kept).
+
+        Args:
+            published: float64 ``(R, 5)``, ``[n, mean, std, min, max]`` per row, updated.
+            next_shift: float64 ``(R,)``, updated (the center of the next flush).
+            max_payload, sum_payload: the payloads after the MAX and SUM all-reduces.
+            center: float64 ``(R,)``, the center the payloads were made around.
+            keep_previous: what a row without values keeps (above).
+
+        Returns:
+            bool 0-dim tensor: some row's between-rank term may have lost more than ``1e-10`` of its
+            ``m2`` to cancellation (its rounding error is at most a few ``eps n distance^2``, distance
+            the largest ``|rank mean - center|``); reduce ``sum_payload`` again around
+            ``center = max(mean)`` (``max_payload[2 + 2R : 2 + 3R]``) and finish again.
+
+        Raises:
+            TypeError, ValueError: as :meth:`moments_payload_`; ``keep_previous`` not a bool.
+        """
+        r = _check_rows(published, 5, "published")
+        for t, arg, shape in (
+            (next_shift, "next_shift", (r,)), (max_payload, "max_payload", (2 + 4 * r,)),
+            (sum_payload, "sum_payload", (r, 4)), (center, "center", (r,)),
+        ):  # fmt: skip
+            _check_float64(t, arg, shape, published.device)
+        if not isinstance(keep_previous, bool):
+            raise TypeError(f"`keep_previous` must be a bool, got {keep_previous!r}")
+        payloads = (max_payload, sum_payload)
+        return self.run("moments_finish_", published, next_shift, *payloads, center, keep_previous)

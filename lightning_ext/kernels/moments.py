@@ -1,7 +1,16 @@
-"""``accumulate_moments_`` (contract: :meth:`~lightning_ext.kernels.KernelBackend.accumulate_moments_`):
-``_accumulate_moments_reference`` and the Triton kernel's launcher ``_accumulate_moments_triton``."""
+"""The statistics ops (contracts: :class:`~lightning_ext.kernels.KernelBackend`): ``accumulate_moments_``
+(``_accumulate_moments_reference`` and the Triton kernel's launcher ``_accumulate_moments_triton``), and
+the flush's ``moments_payload_`` and ``moments_finish_`` (reference only: a few vector ops over the
+names, which ``triton`` inherits; ``cpu`` compiles them). The moment maths of the flush lives here;
+:mod:`lightning_ext.stats.moments` re-exports it.
+
+Sources: shifted sums (Welford 1962; Chan, Golub & LeVeque, "Algorithms for computing the sample
+variance", 1983, section 3) and the parallel merge (Chan, Golub & LeVeque 1979).
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -9,6 +18,8 @@ from torch import Tensor
 from lightning_ext.kernels._triton import HAS_TRITON, sm_count, tl, triton
 
 __all__: list[str] = []  # an op family: the backends bind its `_<op>_<backend>` functions
+
+_UNPUBLISHED = (0.0, math.nan, math.nan, math.nan, math.nan)  # a published row without values
 
 # ---------------------------------------------------------------------------- reference (pure torch)
 
@@ -22,6 +33,133 @@ def _accumulate_moments_reference(acc: Tensor, x: Tensor, shift: Tensor) -> None
     acc[1:3].add_(torch.stack((xd.sum(), torch.dot(xd, xd))))
     torch.minimum(acc[3], mn.to(torch.float64), out=acc[3])
     torch.maximum(acc[4], mx.to(torch.float64), out=acc[4])
+
+
+# ---------------------------------------------------------------------------- the flush (reference)
+# Moment rows ``[count, mean, m2, min, max]`` (m2: sum of squared deviations from the mean) and the two
+# payloads of a flush; see KernelBackend.moments_payload_ / moments_finish_ for the contracts.
+
+
+def _moments_from_shifted(acc: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """Convert shifted sums to moment rows (a shift taken from the data keeps the sums small when
+    ``|mean| ≫ std``).
+
+    Args:
+        acc: float64 ``(..., 5)``: ``[count, Σ(x-shift), Σ(x-shift)², min, max]``.
+        shift: float64 ``(...)``: the shift each row was accumulated around.
+
+    Returns:
+        float64 ``(..., 5)`` moment rows; rows with count 0 are empty.
+    """
+    n, s1, s2, lo, hi = acc.unbind(-1)  # the same maths as one rank's row with no within-rank m2
+    return _moments_from_allreduce(torch.stack([n, torch.zeros_like(n), s1, s2], -1), shift, lo, hi)
+
+
+def _shifted_for_allreduce(rows: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """Re-express moment rows around a shift shared by all ranks, ready for a SUM all-reduce.
+
+    One SUM of these rows followed by :func:`_moments_from_allreduce` gives the global moments by
+    Chan's merge: the within-rank ``m2`` never cancels, and the between-rank term is exact when the
+    shift is near the rank means.
+
+    Args:
+        rows: float64 ``(R, 5)`` local moment rows.
+        shift: float64 ``(R,)``, identical on every rank (non-finite entries are treated as 0).
+
+    Returns:
+        float64 ``(R, 4)``: ``[count, m2, count·d, count·d²]`` with ``d = mean - shift``.
+    """
+    c = torch.nan_to_num(shift, nan=0.0, posinf=0.0, neginf=0.0)
+    n = rows[:, 0]
+    d = torch.where(n > 0, rows[:, 1] - c, torch.zeros_like(c))
+    return torch.stack([n, rows[:, 2], n * d, n * d * d], dim=-1)
+
+
+def _moments_from_allreduce(
+    sums: torch.Tensor,
+    shift: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    spread: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Global moment rows from the SUM of :func:`_shifted_for_allreduce` and the MAX-reduced extremes.
+
+    ``m2 = Σ m2_i + (Σ n_i d_i² - (Σ n_i d_i)² / n)``; the between-rank term is exactly 0 when
+    ``spread`` is 0 (e.g. a single rank had values).
+
+    Args:
+        sums: float64 ``(R, 4)`` summed over ranks (any leading dims work).
+        shift: float64 ``(R,)`` the shared shift used by every rank.
+        lo, hi: float64 ``(R,)`` global minimum and maximum.
+        spread: float64 ``(R,)`` largest minus smallest rank mean (``-inf``/NaN where no rank had data).
+
+    Returns:
+        float64 ``(R, 5)`` moment rows.
+    """
+    c = torch.nan_to_num(shift, nan=0.0, posinf=0.0, neginf=0.0)
+    n, m2_within, s1, s2 = sums.unbind(-1)
+    has = n > 0
+    safe_n = torch.where(has, n, torch.ones_like(n))
+    between = (s2 - s1 * s1 / safe_n).clamp_min(0.0)
+    if spread is not None:
+        between = torch.where(spread > 0, between, torch.zeros_like(between))
+    mean = torch.where(has, c + s1 / safe_n, torch.zeros_like(n))
+    m2 = torch.where(has, m2_within + between, torch.zeros_like(n))
+    return torch.stack([n, mean, m2, lo, hi], dim=-1)
+
+
+def _needs_recentering(rows: torch.Tensor, spread: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
+    """Rows whose between-rank term may have lost more than ~1e-10 of ``m2`` to cancellation.
+
+    The rounding error of ``Σ n_i d_i² - (Σ n_i d_i)² / n`` is at most a few ``eps · n · distance²``.
+    Such rows must be reduced again around a shift inside the data (e.g. the largest rank mean).
+
+    Args:
+        rows: float64 ``(R, 5)`` moment rows from :func:`_moments_from_allreduce`.
+        spread: float64 ``(R,)`` largest minus smallest rank mean.
+        distance: float64 ``(R,)`` largest ``|mean_i - shift|`` over ranks with data.
+
+    Returns:
+        bool ``(R,)``.
+    """
+    n, m2 = rows[:, 0], rows[:, 2]
+    bound = 8 * torch.finfo(torch.float64).eps * n * distance * distance
+    return (n > 0) & (spread > 0) & (bound > 1e-10 * m2)
+
+
+def _moments_payload_reference(
+    max_payload: Tensor, sum_payload: Tensor, sums: Tensor, shifts: Tensor, center: Tensor, fingerprint: float
+) -> None:
+    """Local moment rows of the shifted ``sums``, written as the MAX and SUM payloads of a flush."""
+    rows = _moments_from_shifted(sums, shifts)
+    r, has, mean = rows.shape[0], rows[:, 0] > 0, rows[:, 1]
+    ninf = torch.full_like(mean, -math.inf)
+    max_payload[0], max_payload[1] = fingerprint, -fingerprint
+    extremes = (rows[:, 4], -rows[:, 3], torch.where(has, mean, ninf), torch.where(has, -mean, ninf))
+    torch.stack(extremes, out=max_payload[2:].view(4, r))
+    sum_payload.copy_(_shifted_for_allreduce(rows, center))
+
+
+def _moments_finish_reference(
+    published: Tensor, next_shift: Tensor, max_payload: Tensor, sum_payload: Tensor, center: Tensor,
+    keep_previous: bool,
+) -> Tensor:  # fmt: skip
+    """Global rows from the reduced payloads, published as ``[count, mean, std, min, max]``."""
+    r = sum_payload.shape[0]
+    hi, neg_lo, mean_max, neg_mean_min = max_payload[2:].view(4, r)
+    spread = mean_max + neg_mean_min
+    rows = _moments_from_allreduce(sum_payload, center, -neg_lo, hi, spread)
+    c = torch.nan_to_num(center, nan=0.0, posinf=0.0, neginf=0.0)
+    distance = torch.maximum(mean_max - c, neg_mean_min + c)
+    needs = _needs_recentering(rows, spread, distance).any()
+    n, m2 = rows[:, 0], rows[:, 2]
+    has = n > 0
+    mean = torch.where(spread == 0, mean_max, rows[:, 1])  # one rank's mean (or equal ones): exact
+    values = torch.stack([n, mean, (m2 / n).sqrt(), rows[:, 3], rows[:, 4]], -1)
+    empty = published if keep_previous else torch.tensor(_UNPUBLISHED, dtype=torch.float64, device=n.device)
+    published.copy_(torch.where(has[:, None], values, empty))
+    next_shift.copy_(torch.where(has, mean, next_shift))
+    return needs
 
 
 # ---------------------------------------------------------------------------- Triton kernel

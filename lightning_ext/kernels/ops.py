@@ -92,3 +92,18 @@ _accumulate_moments_ = _define(
     lambda *_: None,
     mutates=("acc",),
 )
+_moments_payload_ = _define(
+    "moments_payload_",
+    "(Tensor(a0!) max_payload, Tensor(a1!) sum_payload, Tensor sums, Tensor shifts, Tensor center, "
+    "float fingerprint) -> ()",
+    lambda *_: None,
+    mutates=("max_payload", "sum_payload"),
+)
+_moments_finish_ = _define(
+    "moments_finish_",
+    "(Tensor(a0!) published, Tensor(a1!) next_shift, Tensor max_payload, Tensor sum_payload, Tensor center, "
+    "bool keep_previous) -> Tensor",
+    lambda published, *_: published.new_empty((), dtype=torch.bool),
+    mutates=("published", "next_shift"),
+    clone=True,
+)

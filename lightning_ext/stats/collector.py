@@ -12,15 +12,9 @@ import torch.distributed as dist
 
 from lightning_ext._checks import check_bool
 from lightning_ext.distributed import all_reduce_, is_distributed
+from lightning_ext.kernels.moments import _UNPUBLISHED
 from lightning_ext.stats import reporting as _report
-from lightning_ext.stats.moments import (
-    _empty_moments,
-    _fingerprint,
-    _merge_moments,
-    _moments_from_allreduce,
-    _needs_recentering,
-    _shifted_for_allreduce,
-)
+from lightning_ext.stats.moments import _as_shifted, _empty_moments, _fingerprint, _merge_moments
 
 __all__ = ["Collector"]
 
@@ -43,29 +37,69 @@ def _compile_regex(owner: str, regex: Any) -> re.Pattern[str]:
         raise ValueError(f"{owner}: `regex` must be a regular expression, got {regex!r} ({err})") from None
 
 
-def _merged_rows(names: list[str], tables: list[_report._Table], device: torch.device) -> torch.Tensor:
-    """Float64 ``(len(names), 5)`` moment rows on ``device``: per name, the merge of its rows in ``tables``
-    (empty rows for names no table has; names not in ``names`` are left out)."""
+def _merged(names: list[str], tables: list[_report._Table], device: torch.device) -> _report._Table:
+    """The table of ``names`` on ``device``: per name, the merge of its rows in ``tables`` (empty rows
+    for names no table has; names not in ``names`` are left out)."""
     if len(tables) == 1 and tables[0].names == names:  # steady state: nothing to reorder
-        return tables[0].rows.to(device)
+        table = tables[0]
+        return _report._Table(names, table.sums.to(device), table.shifts.to(device))
     index = {name: i for i, name in enumerate(names)}
     rows = _empty_moments(len(names), device)
     for table in tables:
         pairs = [(index[n], i) for i, n in enumerate(table.names) if n in index]
         if pairs:
             dst = torch.tensor([p[0] for p in pairs], device=device)
-            src = torch.tensor([p[1] for p in pairs], device=table.rows.device)
-            rows[dst] = _merge_moments(rows[dst], table.rows[src].to(device))
-    return rows
+            src = torch.tensor([p[1] for p in pairs], device=table.sums.device)
+            rows[dst] = _merge_moments(rows[dst], table.moments()[src].to(device))
+    return _report._Table(names, *_as_shifted(rows))
 
 
-def _max_payload(fp: float, rows: torch.Tensor) -> torch.Tensor:
-    """The MAX all-reduce payload (see :class:`Collector`)."""
-    head = torch.tensor([fp, -fp], dtype=torch.float64, device=rows.device)
-    has = rows[:, 0] > 0
-    ninf = torch.full_like(rows[:, 1], -math.inf)
-    mean, neg_mean = torch.where(has, rows[:, 1], ninf), torch.where(has, -rows[:, 1], ninf)
-    return torch.cat([head, rows[:, 4], -rows[:, 3], mean, neg_mean])
+class _Flush:
+    """What a flush of the agreed names keeps from one update to the next, on the sync device.
+
+    ``published``: float64 ``(R, 5)``, ``[count, mean, std, min, max]`` per name (the queries);
+    ``next_shift``: float64 ``(R,)``, the center of the next SUM (each name's last published mean, 0
+    before it had one); ``max_payload`` (``2 + 4R``) and ``sum_payload`` (``(R, 4)``): the buffers of
+    the two all-reduces, laid out by the kernel op ``moments_payload_``.
+    """
+
+    def __init__(self, names: list[str], device: torch.device, previous: _Flush | None = None) -> None:
+        r = len(names)
+        self.names, self.index = names, {name: i for i, name in enumerate(names)}
+        self.published = torch.tensor(_UNPUBLISHED, dtype=torch.float64, device=device).repeat(r, 1)
+        self.next_shift = torch.zeros(r, dtype=torch.float64, device=device)
+        self.max_payload = torch.empty(2 + 4 * r, dtype=torch.float64, device=device)
+        self.sum_payload = torch.empty(r, 4, dtype=torch.float64, device=device)
+        self.values: dict[str, tuple[int, float, float, float, float]] | None = None  # read lazily
+        if previous is not None:  # keep what was published for the names that stay
+            kept = [(i, previous.index[n]) for i, n in enumerate(names) if n in previous.index]
+            if kept:
+                dst, src = (torch.tensor(ix, device=device) for ix in zip(*kept))
+                self.published[dst] = previous.published.to(device)[src]
+                self.next_shift[dst] = previous.next_shift.to(device)[src]
+
+    def payloads(self, table: _report._Table, center: torch.Tensor, fingerprint: float) -> None:
+        """Write ``table``'s rows (aligned to ``names``) into both payloads, about ``center``."""
+        args = (self.max_payload, self.sum_payload, table.sums, table.shifts, center, fingerprint)
+        _report._backend(self.published.device).run("moments_payload_", *args)
+
+    def finish(self, center: torch.Tensor, keep_previous: bool) -> bool:
+        """Publish the reduced payloads; whether some name must be reduced again (host read)."""
+        self.values = None
+        args = (self.published, self.next_shift, self.max_payload, self.sum_payload, center, keep_previous)
+        return bool(_report._backend(self.published.device).run("moments_finish_", *args))
+
+    def mean_max(self) -> torch.Tensor:
+        """The largest rank mean per name, from the reduced MAX payload (a center inside the data)."""
+        r = len(self.names)
+        return self.max_payload[2 + 2 * r : 2 + 3 * r].clone()
+
+    def read(self) -> dict[str, tuple[int, float, float, float, float]]:
+        """``{name: (count, mean, std, min, max)}``, read from the device once per update."""
+        if self.values is None:
+            rows = self.published.tolist()
+            self.values = {n: (round(v[0]), *v[1:]) for n, v in zip(self.names, rows)}  # type: ignore[misc]
+        return self.values
 
 
 class Collector:
@@ -78,14 +112,21 @@ class Collector:
     ``max``, ``c[name]`` for the mean) give 0/NaN for a matching name without values and raise
     ``KeyError`` (listing close names) for a name ``regex`` excludes, ``TypeError`` for a non-str.
 
-    Distributed protocol (maths in :mod:`lightning_ext.stats.moments`): over the R names agreed at
-    the previous update (same lengths on every rank), two async all-reduces run together:
+    Distributed protocol, in three steps. Over the R names agreed at the previous update (same
+    lengths on every rank), the kernel backend's ``moments_payload_`` writes two payloads (the maths
+    and the layout: :meth:`~lightning_ext.kernels.KernelBackend.moments_payload_`), and two async
+    all-reduces run together:
 
     * MAX of ``[fp, -fp, max_1..R, -min_1..R, mean_1..R, -mean_1..R]``, ``fp`` a 48-bit fingerprint
       of the sorted names this rank knows now (``-inf`` for names without local values): all ranks
-      know the same names iff ``max(fp) == -max(-fp)``;
-    * SUM of ``_shifted_for_allreduce`` rows around the means published by the previous update,
-      redone around the largest rank mean from the MAX where ``_needs_recentering`` flags a row.
+      know the same names iff ``max(fp) == -max(-fp)`` (step 1, *agree names*);
+    * SUM of ``[n, m2, n d, n d^2]`` per name, ``d`` the local mean minus the mean published by
+      the previous update (step 2, *reduce rows*).
+
+    ``moments_finish_`` (step 3, *finish*) turns them into the published statistics in one pass and
+    says whether a name lost precision to cancellation; then the SUM is redone around the largest
+    rank mean (rare). On the steady path (the same names as before) the flush runs no Python per
+    name: two ops, two all-reduces, two host reads.
 
     If the name sets differ, one ``all_gather_object`` agrees on the sorted union (skipped when every
     rank saw the same new names), then the MAX and the SUM (around the largest rank mean) are redone
@@ -121,17 +162,13 @@ class Collector:
         self._match_cache: dict[str, bool] = {}  # name => regex matches
         self._tables: list[_report._Table] = []  # drained tables received since the last update
         self._seen: set[str] = set()  # names this rank has had (matching), ever
-        self._agreed: list[str] = []  # sorted name union agreed across ranks at the last update
-        self._agreed_set: set[str] = set()
-        # name => (num, mean, std, min, max) published by the last update
-        self._values: dict[str, tuple[int, float, float, float, float]] = {}
-        self._shift: dict[str, float] = {}  # name => last published global mean (shift of the next SUM)
+        self._flush = _Flush([], torch.device("cpu"))  # the names agreed at the last update, and more
         # Caches of the steady state (the same name lists, by identity, from update to update):
         self._combined: tuple[list[str] | None, list[str]] = (None, [])  # drained names -> matching ones
         self._seen_from: list[str] | None = None  # the names last added to _seen
+        self._candidate: tuple[list[str] | None, list[str]] = (None, [])  # agreed names -> candidate
         self._fp: tuple[list[str] | None, float] = (None, 0.0)  # names -> _fingerprint(names)
-        self._shift_rows: tuple[list[str] | None, torch.Tensor | None] = (None, None)  # names -> float64
-        # (len(names),) of self._shift.get(name, 0.0), on the sync device
+        self._equal: tuple[list[str] | None, list[str] | None] = (None, None)  # two lists found equal
         _report._register(self)
 
     def _matches(self, name: str) -> bool:
@@ -171,71 +208,64 @@ class Collector:
                 self._combined = (table.names, names)
             if names is table.names:
                 return table
-            return _report._Table(names, _merged_rows(names, self._tables, table.rows.device))
+            return _merged(names, self._tables, table.sums.device)
         names = sorted({n for t in self._tables for n in t.names if self._matches(n)})
-        device = self._tables[0].rows.device if self._tables else torch.device("cpu")
-        return _report._Table(names, _merged_rows(names, self._tables, device))
+        device = self._tables[0].sums.device if self._tables else torch.device("cpu")
+        return _merged(names, self._tables, device)
 
     def update(self) -> None:
         """Reduce everything reported since the last ``update()`` and publish it.
 
         Must be called on every rank, in the same order relative to other collectors' updates.
-        Synchronizes host and device (it reads the fingerprint head of the MAX all-reduce and the
-        final statistics). Collectives on the sync device: two all-reduces, three to five when the
-        name set changed (see the class docstring).
+        Synchronizes host and device (it reads the fingerprint head of the MAX all-reduce and whether
+        a name needs another reduction). Collectives on the sync device: two all-reduces, three to
+        five when the name set changed (see the class docstring).
         """
         _report._drain()
         local = self._combine()
         self._tables = []
-        if local.names is not self._seen_from:
-            self._seen.update(local.names)
-            self._seen_from = local.names
         _rank, device, group = _report._sync_settings()
         world_size = dist.get_world_size(group=group) if device is not None and is_distributed() else 1
-        candidate = self._agreed if self._seen <= self._agreed_set else sorted(self._agreed_set | self._seen)
-        device = device if device is not None else local.rows.device
-        if world_size > 1:
-            names, rows = self._reduce(candidate, local, device, group, world_size)
-        else:
-            names, rows = candidate, _merged_rows(candidate, [local], device)
-        if names is not self._agreed:
-            self._agreed, self._agreed_set = names, set(names)
-        self._publish(names, rows)
+        device = device if device is not None else local.sums.device
+        if self._flush.published.device != device:
+            self._flush = _Flush(self._flush.names, device, self._flush)
+        candidate = self._candidate_names(local.names)
+        if world_size == 1:  # agree with no one, reduce nothing, finish
+            if candidate is not self._flush.names:
+                self._flush = _Flush(candidate, device, self._flush)
+            flush = self._flush
+            flush.payloads(self._aligned(local, device), flush.next_shift, 0.0)
+            flush.finish(flush.next_shift, self.keep_previous)  # one rank: no name needs recentering
+            return
+        local, center = self._agree_and_reduce(candidate, local, device, group, world_size)
+        if self._flush.finish(center, self.keep_previous):  # rare; the same on every rank
+            center = self._flush.mean_max()
+            self._sum_again(local, center, group)
+            self._flush.finish(center, self.keep_previous)
 
-    def _publish(self, names: list[str], rows: torch.Tensor) -> None:
-        """Write the global moment ``rows`` of ``names`` into the published values and shifts (one host
-        read of all rows, no Python arithmetic per name unless some names had no values)."""
-        n = rows[:, 0]
-        counts = n.round().to(torch.int64).tolist()
-        # std = sqrt(m2 / n) in float64, element for element what math.sqrt(m2 / n) gives
-        means, stds, los, his = torch.stack(
-            [rows[:, 1], (rows[:, 2] / n).sqrt(), rows[:, 3], rows[:, 4]]
-        ).tolist()
-        values = dict(zip(names, zip(counts, means, stds, los, his)))
-        shifts = dict(zip(names, means))
-        if 0 in counts:  # names without values in this interval
-            for name, count in zip(names, counts):
-                if count == 0:
-                    del shifts[name]
-                    if self.keep_previous and name in self._values:
-                        del values[name]
-                    else:
-                        values[name] = _NAN_VALUES
-        self._values.update(values)
-        self._shift.update(shifts)
-        cached_names, previous = self._shift_rows
-        if cached_names is names and previous is not None and previous.device == rows.device:
-            self._shift_rows = (names, torch.where(n > 0, rows[:, 1], previous))
-        else:
-            self._shift_rows = (None, None)  # rebuilt from self._shift when needed
+    def _candidate_names(self, drained: list[str]) -> list[str]:
+        """The sorted names this rank knows now: the agreed ones (the same list while no new name
+        came) and those it has had."""
+        if drained is not self._seen_from:
+            self._seen.update(drained)
+            self._seen_from = drained
+            self._candidate = (None, [])
+        agreed = self._flush.names
+        source, candidate = self._candidate
+        if source is not agreed:
+            known = self._flush.index.keys()
+            candidate = agreed if self._seen <= known else sorted(known | self._seen)
+            self._candidate = (agreed, candidate)
+        return candidate
 
-    def _shift_tensor(self, names: list[str], device: torch.device) -> torch.Tensor:
-        """Float64 ``(len(names),)``: the shift of the next SUM per name (last published mean, else 0)."""
-        cached_names, shift = self._shift_rows
-        if cached_names is not names or shift is None or shift.device != device:
-            shift = torch.tensor([self._shift.get(n, 0.0) for n in names], dtype=torch.float64, device=device)
-            self._shift_rows = (names, shift)
-        return shift
+    def _aligned(self, local: _report._Table, device: torch.device) -> _report._Table:
+        """``local`` with the rows of the agreed names, in their order, on ``device``."""
+        names = self._flush.names
+        if self._equal[0] is not local.names or self._equal[1] is not names:  # once while both stay
+            if local.names != names:
+                return _merged(names, [local], device)
+            self._equal = (local.names, names)
+        return local if local.sums.device == device else _merged(names, [local], device)
 
     def _fingerprint(self, names: list[str]) -> float:
         """:func:`_fingerprint` of ``names``, cached while the same list comes back."""
@@ -245,62 +275,58 @@ class Collector:
             self._fp = (names, fp)
         return fp
 
-    def _reduce(
+    def _agree_and_reduce(
         self, candidate: list[str], local: _report._Table, device: torch.device, group: Any, world_size: int
-    ) -> tuple[list[str], torch.Tensor]:
-        """The protocol of the class docstring; returns (agreed names, global moment rows)."""
-        names = self._agreed
-        rows = _merged_rows(names, [local], device)
-        payload = _max_payload(self._fingerprint(candidate), rows)
-        works = [all_reduce_(payload, op=dist.ReduceOp.MAX, group=group, async_op=True)]
-        shift = self._shift_tensor(names, device)
-        sums = _shifted_for_allreduce(rows, shift)
-        if names:
-            works.append(all_reduce_(sums, op=dist.ReduceOp.SUM, group=group, async_op=True))
+    ) -> tuple[_report._Table, torch.Tensor]:
+        """Both all-reduces over the agreed names, and again over the union when the ranks' names
+        differ (class docstring); returns the aligned local table and the center of the SUM."""
+        flush = self._flush
+        aligned, center = self._aligned(local, device), flush.next_shift
+        flush.payloads(aligned, center, self._fingerprint(candidate))
+        works = [all_reduce_(flush.max_payload, op=dist.ReduceOp.MAX, group=group, async_op=True)]
+        if flush.names:
+            works.append(all_reduce_(flush.sum_payload, op=dist.ReduceOp.SUM, group=group, async_op=True))
         for work in works:
             work.wait()
-        fp_max, neg_fp_min = payload[:2].tolist()  # host sync; identical on every rank
+        fp_max, neg_fp_min = flush.max_payload[:2].tolist()  # host sync; identical on every rank
+        names = flush.names
         if fp_max != -neg_fp_min:  # ranks know different name sets: agree on the sorted union
             gathered: list[Any] = [None] * world_size
             dist.all_gather_object(gathered, candidate, group=group)
             names = sorted(set().union(*gathered))
         elif candidate != names:  # every rank saw the same new names: no need to gather them
             names = candidate
-        if not names:
-            return names, _empty_moments(0, device)
-        r = len(names)
-        if names is not self._agreed:  # same decision on every rank (it follows from the reduced head)
-            rows = _merged_rows(names, [local], device)
-            payload = _max_payload(self._fingerprint(names), rows)
-            all_reduce_(payload, op=dist.ReduceOp.MAX, group=group)
-            shift = payload[2 + 2 * r : 2 + 3 * r]  # the largest rank mean: inside the data range
-            sums = _shifted_for_allreduce(rows, shift)
-            all_reduce_(sums, op=dist.ReduceOp.SUM, group=group)
-        hi, neg_lo, mean_max, neg_mean_min = payload[2:].view(4, r)
-        lo, spread = -neg_lo, mean_max + neg_mean_min
-        result = _moments_from_allreduce(sums, shift, lo, hi, spread)
-        c = torch.nan_to_num(shift, nan=0.0, posinf=0.0, neginf=0.0)
-        distance = torch.maximum(mean_max - c, neg_mean_min + c)
-        if bool(_needs_recentering(result, spread, distance).any()):  # rare; same on every rank
-            shift = mean_max
-            sums = _shifted_for_allreduce(rows, shift)
-            all_reduce_(sums, op=dist.ReduceOp.SUM, group=group)
-            result = _moments_from_allreduce(sums, shift, lo, hi, spread)
-        return names, result
+        if names is flush.names:
+            return aligned, center
+        flush = self._flush = _Flush(names, device, flush)  # the same decision on every rank
+        aligned = _merged(names, [local], device)
+        flush.payloads(aligned, flush.next_shift, self._fingerprint(names))
+        all_reduce_(flush.max_payload, op=dist.ReduceOp.MAX, group=group)
+        center = flush.mean_max()  # the largest rank mean: inside the data range
+        self._sum_again(aligned, center, group)
+        return aligned, center
+
+    def _sum_again(self, aligned: _report._Table, center: torch.Tensor, group: Any) -> None:
+        """Redo the SUM all-reduce about ``center``, keeping the reduced MAX payload."""
+        flush = self._flush
+        reduced = flush.max_payload.clone()
+        flush.payloads(aligned, center, 0.0)
+        flush.max_payload.copy_(reduced)
+        all_reduce_(flush.sum_payload, op=dist.ReduceOp.SUM, group=group)
 
     def names(self) -> list[str]:
         """Sorted names known to any rank at the last ``update()`` (matching ``regex``)."""
-        return list(self._agreed)
+        return list(self._flush.names)
 
     def _get(self, name: str) -> tuple[int, float, float, float, float]:
-        values = self._values.get(name)
+        values = self._flush.read().get(name)
         if values is not None:
             return values
         if not isinstance(name, str):
             raise TypeError(f"statistic name must be a str, got {type(name).__name__} {name!r}")
         if self._matches(name):
             return _NAN_VALUES
-        close = difflib.get_close_matches(name, self._agreed, n=5, cutoff=0.5)
+        close = difflib.get_close_matches(name, self._flush.names, n=5, cutoff=0.5)
         raise KeyError(
             f"{name!r} is not collected by Collector(regex={self.regex!r}); close names: {close}. "
             "HINT: widen the regex or create another Collector for it."
@@ -332,19 +358,21 @@ class Collector:
     def as_dict(self) -> dict[str, dict[str, float]]:
         """``{name: {"num", "mean", "std", "min", "max"}}`` for every name of :meth:`names`."""
         keys = ("num", "mean", "std", "min", "max")
-        return {name: dict(zip(keys, self._get(name))) for name in self._agreed}
+        return {name: dict(zip(keys, values)) for name, values in self._flush.read().items()}
 
     def state_dict(self) -> dict[str, Any]:
         """The published statistics and agreed names (what ``keep_previous`` needs after a resume)."""
-        return {"names": list(self._agreed), "values": {k: list(v) for k, v in self._values.items()}}
+        return {"names": self.names(), "values": {k: list(v) for k, v in self._flush.read().items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the same checkpoint must be loaded on every rank)."""
-        self._agreed = sorted(state["names"])
-        self._agreed_set = set(self._agreed)
-        self._seen |= self._agreed_set
-        self._values = {k: (int(v[0]), *map(float, v[1:])) for k, v in state["values"].items()}
-        self._shift = {k: v[1] for k, v in self._values.items() if v[0] > 0 and math.isfinite(v[1])}
+        names, values = sorted(state["names"]), state["values"]
+        self._seen.update(names)
+        self._flush = flush = _Flush(names, self._flush.published.device)
+        rows = [values.get(name, _UNPUBLISHED) for name in names]
+        flush.published.copy_(torch.tensor(rows, dtype=torch.float64).reshape(-1, 5))
+        has = flush.published[:, 0] > 0
+        flush.next_shift.copy_(torch.where(has, flush.published[:, 1], 0.0).nan_to_num(0.0, 0.0, 0.0))
 
     def __repr__(self) -> str:
         return f"Collector(regex={self.regex!r}, keep_previous={self.keep_previous})"

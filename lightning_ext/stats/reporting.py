@@ -18,7 +18,8 @@ import torch
 from lightning_ext import distributed as _dist
 from lightning_ext._checks import check_int
 from lightning_ext.kernels import KernelBackend, get_backend
-from lightning_ext.stats.moments import _EMPTY_ROW, _empty_moments, _merge_moments, _moments_from_shifted
+from lightning_ext.kernels.moments import _moments_from_shifted
+from lightning_ext.stats.moments import _EMPTY_ROW, _as_shifted, _empty_moments, _merge_moments
 
 if TYPE_CHECKING:
     from lightning_ext.stats.collector import Collector
@@ -30,9 +31,10 @@ _CPU = torch.device("cpu")
 _MIN_ROWS = 64  # rows of a device's first accumulator block
 
 # One (name, device) accumulator: (float64 (5,) sums in the layout of accumulate_moments_: a row of its
-# device's _Slab, float64 0-dim shift = the first value seen there, the slab's kernel backend, the slab's
-# float64 0-dim scratch that Python numbers are written into). A plain tuple: report() indexes it.
-_Entry = tuple[torch.Tensor, torch.Tensor, "KernelBackend", torch.Tensor]
+# device's _Slab, float64 0-dim shift = the first value seen there since the last drain, the slab's kernel
+# backend, the slab's float64 0-dim scratch that Python numbers are written into, [the drain count when
+# the shift was set]). A plain tuple: report() indexes it.
+_Entry = tuple[torch.Tensor, torch.Tensor, "KernelBackend", torch.Tensor, list[int]]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -40,19 +42,40 @@ _Entry = tuple[torch.Tensor, torch.Tensor, "KernelBackend", torch.Tensor]
 
 # init_multiprocessing() arguments (rank, sync_device, process_group); None = follow torch.distributed
 _settings: tuple[int, torch.device | None, Any] | None = None
-# name => {device: _Entry}: the values reported since the last drain
+# name => {device: _Entry}: the accumulators of the names reported (kept from drain to drain, their
+# rows reset by each drain; dropped with their slab's rows)
 _pending: dict[str, dict[torch.device, _Entry]] = {}
+_registered: set[str] = set()  # names reported without values since the last drain
+_dirty = False  # something was reported since the last drain
+_drains = 0  # drains so far: an accumulator whose stamp differs takes its next value as its shift
+_pruning = False  # a collector died: drop the accumulators at the next drain (some may be unwanted now)
 # device => _Slab: that device's accumulator rows (reused from drain to drain) and its kernel backend
 _slabs: dict[torch.device, _Slab] = {}
+_backends: dict[torch.device, KernelBackend] = {}  # device => its kernel backend, resolved once
 _sinks: list[weakref.ref[Collector]] = []  # live collectors; each receives every drained table
 _wanted: dict[str, bool] = {}  # name => some live collector's regex matches it (cache)
 
 
 class _Table(NamedTuple):
-    """An immutable drained snapshot: sorted ``names`` and float64 moment rows ``(len(names), 5)``."""
+    """An immutable drained snapshot: sorted ``names``, float64 ``(len(names), 5)`` shifted ``sums`` and
+    float64 ``(len(names),)`` ``shifts`` (the layout of the kernel ops ``accumulate_moments_`` and
+    ``moments_payload_``)."""
 
     names: list[str]
-    rows: torch.Tensor
+    sums: torch.Tensor
+    shifts: torch.Tensor
+
+    def moments(self) -> torch.Tensor:
+        """Float64 ``(len(names), 5)`` moment rows ``[count, mean, m2, min, max]``."""
+        return _moments_from_shifted(self.sums, self.shifts)
+
+
+def _backend(device: torch.device) -> KernelBackend:
+    """The kernel backend of ``device``, resolved at its first use after :func:`clear_statistics`."""
+    backend = _backends.get(device)
+    if backend is None:
+        backend = _backends[device] = get_backend(device=device)
+    return backend
 
 
 def init_multiprocessing(
@@ -102,8 +125,10 @@ def _register(sink: Collector) -> None:
 
 def _forget(_ref: weakref.ref) -> None:
     """Weakref callback: a collector died; drop it from the registry."""
+    global _pruning
     _sinks[:] = [r for r in _sinks if r is not _ref and r() is not None]
     _wanted.clear()
+    _pruning = True
 
 
 def _live_sinks() -> list[Collector]:
@@ -166,13 +191,13 @@ def _as_tensor(name: str, value: Any) -> torch.Tensor:
 
 class _Slab:
     """The accumulator rows of one device: a float64 ``(5,)`` row of sums and a float64 shift per name
-    reported there, kept from drain to drain (reset to the empty row by each drain), so the drain reads
-    an interval's rows with a few tensor ops and ``report()`` reuses a name's row.
+    reported there, kept from drain to drain, so ``report()`` finds a name's row with one dict lookup
+    and the drain reads and resets all rows with a few tensor ops.
 
     Rows live in blocks (a new one, as large as all before it, when they are full; merged into one at
-    the next drain). A drain that finds fewer than half of the rows used forgets them all (names that
-    come and go do not pile up). The kernel backend is resolved once, when the slab is made (the first
-    report on the device after :func:`clear_statistics`).
+    the next drain). A drain that finds fewer than half of the rows with values forgets them all
+    (names that come and go do not pile up). The kernel backend is resolved once, when the slab is
+    made.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -182,82 +207,81 @@ class _Slab:
             self.empty = torch.tensor(_EMPTY_ROW, dtype=torch.float64, device=device)
             self.scratch = torch.empty((), dtype=torch.float64, device=device)
         self.device = device
-        self.backend = get_backend(device=device)
-        # cache of the drain: (names of a drain's rows, those names sorted, the permutation sorting the
-        # rows or None when they are in order), reused while the drains see the same names in order
-        self.order: tuple[list[str], list[str], torch.Tensor | None] | None = None
+        self.backend = _backend(device)
         self._forget()
 
     def _forget(self) -> None:
         self.blocks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (sums (B, 5), shifts (B,)), in row order
         self.capacity = 0  # rows in all blocks
         self.names: list[str] = []  # name of each row, in row order
-        self.entries: dict[str, tuple[_Entry, int]] = {}  # name => (its accumulator, its row)
-        self.taken: list[int] = []  # rows taken since the last drain, in order
+        self.template: torch.Tensor | None = None  # (capacity, 5) empty rows: what a drain resets to
+        self.table_names: list[str] | None = []  # the sorted names as a drained table's: a new list
+        # whenever a name comes (a table's names never change), else the same one (collectors cache by it)
 
     def _add_block(self, size: int) -> None:
         with torch.inference_mode(False):
             block = (self.empty.repeat(size, 1), torch.zeros(size, dtype=torch.float64, device=self.device))
         self.blocks.append(block)
         self.capacity += size
+        self.template = None
 
     def take(self, name: str) -> _Entry:
-        """The accumulator of ``name`` for this interval (empty; the caller sets its shift)."""
-        found = self.entries.get(name)
-        if found is None:
-            row = len(self.names)
-            if row == self.capacity:
-                self._add_block(max(_MIN_ROWS, self.capacity))
-            sums, shifts = self.blocks[-1]
-            j = row - (self.capacity - sums.shape[0])
-            with torch.inference_mode(False):
-                found = self.entries[name] = ((sums[j], shifts[j], self.backend, self.scratch), row)
-            self.names.append(name)
-        self.taken.append(found[1])
-        return found[0]
+        """A new, empty accumulator row for ``name`` (the caller sets its shift)."""
+        row = len(self.names)
+        if row == self.capacity:
+            self._add_block(max(_MIN_ROWS, self.capacity))
+        sums, shifts = self.blocks[-1]
+        j = row - (self.capacity - sums.shape[0])
+        self.names.append(name)
+        self.table_names = None
+        with torch.inference_mode(False):
+            return (sums[j], shifts[j], self.backend, self.scratch, [-1])
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-        """Sums ``(n, 5)``, shifts ``(n,)`` and names of the ``n`` rows taken since the last drain."""
+        """Views of the sums ``(n, 5)`` and shifts ``(n,)`` of the ``n`` rows, and their names, sorted.
+
+        After new names came: one block for all rows, in the order of their names (the accumulators
+        are remade as views of it), so that the drains read rows in order while the names stay.
+        """
+        if self.table_names is None:
+            names = self.names
+            order = sorted(range(len(names)), key=names.__getitem__)
+            if len(self.blocks) > 1 or order != list(range(len(names))):
+                index = torch.tensor(order, device=self.device)
+                sums, shifts = (torch.cat([b[k] for b in self.blocks]) for k in (0, 1))
+                sums[: len(order)], shifts[: len(order)] = sums[index], shifts[index]
+                self.blocks, self.template = [(sums, shifts)], None
+                self.names = [names[i] for i in order]
+                self._remake_entries()
+            self.table_names = list(self.names)
+        sums, shifts = self.blocks[0]
         n = len(self.names)
-        if len(self.blocks) == 1:
-            sums, shifts = self.blocks[0]
-        else:
-            sums, shifts = (torch.cat([b[k] for b in self.blocks]) for k in (0, 1))
-        if len(self.taken) == n:  # every row: in row order
-            return sums[:n], shifts[:n], self.names
-        index = torch.tensor(self.taken, device=self.device)
-        return sums[index], shifts[index], [self.names[i] for i in self.taken]
+        return sums[:n], shifts[:n], self.table_names
 
-    def sorted_order(self, names: list[str]) -> tuple[list[str], torch.Tensor | None]:
-        """``names`` sorted (the same list while they repeat), and the permutation that sorts their rows
-        (None: already in order)."""
-        cached = self.order
-        if cached is not None and cached[0] == names:
-            return cached[1], cached[2]
-        order = sorted(range(len(names)), key=names.__getitem__)
-        perm = None if order == list(range(len(names))) else torch.tensor(order, device=self.device)
-        self.order = (list(names), [names[i] for i in order], perm)
-        return self.order[1], perm
+    def _remake_entries(self) -> None:
+        sums, shifts = self.blocks[0]
+        with torch.inference_mode(False):
+            for i, name in enumerate(self.names):
+                stamp = _pending[name][self.device][4]
+                _pending[name][self.device] = (sums[i], shifts[i], self.backend, self.scratch, stamp)
 
-    def clear(self) -> None:
-        """After a drain read the rows: reset them to the empty row."""
-        if not self.taken:
-            return
-        if 2 * len(self.taken) < len(self.names):
-            self._forget()
-        elif len(self.blocks) > 1:  # one block for all rows, new views of it
-            size, self.blocks, self.capacity = self.capacity, [], 0
-            self._add_block(size)
-            sums, shifts = self.blocks[0]
+    def reset(self) -> None:
+        """After a drain copied ``rows()``: every row empty (an in-place write into a normal tensor,
+        allowed in inference mode)."""
+        if self.template is None:
             with torch.inference_mode(False):
-                self.entries = {
-                    name: ((sums[i], shifts[i], self.backend, self.scratch), i)
-                    for i, name in enumerate(self.names)
-                }
-        else:
-            with torch.inference_mode(False):
-                self.blocks[0][0][: len(self.names)].copy_(self.empty)
-        self.taken = []
+                self.template = self.empty.repeat(self.capacity, 1)
+        self.blocks[0][0].copy_(self.template)
+
+    def drop(self) -> None:
+        """Forget every row, and the accumulators that point into them."""
+        for name in self.names:
+            acc = _pending.get(name)
+            if acc is not None:
+                acc.pop(self.device, None)
+                if not acc:
+                    del _pending[name]
+        self._forget()
 
 
 def _slab(device: torch.device) -> _Slab:
@@ -269,9 +293,13 @@ def _slab(device: torch.device) -> _Slab:
 
 def _accumulate(name: str, acc: dict[torch.device, _Entry], x: torch.Tensor) -> None:
     """Add the non-empty, detached, real ``x`` into its device's accumulator in ``acc``."""
+    global _dirty
+    _dirty = True
     entry = acc.get(x.device)
     if entry is None:
         entry = acc[x.device] = _slab(x.device).take(name)
+    if entry[4][0] != _drains:  # the first value since the last drain
+        entry[4][0] = _drains
         # The shift: the first value (in float64), 0 where it is not finite, since a non-finite shift
         # would turn every later difference into NaN (inf - inf). In-place writes into a normal tensor
         # are allowed in inference mode.
@@ -282,9 +310,13 @@ def _accumulate(name: str, acc: dict[torch.device, _Entry], x: torch.Tensor) -> 
 
 def _accumulate_number(name: str, acc: dict[torch.device, _Entry], value: float) -> None:
     """Add the Python float ``value`` into the CPU accumulator of ``acc`` (as a float64 value)."""
+    global _dirty
+    _dirty = True
     entry = acc.get(_CPU)
     if entry is None:
         entry = acc[_CPU] = _slab(_CPU).take(name)
+    if entry[4][0] != _drains:
+        entry[4][0] = _drains
         entry[1].fill_(value if math.isfinite(value) else 0.0)  # the shift, as in _accumulate
     scratch = entry[3]
     scratch.fill_(value)  # a normal tensor: in-place writes are allowed in inference mode too
@@ -339,7 +371,15 @@ def report(name: str, value: T) -> T:
     x = _as_tensor(name, value)
     if x.numel():
         _accumulate(name, acc, x)
+    else:
+        _register_name(name)
     return value
+
+
+def _register_name(name: str) -> None:
+    global _dirty
+    _dirty = True
+    _registered.add(name)
 
 
 def report0(name: str, value: T) -> T:
@@ -363,47 +403,61 @@ def report0(name: str, value: T) -> T:
 
 
 def _drain() -> None:
-    """Hand the values reported since the last drain to every live collector, then forget them.
+    """Hand the values reported since the last drain to every live collector, then reset the rows.
 
-    Converts them to one table of moment rows on the sync device (CPU when single-process), which
-    synchronizes host and device.
+    Converts them to one table on the sync device (CPU when single-process), which synchronizes host
+    and device (it counts the rows with values).
     """
-    global _pending
-    if not _pending:
+    global _dirty, _pruning, _drains
+    if not _dirty:
         return
-    pending, _pending = _pending, {}
+    _dirty, _drains = False, _drains + 1
+    used = {
+        slab: (*rows, int(torch.count_nonzero(rows[0][:, 0])))
+        for slab, rows in ((slab, slab.rows()) for slab in _slabs.values() if slab.names)
+    }  # per slab with rows: (sums, shifts, names, how many rows have values)
     try:
         sinks = _live_sinks()
-        if not sinks:
-            return
-        table = _table(pending)
+        table = _table(used) if sinks else None
     finally:
-        for slab in _slabs.values():
-            slab.clear()
+        _reset(used, prune=_pruning)
+        _pruning = False
     for sink in sinks:
         sink._receive(table)
 
 
-def _table(pending: dict[str, dict[torch.device, _Entry]]) -> _Table:
-    """The drained table of ``pending`` (whose accumulator rows are in the slabs)."""
+def _table(used: dict[_Slab, tuple[torch.Tensor, torch.Tensor, list[str], int]]) -> _Table:
+    """The drained table: every name with values (or registered) since the last drain."""
     device = _sync_settings()[1] or torch.device("cpu")
-    slabs = [slab for slab in _slabs.values() if slab.taken]
-    if len(slabs) == 1 and len(slabs[0].taken) == len(pending):  # one device has every name: no merge
-        sums, shifts, names = slabs[0].rows()
-        names, perm = slabs[0].sorted_order(names)
-        rows = _moments_from_shifted(sums, shifts)
-        return _Table(names, (rows if perm is None else rows[perm]).to(device))
-    names = sorted(pending)
+    if len(used) == 1 and not _registered:
+        [(sums, shifts, names, count)] = used.values()
+        if count == len(names):  # every row has values: the steady state, no merge
+            return _Table(names, sums.to(device, copy=True), shifts.to(device, copy=True))
+    parts = []  # (names, moment rows) of the rows with values, per device
+    for sums, shifts, names, _count in used.values():
+        rows = (sums[:, 0] > 0).nonzero().reshape(-1)
+        moments = _moments_from_shifted(sums[rows], shifts[rows])
+        parts.append(([names[i] for i in rows.tolist()], moments))
+    names = sorted({n for part_names, _ in parts for n in part_names} | _registered)
     index = {name: i for i, name in enumerate(names)}
     rows = _empty_moments(len(names), device)
-    # The devices in the order of their first name (the order the rows of a name are merged in).
-    devices = dict.fromkeys(dev for name in names for dev in pending[name])
-    for dev in devices:
-        sums, shifts, slab_names = _slabs[dev].rows()
-        converted = _moments_from_shifted(sums, shifts).to(device)
-        idx = torch.tensor([index[name] for name in slab_names], device=device)
-        rows[idx] = _merge_moments(rows[idx], converted)
-    return _Table(names, rows)
+    for part_names, moments in parts:
+        idx = torch.tensor([index[name] for name in part_names], dtype=torch.int64, device=device)
+        rows[idx] = _merge_moments(rows[idx], moments.to(device))
+    return _Table(names, *_as_shifted(rows))
+
+
+def _reset(used: dict[_Slab, tuple[torch.Tensor, torch.Tensor, list[str], int]], prune: bool) -> None:
+    """Empty every row after a drain; forget a slab's rows when fewer than half had values (or all
+    of them, ``prune``)."""
+    _registered.clear()
+    for slab, (*_, count) in used.items():
+        if prune or 2 * count < len(slab.names):
+            slab.drop()
+        else:
+            slab.reset()
+    if prune:
+        _pending.clear()
 
 
 def clear_statistics() -> None:
@@ -412,10 +466,12 @@ def clear_statistics() -> None:
     Collectors created before ``clear_statistics()`` stop receiving values (create new ones). Use between
     independent runs in one process (e.g. several Trainers in a notebook). Local only: no collective.
     """
-    global _settings, _pending
+    global _settings, _pending, _dirty, _pruning, _drains
     for sink in _live_sinks():
         sink._detach()
-    _settings, _pending = None, {}
+    _settings, _pending, _dirty, _pruning, _drains = None, {}, False, False, 0
+    _registered.clear()
     _slabs.clear()
+    _backends.clear()
     _sinks.clear()
     _wanted.clear()

@@ -95,3 +95,85 @@ def test_accumulate_moments_keeps_previous_extremes_and_checks(backend):
         backend.accumulate_moments_(_fresh(), torch.ones(2), torch.zeros(1, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"`acc` \(meta\) and `shift` \(cpu\) must be on cpu"):
         backend.accumulate_moments_(_fresh().to("meta"), torch.ones(2), z)
+
+
+# ---------------------------------------------------------------------------- the flush ops
+
+
+def _flush_inputs(r: int, seed: int) -> dict[str, torch.Tensor]:
+    """Random shifted sums of ``r`` names (some empty, some NaN/inf, one jump of 1e9) and the state of
+    a previous flush."""
+    gen = torch.Generator().manual_seed(seed)
+    f64 = {"dtype": torch.float64, "generator": gen}
+    n = torch.randint(0, 5, (r,), generator=gen).double() * (torch.rand(r, generator=gen) > 0.2)
+    shifts = torch.randn(r, **f64) * 100
+    s1 = torch.randn(r, **f64) * n
+    s2 = s1 * s1 / n.clamp_min(1) + torch.rand(r, **f64) * n  # S2 >= S1^2 / n
+    lo = shifts - torch.rand(r, **f64)
+    sums = torch.stack([n, s1, s2, lo, lo + 2 * torch.rand(r, **f64)], 1)
+    sums[n == 0] = torch.tensor([0.0, 0.0, 0.0, math.inf, -math.inf], dtype=torch.float64)
+    if r >= 4:
+        sums[1, 1:3] = math.nan  # a NaN value
+        sums[2, 4] = math.inf  # an infinite one
+        shifts[3] += 1e9  # far from the previous center
+    center = torch.randn(r, **f64) * 100
+    center[: min(r, 1)] = math.nan  # a non-finite center counts as 0
+    published, next_shift = torch.randn(r, 5, **f64), torch.randn(r, **f64)
+    return dict(sums=sums, shifts=shifts, center=center, published=published, next_shift=next_shift)
+
+
+def _flush(backend, i: dict[str, torch.Tensor], keep_previous: bool, device) -> list[torch.Tensor]:
+    i = {k: v.to(device) for k, v in i.items()}
+    r = i["sums"].shape[0]
+    max_payload = torch.empty(2 + 4 * r, dtype=torch.float64, device=device)
+    sum_payload = torch.empty(r, 4, dtype=torch.float64, device=device)
+    backend.moments_payload_(max_payload, sum_payload, i["sums"], i["shifts"], i["center"], 12345.0)
+    payloads = (max_payload.clone(), sum_payload.clone())
+    needs = backend.moments_finish_(
+        i["published"], i["next_shift"], max_payload, sum_payload, i["center"], keep_previous
+    )
+    return [t.cpu() for t in (*payloads, i["published"], i["next_shift"], needs)]
+
+
+@pytest.mark.parametrize("r", [0, 1, 7, 300])
+@pytest.mark.parametrize("keep_previous", [True, False])
+def test_flush_ops_match_reference_bitwise(backend, reference, r, keep_previous):
+    """The same float64 operations in the same order (no FMA): equal bit for bit, NaN where NaN."""
+    for seed in range(3):
+        i = _flush_inputs(r, seed)
+        got = _flush(backend, i, keep_previous, backend_device(backend))
+        want = _flush(reference, i, keep_previous, torch.device("cpu"))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+
+
+def test_flush_ops_give_the_moments_of_one_rank(backend):
+    """One rank: the payloads reduce to themselves; count, mean (exactly), std, extremes of the data."""
+    device = backend_device(backend)
+    x = torch.tensor([[3.0, 5.0, 10.0], [1e9 + 1, 1e9 + 2, 1e9 + 6]], dtype=torch.float64)
+    shifts = x[:, 0].clone()
+    d = x - shifts[:, None]
+    three = torch.full((2,), 3.0, dtype=torch.float64)
+    sums = torch.stack([three, d.sum(1), (d * d).sum(1), x[:, 0], x[:, 2]], 1)
+    center = torch.zeros(2, dtype=torch.float64)
+    published, next_shift = torch.zeros(2, 5, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    got = _flush(backend, {"sums": sums, "shifts": shifts, "center": center, "published": published,
+                           "next_shift": next_shift}, True, device)  # fmt: skip
+    mean = x.mean(1)
+    std = (x - mean[:, None]).square().mean(1).sqrt()
+    want = torch.stack([three, mean, std, x[:, 0], x[:, 2]], 1)
+    torch.testing.assert_close(got[2], want, rtol=4 * EPS64, atol=0)
+    assert got[2][:, 1].tolist() == mean.tolist() and got[3].tolist() == mean.tolist()
+    assert not got[4].item()  # one rank: nothing to reduce again
+
+
+def test_flush_ops_check_their_arguments(backend):
+    device = backend_device(backend)
+    f64 = {"dtype": torch.float64, "device": device}
+    sums, shifts, sum_payload = torch.zeros(3, 5, **f64), torch.zeros(3, **f64), torch.zeros(3, 4, **f64)
+    with pytest.raises(ValueError, match="`max_payload` must be a contiguous tensor of shape \\(14,\\)"):
+        backend.moments_payload_(torch.zeros(13, **f64), sum_payload, sums, shifts, shifts, 1.0)
+    with pytest.raises(TypeError, match="`sums` must be a float64 tensor"):
+        backend.moments_payload_(torch.zeros(14, **f64), sum_payload, sums.float(), shifts, shifts, 1.0)
+    with pytest.raises(TypeError, match="`keep_previous` must be a bool"):
+        backend.moments_finish_(sums, shifts, torch.zeros(14, **f64), sum_payload, shifts, 1)

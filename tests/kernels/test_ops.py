@@ -23,6 +23,8 @@ OPS = [
     "unscale_and_check_",
     "check_finite",
     "accumulate_moments_",
+    "moments_payload_",
+    "moments_finish_",
 ]
 
 
@@ -41,6 +43,14 @@ def _inputs(device: torch.device, seed: int = 0) -> dict:
         "inv_scale": torch.tensor(0.25),
         "acc": torch.tensor([0.0, 0.0, 0.0, math.inf, -math.inf], dtype=torch.float64),
         "shift": torch.tensor(0.5, dtype=torch.float64),
+        # a flush of 3 names: their shifted sums and shifts, both payloads (random, as after the
+        # all-reduces), what was published before
+        "table": torch.cat([torch.tensor([[2.0], [0.0], [3.0]]), r(3, 4)], 1).double(),
+        "shifts": r(3).double(),
+        "max_payload": r(2 + 4 * 3).double(),
+        "sum_payload": torch.cat([torch.tensor([[2.0], [0.0], [3.0]]), r(3, 3).abs()], 1).double(),
+        "published": r(3, 5).double(),
+        "next_shift": r(3).double(),
     }
     return {k: [t.to(device) for t in v] if isinstance(v, list) else v.to(device) for k, v in values.items()}
 
@@ -66,6 +76,7 @@ def test_opcheck_custom_ops(backend: KernelBackend):
     payload = payload.double().to(device)
     running = [torch.zeros(5, device=device), torch.ones(5, device=device)]
     momentum = torch.tensor(0.1, dtype=torch.float64)
+    payloads = (i["max_payload"], i["sum_payload"])
     cases = [
         (lib.batch_norm_moments, (i["x"], i["shift_c"], key)),
         (lib.batch_norm_gather_stats, (payload, i["shift_c"], *running, momentum, 1e-5, key)),
@@ -81,6 +92,8 @@ def test_opcheck_custom_ops(backend: KernelBackend):
         (lib.unscale_and_check_, (i["grads"], i["inv_scale"], key)),
         (lib.check_finite, (i["grads"], device, key)),
         (lib.accumulate_moments_, (i["acc"], i["x"], i["shift"], key)),
+        (lib.moments_payload_, (*payloads, i["table"], i["shifts"], i["shifts"], 7.0, key)),
+        (lib.moments_finish_, (i["published"], i["next_shift"], *payloads, i["shifts"], True, key)),
     ]
     assert {op._qualified_op_name.split("::")[1] for op, _ in cases} == set(OPS)
     for op, args in cases:
@@ -89,7 +102,9 @@ def test_opcheck_custom_ops(backend: KernelBackend):
         )
 
 
-def _all_ops(backend, x, dy, shift_c, mean, invstd, weight, bias, grads, inv_scale, acc, shift):
+def _all_ops(backend, x, dy, shift_c, mean, invstd, weight, bias, grads, inv_scale, acc, shift, **flush):
+    table, shifts, published, next_shift = (flush[k] for k in ("table", "shifts", "published", "next_shift"))
+    max_payload, sum_payload = flush["max_payload"], flush["sum_payload"]
     payload = backend.batch_norm_moments(x, shift_c)
     running = [torch.zeros_like(mean), torch.ones_like(mean)]
     momentum = torch.tensor(0.1, dtype=torch.float64)
@@ -100,7 +115,10 @@ def _all_ops(backend, x, dy, shift_c, mean, invstd, weight, bias, grads, inv_sca
     finite = backend.check_finite(grads, x.device)
     found = backend.unscale_and_check_(grads, inv_scale)
     backend.accumulate_moments_(acc, y, shift)
-    return payload, gathered_mean, *running, y, sums, dx, finite, found
+    needs = backend.moments_finish_(published, next_shift, max_payload, sum_payload, shifts, False)
+    backend.moments_payload_(max_payload, sum_payload, table, shifts, shifts, 7.0)
+    flush = (max_payload.clone(), sum_payload.clone(), published.clone(), next_shift.clone(), needs)
+    return payload, gathered_mean, *running, y, sums, dx, *flush, finite, found
 
 
 @pytest.mark.parametrize("compiler", ["graph", "aot_eager"])

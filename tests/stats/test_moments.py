@@ -10,16 +10,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_ext.stats.moments import (
-    _empty_moments,
-    _fingerprint,
-    _merge_moments,
+from lightning_ext.kernels.moments import (
     _moments_from_allreduce,
     _moments_from_shifted,
-    _moments_of,
     _needs_recentering,
     _shifted_for_allreduce,
 )
+from lightning_ext.stats.moments import _empty_moments, _fingerprint, _merge_moments, _moments_of
 from tests.helpers.float64_reference import assert_moments_close
 
 
