@@ -46,6 +46,7 @@ CLEARED = {
     ("lightning_ext.stats.reporting", "_dirty"),
     ("lightning_ext.stats.reporting", "_drains"),
     ("lightning_ext.stats.reporting", "_pruning"),
+    ("lightning_ext.stats.reporting", "_followed"),
     ("lightning_ext.kernels.registry", "_built"),
     ("lightning_ext.kernels.registry", "_cache"),
     ("lightning_ext.kernels.registry", "_entry_points_loaded"),
@@ -151,6 +152,7 @@ def plugin_path(tmp_path):
 def test_reset_empties_every_cache(plugin_path, monkeypatch, caplog, tmp_path) -> None:
     monkeypatch.setenv(BACKEND_ENV_VAR, "reference")  # report() needs no compiled backend here
     # stats: settings, a collector, a pending value of a name it wants
+    reporting._sync_settings()  # resolved from torch.distributed (not initialized: single process)
     init_multiprocessing(0, None)
     collector = Collector(regex="Loss/.*")
     report("Loss/a", 1.0)
@@ -187,6 +189,7 @@ def test_reset_empties_every_cache(plugin_path, monkeypatch, caplog, tmp_path) -
         "_dirty": reporting._dirty,
         "_drains": bool(reporting._drains),
         "_pruning": reporting._pruning,
+        "_followed": reporting._followed is not None,
         "_built": bool(registry._built),
         "_cache": bool(registry._cache),
         "_entry_points_loaded": registry._entry_points_loaded,
@@ -206,7 +209,7 @@ def test_reset_empties_every_cache(plugin_path, monkeypatch, caplog, tmp_path) -
     assert reporting._settings is None and not reporting._pending and not reporting._sinks
     assert not reporting._wanted and not reporting._slabs and not reporting._backends
     assert not reporting._registered and not reporting._dirty and not reporting._drains
-    assert not reporting._pruning
+    assert not reporting._pruning and reporting._followed is None
     assert not registry._built and not registry._cache and not registry._fallback_warned
     assert not registry._entry_points_loaded and not registry._from_entry_points
     assert "reset_plugin" not in registry._entries  # read again from the group at the next lookup

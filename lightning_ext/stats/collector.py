@@ -221,9 +221,16 @@ class Collector:
         a name needs another reduction). Collectives on the sync device: two all-reduces, three to
         five when the name set changed (see the class docstring).
         """
-        _report._drain()
-        local = self._combine()
-        self._tables = []
+        release = _report._drain(self)  # the rows of the values drained, lent while reading them
+        try:
+            local = self._combine()
+            self._tables = []
+            self._publish(local)
+        finally:
+            release()
+
+    def _publish(self, local: _report._Table) -> None:
+        """Agree on the names, reduce the rows of ``local`` and finish (class docstring)."""
         _rank, device, group = _report._sync_settings()
         world_size = dist.get_world_size(group=group) if device is not None and is_distributed() else 1
         device = device if device is not None else local.sums.device

@@ -7,9 +7,11 @@ receives exactly the values reported since *its* previous ``update()``: every ``
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
@@ -33,8 +35,8 @@ _MIN_ROWS = 64  # rows of a device's first accumulator block
 # One (name, device) accumulator: (float64 (5,) sums in the layout of accumulate_moments_: a row of its
 # device's _Slab, float64 0-dim shift = the first value seen there since the last drain, the slab's kernel
 # backend, the slab's float64 0-dim scratch that Python numbers are written into, [the drain count when
-# the shift was set]). A plain tuple: report() indexes it.
-_Entry = tuple[torch.Tensor, torch.Tensor, "KernelBackend", torch.Tensor, list[int]]
+# the shift was set], the slab). A plain tuple: report() indexes it.
+_Entry = tuple[torch.Tensor, torch.Tensor, "KernelBackend", torch.Tensor, list[int], "_Slab"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -42,6 +44,7 @@ _Entry = tuple[torch.Tensor, torch.Tensor, "KernelBackend", torch.Tensor, list[i
 
 # init_multiprocessing() arguments (rank, sync_device, process_group); None = follow torch.distributed
 _settings: tuple[int, torch.device | None, Any] | None = None
+_followed: tuple[Any, tuple[int, torch.device | None, Any]] | None = None  # (WORLD, its settings)
 # name => {device: _Entry}: the accumulators of the names reported (kept from drain to drain, their
 # rows reset by each drain; dropped with their slab's rows)
 _pending: dict[str, dict[torch.device, _Entry]] = {}
@@ -108,12 +111,16 @@ def init_multiprocessing(
 
 
 def _sync_settings() -> tuple[int, torch.device | None, Any]:
-    """(rank, sync_device or None when single-process, process_group) in effect now."""
+    """(rank, sync_device or None when single-process, process_group) in effect now; those that
+    follow ``torch.distributed`` are resolved once per default group."""
+    global _followed
     if _settings is not None:
         return _settings
-    if _dist.is_distributed():
-        return _dist.get_rank(), _dist.collective_device(), None
-    return 0, None, None
+    world = torch.distributed.group.WORLD if _dist.is_distributed() else None
+    if _followed is None or _followed[0] is not world:
+        rank, device = (_dist.get_rank(), _dist.collective_device()) if world is not None else (0, None)
+        _followed = (world, (rank, device, None))
+    return _followed[1]
 
 
 def _register(sink: Collector) -> None:
@@ -215,6 +222,7 @@ class _Slab:
         self.capacity = 0  # rows in all blocks
         self.names: list[str] = []  # name of each row, in row order
         self.template: torch.Tensor | None = None  # (capacity, 5) empty rows: what a drain resets to
+        self.fresh = 0  # rows that received values since the last drain
         self.table_names: list[str] | None = []  # the sorted names as a drained table's: a new list
         # whenever a name comes (a table's names never change), else the same one (collectors cache by it)
 
@@ -235,7 +243,7 @@ class _Slab:
         self.names.append(name)
         self.table_names = None
         with torch.inference_mode(False):
-            return (sums[j], shifts[j], self.backend, self.scratch, [-1])
+            return (sums[j], shifts[j], self.backend, self.scratch, [-1], self)
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
         """Views of the sums ``(n, 5)`` and shifts ``(n,)`` of the ``n`` rows, and their names, sorted.
@@ -263,7 +271,7 @@ class _Slab:
         with torch.inference_mode(False):
             for i, name in enumerate(self.names):
                 stamp = _pending[name][self.device][4]
-                _pending[name][self.device] = (sums[i], shifts[i], self.backend, self.scratch, stamp)
+                _pending[name][self.device] = (sums[i], shifts[i], self.backend, self.scratch, stamp, self)
 
     def reset(self) -> None:
         """After a drain copied ``rows()``: every row empty (an in-place write into a normal tensor,
@@ -272,6 +280,7 @@ class _Slab:
             with torch.inference_mode(False):
                 self.template = self.empty.repeat(self.capacity, 1)
         self.blocks[0][0].copy_(self.template)
+        self.fresh = 0
 
     def drop(self) -> None:
         """Forget every row, and the accumulators that point into them."""
@@ -282,6 +291,10 @@ class _Slab:
                 if not acc:
                     del _pending[name]
         self._forget()
+
+
+# A drain's view of the slabs with rows: slab => (sums, shifts, names, how many rows have values)
+_Used = dict[_Slab, tuple[torch.Tensor, torch.Tensor, list[str], int]]
 
 
 def _slab(device: torch.device) -> _Slab:
@@ -300,6 +313,7 @@ def _accumulate(name: str, acc: dict[torch.device, _Entry], x: torch.Tensor) -> 
         entry = acc[x.device] = _slab(x.device).take(name)
     if entry[4][0] != _drains:  # the first value since the last drain
         entry[4][0] = _drains
+        entry[5].fresh += 1
         # The shift: the first value (in float64), 0 where it is not finite, since a non-finite shift
         # would turn every later difference into NaN (inf - inf). In-place writes into a normal tensor
         # are allowed in inference mode.
@@ -317,6 +331,7 @@ def _accumulate_number(name: str, acc: dict[torch.device, _Entry], value: float)
         entry = acc[_CPU] = _slab(_CPU).take(name)
     if entry[4][0] != _drains:
         entry[4][0] = _drains
+        entry[5].fresh += 1
         entry[1].fill_(value if math.isfinite(value) else 0.0)  # the shift, as in _accumulate
     scratch = entry[3]
     scratch.fill_(value)  # a normal tensor: in-place writes are allowed in inference mode too
@@ -402,37 +417,48 @@ def report0(name: str, value: T) -> T:
     return value
 
 
-def _drain() -> None:
+def _drain(consumer: Collector | None = None) -> Callable[[], None]:
     """Hand the values reported since the last drain to every live collector, then reset the rows.
 
     Converts them to one table on the sync device (CPU when single-process), which synchronizes host
-    and device (it counts the rows with values).
+    and device where they differ. The steady state (one device, every row with values) lends the
+    table as views of the rows when ``consumer`` is the only collector (the one updating): the rows are
+    then reset by the function returned, which it calls once it has read them; otherwise that
+    function does nothing.
     """
     global _dirty, _pruning, _drains
     if not _dirty:
-        return
+        return _nothing
     _dirty, _drains = False, _drains + 1
-    used = {
-        slab: (*rows, int(torch.count_nonzero(rows[0][:, 0])))
-        for slab, rows in ((slab, slab.rows()) for slab in _slabs.values() if slab.names)
-    }  # per slab with rows: (sums, shifts, names, how many rows have values)
+    used = {slab: (*slab.rows(), slab.fresh) for slab in _slabs.values() if slab.names}
+    release = functools.partial(_reset, used, _pruning)
+    _pruning, lent = False, False
     try:
         sinks = _live_sinks()
-        table = _table(used) if sinks else None
+        lend = len(sinks) == 1 and sinks[0] is consumer
+        table, lent = _table(used, lend) if sinks else (None, False)
     finally:
-        _reset(used, prune=_pruning)
-        _pruning = False
+        if not lent:
+            release()
     for sink in sinks:
         sink._receive(table)
+    return release if lent else _nothing
 
 
-def _table(used: dict[_Slab, tuple[torch.Tensor, torch.Tensor, list[str], int]]) -> _Table:
-    """The drained table: every name with values (or registered) since the last drain."""
+def _nothing() -> None:
+    pass
+
+
+def _table(used: _Used, lend: bool) -> tuple[_Table, bool]:
+    """The drained table (every name with values, or registered, since the last drain), and whether it
+    is made of views of the rows (``lend``, in the steady state)."""
     device = _sync_settings()[1] or torch.device("cpu")
     if len(used) == 1 and not _registered:
         [(sums, shifts, names, count)] = used.values()
         if count == len(names):  # every row has values: the steady state, no merge
-            return _Table(names, sums.to(device, copy=True), shifts.to(device, copy=True))
+            lent = lend and sums.device == device
+            copy = not lent
+            return _Table(names, sums.to(device, copy=copy), shifts.to(device, copy=copy)), lent
     parts = []  # (names, moment rows) of the rows with values, per device
     for sums, shifts, names, _count in used.values():
         rows = (sums[:, 0] > 0).nonzero().reshape(-1)
@@ -444,10 +470,10 @@ def _table(used: dict[_Slab, tuple[torch.Tensor, torch.Tensor, list[str], int]])
     for part_names, moments in parts:
         idx = torch.tensor([index[name] for name in part_names], dtype=torch.int64, device=device)
         rows[idx] = _merge_moments(rows[idx], moments.to(device))
-    return _Table(names, *_as_shifted(rows))
+    return _Table(names, *_as_shifted(rows)), False
 
 
-def _reset(used: dict[_Slab, tuple[torch.Tensor, torch.Tensor, list[str], int]], prune: bool) -> None:
+def _reset(used: _Used, prune: bool) -> None:
     """Empty every row after a drain; forget a slab's rows when fewer than half had values (or all
     of them, ``prune``)."""
     _registered.clear()
@@ -466,10 +492,10 @@ def clear_statistics() -> None:
     Collectors created before ``clear_statistics()`` stop receiving values (create new ones). Use between
     independent runs in one process (e.g. several Trainers in a notebook). Local only: no collective.
     """
-    global _settings, _pending, _dirty, _pruning, _drains
+    global _settings, _followed, _pending, _dirty, _pruning, _drains
     for sink in _live_sinks():
         sink._detach()
-    _settings, _pending, _dirty, _pruning, _drains = None, {}, False, False, 0
+    _settings, _followed, _pending, _dirty, _pruning, _drains = None, None, {}, False, False, 0
     _registered.clear()
     _slabs.clear()
     _backends.clear()
