@@ -14,13 +14,15 @@ from typing_extensions import override
 from lightning_ext import distributed as _dist
 from lightning_ext._checks import check_bool, check_int
 from lightning_ext.callbacks.hook_base import _iterations_done
-from lightning_ext.stats import Collector, init_multiprocessing, report
+from lightning_ext.stats import Collector, init_multiprocessing, report, set_stage
 from lightning_ext.stats.collector import _compile_regex
 
 __all__ = ["TrainingStats"]
 
 _STATS = ("mean", "std", "min", "max", "num")
 _FLUSH_TIME_NAME = "Timing/stats_flush_sec"
+# Lightning's stages whose values are collected apart, and what their statistics are logged under
+STAGE_PREFIXES = {"validate": "val/", "test": "test/"}
 
 
 class TrainingStats(Callback):
@@ -32,10 +34,17 @@ class TrainingStats(Callback):
     ``every_n_train_steps`` iterations when ``on_step`` (optimizer steps in automatic optimization,
     ``training_step`` calls that stepped in manual optimization: see
     :class:`~lightning_ext.callbacks.HookBase`), and at the
-    end of each validation (not the sanity check, whose values are dropped) and training epoch when
-    ``on_epoch``. A flush writes at the step at which Lightning logs the ``self.log`` values of the
-    same batch: the flush after ``every_n_train_steps`` iterations at step
-    ``every_n_train_steps - 1``, as Lightning's ``log_every_n_steps`` row of that batch.
+    end of each training epoch when ``on_epoch``. A flush writes at the step at which Lightning logs
+    the ``self.log`` values of the same batch: the flush after ``every_n_train_steps`` iterations at
+    step ``every_n_train_steps - 1``, as Lightning's ``log_every_n_steps`` row of that batch.
+
+    Stages. While Lightning runs validation, test or predict, the callback sets that stage
+    (:func:`~lightning_ext.stats.set_stage`): a ``report()`` in a ``forward`` that serves every loop
+    files validation values apart from training ones. With ``on_epoch``, the values of each
+    validation run are written once, at its end (not for the sanity check, whose values are
+    dropped), under ``prefix + "val/" + name``; those of a test run under ``prefix + "test/" +
+    name``; those of predict are not collected. A flush writes only the names that received values
+    since the previous flush of their stage: a name is never written twice for the same values.
 
     Args:
         every_n_train_steps: flush period in iterations (``>= 1``).
@@ -89,7 +98,9 @@ class TrainingStats(Callback):
         self.on_step = on_step
         self.on_epoch = on_epoch
         self.keep_previous = keep_previous
-        self.collector: Collector | None = None
+        self.collector: Collector | None = None  # the training values
+        self.stage_collectors: dict[str, Collector] = {}  # stage => its values (with ``on_epoch``)
+        self._outer_stage: str | None = None  # the stage set before a loop's
         self.last_flush_step = -1  # iterations done at the last step-triggered flush
         self._global_step = 0  # trainer.global_step at the end of the previous batch
         self._pending_state: dict[str, Any] | None = None  # loaded before setup created the collector
@@ -112,8 +123,13 @@ class TrainingStats(Callback):
         )
         if self.collector is None:
             self.collector = Collector(regex=self.regex, keep_previous=self.keep_previous)
+            if self.on_epoch:
+                self.stage_collectors = {
+                    stage: Collector(regex=self.regex, keep_previous=self.keep_previous, stage=stage)
+                    for stage in STAGE_PREFIXES
+                }
         if self._pending_state is not None:
-            self.collector.load_state_dict(self._pending_state)
+            self.load_state_dict(self._pending_state)
             self._pending_state = None
 
     @override
@@ -130,26 +146,65 @@ class TrainingStats(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._global_step = trainer.global_step
 
+    def _enter(self, stage: str) -> None:
+        self._outer_stage = set_stage(stage)
+
+    def _leave(self) -> None:
+        set_stage(self._outer_stage)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._enter("validate")
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._leave()
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._enter("test")
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._leave()
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._enter("predict")
+
+    @override
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._leave()
+
     @override
     def on_sanity_check_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.collector is not None:
-            self.collector._discard()
+        if "validate" in self.stage_collectors:
+            self.stage_collectors["validate"]._discard()
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.on_epoch and not trainer.sanity_checking:
-            self.flush(trainer)
+            self.flush(trainer, stage="validate")
+
+    @override
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.on_epoch:
+            self.flush(trainer, stage="test")
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.on_epoch:
             self.flush(trainer)
 
-    def flush(self, trainer: pl.Trainer, step: int | None = None) -> dict[str, float]:
-        """Update the collector and write the statistics; returns what was written.
+    def flush(
+        self, trainer: pl.Trainer, step: int | None = None, stage: str | None = None
+    ) -> dict[str, float]:
+        """Update the collector of ``stage`` (``None``: training) and write the statistics; returns
+        what was written.
 
-        Writes the chosen statistics of each name with values as ``prefix + name`` (mean) and
-        ``prefix + name + "/std"`` (``/min``, ``/max``, ``/num``) to every logger at ``step``
+        Writes the chosen statistics of each name that received values since the previous flush of
+        ``stage`` as ``prefix + name`` (mean) and ``prefix + name + "/std"`` (``/min``, ``/max``,
+        ``/num``), ``name`` behind the stage's prefix (``"val/"``, ``"test/"``), to every logger at ``step``
         (default: the step Lightning logs the current batch's ``self.log`` values at, which
         :attr:`HookBase.iter <lightning_ext.callbacks.HookBase.iter>` reads: ``i`` in iteration ``i``
         and in a validation run after it, the number of iterations at the end of an epoch; so the steps of
@@ -160,39 +215,64 @@ class TrainingStats(Callback):
 
         Raises:
             RuntimeError: called before the Trainer ran ``setup`` (no collector yet).
+            ValueError: ``stage`` is not ``None`` or a stage collected here (``"validate"``,
+                ``"test"`` with ``on_epoch``).
         """
         if self.collector is None:
             raise RuntimeError(
                 "TrainingStats.flush() needs a Trainer that ran setup(); call trainer.fit/validate first"
             )
+        if stage is not None and stage not in self.stage_collectors:
+            raise ValueError(
+                f"TrainingStats.flush: `stage` must be None or one of {sorted(self.stage_collectors)}, "
+                f"got {stage!r}"
+            )
+        collector = self.collector if stage is None else self.stage_collectors[stage]
         start = time.perf_counter()
-        self.collector.update()
-        metrics: dict[str, float] = {}
-        for name, values in self.collector.as_dict().items():
-            if values["num"] == 0 or math.isnan(values["mean"]):
-                continue
-            for stat in self.stats:
-                key = self.prefix + name if stat == "mean" else f"{self.prefix}{name}/{stat}"
-                metrics[key] = float(values[stat])
+        collector.update()
+        metrics = self._metrics(collector, self.prefix + ("" if stage is None else STAGE_PREFIXES[stage]))
         if metrics:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=_iterations_done(trainer) if step is None else step)
             trainer.callback_metrics.update(
                 {k: torch.tensor(v, dtype=torch.float32) for k, v in metrics.items()}
             )
+        outer = set_stage(None)  # the flush's own time is a training statistic
         report(_FLUSH_TIME_NAME, time.perf_counter() - start)
+        set_stage(outer)
+        return metrics
+
+    def _metrics(self, collector: Collector, prefix: str) -> dict[str, float]:
+        """``{prefix + name[/stat]: value}`` of the names that received values in the last interval."""
+        metrics: dict[str, float] = {}
+        values = collector.as_dict()
+        for name in collector.updated():
+            if math.isnan(values[name]["mean"]):
+                continue
+            for stat in self.stats:
+                key = prefix + name if stat == "mean" else f"{prefix}{name}/{stat}"
+                metrics[key] = float(values[name][stat])
         return metrics
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        collector = self.collector.state_dict() if self.collector is not None else self._pending_state
-        return {"last_flush_step": self.last_flush_step, "collector": collector}
+        if self.collector is None:
+            return self._pending_state or {"last_flush_step": self.last_flush_step, "collector": None}
+        stages = {stage: c.state_dict() for stage, c in self.stage_collectors.items()}
+        return {
+            "last_flush_step": self.last_flush_step,
+            "collector": self.collector.state_dict(),
+            "stages": stages,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.last_flush_step = int(state_dict["last_flush_step"])
-        collector_state = state_dict.get("collector")
-        if collector_state is not None and self.collector is not None:
-            self.collector.load_state_dict(collector_state)
-        elif collector_state is not None:
-            self._pending_state = collector_state
+        if self.collector is None:  # before setup made the collectors: loaded by setup
+            self._pending_state = state_dict
+            return
+        if state_dict.get("collector") is not None:
+            self.collector.load_state_dict(state_dict["collector"])
+        for stage, state in state_dict.get("stages", {}).items():
+            if stage in self.stage_collectors:
+                self.stage_collectors[stage].load_state_dict(state)

@@ -181,8 +181,9 @@ class DigitsModule(L.LightningModule):
     """Classifies the digits with :class:`ConvNet`; AdamW with warm-up + cosine LR schedule per step.
 
     ``training_step`` returns ``{"loss": loss}`` and reports ``Loss/train`` and ``Accuracy/train``;
-    ``validation_step`` reports per-sample ``Loss/val`` and ``Accuracy/val``, so the collected
-    means are exact over all ranks' samples.
+    ``validation_step`` reports per-sample ``Loss`` and ``Accuracy``, so the collected means are exact
+    over all ranks' samples; ``TrainingStats`` files them under the validation stage and logs them as
+    ``val/Loss`` and ``val/Accuracy``.
 
     Args:
         lr: peak learning rate of the schedule.
@@ -214,8 +215,8 @@ class DigitsModule(L.LightningModule):
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         logits = self(x).float()
-        report("Loss/val", F.cross_entropy(logits, y, reduction="none"))
-        report("Accuracy/val", (logits.argmax(dim=1) == y).float())
+        report("Loss", F.cross_entropy(logits, y, reduction="none"))
+        report("Accuracy", (logits.argmax(dim=1) == y).float())
 
     @override
     def configure_optimizers(self) -> Any:
@@ -299,9 +300,9 @@ def plot_summary(metrics_csv: str | Path, out_png: str | Path) -> Path:
         if ax.lines:
             ax.legend(fontsize=8)
 
-    draw(axes[0, 0], ["Loss/train", "Loss/val"], "Loss (mean over ranks)")
+    draw(axes[0, 0], ["Loss/train", "val/Loss"], "Loss (mean over ranks)")
     axes[0, 0].set_yscale("log")
-    draw(axes[0, 1], ["Accuracy/train", "Accuracy/val"], "Accuracy", marker=".")
+    draw(axes[0, 1], ["Accuracy/train", "val/Accuracy"], "Accuracy", marker=".")
     draw(axes[1, 0], ["AMP/loss_scale_log2"], "Loss scale (log2)")
     draw(axes[1, 1], ["AMP/overflow"], "Overflow frequency per flush", drawstyle="steps-post")
     overflow = [(s, v) for s, v in series.get("AMP/overflow", []) if v > 0]
@@ -342,7 +343,7 @@ def build_trainer(args: argparse.Namespace, run_dir: Path) -> tuple[L.Trainer, d
     }
     if args.precise_bn_iters > 0:
         features["precise_bn"] = PreciseBN(num_iter=args.precise_bn_iters)
-    checkpoint = ModelCheckpoint(run_dir / "checkpoints", monitor="Accuracy/val", mode="max", save_last=True)
+    checkpoint = ModelCheckpoint(run_dir / "checkpoints", monitor="val/Accuracy", mode="max", save_last=True)
     callbacks = [*features.values(), checkpoint, ProgressBar()]
     features["precision"] = LossScalingPrecision(args.precision, scaler=scaler)
     plugins: list[Any] = [features["precision"]]
@@ -392,9 +393,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainer.fit(model, datamodule=datamodule, ckpt_path=args.resume)
     # The last validation ran after PreciseBN's last update (it runs after an epoch's last batch):
     # its accuracy is the final model's. A resumed run that trained nothing validates once.
-    if "Accuracy/val" not in trainer.callback_metrics:
+    if "val/Accuracy" not in trainer.callback_metrics:
         trainer.validate(model, datamodule=datamodule, verbose=False)
-    accuracy = float(trainer.callback_metrics["Accuracy/val"])
+    accuracy = float(trainer.callback_metrics["val/Accuracy"])
     if trainer.is_global_zero:
         from rich.console import Console
 

@@ -5,6 +5,6 @@ reported since its last update. Pure torch + ``torch.distributed``.
 """
 
 from lightning_ext.stats.collector import Collector
-from lightning_ext.stats.reporting import clear_statistics, init_multiprocessing, report, report0
+from lightning_ext.stats.reporting import clear_statistics, init_multiprocessing, report, report0, set_stage
 
-__all__ = ["Collector", "clear_statistics", "init_multiprocessing", "report", "report0"]
+__all__ = ["Collector", "clear_statistics", "init_multiprocessing", "report", "report0", "set_stage"]

@@ -69,8 +69,9 @@ class _Flush:
         self.published = torch.tensor(_UNPUBLISHED, dtype=torch.float64, device=device).repeat(r, 1)
         self.next_shift = torch.zeros(r, dtype=torch.float64, device=device)
         self.max_payload = torch.empty(2 + 4 * r, dtype=torch.float64, device=device)
-        self.sum_payload = torch.empty(r, 4, dtype=torch.float64, device=device)
+        self.sum_payload = torch.zeros(r, 4, dtype=torch.float64, device=device)  # counts 0 until a flush
         self.values: dict[str, tuple[int, float, float, float, float]] | None = None  # read lazily
+        self.updated: list[str] = []  # names with values in the last interval (read with values)
         if previous is not None:  # keep what was published for the names that stay
             kept = [(i, previous.index[n]) for i, n in enumerate(names) if n in previous.index]
             if kept:
@@ -94,11 +95,13 @@ class _Flush:
         r = len(self.names)
         return self.max_payload[2 + 2 * r : 2 + 3 * r].clone()
 
-    def read(self) -> dict[str, tuple[int, float, float, float, float]]:
-        """``{name: (count, mean, std, min, max)}``, read from the device once per update."""
+    def read(self, cut: int) -> dict[str, tuple[int, float, float, float, float]]:
+        """``{name: (count, mean, std, min, max)}`` (names without their first ``cut`` characters: the
+        stage), read from the device once per update."""
         if self.values is None:
             rows = self.published.tolist()
-            self.values = {n: (round(v[0]), *v[1:]) for n, v in zip(self.names, rows)}  # type: ignore[misc]
+            self.values = {n[cut:]: (round(v[0]), *v[1:]) for n, v in zip(self.names, rows)}  # type: ignore[misc]
+            self.updated = [n[cut:] for n, count in zip(self.names, self.sum_payload[:, 0].tolist()) if count]
         return self.values
 
 
@@ -137,11 +140,14 @@ class Collector:
     Args:
         regex: names to collect (``re.fullmatch``).
         keep_previous: a name that received no value in an interval keeps its previous statistics
-            (NaN only if it never had values); with ``False`` it becomes NaN.
+            (NaN only if it never had values); with ``False`` it becomes NaN. :meth:`updated` tells
+            the names that had values.
+        stage: the values to collect: those reported while :func:`~lightning_ext.stats.set_stage`
+            had set this stage (``None``: those reported outside any stage, the default).
 
     Raises:
-        TypeError: ``regex`` is not a str or ``keep_previous`` not a bool.
-        ValueError: ``regex`` does not compile.
+        TypeError: ``regex`` is not a str, ``keep_previous`` not a bool, ``stage`` not a str or None.
+        ValueError: ``regex`` does not compile, ``stage`` is empty or holds ``"\\x1f"``.
 
     Example::
 
@@ -154,11 +160,14 @@ class Collector:
         2.0
     """
 
-    def __init__(self, regex: str = ".*", keep_previous: bool = True) -> None:
+    def __init__(self, regex: str = ".*", keep_previous: bool = True, stage: str | None = None) -> None:
         self._pattern = _compile_regex("Collector", regex)
         check_bool("Collector", "keep_previous", keep_previous)
+        _report._check_stage("Collector", stage)
         self.regex = regex
         self.keep_previous = keep_previous
+        self.stage = stage
+        self._prefix = "" if stage is None else stage + _report._STAGE_SEPARATOR  # of this stage's keys
         self._match_cache: dict[str, bool] = {}  # name => regex matches
         self._tables: list[_report._Table] = []  # drained tables received since the last update
         self._seen: set[str] = set()  # names this rank has had (matching), ever
@@ -172,9 +181,17 @@ class Collector:
         _report._register(self)
 
     def _matches(self, name: str) -> bool:
-        match = self._match_cache.get(name)
+        """Whether ``regex`` matches ``name``."""
+        return self._pattern.fullmatch(name) is not None
+
+    def _wants(self, key: str) -> bool:
+        """Whether a drained ``key`` (``name``, or ``stage + "\\x1f" + name``) is of this collector's
+        stage and its name matches (cached)."""
+        match = self._match_cache.get(key)
         if match is None:
-            match = self._match_cache[name] = self._pattern.fullmatch(name) is not None
+            stage, _, name = key.rpartition(_report._STAGE_SEPARATOR)
+            match = (stage or None) == self.stage and self._matches(name)
+            self._match_cache[key] = match
         return match
 
     def _receive(self, table: _report._Table) -> None:
@@ -203,13 +220,13 @@ class Collector:
             table = self._tables[0]  # its names are sorted and distinct
             source, names = self._combined
             if table.names is not source:  # a drain reuses its name list while the names repeat
-                names = [n for n in table.names if self._matches(n)]
+                names = [n for n in table.names if self._wants(n)]
                 names = table.names if len(names) == len(table.names) else names
                 self._combined = (table.names, names)
             if names is table.names:
                 return table
             return _merged(names, self._tables, table.sums.device)
-        names = sorted({n for t in self._tables for n in t.names if self._matches(n)})
+        names = sorted({n for t in self._tables for n in t.names if self._wants(n)})
         device = self._tables[0].sums.device if self._tables else torch.device("cpu")
         return _merged(names, self._tables, device)
 
@@ -323,17 +340,24 @@ class Collector:
 
     def names(self) -> list[str]:
         """Sorted names known to any rank at the last ``update()`` (matching ``regex``)."""
-        return list(self._flush.names)
+        cut = len(self._prefix)
+        return [n[cut:] for n in self._flush.names]
+
+    def updated(self) -> list[str]:
+        """Sorted names that received values (on any rank) in the last ``update()``'s interval: the
+        rest of :meth:`names` only repeat earlier statistics (``keep_previous``) or NaN."""
+        self._flush.read(len(self._prefix))
+        return list(self._flush.updated)
 
     def _get(self, name: str) -> tuple[int, float, float, float, float]:
-        values = self._flush.read().get(name)
+        values = self._flush.read(len(self._prefix)).get(name)
         if values is not None:
             return values
         if not isinstance(name, str):
             raise TypeError(f"statistic name must be a str, got {type(name).__name__} {name!r}")
         if self._matches(name):
             return _NAN_VALUES
-        close = difflib.get_close_matches(name, self._flush.names, n=5, cutoff=0.5)
+        close = difflib.get_close_matches(name, self.names(), n=5, cutoff=0.5)
         raise KeyError(
             f"{name!r} is not collected by Collector(regex={self.regex!r}); close names: {close}. "
             "HINT: widen the regex or create another Collector for it."
@@ -365,21 +389,24 @@ class Collector:
     def as_dict(self) -> dict[str, dict[str, float]]:
         """``{name: {"num", "mean", "std", "min", "max"}}`` for every name of :meth:`names`."""
         keys = ("num", "mean", "std", "min", "max")
-        return {name: dict(zip(keys, values)) for name, values in self._flush.read().items()}
+        return {name: dict(zip(keys, values)) for name, values in self._flush.read(len(self._prefix)).items()}
 
     def state_dict(self) -> dict[str, Any]:
         """The published statistics and agreed names (what ``keep_previous`` needs after a resume)."""
-        return {"names": self.names(), "values": {k: list(v) for k, v in self._flush.read().items()}}
+        values = self._flush.read(len(self._prefix))
+        return {"names": self.names(), "values": {k: list(v) for k, v in values.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the same checkpoint must be loaded on every rank)."""
         names, values = sorted(state["names"]), state["values"]
+        rows = [values.get(name, _UNPUBLISHED) for name in names]
+        names = [self._prefix + name for name in names]
         self._seen.update(names)
         self._flush = flush = _Flush(names, self._flush.published.device)
-        rows = [values.get(name, _UNPUBLISHED) for name in names]
         flush.published.copy_(torch.tensor(rows, dtype=torch.float64).reshape(-1, 5))
         has = flush.published[:, 0] > 0
         flush.next_shift.copy_(torch.where(has, flush.published[:, 1], 0.0).nan_to_num(0.0, 0.0, 0.0))
 
     def __repr__(self) -> str:
-        return f"Collector(regex={self.regex!r}, keep_previous={self.keep_previous})"
+        stage = "" if self.stage is None else f", stage={self.stage!r}"
+        return f"Collector(regex={self.regex!r}, keep_previous={self.keep_previous}{stage})"

@@ -26,10 +26,11 @@ from lightning_ext.stats.moments import _EMPTY_ROW, _as_shifted, _empty_moments,
 if TYPE_CHECKING:
     from lightning_ext.stats.collector import Collector
 
-__all__ = ["clear_statistics", "init_multiprocessing", "report", "report0"]
+__all__ = ["clear_statistics", "init_multiprocessing", "report", "report0", "set_stage"]
 
 T = TypeVar("T")
 _CPU = torch.device("cpu")
+_STAGE_SEPARATOR = "\x1f"  # between a stage and a name in the key a staged value is filed under
 _MIN_ROWS = 64  # rows of a device's first accumulator block
 
 # One (name, device) accumulator: (float64 (5,) sums in the layout of accumulate_moments_: a row of its
@@ -44,6 +45,7 @@ _Entry = tuple[torch.Tensor, torch.Tensor, "KernelBackend", torch.Tensor, list[i
 
 # init_multiprocessing() arguments (rank, sync_device, process_group); None = follow torch.distributed
 _settings: tuple[int, torch.device | None, Any] | None = None
+_stage: str | None = None  # what set_stage() set: the stage report() files values under
 _followed: tuple[Any, tuple[int, torch.device | None, Any]] | None = None  # (WORLD, its settings)
 # name => {device: _Entry}: the accumulators of the names reported (kept from drain to drain, their
 # rows reset by each drain; dropped with their slab's rows)
@@ -110,6 +112,47 @@ def init_multiprocessing(
     _settings = (rank, device, process_group)
 
 
+def set_stage(stage: str | None) -> str | None:
+    """File the values reported from now on under ``stage`` (``None``: no stage, the default).
+
+    Values of different stages never mix: a :class:`~lightning_ext.stats.Collector` collects one
+    stage (its ``stage`` argument), so the same ``report("Loss/x", ...)`` in a ``forward`` that
+    serves training and validation feeds a training collector and a validation one separately.
+    :class:`~lightning_ext.callbacks.TrainingStats` sets Lightning's stage (``"validate"``,
+    ``"test"``, ``"predict"``) while those loops run; plain and Fabric loops call it themselves if
+    they want stages. Process-local: no collective, no sync.
+
+    Args:
+        stage: a non-empty str (any name, e.g. ``"validate"``) or ``None``.
+
+    Returns:
+        The stage set before, to restore it.
+
+    Raises:
+        TypeError: ``stage`` is neither a str nor ``None``.
+        ValueError: ``stage`` is empty or contains ``"\\x1f"`` (the separator of stage and name).
+
+    Example::
+
+        >>> from lightning_ext.stats import Collector, clear_statistics, report, set_stage
+        >>> clear_statistics(); train, val = Collector(), Collector(stage="validate")
+        >>> _ = report("x", 1.0); previous = set_stage("validate"); _ = report("x", 5.0)
+        >>> _ = set_stage(previous); train.update(); val.update(); train.mean("x"), val.mean("x")
+        (1.0, 5.0)
+    """
+    global _stage
+    _check_stage("set_stage", stage)
+    previous, _stage = _stage, stage
+    return previous
+
+
+def _check_stage(owner: str, stage: Any) -> None:
+    if stage is not None and not isinstance(stage, str):
+        raise TypeError(f"{owner}: `stage` must be a str or None, got {stage!r}")
+    if stage is not None and (not stage or _STAGE_SEPARATOR in stage):
+        raise ValueError(f"{owner}: `stage` must be a non-empty str without '\\x1f', got {stage!r}")
+
+
 def _sync_settings() -> tuple[int, torch.device | None, Any]:
     """(rank, sync_device or None when single-process, process_group) in effect now; those that
     follow ``torch.distributed`` are resolved once per default group."""
@@ -145,7 +188,7 @@ def _live_sinks() -> list[Collector]:
 def _is_wanted(name: str) -> bool:
     wanted = _wanted.get(name)
     if wanted is None:
-        wanted = _wanted[name] = any(s._matches(name) for s in _live_sinks())
+        wanted = _wanted[name] = any(s._wants(name) for s in _live_sinks())
     return wanted
 
 
@@ -370,6 +413,9 @@ def report(name: str, value: T) -> T:
         >>> c.update(); c.mean("Loss/total"), c.num("Loss/total")
         (4.0, 3)
     """
+    if _stage is not None:  # the key of a staged value
+        _check_name(name)
+        name = _stage + _STAGE_SEPARATOR + name
     acc = _pending.get(name) if isinstance(name, str) else None
     if acc is None:
         _check_name(name)
@@ -492,10 +538,11 @@ def clear_statistics() -> None:
     Collectors created before ``clear_statistics()`` stop receiving values (create new ones). Use between
     independent runs in one process (e.g. several Trainers in a notebook). Local only: no collective.
     """
-    global _settings, _followed, _pending, _dirty, _pruning, _drains
+    global _settings, _followed, _pending, _dirty, _pruning, _drains, _stage
     for sink in _live_sinks():
         sink._detach()
     _settings, _followed, _pending, _dirty, _pruning, _drains = None, None, {}, False, False, 0
+    _stage = None
     _registered.clear()
     _slabs.clear()
     _backends.clear()

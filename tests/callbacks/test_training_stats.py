@@ -136,9 +136,9 @@ def test_ddp_spawn_logs_match_float64_and_checkpoint_round_trips(tmp_path: Path)
         if row.get("Data/x"):
             by_step.setdefault(int(row["step"]), []).append(row)
     # Flushes after optimizer steps 2 and 4 (not at micro-batches) at Lightning's steps of those
-    # iterations, 1 and 3, plus the epoch end at the iterations done, 4.
-    assert sorted(by_step) == [1, 3, 4] and [len(by_step[s]) for s in (1, 3, 4)] == [1, 1, 1]
-    rows_after = {2: by_step[1], 4: by_step[3] + by_step[4]}  # by optimizer steps done
+    # iterations, 1 and 3; the epoch end at the iterations done, 4, has no new values to write.
+    assert sorted(by_step) == [1, 3] and [len(by_step[s]) for s in (1, 3)] == [1, 1]
+    rows_after = {2: by_step[1], 4: by_step[3]}  # by optimizer steps done
     for step, want in expected.items():
         for row in rows_after[step]:
             for name, ref in want.items():
@@ -247,7 +247,7 @@ class ValidatingModule(pl.LightningModule):
 def test_validation_epoch_flush_feeds_model_checkpoint_and_drops_sanity_check(tmp_path: Path) -> None:
     clear_statistics()
     stats = TrainingStats(every_n_train_steps=1000, regex="Loss/.*", prefix="stats/")
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="stats/Loss/val", mode="min", save_top_k=1)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="stats/val/Loss/val", mode="min", save_top_k=1)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -261,11 +261,12 @@ def test_validation_epoch_flush_feeds_model_checkpoint_and_drops_sanity_check(tm
         num_sanity_val_steps=1,
     )
     trainer.fit(ValidatingModule())
-    assert float(trainer.callback_metrics["stats/Loss/val"]) == 2.0  # epoch 2's value, sanity 1e9 dropped
+    assert float(trainer.callback_metrics["stats/val/Loss/val"]) == 2.0  # epoch 2's, sanity 1e9 dropped
     assert float(checkpoint.best_model_score) == 1.0 and "epoch=0" in checkpoint.best_model_path
-    # The train-epoch-end flush after validation got no Loss/val: keep_previous kept epoch 2's values.
-    assert stats.collector is not None and stats.collector.num("Loss/val") == 2
-    assert stats.collector.mean("Loss/val") == 2.0
+    # Validation values go to the validation stage only: training never saw Loss/val.
+    val = stats.stage_collectors["validate"]
+    assert val.num("Loss/val") == 2 and val.mean("Loss/val") == 2.0 and val.updated() == ["Loss/val"]
+    assert stats.collector is not None and "Loss/val" not in stats.collector.names()
 
 
 class _TwoOptimizers(pl.LightningModule):
@@ -390,13 +391,71 @@ def test_rows_of_every_callback_follow_lightning_steps() -> None:
     assert all(maximum <= step for step, maximum in flushes) and {(i, i) for i in (2, 5, 8, 11)} <= {
         (s, int(v)) for s, v in flushes
     }
-    first_written = {}  # each validation's Loss/val, first written at that validation's step
-    for step, metrics in rows("Loss/val"):
-        first_written.setdefault(metrics["Loss/val"], step)
-    assert sorted(first_written.values()) == [2, 5, 8, 11]
+    # Each validation's Loss/val, written once, at that validation's step, under the stage's prefix.
+    assert [s for s, _ in rows("val/Loss/val")] == [2, 5, 8, 11] and not rows("Loss/val")
     assert rows("Timing/step_sec") and rows("Resources/cpu_mem_gb")
-    assert max(s for s, _ in rows("Timing/step_sec")) == 12  # the last epoch end
+    # The last epoch end writes only what is new since the flush after iteration 12 (step 11): the
+    # flush times of that flush and of the validation after it.
+    assert max(s for s, _ in rows("Timing/step_sec")) == 11
+    assert max(s for s, _ in rows("Timing/stats_flush_sec")) == 12 and not rows("val/Timing/stats_flush_sec")
     # LossMonitor: after iterations 4 and 9, and the rest at the end of training (on_train_end),
     # which is the last row.
     assert [s for s, _ in rows("LossMonitor/loss")] == [4, 9, 12]
     assert "LossMonitor/loss" in logger.logged[-1][1]
+
+
+class _ForwardReports(pl.LightningModule):
+    """One ``forward`` for every loop, which reports its input (as a user following the guide would):
+    training batches hold values 0..39 (4 per step), validation batches 1000 + (0..11)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(1, 1)
+
+    def forward(self, x):
+        report("Input/x", x)
+        return self.lin(x)
+
+    def training_step(self, batch, batch_idx):
+        return self(batch[0]).square().mean()
+
+    def validation_step(self, batch, batch_idx):
+        self(batch[0])
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.arange(40.0)[:, None]), batch_size=4)
+
+    def val_dataloader(self):
+        return DataLoader(TensorDataset(1000 + torch.arange(12.0)[:, None]), batch_size=4)
+
+
+@pytest.mark.parametrize("every", [5, 10])
+def test_values_of_validation_never_mix_with_training_ones(every: int) -> None:
+    # 10 training steps of 4 values, a validation of 3 batches of 4 after steps 5 and 10: the
+    # training statistic counts exactly the training values of its period (a period of 10 spans a
+    # validation run), the validation one exactly that run's values, each row written once.
+    clear_statistics()
+    logger = _Steps()
+    stats = TrainingStats(every, stats=("num", "mean"))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, val_check_interval=5, num_sanity_val_steps=2,
+        logger=logger, callbacks=[stats], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(_ForwardReports())
+    train = [(s, m["Input/x/num"], m["Input/x"]) for s, m in logger.logged if "Input/x/num" in m]
+    val = [(s, m["val/Input/x/num"], m["val/Input/x"]) for s, m in logger.logged if "val/Input/x/num" in m]
+    n = 4 * every  # values per training period k: k*n .. k*n + n - 1, written at step (k + 1) * every - 1
+    assert train == [((k + 1) * every - 1, n, k * n + (n - 1) / 2) for k in range(10 // every)]
+    assert val == [(4, 12, 1005.5), (9, 12, 1005.5)]  # the sanity check's 8 values dropped
+    steps = [s for s, _ in logger.logged]
+    assert steps == sorted(steps)
+    # predict: values reported there are not collected (no stage of TrainingStats takes them)
+    trainer.predict(_ForwardReports(), DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=4))
+    assert stats.collector is not None and stats.collector.names() == ["Input/x", "Timing/stats_flush_sec"]
