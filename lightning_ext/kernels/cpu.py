@@ -200,8 +200,8 @@ def _load(verbose: bool = False) -> ModuleType:
 # tensor argument (x, or dy) that is true where the compiled kernel loses to ATen. The float16
 # reductions and forward stay scalar in the kernels where ATen's are vectorized; the float16
 # backward_elemt loses only in NCHW (channels last, ATen's is several times slower); float16
-# accumulate_moments_ still wins. ATen's float64 normalize and channels-last float64 backward sums
-# are faster, and so is its NCHW bfloat16 normalize from about a million elements (below, the
+# accumulate_moments_ still wins. ATen's float64 normalize and channels-last float32/float64 backward
+# sums are faster, and so is its NCHW bfloat16 normalize from about a million elements (below, the
 # kernel's lower overhead wins: the digits model's layers). benchmarks/bench_kernels.py fails when
 # the automatic choice is slower than `reference` anywhere, so this table follows measurement.
 _LARGE = 2**20  # elements
@@ -220,7 +220,9 @@ _DEFER_TO_REFERENCE: dict[str, Callable[[torch.Tensor], bool]] = {
     "batch_norm_elemt": lambda x: _half(x) or x.dtype == torch.float64 or (
         x.dtype == torch.bfloat16 and not _channels_last(x) and x.numel() >= _LARGE
     ),
-    "batch_norm_backward_reduce": lambda dy: _half(dy) or (dy.dtype == torch.float64 and _channels_last(dy)),
+    "batch_norm_backward_reduce": lambda dy: _half(dy) or (
+        dy.dtype in (torch.float32, torch.float64) and _channels_last(dy)
+    ),
     "batch_norm_backward_elemt": lambda dy: _half(dy) and not _channels_last(dy),
 }
 

@@ -269,7 +269,9 @@ def test_the_one_defer_rule_sends_float16_batch_norm_ops_to_reference(monkeypatc
         four = sorted(cpu._DEFER_TO_REFERENCE)  # backward_elemt, backward_reduce, elemt, moments
         for dtype, fmt, expected in [
             (torch.float32, torch.contiguous_format, []),
+            (torch.float32, torch.channels_last, ["batch_norm_backward_reduce"]),
             (torch.bfloat16, torch.contiguous_format, []),
+            (torch.bfloat16, torch.channels_last, []),
             (torch.float64, torch.contiguous_format, ["batch_norm_elemt"]),
             (torch.float64, torch.channels_last, ["batch_norm_backward_reduce", "batch_norm_elemt"]),
             (torch.float16, torch.contiguous_format, four),

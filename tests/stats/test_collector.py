@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_ext.stats import Collector, clear_statistics, init_multiprocessing, report, report0
+from lightning_ext.stats import Collector, clear_statistics, init_multiprocessing, report, report0, set_stage
 from lightning_ext.stats import collector as collector_module
 from tests.helpers.distributed import run_distributed
 from tests.helpers.float64_reference import Reference, assert_moments_close, reference_moments
@@ -342,3 +342,51 @@ def test_state_dict_and_pickle_round_trip() -> None:
     report("Loss", 5.0)
     clone.update()
     assert clone.mean("Loss") == 5.0 and clone.regex == "L.*"
+
+
+def test_updated_names_and_stages_keep_values_apart() -> None:
+    clear_statistics()
+    train, val = Collector(regex="L.*"), Collector(regex="L.*", stage="validate")
+    report("Loss", [1.0, 3.0])
+    outer = set_stage("validate")
+    report("Loss", 10.0)
+    report("Late", 7.0)
+    assert set_stage(outer) == "validate"
+    train.update()
+    val.update()
+    assert train.names() == train.updated() == ["Loss"]
+    assert train.mean("Loss") == 2.0 and train.num("Loss") == 2
+    assert val.names() == val.updated() == ["Late", "Loss"] and val.as_dict()["Loss"]["mean"] == 10.0
+    report("Loss", 5.0)
+    train.update()
+    val.update()  # nothing new in validation: kept, but not updated
+    assert train.updated() == ["Loss"] and train.mean("Loss") == 5.0
+    assert val.updated() == [] and val.mean("Loss") == 10.0 and val.num("Late") == 1
+    restored = Collector(regex="L.*", stage="validate")
+    restored.load_state_dict(val.state_dict())
+    assert restored.as_dict() == val.as_dict() and restored.updated() == []
+    assert repr(val) == "Collector(regex='L.*', keep_previous=True, stage='validate')"
+
+
+@pytest.mark.parametrize(
+    ("stage", "error", "match"),
+    [(3, TypeError, "`stage` must be a str or None, got 3"), ("", ValueError, "non-empty"),
+     ("a\x1fb", ValueError, "without")],
+)  # fmt: skip
+def test_bad_stages_name_the_argument(stage, error, match) -> None:
+    with pytest.raises(error, match=match):
+        set_stage(stage)
+    with pytest.raises(error, match=match):
+        Collector(stage=stage)
+
+
+def test_a_staged_report_checks_its_name() -> None:
+    clear_statistics()
+    set_stage("validate")
+    try:
+        with pytest.raises(TypeError, match="name must be a non-empty str"):
+            report("", 1.0)
+        with pytest.raises(TypeError, match="name must be a non-empty str"):
+            report(3, 1.0)  # type: ignore[arg-type]
+    finally:
+        set_stage(None)
