@@ -240,10 +240,9 @@ class Collector:
         """
         release = _report._drain(self)  # the rows of the values drained, lent while reading them
         try:
-            local = self._combine()
-            self._tables = []
-            self._publish(local)
+            self._publish(self._combine())
         finally:
+            self._tables = []  # (never a lent table after its release)
             release()
 
     def _publish(self, local: _report._Table) -> None:

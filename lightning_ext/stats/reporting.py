@@ -299,7 +299,8 @@ class _Slab:
             order = sorted(range(len(names)), key=names.__getitem__)
             if len(self.blocks) > 1 or order != list(range(len(names))):
                 index = torch.tensor(order, device=self.device)
-                sums, shifts = (torch.cat([b[k] for b in self.blocks]) for k in (0, 1))
+                with torch.inference_mode(False):  # normal tensors, even when drained in inference mode
+                    sums, shifts = (torch.cat([b[k] for b in self.blocks]) for k in (0, 1))
                 sums[: len(order)], shifts[: len(order)] = sums[index], shifts[index]
                 self.blocks, self.template = [(sums, shifts)], None
                 self.names = [names[i] for i in order]

@@ -319,3 +319,20 @@ def test_backend_is_resolved_once_per_device_until_clear_statistics(monkeypatch)
     report("A", torch.tensor([3.0, 5.0]))
     c.update()
     assert c.mean("A") == 4.0 and reporting._slabs[torch.device("cpu")].backend.name == "reference"
+
+
+def test_rows_grown_and_drained_in_inference_mode_serve_training_afterwards() -> None:
+    """New names in Lightning's validation (inference mode) grow and reorder the rows there; the
+    accumulators made then still take training values (normal tensors), and every interval is exact."""
+    clear_statistics()
+    c = Collector(keep_previous=False)
+    with torch.inference_mode():
+        for n in reversed(range(150)):  # more than a block, out of order: merged and sorted at the drain
+            report(f"N/{n:03d}", float(n))
+        c.update()
+    assert c.num("N/149") == 1 and c.mean("N/007") == 7.0
+    x = torch.ones(3, requires_grad=True)
+    for n in range(150):
+        report(f"N/{n:03d}", x * n)  # training: outside inference mode
+    c.update()
+    assert [c.num(f"N/{n:03d}") for n in (0, 77, 149)] == [3, 3, 3] and c.mean("N/077") == 77.0
