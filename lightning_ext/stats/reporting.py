@@ -393,6 +393,11 @@ def report(name: str, value: T) -> T:
     first value there after :func:`clear_statistics`), not per call.
     No host-device sync, no collective. An empty value registers the name (NaN until it has values).
 
+    Under ``torch.compile`` (``fullgraph=True`` included) a tensor or Python number is reported by
+    one opaque graph node, the custom op ``lightning_ext::report_``, which runs this eager path when
+    the graph runs: the compiled code does not depend on this module's state, so a flush does not
+    trace the model again (lists and NumPy arrays break the graph where dynamo cannot trace NumPy).
+
     Args:
         name: statistic name, conventionally ``"Group/quantity_unit"`` (e.g. ``"Loss/total"``).
         value: a Python number (bool/int/float, NumPy scalar), a list/tuple of numbers, a NumPy
@@ -414,6 +419,8 @@ def report(name: str, value: T) -> T:
         >>> c.update(); c.mean("Loss/total"), c.num("Loss/total")
         (4.0, 3)
     """
+    if torch.compiler.is_compiling():
+        return _report_traced(name, value)
     if _stage is not None:  # the key of a staged value
         _check_name(name)
         name = _stage + _STAGE_SEPARATOR + name
@@ -442,6 +449,24 @@ def _register_name(name: str) -> None:
     global _dirty
     _dirty = True
     _registered.add(name)
+
+
+@torch.library.custom_op("lightning_ext::report_", mutates_args=("token",))
+def _report_op(x: torch.Tensor, token: torch.Tensor, name: str) -> None:
+    """``report(name, x)`` as one node of a compiled graph, run eagerly when the graph runs. It
+    declares that it writes ``token`` (it does not), so that the compiler keeps the node."""
+    report(name, x)
+
+
+_report_op.register_fake(lambda x, token, name: None)
+_TOKEN = torch.zeros(())  # what _report_op "writes"
+
+
+def _report_traced(name: str, value: T) -> T:
+    """What ``report()`` traces under ``torch.compile``: the value as a tensor, into the custom op."""
+    _check_name(name)
+    _report_op(_as_tensor(name, value), _TOKEN, name)
+    return value
 
 
 def report0(name: str, value: T) -> T:
