@@ -268,6 +268,7 @@ class _Slab:
         self.fresh = 0  # rows that received values since the last drain
         self.table_names: list[str] | None = []  # the sorted names as a drained table's: a new list
         # whenever a name comes (a table's names never change), else the same one (collectors cache by it)
+        self.views = (self.empty[:0].reshape(0, 5), self.empty[:0])  # rows(): (sums, shifts) of every row
 
     def _add_block(self, size: int) -> None:
         with torch.inference_mode(False):
@@ -306,9 +307,10 @@ class _Slab:
                 self.names = [names[i] for i in order]
                 self._remake_entries()
             self.table_names = list(self.names)
-        sums, shifts = self.blocks[0]
-        n = len(self.names)
-        return sums[:n], shifts[:n], self.table_names
+            sums, shifts = self.blocks[0]
+            n = len(self.names)
+            self.views = (sums[:n], shifts[:n])
+        return *self.views, self.table_names
 
     def _remake_entries(self) -> None:
         sums, shifts = self.blocks[0]
