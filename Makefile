@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --disable-pip-version-check -q -c constraints.txt
 
-.PHONY: demo test test-oldest lint docs bench bench-gpu clean
+.PHONY: demo test test-oldest test-newest test-matrix lint docs bench bench-gpu clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -46,15 +46,48 @@ docs: $(VENV)/.dev-installed $(VENV)/.cpu-extension
 	$(SPHINX) -b doctest docs docs/_build/doctest
 	@echo "open docs/_build/html/index.html"
 
-# The unit tests and doctests (not the notebooks) at the lowest versions pyproject.toml allows.
-OLDEST := .venv-oldest/bin/python
-$(OLDEST):
-	$(PYTHON) -m venv .venv-oldest
-	$(OLDEST) -m pip install --disable-pip-version-check -q --upgrade pip "setuptools>=77"
+# The supported range of pyproject.toml, outside CI (each corner but `ci` installs a CUDA build of torch
+# from PyPI, a few GB, which runs on CPU): `make test-matrix` runs the unit tests and doctests (not the
+# notebooks) in one virtual environment per corner, then prints one line per corner (versions, pytest's
+# counts); it fails when a corner fails. pytest's output is also in runs/matrix/<corner>.log.
+#   oldest  .venv-oldest  constraints-oldest.txt  the floors of pyproject.toml (alone: `make test-oldest`)
+#   newest  .venv-newest  constraints-newest.txt  the newest releases supported (alone: `make test-newest`)
+#   ci      .venv         constraints.txt         the CPU build of torch CI tests (`make test` adds the rest)
+.venv-%/bin/python:
+	$(PYTHON) -m venv .venv-$*
+	$@ -m pip install --disable-pip-version-check -q --upgrade pip "setuptools>=77"
 
-test-oldest: | $(OLDEST)
-	$(OLDEST) -m pip install --disable-pip-version-check -q -c constraints-oldest.txt -e ".[examples,test]"
-	$(OLDEST) -m pytest -p no:cacheprovider lightning_ext tests
+# A corner's packages, pinned by its constraints file, and its build of the cpu kernel backend.
+.venv-%/.installed: constraints-%.txt pyproject.toml | .venv-%/bin/python
+	.venv-$*/bin/python -m pip install --disable-pip-version-check -q -c constraints-$*.txt -e ".[examples,test]"
+	.venv-$*/bin/python -m lightning_ext.kernels || echo "the cpu kernel backend was not built: reference serves CPU tensors"
+	touch $@
+
+# $(call corner,NAME,PYTHON): the tests with PYTHON, then NAME's line into runs/matrix/NAME.txt (and on
+# the screen); the exit status is pytest's.
+MATRIX_VERSIONS := import importlib.metadata as m, platform; print(*(f"{d} {m.version(d)}" for d in \
+  ("torch", "lightning", "torchmetrics", "numpy")), f"python {platform.python_version()}", sep=", ")
+define corner
+mkdir -p runs/matrix; set -o pipefail; \
+$(2) -m pytest -p no:cacheprovider -q lightning_ext tests 2>&1 | tee runs/matrix/$(1).log; rc=$$?; \
+echo "$(1): $$($(2) -c '$(MATRIX_VERSIONS)'): $$(tail -n 1 runs/matrix/$(1).log | tr -d =)" \
+  | tee runs/matrix/$(1).txt; exit $$rc
+endef
+
+test-oldest test-newest test-matrix: SHELL := /bin/bash
+test-oldest: .venv-oldest/.installed
+	@$(call corner,oldest,.venv-oldest/bin/python)
+
+test-newest: .venv-newest/.installed
+	@$(call corner,newest,.venv-newest/bin/python)
+
+test-matrix: .venv-oldest/.installed .venv-newest/.installed $(VENV)/.dev-installed $(VENV)/.cpu-extension
+	@failed=0; \
+	($(call corner,oldest,.venv-oldest/bin/python)) || failed=1; \
+	($(call corner,newest,.venv-newest/bin/python)) || failed=1; \
+	($(call corner,ci,$(PY))) || failed=1; \
+	echo; echo "make test-matrix:"; cat runs/matrix/oldest.txt runs/matrix/newest.txt runs/matrix/ci.txt; \
+	exit $$failed
 
 # Every benchmark script; each rewrites its own sections of benchmarks/RESULTS.md.
 bench: $(VENV)/.dev-installed $(VENV)/.cpu-extension
@@ -68,4 +101,4 @@ bench-gpu: $(if $(filter $(PY),$(GPU_PYTHON)),$(VENV)/.dev-installed)
 	$(GPU_PYTHON) benchmarks/run_gpu.py
 
 clean:
-	rm -rf $(VENV) .venv-oldest runs lightning_logs .pytest_cache docs/_build
+	rm -rf $(VENV) .venv-oldest .venv-newest runs lightning_logs .pytest_cache docs/_build

@@ -1,6 +1,8 @@
 """lightning_ext: training infrastructure of the best research codebases for any ``lightning.Trainer``.
 
-Subpackages (imported lazily so ``import lightning_ext`` stays cheap):
+Importing it checks the installed torch and Lightning against the supported floors (``ImportError``
+naming both versions otherwise) and imports torch; its subpackages are imported lazily, so
+``import lightning_ext`` imports nothing else:
 
 - :mod:`lightning_ext.stats` — ``report()`` / ``Collector``: distributed training statistics.
 - :mod:`lightning_ext.amp` — ``DynamicLossScaler``: a ``torch.amp.GradScaler`` with more schedules.
@@ -12,6 +14,8 @@ Subpackages (imported lazily so ``import lightning_ext`` stays cheap):
 
 import importlib
 from typing import Any
+
+from lightning_ext import _compat  # noqa: F401  (checks the installed torch and Lightning)
 
 __version__ = "0.1.0"
 

@@ -5,7 +5,8 @@ through the kernel backend of the gradients' device
 (:meth:`~lightning_ext.kernels.KernelBackend.unscale_and_check_`, and the read-only
 :meth:`~lightning_ext.kernels.KernelBackend.check_finite` for fused optimizers, where GradScaler
 rewrites every gradient at scale 1). State lives on the device as 0-dim tensors and ``update`` runs
-there without a host sync, as GradScaler's does.
+there without a host sync, as GradScaler's does. As a GradScaler subclass it uses GradScaler's private
+state and hooks: those listed in ``lightning_ext._compat`` (``GRAD_SCALER_*``), tested there.
 """
 
 from __future__ import annotations
@@ -18,10 +19,16 @@ from typing import Any, Literal, get_args
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.amp.grad_scaler import GradScaler, OptState, _refresh_per_optimizer_state
+from torch.amp import GradScaler
 from torch.optim import Optimizer
 
 from lightning_ext._checks import check_bool, check_choice, check_int, check_number
+from lightning_ext._compat import (
+    GradScalerStage,
+    new_optimizer_state,
+    optimizer_handles_unscaling,
+    sparse_values,
+)
 from lightning_ext.amp import schedules
 from lightning_ext.distributed import all_reduce_, check_process_group, is_distributed
 from lightning_ext.kernels import get_backend
@@ -230,7 +237,7 @@ class DynamicLossScaler(GradScaler):
         self._scale, self._growth_tracker = None, None
         self._growth_factor, self._backoff_factor = growth_factor, backoff_factor
         self._growth_interval, self._init_growth_tracker = growth_interval, 0
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._per_optimizer_states = defaultdict(new_optimizer_state)
         self.schedule, self.hysteresis, self.on_min_scale = schedule, hysteresis, on_min_scale
         self.consecutive_hysteresis = consecutive_hysteresis
         self.log2_increment, self.log2_decrement = log2_increment, log2_decrement
@@ -333,7 +340,7 @@ class DynamicLossScaler(GradScaler):
                         grad.dtype is torch.float16
                     ):  # duplicates could overflow when summed: check them summed
                         param.grad = grad = grad.coalesce()
-                    grad = grad._values()
+                    grad = sparse_values(grad)
                 grads[grad.device].append(grad)
         return grads
 
@@ -398,14 +405,14 @@ class DynamicLossScaler(GradScaler):
         if not self.skip_nonfinite:
             return None
         state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.UNSCALED:
+        if state["stage"] is GradScalerStage.UNSCALED:
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since the last update()."
             )
-        if state["stage"] is OptState.STEPPED:
+        if state["stage"] is GradScalerStage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         self._check_inf_per_device(optimizer)
-        state["stage"] = OptState.UNSCALED
+        state["stage"] = GradScalerStage.UNSCALED
         return None
 
     def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -428,13 +435,13 @@ class DynamicLossScaler(GradScaler):
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.STEPPED:
+        if state["stage"] is GradScalerStage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        if state["stage"] is OptState.READY:
+        if state["stage"] is GradScalerStage.READY:
             self.unscale_(optimizer)
         found_inf = _combined(state)
         retval = None
-        if getattr(optimizer, "_step_supports_amp_scaling", False):  # skips on the device, no sync
+        if optimizer_handles_unscaling(optimizer):  # skips on the device, no sync
             optimizer.grad_scale, optimizer.found_inf = None, found_inf  # type: ignore[attr-defined]
             try:
                 retval = optimizer.step(*args, **kwargs)
@@ -442,7 +449,7 @@ class DynamicLossScaler(GradScaler):
                 del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
         elif not found_inf.item():
             retval = optimizer.step(*args, **kwargs)
-        state["stage"] = OptState.STEPPED
+        state["stage"] = GradScalerStage.STEPPED
         return retval
 
     # ------------------------------------------------------------------ update
@@ -467,7 +474,7 @@ class DynamicLossScaler(GradScaler):
         if not self._checks:
             return
         states = list(self._per_optimizer_states.values())
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._per_optimizer_states = defaultdict(new_optimizer_state)
         found_infs = [_combined(s) for s in states if s["found_inf_per_device"]]
         if new_scale is None and not found_infs:
             raise AssertionError("No inf checks were recorded prior to update.")

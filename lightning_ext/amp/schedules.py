@@ -4,7 +4,7 @@ Three models:
 
 * ``torch.amp.GradScaler`` — ``_exponential_``: ``scale *= growth_factor`` after
   ``growth_interval`` clean steps in a row, ``scale *= backoff_factor`` on an overflow
-  (``torch._amp_update_scale_``, GradScaler's own op, so the scales agree bit for bit).
+  (GradScaler's own op ``torch._amp_update_scale_``, so the scales agree bit for bit).
 * StyleGAN2-ADA's training loop (Karras et al. 2020) — ``_log2_``: ``log2(scale)`` grows by
   ``increment`` per clean step and drops by ``decrement`` per back-off; ``log2(scale)`` is kept in
   float64 so that small increments accumulate exactly.
@@ -23,6 +23,8 @@ import math
 
 import torch
 from torch import Tensor
+
+from lightning_ext._compat import amp_update_scale_
 
 __all__: list[str] = []  # the scalers' maths: private helpers, tested directly
 
@@ -57,7 +59,7 @@ def _exponential_(scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Ten
     """
     overflow = found_inf > 0
     if hysteresis == 1:
-        torch._amp_update_scale_(
+        amp_update_scale_(
             scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval
         )
         return overflow
@@ -65,7 +67,7 @@ def _exponential_(scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Ten
     # A tolerated overflow resets the growth count without backing off: from -1, GradScaler's op
     # (told "clean") leaves the tracker at 0 and cannot grow (growth_interval >= 1).
     growth_tracker.copy_(torch.where(overflow & ~back_off, -1, growth_tracker))
-    torch._amp_update_scale_(
+    amp_update_scale_(
         scale, growth_tracker, back_off.float(), growth_factor, backoff_factor, growth_interval
     )
     refill = ~overflow if consecutive else ~overflow & (growth_tracker == 0)  # 0 after op: it grew

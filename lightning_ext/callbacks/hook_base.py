@@ -13,6 +13,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_ext._compat import batches_that_stepped
+
 __all__ = ["HookBase"]
 
 log = logging.getLogger(__name__)
@@ -269,11 +271,11 @@ def _iterations_done(trainer: pl.Trainer) -> int:
     Under a :class:`~lightning_ext.callbacks.HookRunner`: its
     :attr:`~lightning_ext.callbacks.HookRunner.iter`, the same count kept by the runner.
 
-    Reads Lightning's ``fit_loop.epoch_loop._batches_that_stepped`` (private; the step its
-    ``_LoggerConnector`` logs at), the one private attribute this package reads.
+    Reads Lightning's private count through ``lightning_ext._compat.batches_that_stepped``.
     """
-    fit_loop = getattr(trainer, "fit_loop", None)  # a HookRunner has none
-    return trainer.iter if fit_loop is None else fit_loop.epoch_loop._batches_that_stepped
+    if getattr(trainer, "fit_loop", None) is None:  # a HookRunner has none
+        return trainer.iter
+    return batches_that_stepped(trainer)
 
 
 def _add_note(exc: BaseException, note: str) -> None:

@@ -12,10 +12,10 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
 from lightning_ext._checks import check_int
+from lightning_ext._compat import BatchNormBase
 from lightning_ext.callbacks.hook_base import HookBase
 from lightning_ext.distributed import all_reduce_, collective_device, get_world_size, is_distributed
 from lightning_ext.stats.moments import _merge_moments
@@ -65,7 +65,7 @@ def _agree(state: float) -> float:
     return flag.item()
 
 
-def _runs_error(layers: list[_BatchNorm], records: list[list[_Record]], used: int) -> str | None:
+def _runs_error(layers: list[BatchNormBase], records: list[list[_Record]], used: int) -> str | None:
     """Why a layer did not run exactly once in each of the ``used`` forwards, or ``None``."""
     for i, (layer, runs) in enumerate(zip(layers, records)):
         if len(runs) != used:
@@ -123,7 +123,7 @@ def update_bn_stats(
         (tensor([3., 4.]), tensor([6.6667, 6.6667]), 0.1)
     """
     layers = [
-        m for m in model.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats
+        m for m in model.modules() if isinstance(m, BatchNormBase) and m.training and m.track_running_stats
     ]
     if not layers:
         return 0
@@ -136,7 +136,7 @@ def update_bn_stats(
 
 def _run_batches(
     model: nn.Module,
-    layers: list[_BatchNorm],
+    layers: list[BatchNormBase],
     records: list[list[_Record]],
     batches: Iterable[Any],
     num_iter: int,
@@ -164,7 +164,7 @@ _Record = tuple[float, torch.Tensor, torch.Tensor]  # (elements per channel, run
 
 
 @contextlib.contextmanager
-def _population_mode(model: nn.Module, layers: list[_BatchNorm]) -> Iterator[list[list[_Record]]]:
+def _population_mode(model: nn.Module, layers: list[BatchNormBase]) -> Iterator[list[list[_Record]]]:
     """The mode :func:`update_bn_stats` describes, restored on exit; yields per layer the list of
     ``_Record`` its forward hook appends after each run."""
     flags = {m: m.training for m in model.modules()}
@@ -179,7 +179,7 @@ def _population_mode(model: nn.Module, layers: list[_BatchNorm]) -> Iterator[lis
             bn.momentum = 1.0
         model.train()
         for module, flag in flags.items():
-            if isinstance(module, _BatchNorm) and not flag:
+            if isinstance(module, BatchNormBase) and not flag:
                 module.eval()
         yield records
     finally:
@@ -193,13 +193,13 @@ def _population_mode(model: nn.Module, layers: list[_BatchNorm]) -> Iterator[lis
             module.training = flag
 
 
-def _record(runs: list[_Record], layer: _BatchNorm, args: tuple, output: Any) -> None:
+def _record(runs: list[_Record], layer: BatchNormBase, args: tuple, output: Any) -> None:
     x = args[0]
     n = float(x.numel() // x.shape[1]) if x.dim() > 1 else 0.0
     runs.append((n, layer.running_mean.clone(), layer.running_var.clone()))
 
 
-def _write_population_stats(layers: list[_BatchNorm], records: list[list[_Record]]) -> None:
+def _write_population_stats(layers: list[BatchNormBase], records: list[list[_Record]]) -> None:
     """Merge each layer's batch statistics, weighted by global element counts, into its running stats."""
     from lightning_ext.nn import SyncBatchNorm
 

@@ -43,6 +43,7 @@ from typing import Any, ClassVar
 import torch
 from typing_extensions import override
 
+from lightning_ext._compat import BUILD_LOCK_IS_ADVISORY, build_lock_held
 from lightning_ext.kernels.backend import _OPS
 from lightning_ext.kernels.reference import ReferenceBackend
 
@@ -148,9 +149,13 @@ def _clear_stale_lock(directory: Path) -> None:
     start = time.monotonic()
     while True:
         try:
+            if not build_lock_held(lock):
+                return
             age = time.time() - lock.stat().st_mtime
         except FileNotFoundError:
             return
+        if BUILD_LOCK_IS_ADVISORY:
+            age = 0.0  # its holder is alive: the kernel drops an advisory lock with its process
         if age > _STALE_LOCK_SECONDS:
             log.warning("lightning_ext: removing the stale build lock %s (%.0f s old)", lock, age)
             lock.unlink(missing_ok=True)

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_ext._compat import BatchNormBase, module_tables, set_module_tables
 from lightning_ext.nn.sync_batch_norm import SyncBatchNorm, _warm_backend
 
 __all__ = ["convert_sync_batchnorm", "revert_sync_batchnorm"]
@@ -28,29 +28,24 @@ def _strip(module: nn.Module) -> nn.Module:
     """Shallow copy of ``module`` without parameters, buffers or children (a class + attribute template)."""
     template = copy.copy(module)
     template.__dict__ = dict(module.__dict__)
-    template._parameters = {}
-    template._buffers = {}
-    template._modules = {}
-    template._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
+    set_module_tables(template, {}, {}, module_tables(module)[2], children={})
     return template
 
 
-def _bn_args(module: _BatchNorm) -> tuple[Any, ...]:
+def _bn_args(module: BatchNormBase) -> tuple[Any, ...]:
     """The positional constructor arguments of a batch-norm layer like ``module``."""
     return module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
 
 
 def _share_state(source: nn.Module, target: nn.Module) -> None:
     """Give ``target`` the parameters, buffers (same objects), training flag and ``qconfig`` of ``source``."""
-    target._parameters = dict(source._parameters)
-    target._buffers = dict(source._buffers)
-    target._non_persistent_buffers_set = set(source._non_persistent_buffers_set)
+    set_module_tables(target, *module_tables(source))
     target.train(source.training)
     if hasattr(source, "qconfig"):
         target.qconfig = source.qconfig
 
 
-class _BatchNormXd(_BatchNorm):
+class _BatchNormXd(BatchNormBase):
     """Local batch norm accepting any ``(N, C, *)`` input: what a layer built as SyncBatchNorm reverts to."""
 
     def _check_input_dim(self, input: torch.Tensor) -> None:

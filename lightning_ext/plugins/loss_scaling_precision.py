@@ -5,11 +5,12 @@ Lightning's ``MixedPrecision``, which on CPU switches ``16-mixed`` to ``bf16-mix
 nothing about the scale and advances step-interval LR schedulers after skipped steps (Lightning
 #5558, #16228).
 
-How a skipped step holds the step-interval LR schedulers (Lightning 2.6.6): the strategy keeps the
+How a skipped step holds the step-interval LR schedulers (Lightning 2.4–2.6.6): the strategy keeps the
 ``LRSchedulerConfig`` list returned by :meth:`Precision.connect`, where each ``interval="step"`` config
 becomes a subclass whose ``frequency`` reads as an unreachable value while the current batch's
 optimizer step was skipped. The training epoch loop calls ``lr_scheduler_step`` only when
-``(batch_idx + 1) % frequency == 0``, so the scheduler is simply not called: no state change, no
+``(batch_idx + 1) % frequency == 0`` (an upstream detail this relies on, kept and tested in
+``lightning_ext._compat``), so the scheduler is simply not called: no state change, no
 "``lr_scheduler.step()`` before ``optimizer.step()``" warning, nothing of torch or Lightning patched;
 the scheduler objects and their checkpoints stay the user's. Limits: ``interval="epoch"`` schedulers
 are not held (an epoch is not skipped); in manual optimization Lightning never steps schedulers, so
@@ -26,7 +27,6 @@ from collections.abc import Callable, Generator, Sequence
 from typing import Any, Literal, get_args
 
 import torch
-from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision.precision import Precision
@@ -37,14 +37,13 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_ext._checks import check_bool, check_choice
+from lightning_ext._compat import UNREACHABLE_FREQUENCY, optimizer_handles_unscaling
 from lightning_ext.amp import DynamicLossScaler
 
 __all__ = ["LossScalingPrecision"]
 
 _PrecisionMode = Literal["16-mixed", "bf16-mixed", "32-true"]
 _PRECISIONS = get_args(_PrecisionMode)
-# ``(batch_idx + 1) % _NEVER`` is never 0 for a reachable batch index.
-_NEVER = 2**62
 
 
 class _SkipAwareLRSchedulerConfig(LRSchedulerConfig):
@@ -56,7 +55,7 @@ class _SkipAwareLRSchedulerConfig(LRSchedulerConfig):
 
     @property  # type: ignore[override]
     def frequency(self) -> int:
-        return _NEVER if self._is_held() else self._frequency
+        return UNREACHABLE_FREQUENCY if self._is_held() else self._frequency
 
     @frequency.setter
     def frequency(self, value: int) -> None:
@@ -277,7 +276,7 @@ class LossScalingPrecision(Precision):
             closure_result = closure()
         # training_step returned None in automatic optimization: no backward, nothing to step.
         skip_everything = closure_result is None and model.automatic_optimization
-        if not _optimizer_handles_unscaling(optimizer) and not skip_everything:
+        if not optimizer_handles_unscaling(optimizer) and not skip_everything:
             self.scaler.unscale_(optimizer)  # type: ignore[arg-type]
         self._after_closure(model, optimizer)
         if skip_everything:
@@ -302,7 +301,7 @@ class LossScalingPrecision(Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        if clip_val > 0 and self.scaler is not None and _optimizer_handles_unscaling(optimizer):
+        if clip_val > 0 and self.scaler is not None and optimizer_handles_unscaling(optimizer):
             raise RuntimeError(
                 f"The current optimizer, {type(optimizer).__qualname__}, does not allow for gradient clipping"
                 " because it performs unscaling of gradients internally."

@@ -11,6 +11,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_ext._checks import check_bool, check_int
+from lightning_ext._compat import ddp_ignored, set_ddp_ignored
 from lightning_ext.distributed import check_process_group, collective_device, get_world_size, is_distributed
 from lightning_ext.kernels import available_backends
 from lightning_ext.nn import (
@@ -121,10 +122,7 @@ class SyncBatchNormPlugin(LayerSync):
         and the model its ``_ddp_params_and_buffers_to_ignore`` as before :meth:`apply`."""
         if self._ddp_ignore is not None:
             (applied, previous), self._ddp_ignore = self._ddp_ignore, None
-            if previous is None:
-                applied.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)
-            else:
-                applied._ddp_params_and_buffers_to_ignore = previous
+            set_ddp_ignored(applied, previous)
         return revert_sync_batchnorm(model)
 
     def _exclude_from_ddp_buffer_sync(self, model: Module) -> None:
@@ -141,8 +139,8 @@ class SyncBatchNormPlugin(LayerSync):
         if not buffers or any(b.is_meta for b in buffers):
             return  # nothing to exclude, or not materialized yet: leave DDP's sync as it is
         _broadcast_from_rank0(buffers)
-        previous = model.__dict__.get("_ddp_params_and_buffers_to_ignore")
-        model._ddp_params_and_buffers_to_ignore = [*(previous or ()), *names]
+        previous = ddp_ignored(model)
+        set_ddp_ignored(model, [*(previous or ()), *names])
         self._ddp_ignore = (model, previous)
 
 

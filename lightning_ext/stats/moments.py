@@ -6,7 +6,7 @@ is ``[0, 0, 0, +inf, -inf]`` so that merging with it is the identity. Sources: s
 (Welford 1962; Chan, Golub & LeVeque, "Algorithms for computing the sample variance", 1983, §3)
 and the parallel merge (Chan, Golub & LeVeque 1979, "Updating formulae and a pairwise algorithm
 for computing sample variances"). The flush's own maths (shifted sums to moments, the payloads of
-the all-reduces) is in :mod:`lightning_ext.kernels.moments`, behind the kernel backend's ops. None of
+the all-reduces) is in ``lightning_ext.kernels.moments``, behind the kernel backend's ops. None of
 these functions synchronizes host and device.
 """
 

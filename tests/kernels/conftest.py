@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_ext import _compat
 from lightning_ext.kernels import KernelBackend, get_backend
 from lightning_ext.kernels._triton import HAS_TRITON
 from tests.helpers.cpu_extension import require_cpu_backend
@@ -19,6 +20,8 @@ BACKENDS = ["reference", "cpu", "triton"]
 def make_backend(name: str) -> KernelBackend:
     if name == "triton" and not HAS_TRITON:
         pytest.skip("triton is not installed (extra `triton`)")
+    if name == "triton" and not torch.cuda.is_available() and _compat.triton_interpreter_limit():
+        pytest.skip(_compat.triton_interpreter_limit())
     if name == "triton":
         from lightning_ext.kernels import TritonBackend
 

@@ -86,8 +86,15 @@ def test_the_extension_name_follows_this_environment(monkeypatch):
     assert cpu._extension_name() == name
 
 
-def test_stale_build_lock_is_removed_and_a_fresh_one_waited_for(tmp_path, caplog):
+def _file_baton(monkeypatch) -> None:
+    """The lock of torch before 2.14 (a file that exists while a build runs), whatever torch runs."""
+    monkeypatch.setattr(cpu, "BUILD_LOCK_IS_ADVISORY", False)
+    monkeypatch.setattr(cpu, "build_lock_held", lambda lock: lock.exists())
+
+
+def test_stale_build_lock_is_removed_and_a_fresh_one_waited_for(monkeypatch, tmp_path, caplog):
     """torch's build lock has no time limit: a lock left by a killed build must not hang later runs."""
+    _file_baton(monkeypatch)
     lock = tmp_path / "lock"
     cpu._clear_stale_lock(tmp_path)  # no lock: returns at once
     lock.write_text("")
@@ -101,6 +108,30 @@ def test_stale_build_lock_is_removed_and_a_fresh_one_waited_for(tmp_path, caplog
     start = time.perf_counter()
     cpu._clear_stale_lock(tmp_path)
     assert 0.9 < time.perf_counter() - start < 30
+
+
+def test_an_advisory_build_lock_is_waited_for_while_held_and_never_removed(monkeypatch, tmp_path):
+    """torch 2.14's lock (filelock): the file stays after the build; only a held lock means a build."""
+    import fcntl
+
+    from lightning_ext import _compat
+
+    monkeypatch.setattr(_compat, "BUILD_LOCK_IS_ADVISORY", True)
+    monkeypatch.setattr(cpu, "BUILD_LOCK_IS_ADVISORY", True)
+    monkeypatch.setattr(cpu, "build_lock_held", _compat.build_lock_held)
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    old = time.time() - cpu._STALE_LOCK_SECONDS - 5
+    os.utime(lock, (old, old))
+    start = time.perf_counter()
+    cpu._clear_stale_lock(tmp_path)  # a file nobody holds: no build, returns at once, kept
+    assert time.perf_counter() - start < 0.4 and lock.exists()
+    holder = os.open(lock, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # a build in progress (an old file: still not stale)
+    threading.Timer(1.0, os.close, (holder,)).start()
+    start = time.perf_counter()
+    cpu._clear_stale_lock(tmp_path)
+    assert 0.9 < time.perf_counter() - start < 30 and lock.exists()
 
 
 def _mock_build(monkeypatch, delay: float) -> list[dict]:
@@ -154,6 +185,7 @@ def test_a_blocking_build_is_announced_once_on_every_rank(monkeypatch, tmp_path,
 
 def test_waiting_for_another_process_build_is_announced_once(monkeypatch, tmp_path, caplog):
     """A process that finds another one's build lock says it waits, where, once."""
+    _file_baton(monkeypatch)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setattr(cpu, "_ANNOUNCE_AFTER_SECONDS", 0.2)
     monkeypatch.setattr(cpu, "_announced", False)

@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 
+from lightning_ext import _compat
 from lightning_ext.kernels import (
     BACKEND_ENV_VAR,
     BackendEntry,
@@ -237,6 +238,8 @@ def test_triton_without_gpu_raises_unless_interpreting(monkeypatch):
     """Without a GPU, `triton` fails to load (explicitly: raises; automatically: `reference` with the
     warning) unless TRITON_INTERPRET=1, which `TritonBackend.__init__` reads: then it runs CPU tensors."""
     pytest.importorskip("triton")
+    if _compat.triton_interpreter_limit():
+        pytest.skip(_compat.triton_interpreter_limit())
     from lightning_ext.kernels import TritonBackend
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
