@@ -11,6 +11,15 @@ Ours, at the SAME arithmetic precision as the anchor (bf16 autocast): ``LossScal
 ATen's fp16 convolution backward), which is a property of the CPU kernels, not of our plugin; the
 fp16 run is timed with the automatically chosen kernel backend and with ``reference``.
 
+Compiled row: every feature on (bf16), the model (``ConvNet``, its ``report()`` included) compiled with
+``torch.compile(fullgraph=True)`` (inductor) once the strategy has wrapped it; each run traces anew
+(``torch._dynamo.reset()``) and its compile falls in the warm-up steps. PreciseBN's batches at the
+first epoch end trace the graph again (its forward hooks and ``no_grad``: 4 more graphs, within
+dynamo's recompile limit of 8); those compiles count in the mean, not in the median. Compiled,
+SyncBN's all_reduces go through gloo instead of shared memory (``lightning_ext.distributed.all_reduce_``):
+the "gloo" row runs the eager model with that transport (``LIGHTNING_EXT_SHM_COLLECTIVES=0``), so the
+two effects separate.
+
 Diagnostic rows: every feature on the ``reference`` kernel backend instead of the automatically
 chosen one (``cpu`` where it builds; ``LIGHTNING_EXT_KERNELS=reference`` for that run), every feature
 except SyncBN, and every feature with SyncBN replaced by ATen's local batch norm plus SyncBN's two
@@ -27,7 +36,7 @@ so that the VM's drift hits all configurations alike; the paired ratio divides e
 plain run next to it in time. Prints the table and the ratio; target: ours <= 1.05x plain.
 
 Usage: ``python benchmarks/bench_end_to_end.py [--quick] [--steps 80] [--repeats 20] [--warmup 10]
-[--no-fp16]``.
+[--no-fp16] [--no-compiled]``.
 """
 
 from __future__ import annotations
@@ -59,7 +68,7 @@ for _path in (HERE.parent, HERE):
 from _common import environ, write_result  # noqa: E402
 
 from lightning_ext import kernels  # noqa: E402
-from lightning_ext.distributed import all_reduce_  # noqa: E402
+from lightning_ext.distributed import SHM_ENV_VAR, all_reduce_, close_shared_memory  # noqa: E402
 from lightning_ext.examples.digits import DigitsDataModule, DigitsModule  # noqa: E402
 
 
@@ -109,10 +118,33 @@ def run_once(config: str, max_steps: int, warmup: int) -> dict[str, float]:
     """Train ``config`` for ``max_steps`` steps in this worker; median seconds per step and per phase
     after ``warmup`` (this rank's clock)."""
     L.seed_everything(0, verbose=False)
+    if config == "ours-gloo":
+        return _run_over_gloo(config, max_steps, warmup)
     if not config.endswith("reference"):
         return _run_once(config, max_steps, warmup)
     with environ(**{kernels.BACKEND_ENV_VAR: "reference"}):  # read at every backend lookup: this run only
         return _run_once(config, max_steps, warmup)
+
+
+def _run_over_gloo(config: str, max_steps: int, warmup: int) -> dict[str, float]:
+    """``_run_once`` with every small all_reduce through gloo: the groups' routes are decided at their
+    next reduction, under the variable (every rank does alike), and again after it."""
+    close_shared_memory()
+    try:
+        with environ(**{SHM_ENV_VAR: "0"}):
+            return _run_once(config, max_steps, warmup)
+    finally:
+        close_shared_memory()
+
+
+class CompiledDigitsModule(DigitsModule):
+    """The digits module whose network runs ``torch.compile(fullgraph=True)``-d (inductor), compiled
+    once the strategy has converted its batch norms and wrapped it in DDP."""
+
+    @override
+    def on_fit_start(self) -> None:
+        torch._dynamo.reset()  # every run traces anew: runs do not pile up toward the recompile limit
+        self.net = torch.compile(self.net, fullgraph=True)
 
 
 def _run_once(config: str, max_steps: int, warmup: int) -> dict[str, float]:
@@ -139,7 +171,7 @@ def _run_once(config: str, max_steps: int, warmup: int) -> dict[str, float]:
             ],
             **kwargs,
         )
-    model = DigitsModule()
+    model = CompiledDigitsModule() if config == "ours-compiled" else DigitsModule()
     if config == "ours-collectives-only":
         model = _collectives_only(model)
     trainer.fit(model, datamodule=DigitsDataModule(batch_size=32))
@@ -233,6 +265,10 @@ CONFIGS = {
     "no callbacks",
     "ours-bf16": 'ours, all features, `LossScalingPrecision("bf16-mixed")` + SyncBN + TrainingStats + '
     "IterationTimer + LossMonitor + PreciseBN",
+    "ours-compiled": "ours, all features (bf16), the model `torch.compile(fullgraph=True)`-d (inductor; "
+    "compile in the warm-up)",
+    "ours-gloo": "ours, all features (bf16), eager, every small all_reduce through gloo "
+    "(`LIGHTNING_EXT_SHM_COLLECTIVES=0`): the transport of the compiled graph",
     "ours-reference": "ours, all features (bf16), every kernel on the `reference` backend "
     "(`LIGHTNING_EXT_KERNELS=reference`)",
     "ours-no-syncbn": "ours, every feature except SyncBN (bf16) — the cost of the rest",
@@ -251,12 +287,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20, help="runs per configuration")
     parser.add_argument("--warmup", type=int, default=10, help="first steps of a run left out")
     parser.add_argument("--no-fp16", action="store_true", help="skip the fp16 timing")
+    parser.add_argument("--no-compiled", action="store_true", help="skip the compiled and gloo rows")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.repeats, args.warmup = 15, 2, 5
     with environ(**{kernels.BACKEND_ENV_VAR: None}):  # builds the cpu backend here once; every rank loads it
         backend = kernels.get_backend(None, "cpu").name
-    configs = [c for c in CONFIGS if not c.startswith("ours-fp16") or not args.no_fp16]
+    skipped = {c for c in CONFIGS if (args.no_fp16 and c.startswith("ours-fp16"))}
+    skipped |= {"ours-compiled", "ours-gloo"} if args.no_compiled else set()
+    configs = [c for c in CONFIGS if c not in skipped]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "samples.json")
         worker_args = (_free_port(), configs, args.repeats, args.steps, args.warmup, out)
@@ -315,9 +354,26 @@ def main() -> None:
         "slower because fp16 autocast kernels on CPU (conv backward above all) are slower than bf16 "
         "ones; Lightning's own `16-mixed` cannot run fp16 on CPU at all.",
     ]
+    if "ours-compiled" in med:
+        lines += ["", _compiled_line(med, samples)]
     text = "\n".join(lines)
     print(text)
     write_result("end_to_end", text, quick=args.quick)
+
+
+def _compiled_line(med: dict[str, dict[str, float]], samples: dict[str, list[dict[str, float]]]) -> str:
+    """The compiled row against eager ours (same run, paired per repeat), and against the eager run
+    over gloo, the transport a compiled graph's all_reduces take."""
+    paired = statistics.median(
+        c["step"] / e["step"] for c, e in zip(samples["ours-compiled"], samples["ours-bf16"])
+    )
+    compiled, eager, gloo = (med[c]["step"] for c in ("ours-compiled", "ours-bf16", "ours-gloo"))
+    return (
+        f"Compiled vs eager (ours, bf16, every feature): {compiled / eager:.3f}× (paired {paired:.3f}×); "
+        f"vs the eager run over gloo: {compiled / gloo:.3f}×. Eager over gloo vs shared memory: "
+        f"{gloo / eager:.3f}× — what the compiled graph's collectives cost before inductor's code "
+        "counts (the shared-memory path cannot be traced; see `lightning_ext.distributed.all_reduce_`)."
+    )
 
 
 if __name__ == "__main__":

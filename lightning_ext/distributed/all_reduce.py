@@ -4,6 +4,13 @@ The pack reduces a few hundred numbers at a time (SyncBatchNorm, ``Collector``, 
 where a collective's latency is the cost: between CPU ranks of one host they go through a
 shared-memory segment (:mod:`lightning_ext.distributed.shm`), everything else through the process
 group's own ``all_reduce``.
+
+Under ``torch.compile`` a reduction always takes the process group's ``all_reduce``, which dynamo
+traces as a functional collective (a graph node that inductor schedules, ``fullgraph=True``
+included). The shared-memory path cannot be traced: it is host code that spins on flags in a mapped
+file, and hidden in an opaque custom op it would give the compiler a reduction without collective
+semantics, free to reorder against other collectives. Eager and compiled reductions over one group
+may alternate: each collective is matched on one transport, as every rank runs the same program.
 """
 
 from __future__ import annotations
@@ -82,7 +89,9 @@ def all_reduce_(
     CUDA with gloo) is reduced through a copy there. On the shared-memory path (see ``_route``)
     ranks reduce in rank order: the result is bitwise identical on every rank (it may differ from
     gloo's in the last bits). The first call on a group decides its route (setting a segment up: four
-    collectives, once).
+    collectives, once). While ``torch.compile`` traces, it is the process group's ``all_reduce``
+    (see the module docstring; ``async_op`` then reduces at once and returns a completed handle), on
+    a ``tensor`` on a device of the group's backend.
 
     Args:
         tensor: any shape and dtype; reduced in place.
@@ -100,6 +109,9 @@ def all_reduce_(
     Synchronizes host and device only when ``tensor`` must move to the collective device.
     """
     group = group if group is not None else dist.group.WORLD
+    if torch.compiler.is_compiling():
+        dist.all_reduce(tensor, op=op, group=group)  # traced as a functional collective
+        return _Done() if async_op else None
     route = _route(group)
     if tensor.device != route.device:
         moved = tensor.to(route.device)
@@ -107,7 +119,7 @@ def all_reduce_(
         tensor.copy_(moved)
         return _Done() if async_op else None
     fits = tensor.layout == torch.strided and tensor.numel() * tensor.element_size() <= shm._SLOT_BYTES
-    if route.segment is None or not fits or op not in shm._OPS or torch.compiler.is_compiling():
+    if route.segment is None or not fits or op not in shm._OPS:
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     if tensor.numel():
         route.segment.all_reduce_(tensor, op)

@@ -26,8 +26,9 @@ Adding a kernel backend
 1. Subclass :class:`KernelBackend`, set ``name`` and ``devices`` (device types, e.g. ``("cuda",)``)
    and implement ``_<op>`` for each op, i.e. each public op method of :class:`KernelBackend`, with
    that method's signature (each is abstract: instantiation names a missing one); arguments arrive
-   validated, ``torch.compile`` support comes from the base class. Subclass
-   :class:`ReferenceBackend` instead to keep its ops where you do not override them.
+   validated, ``torch.compile`` support comes from the base class (``supports_compile = False``
+   opts out: see :class:`KernelBackend`). Subclass :class:`ReferenceBackend` instead to keep its ops
+   where you do not override them.
 2. Register a factory that builds it lazily and raises when the hardware or a dependency is missing,
    ``register_backend("cuda", CudaBackend, devices=("cuda",), priority=20)``, or from another package
    the entry-point group::

@@ -129,10 +129,16 @@ class KernelBackend(abc.ABC):
     Attributes:
         name: registry name, e.g. ``"reference"``, ``"cpu"``, ``"triton"``.
         devices: device types (``torch.device.type``) the backend runs on, e.g. ``("cuda",)``.
+        supports_compile: whether ``torch.compile`` may trace calls of the ops (as the custom ops of
+            :mod:`~lightning_ext.kernels.ops`, whose fake kernels give the outputs' shapes, dtypes
+            and strides). ``False`` for a backend whose ops cannot run inside a ``torch.library`` op
+            or return other strides than the public methods document: ``SyncBatchNorm`` then runs
+            its kernels eagerly under ``torch.compile`` (a graph break, one warning).
     """
 
     name: ClassVar[str] = ""
     devices: ClassVar[tuple[str, ...]] = ()
+    supports_compile: ClassVar[bool] = True
 
     def __init__(self) -> None:
         _LIVE[self.key] = self

@@ -252,6 +252,8 @@ def get_backend(name: str | None = None, device: torch.device | str | None = Non
 
     Selection: explicit ``name`` > ``LIGHTNING_EXT_KERNELS`` > automatic (``""``/``"auto"``): the
     highest-priority registered backend that supports the device type and loads, ``reference`` last.
+    While ``torch.compile`` traces, the selection (and a first build) runs outside the graph, which
+    keeps the backend selected then until a reset (:func:`clear_backend_cache`) makes it trace again.
 
     Args:
         name: backend name, or ``None`` for the environment variable or automatic selection.
@@ -277,9 +279,17 @@ def get_backend(name: str | None = None, device: torch.device | str | None = Non
     """
     if name is not None and not isinstance(name, str):
         raise TypeError(f"`name` must be a backend name (str) or None, got {name!r}")
-    if device is not None and not isinstance(device, torch.device | str | int):
+    if device is not None and not isinstance(device, (torch.device, str, int)):
         raise TypeError(f"`device` must be a torch.device, str or None, got {device!r}")
     device = torch.get_default_device() if device is None else torch.device(device)
+    if torch.compiler.is_compiling():
+        key = _key_while_tracing(name, device.type)
+        return _LIVE[key]
+    return _lookup(name, device)
+
+
+def _lookup(name: str | None, device: torch.device) -> KernelBackend:
+    """:func:`get_backend` on checked arguments: from the cache, else selected, built and cached."""
     source = "argument `name`"
     if name is None:
         env = os.environ.get(BACKEND_ENV_VAR, "").strip()
@@ -294,6 +304,15 @@ def get_backend(name: str | None = None, device: torch.device | str | None = Non
         backend = _automatic(device) if name is None else _explicit(name, device, source)
         _cache[key] = backend
         return backend
+
+
+@torch.compiler.assume_constant_result
+def _key_while_tracing(name: str | None, device_type: str) -> str:
+    """The key of :func:`_lookup`'s backend. ``torch.compile`` calls it outside the graph and keeps
+    the value: dynamo cannot trace loading (a first lookup in a fresh worker process, after a reset,
+    on a new device) nor, in torch 2.4, ``os.environ``. The graph then takes the live instance the
+    custom ops also find, guarded: a reset makes it trace again."""
+    return _lookup(name, torch.device(device_type)).key
 
 
 def clear_backend_cache() -> None:

@@ -26,6 +26,16 @@ The all_reduces go through :func:`lightning_ext.distributed.all_reduce_` (shared
 ranks of one host). Which kernels run is the backend's choice (``reference``, the compiled ``cpu``
 one, ``triton``): one autograd Function composes the backend's four batch-norm ops.
 
+``torch.compile`` (``fullgraph=True`` included; inductor, the default, checked): the layer traces
+without a graph break, forward and backward, training and eval. The kernels enter the graph as the
+custom ops of :mod:`lightning_ext.kernels.ops`, the two all_reduces as functional collectives over
+the process group (the shared-memory transport cannot be traced: see
+:func:`lightning_ext.distributed.all_reduce_`). In a graph a rank whose own batch has at most one
+value per channel does not read the group's count on the host, so a group with a single value per
+channel does not raise there: it normalizes to ``bias`` and leaves the running statistics as they
+were (as a group without values does). A backend whose ``supports_compile`` is false runs eagerly at
+a graph break, with one warning.
+
 Checkpointing: a forward that runs while an autograd graph task is executing
 (``torch.utils.checkpoint``'s recomputation, reentrant or not) still joins the collective (every rank
 recomputes alike) but does not touch ``running_mean``, ``running_var`` or ``num_batches_tracked``.
@@ -34,6 +44,8 @@ recomputes alike) but does not touch ``running_mean``, ``running_var`` or ``num_
 from __future__ import annotations
 
 import contextlib
+import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -56,6 +68,7 @@ from lightning_ext.kernels.batch_norm import _payload_moments
 __all__ = ["SyncBatchNorm", "sync_batch_norm_stats"]
 
 _INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_untraced_warned: weakref.WeakSet[Any] = weakref.WeakSet()  # backends whose eager fallback was warned
 
 
 def _backend(name: str | None, device: torch.device) -> Any:
@@ -74,7 +87,11 @@ def _warm_backend(name: str | None, device: torch.device | str | None) -> None:
 
 def _is_recomputing() -> bool:
     """True when this forward runs inside a backward pass (``torch.utils.checkpoint`` recomputation)."""
-    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+    if torch.compiler.is_compiling():  # a forward torch.compile traces is never a recomputation
+        return False
+    from lightning_ext._compat import in_backward  # reads torch's private graph-task id
+
+    return in_backward()
 
 
 def _as_vector(t: Tensor | None) -> Tensor | None:
@@ -102,14 +119,18 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if group is not None:
             all_reduce_(payload, group=group)
         count = payload[0]
-        nonempty = x.numel() > c or _global_count(count, x) > 0  # raises on one value per channel
+        few = x.numel() <= c and torch.compiler.is_compiling()  # no host read in a graph: see _undo_if_few
+        nonempty = x.numel() > c or few or _global_count(count, x) > 0  # raises on one value per channel
         update = update and running_mean is not None and nonempty
         if update and momentum is None:  # the cumulative average, without a host read
             factor = num_batches_tracked.double().reciprocal()
         else:
             factor = torch.tensor(momentum or 0.0, dtype=torch.float64)
         running = (running_mean, running_var) if update else (None, None)
+        before = [t.clone() for t in running] if update and few else None
         mean, invstd = backend.run("batch_norm_gather_stats", payload, shift, *running, factor, eps)
+        if before is not None:
+            _undo_if_few(running, before, count)
         ctx.param_dtype = weight.dtype if weight is not None else torch.float32
         weight, bias = _as_vector(weight), _as_vector(bias)
         ctx.save_for_backward(x, weight, mean, invstd, count)
@@ -131,6 +152,17 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 all_reduce_(sums, group=ctx.group)
             grad_x = backend.run("batch_norm_backward_elemt", dy, x, mean, invstd, weight, sums, count)
         return grad_x, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+
+
+def _undo_if_few(running: tuple[Tensor, Tensor], before: list[Tensor], count: Tensor) -> None:
+    """Under ``torch.compile``, on a rank whose own batch has at most one value per channel: give the
+    running statistics back their values ``before`` the update unless the group has 2 values per
+    channel or more. Eager code reads the count on the host instead (``_global_count``), which in a
+    graph would break it on this rank only: the ranks would then reduce on different transports (the
+    eager part through shared memory) and wait for each other forever."""
+    few = count < 2
+    for buffer, old in zip(running, before, strict=True):
+        buffer.copy_(torch.where(few, old, buffer))
 
 
 def _global_count(count: Tensor, x: Tensor) -> int:
@@ -191,7 +223,8 @@ class SyncBatchNorm(_BatchNorm):
 
     Host-device synchronization: none in the common case. A rank whose local batch has at most one
     value per channel reads the global count (``.item()``) to decide whether to raise; all ranks see the
-    same count after the ``all_reduce``, so they raise together and nobody hangs.
+    same count after the ``all_reduce``, so they raise together and nobody hangs. Under
+    ``torch.compile`` it reads nothing (module docstring).
 
     Example::
 
@@ -267,14 +300,37 @@ class SyncBatchNorm(_BatchNorm):
 
     def _function(self, input: Tensor, update: bool, group: dist.ProcessGroup | None) -> Tensor:
         """The training forward through the kernels, over ``group`` (one all_reduce; ``None``: this rank
-        alone), with autocast off around them."""
+        alone), with autocast off around them; eager under ``torch.compile`` if the backend is not
+        traceable."""
+        backend = _backend(self.backend, input.device)
+        if torch.compiler.is_compiling() and not backend.supports_compile:
+            return self._untraced_function(input, update, group, backend)  # supports_compile is False
         running = (self.running_mean, self.running_var) if self.track_running_stats else (None, None)
         args = (input, self.weight, self.bias, *running, self.num_batches_tracked, self.momentum, self.eps,
-                update, group, _backend(self.backend, input.device))  # fmt: skip
+                update, group, backend)  # fmt: skip
         device_type = input.device.type
         autocast = device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type)
         with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
             return _SyncBatchNormFunction.apply(*args)
+
+    @torch.compiler.disable
+    def _untraced_function(
+        self, input: Tensor, update: bool, group: dist.ProcessGroup | None, backend: Any
+    ) -> Tensor:
+        """:meth:`_function` outside the graph (``torch.compile`` breaks it here; with ``fullgraph=True``
+        it raises instead), for a backend whose ``supports_compile`` is false. Warns once per backend
+        instance (one per process; again after :func:`lightning_ext.reset`)."""
+        if backend not in _untraced_warned:
+            _untraced_warned.add(backend)
+            warnings.warn(
+                f"lightning_ext: kernel backend {backend.name!r} does not support torch.compile "
+                f"({type(backend).__name__}.supports_compile is False): SyncBatchNorm runs its kernels "
+                "eagerly, with a graph break around each layer (warned once). HINT: select a backend "
+                "that supports it, e.g. SyncBatchNorm(backend='reference').",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return self._function(input, update, group)
 
 
 def sync_batch_norm_stats(
