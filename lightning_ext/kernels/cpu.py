@@ -206,9 +206,10 @@ def _load(verbose: bool = False) -> ModuleType:
 # reductions and forward stay scalar in the kernels where ATen's are vectorized; the float16
 # backward_elemt loses only in NCHW (channels last, ATen's is several times slower); float16
 # accumulate_moments_ still wins. ATen's float64 normalize and channels-last float32/float64 backward
-# sums are faster, and so is its NCHW bfloat16 normalize from about a million elements (below, the
-# kernel's lower overhead wins: the digits model's layers). benchmarks/bench_kernels.py fails when
-# the automatic choice is slower than `reference` anywhere, so this table follows measurement.
+# sums are faster, and so is its NCHW normalize from about a million elements in bfloat16 and above
+# two million in float32 (below, the kernel's lower overhead wins: the digits model's layers).
+# benchmarks/bench_kernels.py fails when the automatic choice is slower than `reference` anywhere, and
+# bench_syncbn.py compares them on whole layers, so this table follows measurement.
 _LARGE = 2**20  # elements
 
 
@@ -223,7 +224,11 @@ def _channels_last(x: torch.Tensor) -> bool:
 _DEFER_TO_REFERENCE: dict[str, Callable[[torch.Tensor], bool]] = {
     "batch_norm_moments": _half,
     "batch_norm_elemt": lambda x: _half(x) or x.dtype == torch.float64 or (
-        x.dtype == torch.bfloat16 and not _channels_last(x) and x.numel() >= _LARGE
+        not _channels_last(x)
+        and (
+            (x.dtype == torch.bfloat16 and x.numel() >= _LARGE)
+            or (x.dtype == torch.float32 and x.numel() > 2 * _LARGE)
+        )
     ),
     "batch_norm_backward_reduce": lambda dy: _half(dy) or (
         dy.dtype in (torch.float32, torch.float64) and _channels_last(dy)

@@ -319,7 +319,9 @@ def test_the_one_defer_rule_sends_float16_batch_norm_ops_to_reference(monkeypatc
         calls.clear()
         large = torch.randn(1, 3, 2**19 // 3 + 1, 2).bfloat16()  # >= _LARGE elements: ATen's normalize
         backend.batch_norm_elemt(large, mean, invstd, None, None)
-        assert calls == ["batch_norm_elemt"]
+        backend.batch_norm_elemt(large.float(), mean, invstd, None, None)  # float32: only above 2 * _LARGE
+        backend.batch_norm_elemt(torch.cat([large.float()] * 2, 2), mean, invstd, None, None)
+        assert calls == ["batch_norm_elemt"] * 2
     finally:
         monkeypatch.undo()
         cpu.CpuBackend()  # the live instance the custom ops find is an unpatched one again
