@@ -111,7 +111,9 @@ def test_fingerprint_is_exact_in_float64_and_order_sensitive() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    values=st.lists(st.floats(-1e3, 1e3, allow_nan=False), min_size=0, max_size=40),
+    # no subnormals: after inductor's fast-math code loads (torch 2.5) a process flushes them to zero,
+    # and hypothesis refuses to draw them there
+    values=st.lists(st.floats(-1e3, 1e3, allow_nan=False, allow_subnormal=False), min_size=0, max_size=40),
     cuts=st.lists(st.integers(0, 40), max_size=4),
     offset=st.sampled_from([0.0, 1e6, -3e7]),
 )
