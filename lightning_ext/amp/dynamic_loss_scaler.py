@@ -112,6 +112,20 @@ def _combined(state: dict[str, Any]) -> Tensor:
     return sum((f.to(flags[0].device, non_blocking=True) for f in flags[1:]), flags[0])
 
 
+def _enabled_on(device: str, enabled: bool) -> bool:
+    """``enabled``, but False with a warning for ``"cuda"`` without CUDA (GradScaler's behaviour; its own
+    warning names ``torch.cuda.amp.GradScaler``)."""
+    if enabled and device == "cuda" and not torch.cuda.is_available():
+        warnings.warn(
+            "DynamicLossScaler('cuda') is enabled, but CUDA is not available: disabling it (as "
+            "torch.amp.GradScaler does). HINT: use DynamicLossScaler('cpu') to scale losses on CPU.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return False
+    return enabled
+
+
 class DynamicLossScaler(GradScaler):
     """A ``torch.amp.GradScaler`` with log2/hysteresis schedules, bounds, telemetry and per-optimizer scales.
 
@@ -223,14 +237,7 @@ class DynamicLossScaler(GradScaler):
                 f"{type(self).__name__} takes per_optimizer={self._per_optimizer}, got {per_optimizer!r}. "
                 "HINT: DynamicLossScaler(per_optimizer=True) makes a PerOptimizerLossScaler."
             )
-        if enabled and device == "cuda" and not torch.cuda.is_available():
-            warnings.warn(  # GradScaler's behaviour; its own warning names torch.cuda.amp.GradScaler
-                "DynamicLossScaler('cuda') is enabled, but CUDA is not available: disabling it (as "
-                "torch.amp.GradScaler does). HINT: use DynamicLossScaler('cpu') to scale losses on CPU.",
-                UserWarning,
-                stacklevel=2,
-            )
-            enabled = False
+        enabled = _enabled_on(device, enabled)
         super().__init__(device, float(init_scale), growth_factor, backoff_factor, growth_interval, enabled)
         # GradScaler sets these only when enabled; the skip-only mode needs them too.
         self._init_scale = float(init_scale) if self._enabled else 1.0
