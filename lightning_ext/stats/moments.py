@@ -79,11 +79,14 @@ def _as_shifted(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows: float64 ``(R, 5)`` moment rows.
 
     Returns:
-        float64 ``(R, 5)`` sums and ``(R,)`` shifts (``mean = shift + 0 / n`` and ``m2`` exactly).
+        float64 ``(R, 5)`` sums and ``(R,)`` shifts (``mean = shift + 0 / n`` and ``m2`` exactly; a
+        non-finite mean stays in the sums, ``n · mean`` about a shift of 0, since the flush takes a
+        non-finite shift as 0).
     """
-    sums = rows.clone()
-    sums[:, 1] = 0.0
-    return sums, rows[:, 1].clone()
+    sums, mean = rows.clone(), rows[:, 1]
+    finite = mean.isfinite()
+    sums[:, 1] = torch.where(finite, 0.0, mean * rows[:, 0])
+    return sums, torch.where(finite, mean, 0.0)
 
 
 def _fingerprint(names: list[str] | tuple[str, ...]) -> float:

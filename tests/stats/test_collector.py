@@ -390,3 +390,16 @@ def test_a_staged_report_checks_its_name() -> None:
             report(3, 1.0)  # type: ignore[arg-type]
     finally:
         set_stage(None)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_mean_survives_the_merged_table(value: float) -> None:
+    # A name registered without values sends the drain through the merged table (moment rows about
+    # their means): a non-finite mean once became 0 there, its shift taken as 0.
+    clear_statistics()
+    c = Collector()
+    report("x", [1.0, value])
+    report("registered", [])
+    c.update()
+    assert c.num("x") == 2
+    assert (math.isnan(c.mean("x")) and math.isnan(value)) or c.mean("x") == value
