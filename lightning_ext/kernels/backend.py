@@ -28,7 +28,7 @@ __all__ = ["KernelBackend"]
 _OPS = (  # the ops of a backend: public method `<op>`, implemented by `_<op>`
     "batch_norm_moments", "batch_norm_gather_stats", "batch_norm_elemt", "batch_norm_backward_reduce",
     "batch_norm_backward_elemt", "unscale_and_check_", "check_finite", "accumulate_moments_",
-    "moments_payload_", "moments_finish_",
+    "moments_payload_", "moments_finish_", "accumulate_histogram_",
 )  # fmt: skip
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # allowed dtypes of x / dy
 _LIVE: dict[str, KernelBackend] = {}  # backend key -> live instance: how the custom ops find theirs
@@ -175,7 +175,7 @@ class KernelBackend(abc.ABC):
     _batch_norm_moments = _batch_norm_gather_stats = _batch_norm_elemt = _op
     _batch_norm_backward_reduce = _batch_norm_backward_elemt = _op
     _unscale_and_check_ = _check_finite = _accumulate_moments_ = _op
-    _moments_payload_ = _moments_finish_ = _op
+    _moments_payload_ = _moments_finish_ = _accumulate_histogram_ = _op
     del _op
 
     # ------------------------------------------------------------------ batch norm
@@ -424,6 +424,50 @@ class KernelBackend(abc.ABC):
             raise ValueError(f"`acc` ({acc.device}) and `shift` ({shift.device}) must be on {x.device}")
         if x.numel():
             self.run("accumulate_moments_", acc, x.detach(), shift)
+
+    def accumulate_histogram_(self, hist: Tensor, x: Tensor, edges: Tensor) -> None:
+        """Count the values of ``x`` into the buckets of a signed histogram with the given edges, in place.
+
+        ``edges`` are the increasing positive upper edges ``e_0 < ... < e_m`` of the zero bucket
+        (``|v| <= e_0``) and of ``m`` buckets per sign (``e_(j-1) < |v| <= e_j``); an overflow bucket per
+        sign takes ``|v| > e_m`` (infinities included). ``B = 2m + 3`` counts ordered by value (the
+        layout: :mod:`lightning_ext.kernels.histogram`); NaN is not counted. The comparisons are in
+        float64, so every backend counts alike. Counts are float64 (exact to ``2**53`` per bucket):
+        histograms of several ranks merge by a SUM all-reduce. Geometric edges ``e_j = e_0 gamma^j``
+        give DDSketch's logarithmic buckets (Masson, Rim & Lee, VLDB 2019), with which a bucket's
+        values lie within ``(gamma - 1) / (gamma + 1)`` of its representative, relatively.
+
+        Args:
+            hist: float64 ``(2m + 3,)`` on ``x``'s device, contiguous, updated in place.
+            x: real tensor of any shape and dtype (bool and complex excluded); empty adds nothing.
+            edges: float64 ``(m + 1,)`` on ``x``'s device, contiguous, positive, finite, strictly
+                increasing (not checked: that would synchronize host and device).
+
+        Raises:
+            TypeError: ``hist`` or ``edges`` not a float64 tensor, ``x`` not a real tensor.
+            ValueError: ``edges`` not 1-D and non-empty, ``hist`` not of shape ``(2m + 3,)``, or a
+                tensor on another device than ``x``.
+
+        Example::
+
+            >>> from lightning_ext.kernels import get_backend
+            >>> hist = torch.zeros(7, dtype=torch.float64)
+            >>> edges = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)
+            >>> x = torch.tensor([-5.0, 0.0, 1.0, 1.5, 3.0, float("nan")])
+            >>> get_backend("reference").accumulate_histogram_(hist, x, edges)
+            >>> hist.tolist()
+            [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+        """
+        if not isinstance(x, Tensor) or x.dtype == torch.bool or x.is_complex():
+            raise TypeError(f"`x` must be a real (float or integer) tensor, got {_got(x)!r}")
+        if not isinstance(edges, Tensor) or edges.dtype != torch.float64:
+            raise TypeError(f"`edges` must be a float64 tensor of shape (m + 1,), got {_got(edges)!r}")
+        if edges.dim() != 1 or not edges.numel():
+            raise ValueError(f"`edges` must have shape (m + 1,), m >= 0, got {tuple(edges.shape)!r}")
+        _check_float64(edges, "edges", (edges.numel(),), x.device)
+        _check_float64(hist, "hist", (2 * edges.numel() + 1,), x.device)
+        if x.numel():
+            self.run("accumulate_histogram_", hist, x.detach(), edges)
 
     def moments_payload_(
         self,

@@ -32,7 +32,7 @@ def _define(
 
             where = next(a for a in args if isinstance(a, Tensor | torch.device))  # x, payload, inv_scale...
             backend = get_backend(key, where if isinstance(where, torch.device) else where.device)
-        if name == "accumulate_moments_" and not args[1].numel():
+        if name in ("accumulate_moments_", "accumulate_histogram_") and not args[1].numel():
             return None  # backends take non-empty `x` only
         out = getattr(backend, "_" + name)(*args)
         if clone:
@@ -106,4 +106,10 @@ _moments_finish_ = _define(
     lambda published, *_: published.new_empty((), dtype=torch.bool),
     mutates=("published", "next_shift"),
     clone=True,
+)
+_accumulate_histogram_ = _define(
+    "accumulate_histogram_",
+    "(Tensor(a0!) hist, Tensor x, Tensor edges) -> ()",
+    lambda *_: None,
+    mutates=("hist",),
 )

@@ -6,13 +6,13 @@ from typing import ClassVar
 
 from typing_extensions import override
 
-from lightning_ext.kernels import batch_norm, moments, unscale
+from lightning_ext.kernels import batch_norm, histogram, moments, unscale
 from lightning_ext.kernels.backend import KernelBackend, _bind_ops
 
 __all__ = ["ReferenceBackend"]
 
 
-@_bind_ops("reference", batch_norm, moments, unscale)
+@_bind_ops("reference", batch_norm, histogram, moments, unscale)
 class ReferenceBackend(KernelBackend):
     """Every op as ATen's fused building blocks (the ``*_reference`` functions of the op files); runs
     on any device torch supports.

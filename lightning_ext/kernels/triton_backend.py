@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 from typing_extensions import override
 
-from lightning_ext.kernels import batch_norm, moments, unscale
+from lightning_ext.kernels import batch_norm, histogram, moments, unscale
 from lightning_ext.kernels._triton import HAS_TRITON
 from lightning_ext.kernels.backend import _bind_ops
 from lightning_ext.kernels.reference import ReferenceBackend
@@ -21,7 +21,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@_bind_ops("triton", batch_norm, moments, unscale)
+@_bind_ops("triton", batch_norm, histogram, moments, unscale)
 class TritonBackend(ReferenceBackend):
     """Every op as a Triton kernel (the ``*_triton`` functions of the op files: fp32 accumulators, any
     memory format by strides, any C), except ``batch_norm_gather_stats``: the reference's torch ops.
