@@ -30,7 +30,7 @@ from lightning_ext.kernels import (
     registry,
     unscale,
 )
-from lightning_ext.stats import Collector, init_multiprocessing, report, reporting
+from lightning_ext.stats import Collector, init_multiprocessing, report, reporting, sketch
 
 PACKAGE = Path(lightning_ext.__file__).parent
 
@@ -48,6 +48,8 @@ CLEARED = {
     ("lightning_ext.stats.reporting", "_pruning"),
     ("lightning_ext.stats.reporting", "_followed"),
     ("lightning_ext.stats.reporting", "_stage"),
+    ("lightning_ext.stats.reporting", "_sketched"),
+    ("lightning_ext.stats.sketch", "_EDGES"),
     ("lightning_ext.kernels.registry", "_built"),
     ("lightning_ext.kernels.registry", "_cache"),
     ("lightning_ext.kernels.registry", "_entry_points_loaded"),
@@ -155,14 +157,14 @@ def plugin_path(tmp_path):
 def test_reset_empties_every_cache(plugin_path, monkeypatch, caplog, tmp_path) -> None:
     monkeypatch.setenv(BACKEND_ENV_VAR, "reference")  # report() needs no compiled backend here
     # stats: settings, a collector, a pending value of a name it wants
-    reporting._sync_settings()  # resolved from torch.distributed (not initialized: single process)
+    reporting.sync_settings()  # resolved from torch.distributed (not initialized: single process)
     init_multiprocessing(0, None)
     collector = Collector(regex="Loss/.*")
     report("Loss/a", 1.0)
     collector.update()  # a drain: counted
     del collector  # a dead collector: its names are pruned at the next drain
-    collector = Collector(regex="Loss/.*")
-    report("Loss/a", 1.0)
+    collector = Collector(regex="Loss/.*", quantiles="Loss/a")
+    report("Loss/a", 1.0)  # with a sketch (its edges cached)
     report("Loss/b", [])  # a name registered without values
     reporting.set_stage("validate")  # and a stage left set
     # kernels: a selection and a build, the live instance, the entry points, the fallback warning
@@ -195,6 +197,8 @@ def test_reset_empties_every_cache(plugin_path, monkeypatch, caplog, tmp_path) -
         "_pruning": reporting._pruning,
         "_followed": reporting._followed is not None,
         "_stage": reporting._stage is not None,
+        "_sketched": bool(reporting._sketched),
+        "_EDGES": bool(sketch._EDGES),
         "_built": bool(registry._built),
         "_cache": bool(registry._cache),
         "_entry_points_loaded": registry._entry_points_loaded,
@@ -215,6 +219,7 @@ def test_reset_empties_every_cache(plugin_path, monkeypatch, caplog, tmp_path) -
     assert not reporting._wanted and not reporting._slabs and not reporting._backends
     assert not reporting._registered and not reporting._dirty and not reporting._drains
     assert not reporting._pruning and reporting._followed is None and reporting._stage is None
+    assert not reporting._sketched and not sketch._EDGES
     assert not registry._built and not registry._cache and not registry._fallback_warned
     assert not registry._entry_points_loaded and not registry._from_entry_points
     assert "reset_plugin" not in registry._entries  # read again from the group at the next lookup

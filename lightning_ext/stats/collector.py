@@ -5,44 +5,47 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from lightning_ext._checks import check_bool
 from lightning_ext.distributed import all_reduce_, is_distributed
-from lightning_ext.kernels.moments import _UNPUBLISHED
-from lightning_ext.stats import reporting as _report
+from lightning_ext.kernels.moments import _UNPUBLISHED, _moments_from_shifted
+from lightning_ext.stats import reporting
 from lightning_ext.stats.moments import _as_shifted, _empty_moments, _fingerprint, _merge_moments
+from lightning_ext.stats.sketch import LogHistogram
 
-__all__ = ["Collector"]
+__all__ = ["Collector", "Straggler"]
 
 _NAN_VALUES = (0, math.nan, math.nan, math.nan, math.nan)  # (num, mean, std, min, max) of an empty name
 _COMPACT_AFTER = 16  # merge received tables once this many are waiting (bounds memory between updates)
 
 
-def _compile_regex(owner: str, regex: Any) -> re.Pattern[str]:
-    """``re.compile(regex)`` for the ``regex`` argument of ``owner`` (a class name, used in the errors).
+def _compile_regex(owner: str, regex: Any, arg: str = "regex") -> re.Pattern[str]:
+    """``re.compile(regex)`` for the argument ``arg`` of ``owner`` (a class name, used in the errors).
 
     Raises:
         TypeError: ``regex`` is not a str.
         ValueError: ``regex`` does not compile.
     """
     if not isinstance(regex, str):
-        raise TypeError(f"{owner}: `regex` must be a str, got {regex!r} ({type(regex).__name__})")
+        raise TypeError(f"{owner}: `{arg}` must be a str, got {regex!r} ({type(regex).__name__})")
     try:
         return re.compile(regex)
     except re.error as err:
-        raise ValueError(f"{owner}: `regex` must be a regular expression, got {regex!r} ({err})") from None
+        raise ValueError(f"{owner}: `{arg}` must be a regular expression, got {regex!r} ({err})") from None
 
 
-def _merged(names: list[str], tables: list[_report._Table], device: torch.device) -> _report._Table:
+def _merged(names: list[str], tables: list[reporting.Table], device: torch.device) -> reporting.Table:
     """The table of ``names`` on ``device``: per name, the merge of its rows in ``tables`` (empty rows
-    for names no table has; names not in ``names`` are left out)."""
+    for names no table has; names not in ``names`` are left out), histograms summed."""
+    histograms = _merged_histograms(set(names), tables, device)
     if len(tables) == 1 and tables[0].names == names:  # steady state: nothing to reorder
         table = tables[0]
-        return _report._Table(names, table.sums.to(device), table.shifts.to(device))
+        return reporting.Table(names, table.sums.to(device), table.shifts.to(device), histograms)
     index = {name: i for i, name in enumerate(names)}
     rows = _empty_moments(len(names), device)
     for table in tables:
@@ -51,44 +54,157 @@ def _merged(names: list[str], tables: list[_report._Table], device: torch.device
             dst = torch.tensor([p[0] for p in pairs], device=device)
             src = torch.tensor([p[1] for p in pairs], device=table.sums.device)
             rows[dst] = _merge_moments(rows[dst], table.moments()[src].to(device))
-    return _report._Table(names, *_as_shifted(rows))
+    return reporting.Table(names, *_as_shifted(rows), histograms)
+
+
+def _merged_histograms(names: set[str], tables: list[reporting.Table], device: torch.device) -> dict:
+    """The tables' histograms of ``names`` on ``device``, summed per (name, sketch)."""
+    if len(tables) == 1 and not tables[0].histograms:
+        return tables[0].histograms
+    merged: dict[tuple[str, LogHistogram], torch.Tensor] = {}
+    for table in tables:
+        for key, counts in table.histograms.items():
+            if key[0] in names:
+                merged[key] = merged[key] + counts.to(device) if key in merged else counts.to(device)
+    return merged
+
+
+def _check_stage(stage: Any) -> None:
+    if stage is not None and not isinstance(stage, str):
+        raise TypeError(f"Collector: `stage` must be a str or None, got {stage!r}")
+    if stage is not None and (not stage or reporting.STAGE_SEPARATOR in stage):
+        raise ValueError(f"Collector: `stage` must be a non-empty str without '\\x1f', got {stage!r}")
+
+
+def _check_quantile(q: Any) -> float:
+    """``q`` as a float in ``(0, 1)``, else the error naming it."""
+    if isinstance(q, bool) or not isinstance(q, int | float):
+        raise TypeError(
+            f"Collector.quantile: the quantile `q` must be a float, got {q!r} ({type(q).__name__})"
+        )
+    if not 0.0 < q < 1.0:
+        raise ValueError(f"Collector.quantile: the quantile `q` must be in (0, 1), got {q!r}")
+    return float(q)
+
+
+class Straggler(NamedTuple):
+    """The rank whose mean of a statistic was the largest in an interval (:meth:`Collector.straggler`).
+
+    ``rank``: its rank in the collector's process group; ``mean``: its mean (to ``2**(b - 52)``
+    relatively, ``b`` the bits of the largest rank: the rank rides in the low bits of the float64
+    mean); ``median``: the median of the ranks' means, within the sketch's relative accuracy;
+    ``ratio``: ``mean / median``.
+    """
+
+    rank: int
+    mean: float
+    median: float
+    ratio: float
+
+
+def _rank_bits(world_size: int) -> int:
+    """Low mantissa bits of a packed rank mean that hold the rank."""
+    return max(1, (world_size - 1).bit_length())
 
 
 class _Flush:
-    """What a flush of the agreed names keeps from one update to the next, on the sync device.
+    """What a flush of the agreed names keeps from one update to the next, on the sync device, and the
+    payloads of its two all-reduces. Over ``R`` names, ``Q`` of them with quantile sketches and ``S``
+    with the slowest rank tracked (``B`` = the sketch's size), the layout of the buffers is::
 
-    ``published``: float64 ``(R, 5)``, ``[count, mean, std, min, max]`` per name (the queries);
-    ``next_shift``: float64 ``(R,)``, the center of the next SUM (each name's last published mean, 0
-    before it had one); ``max_payload`` (``2 + 4R``) and ``sum_payload`` (``(R, 4)``): the buffers of
-    the two all-reduces, laid out by the kernel op ``moments_payload_``.
+        max_buffer (2 + 4R + S,)    [fp, -fp | max_1..R | -min_1..R | mean_1..R | -mean_1..R | slowest_1..S]
+        sum_buffer (4R + (Q+S) B,)  [n, m2, n d, n d^2] per name | Q value histograms | S rank-mean histograms
+
+    the first ``2 + 4R`` and ``4R`` entries (``max_payload``, ``sum_payload``) written by the kernel op
+    ``moments_payload_``. ``slowest`` is a rank's mean with its rank in the low bits (MAX picks the
+    slowest rank and names it); a rank-mean histogram counts each rank's mean once (its median).
+
+    Kept: ``published``, float64 ``(R, 5)`` ``[count, mean, std, min, max]`` per name (the queries);
+    ``next_shift``, float64 ``(R,)``, the center of the next SUM (each name's last published mean, 0
+    before it had one); ``sketches``, float64 ``(Q + S, B)``, the published histograms.
     """
 
-    def __init__(self, names: list[str], device: torch.device, previous: _Flush | None = None) -> None:
+    def __init__(
+        self,
+        names: list[str],
+        device: torch.device,
+        previous: _Flush | None = None,
+        tracked: tuple[LogHistogram | None, list[int], list[int]] = (None, [], []),
+    ) -> None:
         r = len(names)
         self.names, self.index = names, {name: i for i, name in enumerate(names)}
+        self.sketch, self.quantiled, self.straggled = tracked
+        q, k, size = len(self.quantiled), len(self.straggled), self.sketch.size if self.sketch else 0
         self.published = torch.tensor(_UNPUBLISHED, dtype=torch.float64, device=device).repeat(r, 1)
         self.next_shift = torch.zeros(r, dtype=torch.float64, device=device)
-        self.max_payload = torch.empty(2 + 4 * r, dtype=torch.float64, device=device)
-        self.sum_payload = torch.zeros(r, 4, dtype=torch.float64, device=device)  # counts 0 until a flush
+        self.max_buffer = torch.empty(2 + 4 * r + k, dtype=torch.float64, device=device)
+        self.sum_buffer = torch.zeros(4 * r + (q + k) * size, dtype=torch.float64, device=device)
+        self.max_payload, self.sum_payload = self.max_buffer[: 2 + 4 * r], self.sum_buffer[: 4 * r].view(r, 4)
+        self.histograms = self.sum_buffer[4 * r :].view(q + k, size)
+        self.sketches = torch.zeros(q + k, size, dtype=torch.float64, device=device)
+        self._sketch_rows = torch.tensor(self.quantiled + self.straggled, dtype=torch.int64, device=device)
         self.values: dict[str, tuple[int, float, float, float, float]] | None = None  # read lazily
         self.updated: list[str] = []  # names with values in the last interval (read with values)
+        self._host_sketches: Any = None  # sketches and slowest ranks, read lazily
+        self.world_size = 1  # of the last payloads (the bits of a packed rank)
         if previous is not None:  # keep what was published for the names that stay
-            kept = [(i, previous.index[n]) for i, n in enumerate(names) if n in previous.index]
-            if kept:
-                dst, src = (torch.tensor(ix, device=device) for ix in zip(*kept))
-                self.published[dst] = previous.published.to(device)[src]
-                self.next_shift[dst] = previous.next_shift.to(device)[src]
+            self._keep(previous)
 
-    def payloads(self, table: _report._Table, center: torch.Tensor, fingerprint: float) -> None:
-        """Write ``table``'s rows (aligned to ``names``) into both payloads, about ``center``."""
+    def _keep(self, previous: _Flush) -> None:
+        device = self.published.device
+        kept = [(i, previous.index[n]) for i, n in enumerate(self.names) if n in previous.index]
+        if kept:
+            dst, src = (torch.tensor(ix, device=device) for ix in zip(*kept))
+            self.published[dst] = previous.published.to(device)[src]
+            self.next_shift[dst] = previous.next_shift.to(device)[src]
+        if self.sketch is not None and self.sketch == previous.sketch:
+            before = {previous.names[i]: j for j, i in enumerate(previous.quantiled)}
+            for j, i in enumerate(self.quantiled):
+                if self.names[i] in before:
+                    self.sketches[j] = previous.sketches[before[self.names[i]]].to(device)
+
+    def payloads(
+        self, table: reporting.Table, center: torch.Tensor, fingerprint: float, rank: int, world_size: int
+    ) -> None:
+        """Write ``table``'s rows (aligned to ``names``) into both buffers, about ``center``."""
+        self.world_size = world_size
+        backend = reporting.kernel_backend(self.published.device)
         args = (self.max_payload, self.sum_payload, table.sums, table.shifts, center, fingerprint)
-        _report._backend(self.published.device).run("moments_payload_", *args)
+        backend.run("moments_payload_", *args)
+        if self.sketch is None:
+            return
+        q, zero = len(self.quantiled), self.sketches.new_zeros(())
+        if q:  # each name's counts, zeros for a name without values here
+            counts = [table.histograms.get((self.names[i], self.sketch), zero) for i in self.quantiled]
+            torch.stack([c.expand(self.sketch.size) for c in counts], out=self.histograms[:q])
+        if self.straggled:
+            self.histograms[q:].zero_()
+            self._rank_means(table, self.histograms[q:], rank, world_size, backend)
+
+    def _rank_means(self, table: reporting.Table, histograms: torch.Tensor, rank: int, world_size: int,
+                    backend: Any) -> None:  # fmt: skip
+        """This rank's mean of each straggler name: packed with its rank into ``slowest``, counted
+        into its rank-mean histogram."""
+        index = torch.tensor(self.straggled, device=table.sums.device)
+        rows = _moments_from_shifted(table.sums[index], table.shifts[index]).to(histograms.device)
+        has = (rows[:, 0] > 0) & rows[:, 1].isfinite()
+        mask = (1 << _rank_bits(world_size)) - 1
+        packed = ((rows[:, 1].view(torch.int64) & ~mask) | rank).view(torch.float64)
+        self.max_buffer[2 + 4 * len(self.names) :] = torch.where(has, packed, -math.inf)
+        edges = self.sketch.edges(histograms.device)
+        means = torch.where(has, rows[:, 1], math.nan)  # NaN is not counted
+        for j in range(len(self.straggled)):
+            backend.run("accumulate_histogram_", histograms[j], means[j : j + 1], edges)
 
     def finish(self, center: torch.Tensor, keep_previous: bool) -> bool:
-        """Publish the reduced payloads; whether some name must be reduced again (host read)."""
-        self.values = None
+        """Publish the reduced buffers; whether some name must be reduced again (host read)."""
+        self.values, self._host_sketches = None, None
         args = (self.published, self.next_shift, self.max_payload, self.sum_payload, center, keep_previous)
-        return bool(_report._backend(self.published.device).run("moments_finish_", *args))
+        again = bool(reporting.kernel_backend(self.published.device).run("moments_finish_", *args))
+        if self.sketch is not None:
+            has = (self.sum_payload[self._sketch_rows, 0] > 0)[:, None]
+            self.sketches.copy_(torch.where(has, self.histograms, self.sketches if keep_previous else 0.0))
+        return again
 
     def mean_max(self) -> torch.Tensor:
         """The largest rank mean per name, from the reduced MAX payload (a center inside the data)."""
@@ -104,6 +220,13 @@ class _Flush:
             self.updated = [n[cut:] for n, count in zip(self.names, self.sum_payload[:, 0].tolist()) if count]
         return self.values
 
+    def host_sketches(self) -> tuple[np.ndarray, list[float]]:
+        """The published histograms (NumPy ``(Q + S, B)``) and the packed slowest means, read once."""
+        if self._host_sketches is None:
+            slowest = self.max_buffer[2 + 4 * len(self.names) :].tolist()
+            self._host_sketches = (self.sketches.cpu().numpy(), slowest)
+        return self._host_sketches
+
 
 class Collector:
     """Collect the statistics reported with :func:`~lightning_ext.stats.report` whose names match ``regex``.
@@ -115,61 +238,87 @@ class Collector:
     ``max``, ``c[name]`` for the mean) give 0/NaN for a matching name without values and raise
     ``KeyError`` (listing close names) for a name ``regex`` excludes, ``TypeError`` for a non-str.
 
-    Distributed protocol, in three steps. Over the R names agreed at the previous update (same
-    lengths on every rank), the kernel backend's ``moments_payload_`` writes two payloads (the maths
-    and the layout: :meth:`~lightning_ext.kernels.KernelBackend.moments_payload_`), and two async
-    all-reduces run together:
+    Opt-in per name: :meth:`quantile` for the names ``quantiles`` matches, from a mergeable sketch
+    (:class:`~lightning_ext.stats.LogHistogram`: relative accuracy ``relative_accuracy`` for
+    magnitudes in ``value_range``; about 22 KB per name with the defaults), and :meth:`straggler`,
+    the rank with the largest mean and its ratio to the median rank, for the names ``stragglers``
+    matches. Both ride in the same two all-reduces.
 
-    * MAX of ``[fp, -fp, max_1..R, -min_1..R, mean_1..R, -mean_1..R]``, ``fp`` a 48-bit fingerprint
-      of the sorted names this rank knows now (``-inf`` for names without local values): all ranks
-      know the same names iff ``max(fp) == -max(-fp)`` (step 1, *agree names*);
-    * SUM of ``[n, m2, n d, n d^2]`` per name, ``d`` the local mean minus the mean published by
-      the previous update (step 2, *reduce rows*).
+    Distributed protocol, in three named steps over the R names agreed at the previous update (same
+    lengths on every rank); the buffers' layout is ``_Flush``'s:
 
-    ``moments_finish_`` (step 3, *finish*) turns them into the published statistics in one pass and
-    says whether a name lost precision to cancellation; then the SUM is redone around the largest
-    rank mean (rare). On the steady path (the same names as before) the flush runs no Python per
-    name: two ops, two all-reduces, two host reads.
+    1. *agree names*: the MAX all-reduce carries ``[fp, -fp]``, ``fp`` a 48-bit fingerprint of the
+       sorted names this rank knows now: all ranks know the same names iff ``max(fp) == -max(-fp)``;
+       if not, one ``all_gather_object`` agrees on the sorted union (skipped when every rank saw the
+       same new names), and both all-reduces are redone on aligned rows;
+    2. *reduce rows*: the kernel backend's ``moments_payload_`` (the maths:
+       :meth:`~lightning_ext.kernels.KernelBackend.moments_payload_`) writes each name's extremes and
+       rank mean (``-inf`` without local values) for the MAX, and ``[n, m2, n d, n d^2]`` (``d`` the
+       local mean minus the mean published by the previous update) for the SUM, after which come the
+       sketches' counts; the two all-reduces run together (async);
+    3. *finish*: ``moments_finish_`` publishes the statistics in one pass and says whether a name lost
+       precision to cancellation; then the SUM is redone around the largest rank mean (rare).
 
-    If the name sets differ, one ``all_gather_object`` agrees on the sorted union (skipped when every
-    rank saw the same new names), then the MAX and the SUM (around the largest rank mean) are redone
-    on aligned rows. Over a gloo group on one host the all-reduces use shared memory
+    On the steady path (the same names as before) the flush runs no Python per name: two ops, two
+    all-reduces, two host reads. Over a gloo group on one host the all-reduces use shared memory
     (:func:`lightning_ext.distributed.all_reduce_`). Without ``torch.distributed`` (or after
     ``init_multiprocessing(rank, None)``) there are no collectives.
 
     Args:
         regex: names to collect (``re.fullmatch``).
         keep_previous: a name that received no value in an interval keeps its previous statistics
-            (NaN only if it never had values); with ``False`` it becomes NaN. :meth:`updated` tells
-            the names that had values.
+            (and sketch; NaN only if it never had values); with ``False`` it becomes NaN.
+            :meth:`updated` tells the names that had values.
         stage: the values to collect: those reported while :func:`~lightning_ext.stats.set_stage`
             had set this stage (``None``: those reported outside any stage, the default).
+        quantiles: names (of those ``regex`` matches, ``re.fullmatch``) to sketch for
+            :meth:`quantile`; ``None``: none.
+        relative_accuracy: the sketch's ``alpha``, in ``(0, 0.5)``.
+        value_range: ``(low, high)``, the magnitudes the sketch covers with that accuracy.
+        stragglers: names (``re.fullmatch``) whose slowest rank :meth:`straggler` names; ``None``: none.
 
     Raises:
-        TypeError: ``regex`` is not a str, ``keep_previous`` not a bool, ``stage`` not a str or None.
-        ValueError: ``regex`` does not compile, ``stage`` is empty or holds ``"\\x1f"``.
+        TypeError: ``regex``/``quantiles``/``stragglers`` is not a str (the last two: or None),
+            ``keep_previous`` not a bool, ``stage`` not a str or None, a sketch parameter not a number.
+        ValueError: a pattern does not compile, ``stage`` is empty or holds ``"\\x1f"``,
+            ``relative_accuracy`` is not in ``(0, 0.5)``, ``value_range`` not ``0 < low < high < inf``.
 
     Example::
 
         >>> from lightning_ext.stats import Collector, clear_statistics, report
-        >>> clear_statistics(); c = Collector(regex="Loss/.*")
+        >>> clear_statistics(); c = Collector(regex="Loss/.*", quantiles="Loss/total")
         >>> _ = report("Loss/total", [1.0, 2.0, 3.0]); _ = report("Other", 5.0)
         >>> c.update(); c.names(), c.mean("Loss/total"), round(c.std("Loss/total"), 4)
         (['Loss/total'], 2.0, 0.8165)
+        >>> round(c.quantile("Loss/total", 0.5), 2)  # 2.0 within 1 %
+        1.99
         >>> c.update(); c["Loss/total"]  # keep_previous=True: nothing new, previous values kept
         2.0
     """
 
-    def __init__(self, regex: str = ".*", keep_previous: bool = True, stage: str | None = None) -> None:
+    def __init__(
+        self,
+        regex: str = ".*",
+        keep_previous: bool = True,
+        stage: str | None = None,
+        quantiles: str | None = None,
+        relative_accuracy: float = 0.01,
+        value_range: tuple[float, float] = (1e-6, 1e6),
+        stragglers: str | None = None,
+    ) -> None:
         self._pattern = _compile_regex("Collector", regex)
         check_bool("Collector", "keep_previous", keep_previous)
-        _report._check_stage("Collector", stage)
-        self.regex = regex
-        self.keep_previous = keep_previous
-        self.stage = stage
-        self._prefix = "" if stage is None else stage + _report._STAGE_SEPARATOR  # of this stage's keys
+        _check_stage(stage)
+        self._tracked = [
+            None if p is None else _compile_regex("Collector", p, arg)
+            for arg, p in (("quantiles", quantiles), ("stragglers", stragglers))
+        ]
+        self.sketch = LogHistogram(relative_accuracy, value_range)  # checks them
+        self.regex, self.keep_previous, self.stage = regex, keep_previous, stage
+        self.quantiles, self.stragglers = quantiles, stragglers
+        self._prefix = "" if stage is None else stage + reporting.STAGE_SEPARATOR  # of this stage's keys
         self._match_cache: dict[str, bool] = {}  # name => regex matches
-        self._tables: list[_report._Table] = []  # drained tables received since the last update
+        self._tables: list[reporting.Table] = []  # drained tables received since the last update
         self._seen: set[str] = set()  # names this rank has had (matching), ever
         self._flush = _Flush([], torch.device("cpu"))  # the names agreed at the last update, and more
         # Caches of the steady state (the same name lists, by identity, from update to update):
@@ -178,33 +327,53 @@ class Collector:
         self._candidate: tuple[list[str] | None, list[str]] = (None, [])  # agreed names -> candidate
         self._fp: tuple[list[str] | None, float] = (None, 0.0)  # names -> _fingerprint(names)
         self._equal: tuple[list[str] | None, list[str] | None] = (None, None)  # two lists found equal
-        _report._register(self)
+        reporting.register_sink(self)
 
     def _matches(self, name: str) -> bool:
         """Whether ``regex`` matches ``name``."""
         return self._pattern.fullmatch(name) is not None
 
-    def _wants(self, key: str) -> bool:
+    def wants(self, key: str) -> bool:
         """Whether a drained ``key`` (``name``, or ``stage + "\\x1f" + name``) is of this collector's
         stage and its name matches (cached)."""
         match = self._match_cache.get(key)
         if match is None:
-            stage, _, name = key.rpartition(_report._STAGE_SEPARATOR)
+            stage, _, name = key.rpartition(reporting.STAGE_SEPARATOR)
             match = (stage or None) == self.stage and self._matches(name)
             self._match_cache[key] = match
         return match
 
-    def _receive(self, table: _report._Table) -> None:
+    def _tracks(self, which: int, key: str) -> bool:
+        """Whether ``key`` is sketched for quantiles (``which = 0``) or its slowest rank named (``1``)."""
+        pattern = self._tracked[which]
+        return (
+            pattern is not None
+            and self.wants(key)
+            and pattern.fullmatch(key[len(self._prefix) :]) is not None
+        )
+
+    def sketch_for(self, key: str) -> LogHistogram | None:
+        """The sketch ``report()`` keeps for ``key`` for this collector, or ``None``."""
+        return self.sketch if self._tracks(0, key) else None
+
+    def _new_flush(self, names: list[str], device: torch.device) -> _Flush:
+        """A flush of ``names`` that keeps what the current one published for the names that stay."""
+        quantiled = [i for i, n in enumerate(names) if self._tracks(0, n)]
+        straggled = [i for i, n in enumerate(names) if self._tracks(1, n)]
+        tracked = (self.sketch if quantiled or straggled else None, quantiled, straggled)
+        return _Flush(names, device, self._flush, tracked)
+
+    def receive(self, table: reporting.Table) -> None:
         self._tables.append(table)
         if len(self._tables) >= _COMPACT_AFTER:
             self._tables = [self._combine()]
 
-    def _detach(self) -> None:
+    def detach(self) -> None:
         self._tables = []
 
     def _discard(self) -> None:
         """Drop what was reported since the last update, locally (no collective; e.g. sanity checks)."""
-        _report._drain()
+        reporting.drain()
         self._tables = []
 
     def __getstate__(self) -> dict[str, Any]:
@@ -212,21 +381,21 @@ class Collector:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        _report._register(self)
+        reporting.register_sink(self)
 
-    def _combine(self) -> _report._Table:
+    def _combine(self) -> reporting.Table:
         """Merge the received tables into one table restricted to the names this collector matches."""
         if len(self._tables) == 1:  # the usual case: one drain since the last update
             table = self._tables[0]  # its names are sorted and distinct
             source, names = self._combined
             if table.names is not source:  # a drain reuses its name list while the names repeat
-                names = [n for n in table.names if self._wants(n)]
+                names = [n for n in table.names if self.wants(n)]
                 names = table.names if len(names) == len(table.names) else names
                 self._combined = (table.names, names)
             if names is table.names:
                 return table
             return _merged(names, self._tables, table.sums.device)
-        names = sorted({n for t in self._tables for n in t.names if self._wants(n)})
+        names = sorted({n for t in self._tables for n in t.names if self.wants(n)})
         device = self._tables[0].sums.device if self._tables else torch.device("cpu")
         return _merged(names, self._tables, device)
 
@@ -238,32 +407,34 @@ class Collector:
         a name needs another reduction). Collectives on the sync device: two all-reduces, three to
         five when the name set changed (see the class docstring).
         """
-        release = _report._drain(self)  # the rows of the values drained, lent while reading them
+        release = reporting.drain(self)  # the rows of the values drained, lent while reading them
         try:
             self._publish(self._combine())
         finally:
             self._tables = []  # (never a lent table after its release)
             release()
 
-    def _publish(self, local: _report._Table) -> None:
+    def _publish(self, local: reporting.Table) -> None:
         """Agree on the names, reduce the rows of ``local`` and finish (class docstring)."""
-        _rank, device, group = _report._sync_settings()
+        rank, device, group = reporting.sync_settings()
         world_size = dist.get_world_size(group=group) if device is not None and is_distributed() else 1
+        rank = rank if world_size > 1 else 0
         device = device if device is not None else local.sums.device
         if self._flush.published.device != device:
-            self._flush = _Flush(self._flush.names, device, self._flush)
+            self._flush = self._new_flush(self._flush.names, device)
         candidate = self._candidate_names(local.names)
         if world_size == 1:  # agree with no one, reduce nothing, finish
             if candidate is not self._flush.names:
-                self._flush = _Flush(candidate, device, self._flush)
+                self._flush = self._new_flush(candidate, device)
             flush = self._flush
-            flush.payloads(self._aligned(local, device), flush.next_shift, 0.0)
+            flush.payloads(self._aligned(local, device), flush.next_shift, 0.0, rank, world_size)
             flush.finish(flush.next_shift, self.keep_previous)  # one rank: no name needs recentering
             return
-        local, center = self._agree_and_reduce(candidate, local, device, group, world_size)
+        reduce = (rank, world_size, group)
+        local, center = self._agree_names_and_reduce(candidate, local, device, reduce)
         if self._flush.finish(center, self.keep_previous):  # rare; the same on every rank
             center = self._flush.mean_max()
-            self._sum_again(local, center, group)
+            self._reduce_sum_again(local, center, reduce)
             self._flush.finish(center, self.keep_previous)
 
     def _candidate_names(self, drained: list[str]) -> list[str]:
@@ -281,7 +452,7 @@ class Collector:
             self._candidate = (agreed, candidate)
         return candidate
 
-    def _aligned(self, local: _report._Table, device: torch.device) -> _report._Table:
+    def _aligned(self, local: reporting.Table, device: torch.device) -> reporting.Table:
         """``local`` with the rows of the agreed names, in their order, on ``device``."""
         names = self._flush.names
         if self._equal[0] is not local.names or self._equal[1] is not names:  # once while both stay
@@ -298,44 +469,51 @@ class Collector:
             self._fp = (names, fp)
         return fp
 
-    def _agree_and_reduce(
-        self, candidate: list[str], local: _report._Table, device: torch.device, group: Any, world_size: int
-    ) -> tuple[_report._Table, torch.Tensor]:
-        """Both all-reduces over the agreed names, and again over the union when the ranks' names
-        differ (class docstring); returns the aligned local table and the center of the SUM."""
+    def _agree_names_and_reduce(
+        self, candidate: list[str], local: reporting.Table, device: torch.device, reduce: tuple[int, int, Any]
+    ) -> tuple[reporting.Table, torch.Tensor]:
+        """Steps 1 and 2 (class docstring): both all-reduces over the agreed names, and again over
+        the union when the ranks' names differ; returns the aligned local table and the SUM's center."""
+        rank, world_size, group = reduce
         flush = self._flush
         aligned, center = self._aligned(local, device), flush.next_shift
-        flush.payloads(aligned, center, self._fingerprint(candidate))
-        works = [all_reduce_(flush.max_payload, op=dist.ReduceOp.MAX, group=group, async_op=True)]
-        if flush.names:
-            works.append(all_reduce_(flush.sum_payload, op=dist.ReduceOp.SUM, group=group, async_op=True))
+        flush.payloads(aligned, center, self._fingerprint(candidate), rank, world_size)
+        works = [all_reduce_(flush.max_buffer, op=dist.ReduceOp.MAX, group=group, async_op=True)]
+        if flush.sum_buffer.numel():
+            works.append(all_reduce_(flush.sum_buffer, op=dist.ReduceOp.SUM, group=group, async_op=True))
         for work in works:
             work.wait()
-        fp_max, neg_fp_min = flush.max_payload[:2].tolist()  # host sync; identical on every rank
-        names = flush.names
+        names = self._agreed_names(candidate, world_size, group)
+        if names is flush.names:
+            return aligned, center
+        flush = self._flush = self._new_flush(names, device)  # the same decision on every rank
+        aligned = _merged(names, [local], device)
+        flush.payloads(aligned, flush.next_shift, self._fingerprint(names), rank, world_size)
+        all_reduce_(flush.max_buffer, op=dist.ReduceOp.MAX, group=group)
+        center = flush.mean_max()  # the largest rank mean: inside the data range
+        self._reduce_sum_again(aligned, center, reduce)
+        return aligned, center
+
+    def _agreed_names(self, candidate: list[str], world_size: int, group: Any) -> list[str]:
+        """Step 1 (class docstring), from the reduced fingerprints: the current names (the same
+        list) when every rank knows them, else the sorted union of every rank's ``candidate``."""
+        fp_max, neg_fp_min = self._flush.max_buffer[:2].tolist()  # host sync; identical on every rank
         if fp_max != -neg_fp_min:  # ranks know different name sets: agree on the sorted union
             gathered: list[Any] = [None] * world_size
             dist.all_gather_object(gathered, candidate, group=group)
-            names = sorted(set().union(*gathered))
-        elif candidate != names:  # every rank saw the same new names: no need to gather them
-            names = candidate
-        if names is flush.names:
-            return aligned, center
-        flush = self._flush = _Flush(names, device, flush)  # the same decision on every rank
-        aligned = _merged(names, [local], device)
-        flush.payloads(aligned, flush.next_shift, self._fingerprint(names))
-        all_reduce_(flush.max_payload, op=dist.ReduceOp.MAX, group=group)
-        center = flush.mean_max()  # the largest rank mean: inside the data range
-        self._sum_again(aligned, center, group)
-        return aligned, center
+            return sorted(set().union(*gathered))
+        return candidate if candidate != self._flush.names else self._flush.names
 
-    def _sum_again(self, aligned: _report._Table, center: torch.Tensor, group: Any) -> None:
-        """Redo the SUM all-reduce about ``center``, keeping the reduced MAX payload."""
+    def _reduce_sum_again(
+        self, aligned: reporting.Table, center: torch.Tensor, reduce: tuple[int, int, Any]
+    ) -> None:
+        """Redo the SUM all-reduce about ``center``, keeping the reduced MAX buffer."""
+        rank, world_size, group = reduce
         flush = self._flush
-        reduced = flush.max_payload.clone()
-        flush.payloads(aligned, center, 0.0)
-        flush.max_payload.copy_(reduced)
-        all_reduce_(flush.sum_payload, op=dist.ReduceOp.SUM, group=group)
+        reduced = flush.max_buffer.clone()
+        flush.payloads(aligned, center, 0.0, rank, world_size)
+        flush.max_buffer.copy_(reduced)
+        all_reduce_(flush.sum_buffer, op=dist.ReduceOp.SUM, group=group)
 
     def names(self) -> list[str]:
         """Sorted names known to any rank at the last ``update()`` (matching ``regex``)."""
@@ -385,15 +563,73 @@ class Collector:
     def __getitem__(self, name: str) -> float:
         return self.mean(name)
 
+    def _sketch_row(self, which: int, name: str) -> int | None:
+        """Row of ``name``'s published histogram (``which``: 0 values, 1 rank means), or ``None``."""
+        self._get(name)  # raises for names regex excludes
+        flush = self._flush
+        i = flush.index.get(self._prefix + name)
+        rows = flush.quantiled if which == 0 else flush.straggled
+        if i is None or i not in rows:
+            pattern = self.quantiles if which == 0 else self.stragglers
+            if not self._tracks(which, self._prefix + name):
+                arg = "quantiles" if which == 0 else "stragglers"
+                raise KeyError(f"{name!r} is not matched by Collector({arg}={pattern!r})")
+            return None
+        return rows.index(i) + (0 if which == 0 else len(flush.quantiled))
+
+    def quantile(self, name: str, q: float) -> float:
+        """The ``q``-quantile of ``name``'s values in the last interval over all ranks (NumPy's
+        ``method="inverted_cdf"``), within ``relative_accuracy`` for values in ``value_range``
+        (:class:`~lightning_ext.stats.LogHistogram` says what happens outside it); NaN without
+        values. Reads the sketches from the device once per update.
+
+        Raises:
+            TypeError, ValueError: ``q`` is not a number in ``(0, 1)``.
+            KeyError: ``quantiles`` does not match ``name`` (or ``regex`` excludes it).
+        """
+        q = _check_quantile(q)
+        row = self._sketch_row(0, name)
+        if row is None:
+            return math.nan
+        _, _, _, lo, hi = self._get(name)
+        return self.sketch.quantile(self._flush.host_sketches()[0][row], q, lo, hi)
+
+    def straggler(self, name: str) -> Straggler | None:
+        """The rank whose mean of ``name`` was the largest in the last interval, its mean, the
+        median of the ranks' means and their ratio (:class:`Straggler`); ``None`` when no rank had
+        values of ``name`` then.
+
+        Raises:
+            KeyError: ``stragglers`` does not match ``name`` (or ``regex`` excludes it).
+        """
+        row = self._sketch_row(1, name)
+        if row is None:
+            return None
+        counts, slowest = self._flush.host_sketches()
+        packed = slowest[self._flush.straggled.index(self._flush.index[self._prefix + name])]
+        if not math.isfinite(packed):
+            return None
+        rank = int(np.float64(packed).view(np.int64)) & ((1 << _rank_bits(self._flush.world_size)) - 1)
+        _, _, _, lo, hi = self._get(name)
+        median = self.sketch.quantile(counts[row], 0.5, lo, hi)
+        return Straggler(rank, packed, median, packed / median if median else math.inf)
+
     def as_dict(self) -> dict[str, dict[str, float]]:
         """``{name: {"num", "mean", "std", "min", "max"}}`` for every name of :meth:`names`."""
         keys = ("num", "mean", "std", "min", "max")
         return {name: dict(zip(keys, values)) for name, values in self._flush.read(len(self._prefix)).items()}
 
     def state_dict(self) -> dict[str, Any]:
-        """The published statistics and agreed names (what ``keep_previous`` needs after a resume)."""
+        """The published statistics and agreed names, and the quantile sketches (what
+        ``keep_previous`` needs after a resume)."""
         values = self._flush.read(len(self._prefix))
-        return {"names": self.names(), "values": {k: list(v) for k, v in values.items()}}
+        flush, cut = self._flush, len(self._prefix)
+        sketches = {flush.names[i][cut:]: flush.sketches[j].cpu() for j, i in enumerate(flush.quantiled)}
+        return {
+            "names": self.names(),
+            "values": {k: list(v) for k, v in values.items()},
+            "sketches": sketches,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the same checkpoint must be loaded on every rank)."""
@@ -401,11 +637,19 @@ class Collector:
         rows = [values.get(name, _UNPUBLISHED) for name in names]
         names = [self._prefix + name for name in names]
         self._seen.update(names)
-        self._flush = flush = _Flush(names, self._flush.published.device)
+        self._flush = _Flush([], self._flush.published.device)
+        self._flush = flush = self._new_flush(names, self._flush.published.device)
         flush.published.copy_(torch.tensor(rows, dtype=torch.float64).reshape(-1, 5))
         has = flush.published[:, 0] > 0
         flush.next_shift.copy_(torch.where(has, flush.published[:, 1], 0.0).nan_to_num(0.0, 0.0, 0.0))
+        sketches, cut = state.get("sketches", {}), len(self._prefix)
+        for j, i in enumerate(flush.quantiled):
+            counts = sketches.get(names[i][cut:])
+            if counts is not None and counts.numel() == flush.sketches.shape[1]:
+                flush.sketches[j].copy_(counts)
 
     def __repr__(self) -> str:
-        stage = "" if self.stage is None else f", stage={self.stage!r}"
-        return f"Collector(regex={self.regex!r}, keep_previous={self.keep_previous}{stage})"
+        extras = "" if self.stage is None else f", stage={self.stage!r}"
+        extras += "" if self.quantiles is None else f", quantiles={self.quantiles!r}"
+        extras += "" if self.stragglers is None else f", stragglers={self.stragglers!r}"
+        return f"Collector(regex={self.regex!r}, keep_previous={self.keep_previous}{extras})"

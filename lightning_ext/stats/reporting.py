@@ -3,6 +3,12 @@
 Follows NVIDIA's ``torch_utils/training_stats.py`` (StyleGAN2-ADA/StyleGAN3/EDM). Each collector
 receives exactly the values reported since *its* previous ``update()``: every ``update()`` first
 *drains* the pending values into one immutable table handed to every live collector.
+
+The contract with :mod:`lightning_ext.stats.collector`, in both directions: a collector is a
+:class:`Sink` (which names it wants, which it sketches, receiving tables, being detached); it calls
+:func:`register_sink`, :func:`drain`, :func:`sync_settings` and :func:`kernel_backend`, and reads
+:class:`Table` and :data:`STAGE_SEPARATOR`. Nothing else crosses. A sink of your own (another
+reduction, a local log) uses the same names.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import math
 import numbers
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -22,22 +28,35 @@ from lightning_ext._checks import check_int
 from lightning_ext.kernels import KernelBackend, get_backend
 from lightning_ext.kernels.moments import _moments_from_shifted
 from lightning_ext.stats.moments import _EMPTY_ROW, _as_shifted, _empty_moments, _merge_moments
+from lightning_ext.stats.sketch import _EDGES, LogHistogram
 
-if TYPE_CHECKING:
-    from lightning_ext.stats.collector import Collector
-
-__all__ = ["clear_statistics", "init_multiprocessing", "report", "report0", "set_stage"]
+__all__ = [  # report()'s API, then the contract with the collectors (sinks)
+    "STAGE_SEPARATOR",
+    "Sink",
+    "Table",
+    "clear_statistics",
+    "drain",
+    "init_multiprocessing",
+    "kernel_backend",
+    "register_sink",
+    "report",
+    "report0",
+    "set_stage",
+    "sync_settings",
+]
 
 T = TypeVar("T")
 _CPU = torch.device("cpu")
-_STAGE_SEPARATOR = "\x1f"  # between a stage and a name in the key a staged value is filed under
+STAGE_SEPARATOR = "\x1f"
+"""Between a stage and a name in the key a staged value is filed under: ``stage + STAGE_SEPARATOR + name``."""
 _MIN_ROWS = 64  # rows of a device's first accumulator block
 
 # One (name, device) accumulator: (float64 (5,) sums in the layout of accumulate_moments_: a row of its
 # device's _Slab, float64 0-dim shift = the first value seen there since the last drain, the slab's kernel
 # backend, the slab's float64 0-dim scratch that Python numbers are written into, [the drain count when
-# the shift was set], the slab). A plain tuple: report() indexes it.
-_Entry = tuple[torch.Tensor, torch.Tensor, "KernelBackend", torch.Tensor, list[int], "_Slab"]
+# the shift was set], the slab, the name's sketches: [sketch, its edges, float64 (B,) counts] per sketch
+# some collector wants for the name, usually none). A plain tuple: report() indexes it.
+_Entry = tuple[torch.Tensor, torch.Tensor, "KernelBackend", torch.Tensor, list[int], "_Slab", list[list[Any]]]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -57,26 +76,53 @@ _pruning = False  # a collector died: drop the accumulators at the next drain (s
 # device => _Slab: that device's accumulator rows (reused from drain to drain) and its kernel backend
 _slabs: dict[torch.device, _Slab] = {}
 _backends: dict[torch.device, KernelBackend] = {}  # device => its kernel backend, resolved once
-_sinks: list[weakref.ref[Collector]] = []  # live collectors; each receives every drained table
+_sinks: list[weakref.ref[Sink]] = []  # live collectors; each receives every drained table
 _wanted: dict[str, bool] = {}  # name => some live collector's regex matches it (cache)
+_sketched: list[tuple[str, _Entry]] = []  # the accumulators with sketches, in the order they came
 
 
-class _Table(NamedTuple):
-    """An immutable drained snapshot: sorted ``names``, float64 ``(len(names), 5)`` shifted ``sums`` and
+class Table(NamedTuple):
+    """What :func:`drain` hands the sinks: an immutable snapshot, sorted distinct ``names`` (keys: see
+    :data:`STAGE_SEPARATOR`), float64 ``(len(names), 5)`` shifted ``sums`` and
     float64 ``(len(names),)`` ``shifts`` (the layout of the kernel ops ``accumulate_moments_`` and
-    ``moments_payload_``)."""
+    ``moments_payload_``), and ``histograms``: ``{(name, sketch): float64 (sketch.size,) counts}`` of the
+    names some collector sketches (only those with values)."""
 
     names: list[str]
     sums: torch.Tensor
     shifts: torch.Tensor
+    histograms: dict[tuple[str, LogHistogram], torch.Tensor] = {}  # noqa: RUF012 (never mutated)
 
     def moments(self) -> torch.Tensor:
         """Float64 ``(len(names), 5)`` moment rows ``[count, mean, m2, min, max]``."""
         return _moments_from_shifted(self.sums, self.shifts)
 
 
-def _backend(device: torch.device) -> KernelBackend:
-    """The kernel backend of ``device``, resolved at its first use after :func:`clear_statistics`."""
+class Sink(Protocol):
+    """What this module asks of a collector (:class:`~lightning_ext.stats.Collector` is the one kind).
+
+    A drain hands every live (registered, not garbage-collected) sink the same :class:`Table`; the
+    sink merges what it receives until its own update. Keys are names, or ``stage + STAGE_SEPARATOR +
+    name`` for values reported while :func:`set_stage` had set a stage.
+    """
+
+    def wants(self, key: str) -> bool:
+        """Whether the sink collects ``key`` (``report()`` drops a key no sink wants)."""
+
+    def sketch_for(self, key: str) -> LogHistogram | None:
+        """The quantile sketch ``report()`` keeps for ``key`` for this sink, or ``None``."""
+
+    def receive(self, table: Table) -> None:
+        """Take a drained table (read-only; a lent one only during the ``drain(self)`` that lent it)."""
+
+    def detach(self) -> None:
+        """Forget what was received (:func:`clear_statistics`)."""
+
+
+def kernel_backend(device: torch.device) -> KernelBackend:
+    """The kernel backend that ``report()`` and the sinks use on ``device``: resolved
+    (:func:`lightning_ext.kernels.get_backend`) at its first use after :func:`clear_statistics`, then
+    the same one, whatever ``LIGHTNING_EXT_KERNELS`` says later. Local."""
     backend = _backends.get(device)
     if backend is None:
         backend = _backends[device] = get_backend(device=device)
@@ -147,15 +193,18 @@ def set_stage(stage: str | None) -> str | None:
 
 
 def _check_stage(owner: str, stage: Any) -> None:
+    """``TypeError``/``ValueError`` naming ``owner`` unless ``stage`` is ``None`` or a non-empty str
+    without :data:`STAGE_SEPARATOR`."""
     if stage is not None and not isinstance(stage, str):
         raise TypeError(f"{owner}: `stage` must be a str or None, got {stage!r}")
-    if stage is not None and (not stage or _STAGE_SEPARATOR in stage):
+    if stage is not None and (not stage or STAGE_SEPARATOR in stage):
         raise ValueError(f"{owner}: `stage` must be a non-empty str without '\\x1f', got {stage!r}")
 
 
-def _sync_settings() -> tuple[int, torch.device | None, Any]:
-    """(rank, sync_device or None when single-process, process_group) in effect now; those that
-    follow ``torch.distributed`` are resolved once per default group."""
+def sync_settings() -> tuple[int, torch.device | None, Any]:
+    """``(rank, sync_device, process_group)`` in effect now: :func:`init_multiprocessing`'s, else
+    those of ``torch.distributed`` (resolved once per default group): its rank, the collective device
+    (``None`` when single-process: no collective) and ``None`` (the default group). Local."""
     global _followed
     if _settings is not None:
         return _settings
@@ -166,9 +215,14 @@ def _sync_settings() -> tuple[int, torch.device | None, Any]:
     return _followed[1]
 
 
-def _register(sink: Collector) -> None:
-    """Add a collector: flush pending values to the existing ones first, so it starts empty."""
-    _drain()
+def register_sink(sink: Sink) -> None:
+    """Add ``sink`` (kept by a weak reference). The values pending are first drained to the sinks
+    registered before (a host-device sync where they live on a device), so that each sink sees
+    exactly the values reported while it existed, as NVIDIA's collectors do; the accumulators are
+    remade at their next value, with the sketches the sinks want now."""
+    drain()
+    for slab in _slabs.values():
+        slab.drop()
     _sinks.append(weakref.ref(sink, _forget))
     _wanted.clear()
 
@@ -181,14 +235,20 @@ def _forget(_ref: weakref.ref) -> None:
     _pruning = True
 
 
-def _live_sinks() -> list[Collector]:
+def _sketches(name: str, device: torch.device) -> list[list[Any]]:
+    """``[sketch, edges, zero counts]`` per distinct sketch the live collectors want for ``name``."""
+    wanted = {s.sketch_for(name) for s in _live_sinks()} - {None}
+    return [[k, k.edges(device), torch.zeros(k.size, dtype=torch.float64, device=device)] for k in wanted]
+
+
+def _live_sinks() -> list[Sink]:
     return [s for s in (r() for r in _sinks) if s is not None]
 
 
 def _is_wanted(name: str) -> bool:
     wanted = _wanted.get(name)
     if wanted is None:
-        wanted = _wanted[name] = any(s._wants(name) for s in _live_sinks())
+        wanted = _wanted[name] = any(s.wants(name) for s in _live_sinks())
     return wanted
 
 
@@ -257,7 +317,7 @@ class _Slab:
             self.empty = torch.tensor(_EMPTY_ROW, dtype=torch.float64, device=device)
             self.scratch = torch.empty((), dtype=torch.float64, device=device)
         self.device = device
-        self.backend = _backend(device)
+        self.backend = kernel_backend(device)
         self._forget()
 
     def _forget(self) -> None:
@@ -287,7 +347,10 @@ class _Slab:
         self.names.append(name)
         self.table_names = None
         with torch.inference_mode(False):
-            return (sums[j], shifts[j], self.backend, self.scratch, [-1], self)
+            entry = (sums[j], shifts[j], self.backend, self.scratch, [-1], self, _sketches(name, self.device))
+        if entry[6]:
+            _sketched.append((name, entry))
+        return entry
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
         """Views of the sums ``(n, 5)`` and shifts ``(n,)`` of the ``n`` rows, and their names, sorted.
@@ -316,8 +379,10 @@ class _Slab:
         sums, shifts = self.blocks[0]
         with torch.inference_mode(False):
             for i, name in enumerate(self.names):
-                stamp = _pending[name][self.device][4]
-                _pending[name][self.device] = (sums[i], shifts[i], self.backend, self.scratch, stamp, self)
+                _, _, _, _, stamp, _, sketches = _pending[name][self.device]
+                entry = (sums[i], shifts[i], self.backend, self.scratch, stamp, self, sketches)
+                _pending[name][self.device] = entry
+        _sketched[:] = [(n, _pending[n][e[5].device]) for n, e in _sketched]
 
     def reset(self) -> None:
         """After a drain copied ``rows()``: every row empty (an in-place write into a normal tensor,
@@ -336,6 +401,7 @@ class _Slab:
                 acc.pop(self.device, None)
                 if not acc:
                     del _pending[name]
+        _sketched[:] = [(n, e) for n, e in _sketched if e[5] is not self]
         self._forget()
 
 
@@ -366,6 +432,8 @@ def _accumulate(name: str, acc: dict[torch.device, _Entry], x: torch.Tensor) -> 
         entry[1].copy_(x.reshape(-1)[0]).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     # The unchecked call of accumulate_moments_: sums and shift are valid by construction, x by _as_tensor.
     entry[2].run("accumulate_moments_", entry[0], x, entry[1])
+    for _sketch, edges, counts in entry[6]:
+        entry[2].run("accumulate_histogram_", counts, x, edges)
 
 
 def _accumulate_number(name: str, acc: dict[torch.device, _Entry], value: float) -> None:
@@ -382,6 +450,8 @@ def _accumulate_number(name: str, acc: dict[torch.device, _Entry], value: float)
     scratch = entry[3]
     scratch.fill_(value)  # a normal tensor: in-place writes are allowed in inference mode too
     entry[2].run("accumulate_moments_", entry[0], scratch, entry[1])
+    for _sketch, edges, counts in entry[6]:
+        entry[2].run("accumulate_histogram_", counts, scratch, edges)
 
 
 def report(name: str, value: T) -> T:
@@ -425,7 +495,7 @@ def report(name: str, value: T) -> T:
         return _report_traced(name, value)
     if _stage is not None:  # the key of a staged value
         _check_name(name)
-        name = _stage + _STAGE_SEPARATOR + name
+        name = _stage + STAGE_SEPARATOR + name
     acc = _pending.get(name) if isinstance(name, str) else None
     if acc is None:
         _check_name(name)
@@ -491,14 +561,21 @@ def report0(name: str, value: T) -> T:
     return value
 
 
-def _drain(consumer: Collector | None = None) -> Callable[[], None]:
-    """Hand the values reported since the last drain to every live collector, then reset the rows.
+def drain(consumer: Sink | None = None) -> Callable[[], None]:
+    """Hand the values reported since the last drain to every live sink (:meth:`Sink.receive`), then
+    reset the accumulators. A sink's update calls it first, with itself as ``consumer``.
 
-    Converts them to one table on the sync device (CPU when single-process), which synchronizes host
-    and device where they differ. The steady state (one device, every row with values) lends the
-    table as views of the rows when ``consumer`` is the only collector (the one updating): the rows are
-    then reset by the function returned, which it calls once it has read them; otherwise that
-    function does nothing.
+    Converts them to one :class:`Table` on the sync device (CPU when single-process), which
+    synchronizes host and device where they differ. Local: no collective. The steady state (one
+    device, every row with values) lends the table as views of the accumulator rows when ``consumer``
+    is the only sink: the rows are then reset by the function returned, which the consumer calls once
+    it has read them; otherwise that function does nothing.
+
+    Args:
+        consumer: the sink that is updating, or ``None``.
+
+    Returns:
+        The function that releases a lent table (call it once, after reading the table).
     """
     global _dirty, _pruning, _drains
     if not _dirty:
@@ -511,11 +588,13 @@ def _drain(consumer: Collector | None = None) -> Callable[[], None]:
         sinks = _live_sinks()
         lend = len(sinks) == 1 and sinks[0] is consumer
         table, lent = _table(used, lend) if sinks else (None, False)
+        if _sketched and table is not None:
+            table = table._replace(histograms=_take_histograms(table.sums.device))
     finally:
         if not lent:
             release()
     for sink in sinks:
-        sink._receive(table)
+        sink.receive(table)
     return release if lent else _nothing
 
 
@@ -523,16 +602,31 @@ def _nothing() -> None:
     pass
 
 
-def _table(used: _Used, lend: bool) -> tuple[_Table, bool]:
+def _take_histograms(device: torch.device) -> dict[tuple[str, LogHistogram], torch.Tensor]:
+    """The counts of the sketches that received values since the last drain, summed over devices on
+    ``device``; their accumulators start again from zero counts."""
+    histograms: dict[tuple[str, LogHistogram], torch.Tensor] = {}
+    for name, entry in _sketched:
+        if entry[4][0] != _drains - 1:  # no value since the last drain
+            continue
+        for pair in entry[6]:
+            sketch, counts = pair[0], pair[2]
+            key = (name, sketch)
+            histograms[key] = histograms[key] + counts.to(device) if key in histograms else counts.to(device)
+            pair[2] = torch.zeros_like(counts)
+    return histograms
+
+
+def _table(used: _Used, lend: bool) -> tuple[Table, bool]:
     """The drained table (every name with values, or registered, since the last drain), and whether it
     is made of views of the rows (``lend``, in the steady state)."""
-    device = _sync_settings()[1] or torch.device("cpu")
+    device = sync_settings()[1] or torch.device("cpu")
     if len(used) == 1 and not _registered:
         [(sums, shifts, names, count)] = used.values()
         if count == len(names):  # every row has values: the steady state, no merge
             lent = lend and sums.device == device
             copy = not lent
-            return _Table(names, sums.to(device, copy=copy), shifts.to(device, copy=copy)), lent
+            return Table(names, sums.to(device, copy=copy), shifts.to(device, copy=copy)), lent
     parts = []  # (names, moment rows) of the rows with values, per device
     for sums, shifts, names, _count in used.values():
         rows = (sums[:, 0] > 0).nonzero().reshape(-1)
@@ -544,7 +638,7 @@ def _table(used: _Used, lend: bool) -> tuple[_Table, bool]:
     for part_names, moments in parts:
         idx = torch.tensor([index[name] for name in part_names], dtype=torch.int64, device=device)
         rows[idx] = _merge_moments(rows[idx], moments.to(device))
-    return _Table(names, *_as_shifted(rows)), False
+    return Table(names, *_as_shifted(rows)), False
 
 
 def _reset(used: _Used, prune: bool) -> None:
@@ -558,6 +652,7 @@ def _reset(used: _Used, prune: bool) -> None:
             slab.reset()
     if prune:
         _pending.clear()
+        _sketched.clear()
 
 
 def clear_statistics() -> None:
@@ -568,10 +663,12 @@ def clear_statistics() -> None:
     """
     global _settings, _followed, _pending, _dirty, _pruning, _drains, _stage
     for sink in _live_sinks():
-        sink._detach()
+        sink.detach()
     _settings, _followed, _pending, _dirty, _pruning, _drains = None, None, {}, False, False, 0
     _stage = None
     _registered.clear()
+    _sketched.clear()
+    _EDGES.clear()
     _slabs.clear()
     _backends.clear()
     _sinks.clear()

@@ -1,0 +1,194 @@
+"""Quantiles and the slowest rank of ``Collector``: against NumPy's exact quantiles of the union of every
+rank's values (float64, ``method="inverted_cdf"``), across flushes, ranks without values and a resume."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_ext.stats import Collector, LogHistogram, clear_statistics, report
+from tests.helpers.distributed import run_distributed
+
+ALPHA = 0.01
+LOW, HIGH = 1e-6, 1e6
+QS = (0.001, 0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99, 0.999)
+DISTRIBUTIONS = ("lognormal", "uniform", "heavy")
+FLUSHES = 4
+
+
+def _draw(kind: str, rng: np.random.Generator, n: int) -> np.ndarray:
+    if kind == "lognormal":
+        return rng.lognormal(mean=-2.0, sigma=2.5, size=n)  # spans ~1e-5 .. 1e2
+    if kind == "uniform":  # negatives and exact zeros
+        x = rng.uniform(-3.0, 3.0, size=n)
+        x[rng.random(n) < 0.05] = 0.0
+        return x
+    return rng.standard_t(df=1.5, size=n) * 10.0  # heavy tails, both signs
+
+
+def _values(rank: int, flush: int) -> dict[str, np.ndarray]:
+    """What ``rank`` reports in interval ``flush``: its own distribution as ``Q/mixed`` (rank ``r``
+    draws distribution ``r``), and every distribution under its own name; rank 1 reports nothing in
+    interval 1, rank 2 nothing in interval 2; ``Q/solo`` only rank 0 reports."""
+    rng = np.random.default_rng(1000 * flush + rank)
+    if (rank, flush) in ((1, 1), (2, 2)):
+        return {}
+    n = 400 + 300 * rank
+    out = {"Q/mixed": _draw(DISTRIBUTIONS[rank % 3], rng, n)}
+    for kind in DISTRIBUTIONS:
+        out[f"Q/{kind}"] = _draw(kind, rng, n // 2)
+    if rank == 0:
+        out["Q/solo"] = _draw("lognormal", rng, 50)
+    return out
+
+
+def _flushes(rank: int, world_size: int) -> dict:
+    collector = Collector(regex="Q/.*", quantiles="Q/(mixed|lognormal|uniform|heavy|solo)")
+    results = []
+    for flush in range(FLUSHES):
+        if flush == 3:  # resume: a new process's collector from the checkpoint of the previous one
+            state = pickle.loads(pickle.dumps(collector.state_dict()))
+            clear_statistics()
+            collector = Collector(regex="Q/.*", quantiles="Q/(mixed|lognormal|uniform|heavy|solo)")
+            collector.load_state_dict(state)
+            collector.update()  # nothing new on any rank: keep_previous serves the checkpoint's
+            results.append({n: [collector.quantile(n, q) for q in QS] for n in collector.names()})
+        for name, values in _values(rank, flush).items():
+            for part in np.array_split(values, 3):  # several reports, a tensor and a list
+                report(name, torch.from_numpy(part) if len(part) % 2 else part.tolist())
+        collector.update()
+        results.append({n: [collector.quantile(n, q) for q in QS] for n in collector.names()})
+    return {"results": results, "names": collector.names()}
+
+
+def _exact(name: str, flush: int, world_size: int) -> np.ndarray:
+    union = np.concatenate([_values(r, flush).get(name, np.zeros(0)) for r in range(world_size)])
+    return np.quantile(union, QS, method="inverted_cdf")
+
+
+def _relative_errors(got: list[float], exact: np.ndarray) -> np.ndarray:
+    """Relative error of each quantile, 0 where both are exactly 0 (the zero bucket)."""
+    got_array = np.asarray(got)
+    errors = np.abs(got_array - exact) / np.where(exact == 0, 1.0, np.abs(exact))
+    return np.where((exact == 0) & (got_array == 0), 0.0, errors)
+
+
+def test_quantiles_of_three_ranks_are_within_alpha_of_numpy_across_flushes_and_a_resume() -> None:
+    outputs = run_distributed(_flushes, 3, timeout=150)
+    assert all(out["results"] == outputs[0]["results"] for out in outputs)  # identical on every rank
+    results = outputs[0]["results"]
+    worst = {}
+    # results: flushes 0, 1, 2, then the resumed update (flush 2's quantiles kept), then flush 3
+    for index, flush in enumerate([0, 1, 2, 2, 3]):
+        for name, got in results[index].items():
+            exact = _exact(name, flush, 3)
+            assert np.all((np.abs(exact) >= LOW) & (np.abs(exact) <= HIGH) | (exact == 0)), name  # in range
+            errors = _relative_errors(got, exact)
+            assert np.all(errors <= ALPHA * (1 + 1e-9)), f"flush {flush} {name}: {errors.max()}"
+            worst[name] = max(worst.get(name, 0.0), float(errors.max()))
+    print("worst relative error per distribution:", {k: f"{v:.5f}" for k, v in sorted(worst.items())})
+    assert set(worst) == {"Q/mixed", "Q/lognormal", "Q/uniform", "Q/heavy", "Q/solo"}
+
+
+def test_quantile_edge_cases_single_process() -> None:
+    clear_statistics()
+    c = Collector(quantiles="x|z", relative_accuracy=0.05, value_range=(1e-3, 1e3))
+    report("x", [0.0, 0.0, -1e-4, 5e-4, 2.0, 1e9, float("inf"), float("nan")])
+    report("z", [])  # registered, no values
+    c.update()
+    assert c.num("x") == 8 and math.isnan(c.mean("x"))  # NaN counts in the moments
+    # NaN is not in the sketch: 7 values; below low -> 0, above high -> the exact max (inf)
+    assert c.quantile("x", 0.1) == 0.0 and c.quantile("x", 0.5) == 0.0
+    assert c.quantile("x", 0.6) == pytest.approx(2.0, rel=0.05)
+    assert math.isnan(c.quantile("x", 0.99))  # the overflow bucket reads as the max: NaN here
+    assert math.isnan(c.quantile("z", 0.5))
+    with pytest.raises(KeyError, match=r"'y' is not matched by Collector\(quantiles='x\|z'\)"):
+        report("y", 1.0), c.update(), c.quantile("y", 0.5)
+    for bad, error in ((0.0, ValueError), (1.0, ValueError), (1.5, ValueError), ("0.5", TypeError)):
+        with pytest.raises(error, match=r"Collector.quantile: .*`q`"):
+            c.quantile("x", bad)
+
+
+def test_overflow_reads_as_the_exact_extreme() -> None:
+    clear_statistics()
+    c = Collector(quantiles="x", value_range=(1e-3, 1e3))
+    report("x", [1.0, 2.0, 5e4, 7e4])
+    c.update()
+    assert c.quantile("x", 0.99) == 7e4 and c.quantile("x", 0.01) == pytest.approx(1.0, rel=0.01)
+    report("x", [-7e4, -1.0])
+    c.update()
+    assert c.quantile("x", 0.01) == -7e4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"quantiles": "("}, ValueError, r"Collector: `quantiles` must be a regular expression, got '\('"),
+        ({"quantiles": 3}, TypeError, r"Collector: `quantiles` must be a str, got 3"),
+        ({"stragglers": "["}, ValueError, r"Collector: `stragglers` must be a regular expression"),
+        ({"relative_accuracy": 0.0}, ValueError, r"`relative_accuracy` must be in \(0, 0.5\), got 0.0"),
+        ({"relative_accuracy": 0.5}, ValueError, r"`relative_accuracy` must be in \(0, 0.5\), got 0.5"),
+        ({"relative_accuracy": "1%"}, TypeError, r"`relative_accuracy` must be a float, got '1%'"),
+        ({"value_range": (1.0, 1.0)}, ValueError, r"0 < low < high < inf, got \(1.0, 1.0\)"),
+        ({"value_range": (0.0, 1.0)}, ValueError, r"0 < low < high < inf, got \(0.0, 1.0\)"),
+        ({"value_range": (1.0, math.inf)}, ValueError, r"0 < low < high < inf"),
+        ({"value_range": 5.0}, TypeError, r"`value_range` must be a pair \(low, high\), got 5.0"),
+    ],
+)
+def test_bad_sketch_arguments_name_the_argument(kwargs, error, match) -> None:
+    with pytest.raises(error, match=match):
+        Collector(**kwargs)
+
+
+def test_sketch_size_and_memory() -> None:
+    sketch = LogHistogram()
+    assert sketch.size == 2767 and sketch.size * 8 < 23_000  # bytes per tracked name, per copy
+    edges = sketch.edges()
+    assert edges.dtype == torch.float64 and edges.numel() == sketch.buckets + 1
+    ratios = edges[1:] / edges[:-1]
+    assert torch.allclose(ratios, torch.full_like(ratios, sketch.gamma), rtol=1e-12)
+    assert edges[0] < LOW <= edges[1] and edges[-2] < HIGH <= edges[-1]
+
+
+# ------------------------------------------------------------------------------------------------
+# The slowest rank.
+
+
+def _straggler(rank: int, world_size: int) -> list:
+    collector = Collector(regex="Timing/.*", stragglers="Timing/step_sec")
+    out = []
+    for interval in range(3):
+        for step in range(5):
+            extra = 0.05 if rank == 1 and interval > 0 else 0.0  # the straggler, after warm-up
+            report("Timing/step_sec", 0.01 * (1 + 0.1 * rank) + extra + 1e-4 * step)
+        collector.update()
+        out.append(tuple(collector.straggler("Timing/step_sec")))
+    return out
+
+
+def test_the_slowest_rank_is_named_without_one_name_per_rank() -> None:
+    outputs = run_distributed(_straggler, 3, timeout=120)
+    assert all(out == outputs[0] for out in outputs)
+    first, *later = outputs[0]
+    assert first[0] == 2  # 1.2x the base time: rank 2 is slowest in the warm-up interval
+    for rank, mean, median, ratio in later:
+        assert rank == 1
+        assert mean == pytest.approx(0.011 + 0.05 + 2e-4, rel=1e-9)
+        assert median == pytest.approx(0.012 + 2e-4, rel=ALPHA)  # rank 2's time is the median now
+        assert ratio == pytest.approx(mean / median) and ratio > 5
+
+
+def test_straggler_of_one_process_and_of_a_name_without_values() -> None:
+    clear_statistics()
+    c = Collector(stragglers="t")
+    report("t", [1.0, 3.0])
+    c.update()
+    assert c.straggler("t") == (0, 2.0, pytest.approx(2.0, rel=ALPHA), pytest.approx(1.0, rel=ALPHA))
+    c.update()
+    assert c.straggler("t") is None
+    with pytest.raises(KeyError, match=r"'u' is not matched by Collector\(stragglers='t'\)"):
+        report("u", 1.0), c.update(), c.straggler("u")
