@@ -6,7 +6,9 @@ import datetime
 import itertools
 import time
 from collections import deque
+from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
@@ -25,9 +27,13 @@ class IterationTimer(HookBase):
     of the previous micro-batch, the start of the epoch or the end of a validation run to the start
     of the next micro-batch, summed over the iteration), and after the first ``warmup_iter``
     iterations ``Timing/step_sec``, the seconds of the iteration itself (forward, backward, optimizer
-    step and the hooks in between, data time excluded): host wall time on CPU; on CUDA, events
-    recorded at ``before_step``/``after_step`` and read once a later iteration finds them completed
-    (``Event.query()``), so no per-step synchronization but values one or more iterations late.
+    step and the hooks in between, data time excluded), and ``Timing/forward_sec`` per micro-batch,
+    from its start to ``on_before_backward`` (the ``training_step``: under DDP the time before the
+    gradient all-reduce, so a slow rank's is longer while its step time is not, the others waiting in
+    the all-reduce; :class:`~lightning_ext.callbacks.TrainingStats` names the slowest rank from it):
+    host wall time on CPU; on CUDA, events recorded at those hooks and read once a later iteration
+    finds them completed (``Event.query()``), so no per-step synchronization but values one or more
+    iterations late.
     :class:`~lightning_ext.callbacks.TrainingStats` writes them, at Lightning's step of the batch
     that flushes (see :attr:`~HookBase.iter`).
 
@@ -71,7 +77,8 @@ class IterationTimer(HookBase):
         self._timed_sec = 0.0  # data + step seconds of the iterations after warm-up
         self._timed_iters = 0  # number of those iterations
         self._cuda_start: torch.cuda.Event | None = None
-        self._pending_events: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._forward_start: float | torch.cuda.Event | None = None  # of the current micro-batch
+        self._pending_events: deque[tuple[str, torch.cuda.Event, torch.cuda.Event]] = deque()
 
     @property
     def timed_iters(self) -> int:
@@ -88,13 +95,37 @@ class IterationTimer(HookBase):
         self._reset()
         self._timed_start = time.perf_counter() if self.warmup_iter == 0 else None
 
+    def _timed(self) -> bool:
+        return self.iter - self.start_iter >= self.warmup_iter
+
+    def _on_cuda(self) -> bool:
+        return self.pl_module is not None and _device_type(self.pl_module) == "cuda"
+
     @override
     def before_step(self) -> None:
         self._step_start = time.perf_counter()
-        on_cuda = self.pl_module is not None and _device_type(self.pl_module) == "cuda"
-        if on_cuda and self.iter - self.start_iter >= self.warmup_iter:
+        if self._on_cuda() and self._timed():
             self._cuda_start = torch.cuda.Event(enable_timing=True)
             self._cuda_start.record()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        self._forward_start = None
+        if self._timed():
+            self._forward_start = _now_or_event(self._on_cuda())
+
+    @override
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
+        start, self._forward_start = self._forward_start, None
+        if isinstance(start, float):
+            report("Timing/forward_sec", time.perf_counter() - start)
+        elif start is not None:
+            self._pending_events.append(("Timing/forward_sec", start, _now_or_event(True)))
 
     @override
     def after_step(self) -> None:
@@ -106,9 +137,7 @@ class IterationTimer(HookBase):
             self._timed_sec += step_sec + self.data_sec
             self._timed_iters += 1
             if self._cuda_start is not None:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                self._pending_events.append((self._cuda_start, end))
+                self._pending_events.append(("Timing/step_sec", self._cuda_start, _now_or_event(True)))
                 self._cuda_start = None
                 self._report_completed_events()
             else:
@@ -117,9 +146,9 @@ class IterationTimer(HookBase):
             self._timed_start = now
 
     def _report_completed_events(self) -> None:
-        while self._pending_events and self._pending_events[0][1].query():
-            start, end = self._pending_events.popleft()
-            report("Timing/step_sec", start.elapsed_time(end) / 1000.0)
+        while self._pending_events and self._pending_events[0][2].query():
+            name, start, end = self._pending_events.popleft()
+            report(name, start.elapsed_time(end) / 1000.0)
 
     @override
     def after_train(self) -> None:
@@ -138,6 +167,15 @@ class IterationTimer(HookBase):
         self.summary = "\n".join(lines)
         for line in lines:
             rank_zero_info(line)
+
+
+def _now_or_event(cuda: bool) -> Any:
+    """A CUDA event recorded now (``cuda``), else the host's ``perf_counter()``."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def _device_type(module: torch.nn.Module) -> str:

@@ -3,26 +3,54 @@
 from __future__ import annotations
 
 import math
+import re
+import socket
 import time
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_ext import distributed as _dist
 from lightning_ext._checks import check_bool, check_int
 from lightning_ext.callbacks.hook_base import _iterations_done
-from lightning_ext.stats import Collector, init_multiprocessing, report, set_stage
+from lightning_ext.stats import Collector, LogHistogram, init_multiprocessing, report, set_stage
 from lightning_ext.stats.collector import _compile_regex
 
 __all__ = ["TrainingStats"]
 
 _STATS = ("mean", "std", "min", "max", "num")
+_PERCENTILE = re.compile(r"p(\d+(?:\.\d+)?)")  # "p50", "p99.9": a percentile in (0, 100)
 _FLUSH_TIME_NAME = "Timing/stats_flush_sec"
 # Lightning's stages whose values are collected apart, and what their statistics are logged under
 STAGE_PREFIXES = {"validate": "val/", "test": "test/"}
+
+
+def _check_stats(stats: Any, quantiles: str | None) -> tuple[str, ...]:
+    """``stats`` as a tuple, else the error naming it (see :class:`TrainingStats`)."""
+    if isinstance(stats, str):
+        raise TypeError(f"TrainingStats: `stats` must be a sequence of names, not the str {stats!r}")
+    stats = tuple(stats)
+
+    def known(stat: Any) -> bool:
+        match = _PERCENTILE.fullmatch(stat) if isinstance(stat, str) else None
+        return stat in _STATS or (match is not None and 0.0 < float(match[1]) < 100.0)
+
+    if not stats or not all(map(known, stats)):
+        raise ValueError(
+            f"TrainingStats: `stats` must be a non-empty sequence of {_STATS} and percentiles 'p<P>' "
+            f"with 0 < P < 100 (e.g. 'p99.9'), got {stats!r}"
+        )
+    percentiles = [s for s in stats if s not in _STATS]
+    if percentiles and quantiles is None:
+        raise ValueError(
+            f"TrainingStats: `stats` asks for percentiles {percentiles} but `quantiles` is None: "
+            "pass the names to sketch, e.g. quantiles='Timing/.*'"
+        )
+    return stats
 
 
 class TrainingStats(Callback):
@@ -46,21 +74,45 @@ class TrainingStats(Callback):
     name``; those of predict are not collected. A flush writes only the names that received values
     since the previous flush of their stage: a name is never written twice for the same values.
 
+    Percentiles. ``stats`` may ask for percentiles, ``"p50"``, ``"p99"``, ``"p99.9"``, written as
+    ``name + "/p50"`` for the names ``quantiles`` matches (the others get the other statistics), from
+    a sketch with relative accuracy ``relative_accuracy`` over ``value_range`` that rides in the
+    flush's SUM all-reduce (:class:`~lightning_ext.stats.LogHistogram`: about 22 KB per name).
+
+    The slowest rank. For each name ``stragglers`` matches that received values, a flush with several
+    processes writes ``name + "/slowest_rank"``, the rank whose mean was the largest, and
+    ``name + "/slowest_ratio"``, its mean over the median of the ranks' means (the rank rides in the
+    flush's MAX all-reduce, the ranks' means in a sketch: no extra collective, nothing per rank), and
+    logs on rank zero, when the ratio is at least ``straggler_ratio``::
+
+        Slowest rank at iteration=24: rank 1 (host n3), Timing/forward_sec 0.06 = 4.9x the median rank (0.012)
+
+    The default names are :class:`~lightning_ext.callbacks.IterationTimer`'s ``Timing/data_sec`` (a
+    slow data loader) and ``Timing/forward_sec`` (a slow ``training_step``): under DDP the step time
+    is the same on every rank, the fast ones waiting for the slow one in the gradient all-reduce.
+    Host names are gathered once, at ``setup``.
+
     Args:
         every_n_train_steps: flush period in iterations (``>= 1``).
         regex: names to collect (``re.fullmatch``).
         stats: statistics to log, a non-empty sequence of ``"mean"``, ``"std"``, ``"min"``,
-            ``"max"``, ``"num"``.
+            ``"max"``, ``"num"`` and percentiles ``"p<P>"`` (``0 < P < 100``, e.g. ``"p99.9"``).
         prefix: prepended to every logged key.
         on_step: flush every ``every_n_train_steps`` iterations.
         on_epoch: flush at the end of validation and training epochs.
         keep_previous: passed to ``Collector``.
+        quantiles: names whose percentiles are written (``re.fullmatch``); ``None``: none.
+        relative_accuracy, value_range: the percentiles' sketch (``Collector``).
+        stragglers: names whose slowest rank is written (``re.fullmatch``); ``None``: none.
+        straggler_ratio: the ratio from which the slowest rank is logged (``>= 1``).
 
     Raises:
-        ValueError: ``every_n_train_steps < 1``, ``stats`` is empty or holds an unknown statistic, or
-            ``regex`` does not compile.
+        ValueError: ``every_n_train_steps < 1``, ``stats`` is empty or holds an unknown statistic or
+            a percentile without ``quantiles``, a pattern does not compile, a sketch parameter or
+            ``straggler_ratio`` is out of range.
         TypeError: ``every_n_train_steps`` is not an int, ``regex``/``prefix`` is not a str, ``stats``
-            is a str, or ``on_step``/``on_epoch``/``keep_previous`` is not a bool.
+            is a str, ``on_step``/``on_epoch``/``keep_previous`` is not a bool, ``quantiles`` or
+            ``stragglers`` neither a str nor None, ``straggler_ratio`` not a number.
 
     Example::
 
@@ -78,19 +130,34 @@ class TrainingStats(Callback):
         on_step: bool = True,
         on_epoch: bool = True,
         keep_previous: bool = True,
+        quantiles: str | None = None,
+        relative_accuracy: float = 0.01,
+        value_range: tuple[float, float] = (1e-6, 1e6),
+        stragglers: str | None = "Timing/(data|forward)_sec",
+        straggler_ratio: float = 1.25,
     ) -> None:
         check_int("TrainingStats", "every_n_train_steps", every_n_train_steps, ge=1)
-        if isinstance(stats, str):
-            raise TypeError(f"TrainingStats: `stats` must be a sequence of names, not the str {stats!r}")
-        stats = tuple(stats)
-        unknown = [s for s in stats if s not in _STATS]
-        if not stats or unknown:
-            raise ValueError(f"TrainingStats: `stats` must be a non-empty subset of {_STATS}, got {stats!r}")
+        stats = _check_stats(stats, quantiles)
+        # the collectors' arguments, checked by building one (it registers nothing once dropped)
+        self._collector_args = {
+            "regex": regex, "keep_previous": keep_previous, "quantiles": quantiles,
+            "relative_accuracy": relative_accuracy, "value_range": value_range,
+        }  # fmt: skip
+        if isinstance(straggler_ratio, bool) or not isinstance(straggler_ratio, int | float):
+            raise TypeError(f"TrainingStats: `straggler_ratio` must be a float, got {straggler_ratio!r}")
+        if not straggler_ratio >= 1.0:
+            raise ValueError(f"TrainingStats: `straggler_ratio` must be >= 1, got {straggler_ratio!r}")
         if not isinstance(prefix, str):
             raise TypeError(f"TrainingStats: `prefix` must be a str, got {prefix!r}")
         for name, flag in (("on_step", on_step), ("on_epoch", on_epoch), ("keep_previous", keep_previous)):
             check_bool("TrainingStats", name, flag)
         _compile_regex("TrainingStats", regex)
+        for arg, pattern in (("quantiles", quantiles), ("stragglers", stragglers)):
+            if pattern is not None:
+                _compile_regex("TrainingStats", pattern, arg)
+        LogHistogram(relative_accuracy, value_range)  # checks them
+        self.quantiles, self.stragglers, self.straggler_ratio = quantiles, stragglers, float(straggler_ratio)
+        self._hosts: list[str] = []  # host name per rank, gathered at setup (with stragglers)
         self.every_n_train_steps = every_n_train_steps
         self.regex = regex
         self.stats = stats
@@ -121,12 +188,14 @@ class TrainingStats(Callback):
         init_multiprocessing(
             rank=trainer.global_rank, sync_device=_dist.collective_device() if several else None
         )
+        if several and self.stragglers is not None:  # every rank, in the same order: one gather
+            self._hosts = [""] * _dist.get_world_size()
+            torch.distributed.all_gather_object(self._hosts, socket.gethostname())
         if self.collector is None:
-            self.collector = Collector(regex=self.regex, keep_previous=self.keep_previous)
+            self.collector = Collector(**self._collector_args, stragglers=self.stragglers)
             if self.on_epoch:
                 self.stage_collectors = {
-                    stage: Collector(regex=self.regex, keep_previous=self.keep_previous, stage=stage)
-                    for stage in STAGE_PREFIXES
+                    stage: Collector(**self._collector_args, stage=stage) for stage in STAGE_PREFIXES
                 }
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
@@ -230,10 +299,13 @@ class TrainingStats(Callback):
         collector = self.collector if stage is None else self.stage_collectors[stage]
         start = time.perf_counter()
         collector.update()
+        step = _iterations_done(trainer) if step is None else step
         metrics = self._metrics(collector, self.prefix + ("" if stage is None else STAGE_PREFIXES[stage]))
+        if stage is None and len(self._hosts) > 1:
+            metrics.update(self._stragglers(collector, step))
         if metrics:
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=_iterations_done(trainer) if step is None else step)
+                logger.log_metrics(metrics, step=step)
             trainer.callback_metrics.update(
                 {k: torch.tensor(v, dtype=torch.float32) for k, v in metrics.items()}
             )
@@ -246,12 +318,33 @@ class TrainingStats(Callback):
         """``{prefix + name[/stat]: value}`` of the names that received values in the last interval."""
         metrics: dict[str, float] = {}
         values = collector.as_dict()
+        sketched = re.compile(self.quantiles or "(?!)")
         for name in collector.updated():
             if math.isnan(values[name]["mean"]):
                 continue
             for stat in self.stats:
                 key = prefix + name if stat == "mean" else f"{prefix}{name}/{stat}"
-                metrics[key] = float(values[name][stat])
+                if stat in _STATS:
+                    metrics[key] = float(values[name][stat])
+                elif sketched.fullmatch(name):
+                    metrics[key] = collector.quantile(name, float(stat[1:]) / 100.0)
+        return metrics
+
+    def _stragglers(self, collector: Collector, step: int) -> dict[str, float]:
+        """The slowest rank and its ratio to the median rank of each straggler name with values;
+        the log line where the ratio reaches ``straggler_ratio``."""
+        metrics: dict[str, float] = {}
+        pattern = re.compile(self.stragglers or "(?!)")
+        for name in collector.updated():
+            slowest = collector.straggler(name) if pattern.fullmatch(name) else None
+            if slowest is None:
+                continue
+            metrics[f"{self.prefix}{name}/slowest_rank"] = float(slowest.rank)
+            metrics[f"{self.prefix}{name}/slowest_ratio"] = slowest.ratio
+            if slowest.ratio >= self.straggler_ratio:
+                where = f"rank {slowest.rank} (host {self._hosts[slowest.rank]})"
+                times = f"{slowest.mean:.4g} = {slowest.ratio:.2f}x the median rank ({slowest.median:.4g})"
+                rank_zero_info(f"Slowest rank at iteration={step}: {where}, {name} {times}")
         return metrics
 
     @override

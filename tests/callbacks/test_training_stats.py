@@ -204,7 +204,7 @@ def test_bad_arguments_and_state_keys() -> None:
     with pytest.raises(TypeError, match=r"`every_n_train_steps` must be an int >= 1, got 2\.0 \(float\)$"):
         TrainingStats(every_n_train_steps=2.0)
     with pytest.raises(
-        ValueError, match=r"TrainingStats: `stats` must be a non-empty subset of .*got \('mean', 'median'\)"
+        ValueError, match=r"TrainingStats: `stats` must be a non-empty sequence of .*got \('mean', 'median'\)"
     ):
         TrainingStats(stats=("mean", "median"))
     with pytest.raises(TypeError, match=r"Stats: `stats` must be a sequence of names, not the str 'mean'"):
@@ -215,6 +215,21 @@ def test_bad_arguments_and_state_keys() -> None:
         TrainingStats(prefix=3)
     with pytest.raises(TypeError, match=r"TrainingStats: `on_epoch` must be a bool, got 'no' \(str\)$"):
         TrainingStats(on_epoch="no")
+    with pytest.raises(ValueError, match=r"asks for percentiles \['p99'\] but `quantiles` is None"):
+        TrainingStats(stats=("mean", "p99"))
+    for bad in ("p0", "p100", "p-1", "p", "p5x"):
+        with pytest.raises(ValueError, match=r"`stats` must be a non-empty sequence"):
+            TrainingStats(stats=(bad,), quantiles=".*")
+    with pytest.raises(ValueError, match=r"Stats: `quantiles` must be a regular expression, got '\('"):
+        TrainingStats(quantiles="(")
+    with pytest.raises(TypeError, match=r"TrainingStats: `stragglers` must be a str, got 3"):
+        TrainingStats(stragglers=3)
+    with pytest.raises(ValueError, match=r"`relative_accuracy` must be in \(0, 0.5\), got 0.5"):
+        TrainingStats(relative_accuracy=0.5)
+    with pytest.raises(ValueError, match=r"`value_range` must be .* 0 < low < high < inf, got \(1.0, 1.0\)"):
+        TrainingStats(value_range=(1.0, 1.0))
+    with pytest.raises(ValueError, match=r"TrainingStats: `straggler_ratio` must be >= 1, got 0.5"):
+        TrainingStats(straggler_ratio=0.5)
     with pytest.raises(RuntimeError, match=r"TrainingStats.flush\(\) needs a Trainer that ran setup\(\)"):
         TrainingStats().flush(None)
     a, b = TrainingStats(regex="Loss/.*"), TrainingStats(regex="AMP/.*")
