@@ -39,6 +39,11 @@ run, interleaved; medians of the slower rank. Target: flush <= 3x floor. Also ``
 (µs, best of 5 ``timeit`` repeats) of a Python float, a 0-dim tensor and ``torch.ones(20)``: target
 <= 3 µs each.
 
+Part 4, quantile sketches: the flush of part 3 at K=100 with 0, 10 and 100 names sketched for
+quantiles (their float64 counts in the SUM all-reduce; the floor grows with them), and ``report()`` of
+a 2**20-element float32 tensor with and without its sketch, interleaved. Target: the K=100 flush with
+no sketched name keeps flush <= 3x floor. ``--quantiles-only`` runs this part alone.
+
 Usage: ``python benchmarks/bench_stats.py [--quick] [--sweep-only | --flush-only]``.
 """
 
@@ -400,12 +405,14 @@ def measure_report_calls(number: int = 20_000, repeat: int = 5) -> dict[str, flo
     return result
 
 
-def _floor_flush(k: int, group=None):
-    """One flush's collectives alone: the MAX and SUM all_reduces of ``Collector.update()`` for K names."""
+def _floor_flush(k: int, group=None, sketched: int = 0):
+    """One flush's collectives alone: the MAX and SUM all_reduces of ``Collector.update()`` for K names,
+    ``sketched`` of them with a quantile sketch (its counts in the SUM)."""
     from lightning_ext.distributed import all_reduce_
+    from lightning_ext.stats import LogHistogram
 
     payload = torch.zeros(2 + 4 * k, dtype=torch.float64)
-    sums = torch.zeros(k, 4, dtype=torch.float64)
+    sums = torch.zeros(4 * k + sketched * LogHistogram().size, dtype=torch.float64)
 
     def floor() -> None:
         works = [
@@ -426,13 +433,13 @@ def _flush_worker(rank: int, world_size: int, init_file: str, config: dict, out_
 
         distributed.shm_available()
         results = {}
-        for k in config["ks"]:
+        for k, sketched in config["cases"]:
             clear_statistics()
-            collector = Collector()
-            names = [f"Metric/{i}" for i in range(k)]
+            collector = Collector(quantiles="Sketched/.*")
+            names = [f"Sketched/{i}" if i < sketched else f"Metric/{i}" for i in range(k)]
             gen = torch.Generator().manual_seed(rank)
             values = [torch.rand((), generator=gen) for _ in range(k)]
-            floor = _floor_flush(k)
+            floor = _floor_flush(k, sketched=sketched)
 
             for name, value in zip(names, values):  # warm-up: the first update agrees on the names
                 report(name, value)
@@ -451,7 +458,7 @@ def _flush_worker(rank: int, world_size: int, init_file: str, config: dict, out_
                 [statistics.median(times["flush"]), statistics.median(times["floor"])], dtype=torch.float64
             )
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            results[k] = {"flush_ms": 1e3 * t[0].item(), "floor_ms": 1e3 * t[1].item()}
+            results[(k, sketched)] = {"flush_ms": 1e3 * t[0].item(), "floor_ms": 1e3 * t[1].item()}
         clear_statistics()
         if rank == 0:
             torch.save(results, out_file)
@@ -459,17 +466,22 @@ def _flush_worker(rank: int, world_size: int, init_file: str, config: dict, out_
         dist.destroy_process_group()
 
 
-def run_flush_floor(ks: tuple[int, ...] = (10, 100, 1000), rounds: int = 200) -> dict[int, dict[str, float]]:
-    """Spawn 2 gloo ranks; per K the median ms of ``Collector.update()`` and of its floor."""
+def run_flush_floor(
+    cases: tuple[tuple[int, int], ...] = ((10, 0), (100, 0), (1000, 0)), rounds: int = 200
+) -> dict[tuple[int, int], dict[str, float]]:
+    """Spawn 2 gloo ranks; per (K names, of which sketched) the median ms of ``Collector.update()``
+    and of its floor."""
     with tempfile.TemporaryDirectory(prefix="bench_stats_") as tmp:
         init_file, out_file = os.path.join(tmp, "store"), os.path.join(tmp, "out.pt")
-        config = {"ks": tuple(ks), "rounds": rounds}
+        config = {"cases": tuple(cases), "rounds": rounds}
         with environ(OMP_NUM_THREADS="1"):
             mp.spawn(_flush_worker, args=(2, init_file, config, out_file), nprocs=2, join=True)
         return torch.load(out_file)
 
 
-def format_flush_floor(floor: dict[int, dict[str, float]], calls: dict[str, float], rounds: int) -> str:
+def format_flush_floor(
+    floor: dict[tuple[int, int], dict[str, float]], calls: dict[str, float], rounds: int
+) -> str:
     lines = [
         "## Flush vs its floor, and `report()` per call (`bench_stats.py`)",
         "",
@@ -481,7 +493,7 @@ def format_flush_floor(floor: dict[int, dict[str, float]], calls: dict[str, floa
         "| K | flush ms | floor ms | flush / floor |",
         "|---:|---:|---:|---:|",
     ]
-    for k, r in sorted(floor.items()):
+    for (k, _), r in sorted(floor.items()):
         lines.append(
             f"| {k} | {r['flush_ms']:.3f} | {r['floor_ms']:.3f} | {r['flush_ms'] / r['floor_ms']:.1f}× |"
         )
@@ -502,6 +514,68 @@ def format_flush_floor(floor: dict[int, dict[str, float]], calls: dict[str, floa
     slowest = max(calls.values())
     met = "yes" if slowest <= 3 else "NO"
     lines.append(f"| `report()` per call, slowest value | {slowest:.2f} µs | ≤ 3 µs | {met} |")
+    return "\n".join(lines)
+
+
+def measure_report_histogram(repeat: int = 20) -> dict[str, float]:
+    """ms per ``report()`` of a 2**20-element float32 tensor, without and with its quantile sketch
+    (best of ``repeat``, interleaved), in this process on the automatic CPU backend."""
+    from lightning_ext.stats import Collector, clear_statistics, report
+
+    clear_statistics()
+    collector = Collector(quantiles="Sketched")
+    x = torch.randn(2**20, generator=torch.Generator().manual_seed(0)).exp()
+    times: dict[str, list[float]] = {"Plain": [], "Sketched": []}
+    for name in times:
+        report(name, x)  # sets the accumulator up: untimed
+    for _ in range(repeat):
+        for name in times:
+            t0 = time.perf_counter()
+            report(name, x)
+            times[name].append(time.perf_counter() - t0)
+        collector.update()
+    clear_statistics()
+    return {name: 1e3 * min(t) for name, t in times.items()}
+
+
+def format_quantiles(
+    floor: dict[tuple[int, int], dict[str, float]], report_ms: dict[str, float], rounds: int
+) -> str:
+    from lightning_ext.stats import LogHistogram
+
+    size = LogHistogram().size
+    lines = [
+        "## Quantile sketches in the flush (`bench_stats.py`)",
+        "",
+        "2 gloo ranks on CPU, one thread each, as the flush above: K=100 names, of which 0, 10 and 100 "
+        f"are sketched for quantiles (`Collector(quantiles=...)`, α = 1 %, {size} float64 counts = "
+        f"{size * 8 / 1024:.1f} KiB per name in the SUM all-reduce); floor: the same two all_reduces "
+        f"with those payload sizes, interleaved; medians over {rounds} flushes.",
+        "",
+        "| K | sketched | flush ms | floor ms | flush / floor |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for (k, sketched), r in sorted(floor.items()):
+        ratio = r["flush_ms"] / r["floor_ms"]
+        lines.append(f"| {k} | {sketched} | {r['flush_ms']:.3f} | {r['floor_ms']:.3f} | {ratio:.1f}× |")
+    plain, sketched = report_ms["Plain"], report_ms["Sketched"]
+    lines += [
+        "",
+        "`report()` of a 2^20-element float32 tensor (best of 20, interleaved, one process, the automatic "
+        "CPU backend):",
+        "",
+        "| report() | ms |",
+        "|---|---:|",
+        f"| moments only | {plain:.3f} |",
+        f"| moments + histogram | {sketched:.3f} ({sketched / plain:.1f}×) |",
+        "",
+        "| target | measured | goal | met |",
+        "|---|---:|---:|:---:|",
+    ]
+    base = floor[(100, 0)]["flush_ms"] / floor[(100, 0)]["floor_ms"]
+    lines.append(
+        f"| K=100 flush, none sketched: flush / floor | {base:.1f}× | ≤ 3× | {'yes' if base <= 3 else 'NO'} |"
+    )
     return "\n".join(lines)
 
 
@@ -554,8 +628,11 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer rounds and steps (smoke run)")
     parser.add_argument("--sweep-only", action="store_true", help="only part 1, the size sweep")
     parser.add_argument("--flush-only", action="store_true", help="only part 3, flush vs floor and report()")
+    parser.add_argument("--quantiles-only", action="store_true", help="only part 4, quantile sketches")
     args = parser.parse_args()
     flush_rounds = 50 if args.quick else 300
+    if args.quantiles_only:
+        return _quantiles(flush_rounds, args.quick)
     if args.flush_only:
         markdown = format_flush_floor(
             run_flush_floor(rounds=flush_rounds), measure_report_calls(), flush_rounds
@@ -580,6 +657,14 @@ def main() -> int:
     markdown = format_flush_floor(run_flush_floor(rounds=flush_rounds), measure_report_calls(), flush_rounds)
     print(markdown)
     write_result("stats_flush_floor", markdown, quick=args.quick)
+    return _quantiles(flush_rounds, args.quick)
+
+
+def _quantiles(rounds: int, quick: bool) -> int:
+    cases = ((100, 0), (100, 10), (100, 100))
+    markdown = format_quantiles(run_flush_floor(cases, rounds=rounds), measure_report_histogram(), rounds)
+    print(markdown, flush=True)
+    write_result("stats_quantiles", markdown, quick=quick)
     return 0
 
 
