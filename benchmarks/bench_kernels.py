@@ -6,7 +6,8 @@ fused BatchNorm (``torch.batch_norm_update_stats`` for the moments, eval ``torch
 ``elemt``, training ``torch.batch_norm`` for the forward pair, ``native_batch_norm_backward`` for the
 backward; the ``torch.batch_norm_stats`` building blocks are CUDA-only); ``unscale_and_check_`` and
 ``check_finite`` against ``torch.amp.GradScaler("cpu")`` on 12M parameters; ``accumulate_moments_``
-against ATen's reductions. Triton's interpreter is not timed (it is a debugging tool).
+against ATen's reductions; ``accumulate_histogram_`` (geometric edges of relative accuracy 0.01) against
+ATen's ``bucketize``. Triton's interpreter is not timed (it is a debugging tool).
 
 GPU (only with CUDA): ``triton`` and ``reference`` at ResNet-50 shapes against ATen's CUDA building
 blocks (``torch.batch_norm_stats``, ``batch_norm_elemt``, ``batch_norm_backward_reduce``,
@@ -225,6 +226,22 @@ def bench_cpu(quick: bool) -> None:
         times = guarded(backends, {"acc": lambda be: be.accumulate_moments_(acc, x, shift)}, case)
         for be in backends:
             add("cpu", "accumulate_moments_", be.name, case, times[be.name]["acc"], nbytes(x), t_a, copy_gbs)
+
+    # accumulate_histogram_ (report()'s quantile sketches) vs ATen's bucketize of the float64 magnitudes
+    # (the binary search alone), on a 1M-element activation counted into DDSketch's buckets of
+    # relative accuracy 0.01 over (1e-6, 1e6), and on a scalar (per-call overhead).
+    from lightning_ext.stats import LogHistogram
+
+    edges = LogHistogram(0.01, (1e-6, 1e6)).edges()
+    hist = torch.zeros(2 * edges.numel() + 1, dtype=torch.float64)
+    m = edges.numel() - 1
+    inputs = [(f"1M {str(d)[6:]}, {m} buckets/sign", torch.randn(2**20).to(d)) for d in dtypes]
+    for case, x in [*(inputs[:1] if quick else inputs), ("scalar (per-call overhead)", torch.ones(()))]:
+        t_a = cpu_time(lambda: torch.bucketize(x.double().abs(), edges)) if x.dim() else None
+        times = guarded(backends, {"hist": lambda be: be.accumulate_histogram_(hist, x, edges)}, case)
+        for be in backends:
+            t = times[be.name]["hist"]
+            add("cpu", "accumulate_histogram_", be.name, case, t, nbytes(x), t_a, copy_gbs)
 
 
 def guarded(backends: list, calls: dict, case: str) -> dict[str, dict[str, float]]:
@@ -463,7 +480,8 @@ def _cpu_table() -> str:
         "faster: `batch_norm_update_stats` for the moments, eval BatchNorm for `elemt`, training BatchNorm",
         "for the forward pair, `native_batch_norm_backward` for the sums and the whole backward,",
         "`GradScaler.unscale_` for `unscale_and_check_`, its multi-tensor op at scale 1 for `check_finite`,",
-        "sum + sum of squares + aminmax for `accumulate_moments_`) and bandwidth relative to a 64 MiB copy.",
+        "sum + sum of squares + aminmax for `accumulate_moments_`, `bucketize` of the float64 magnitudes",
+        "for `accumulate_histogram_`) and bandwidth relative to a 64 MiB copy.",
         "Backends: `cpu` (compiled C++) and `reference` (ATen ops from Python).",
         "",
         "| dev | op | backend | case | ms | GB/s | vs ATen | of copy |",

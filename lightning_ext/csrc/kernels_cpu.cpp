@@ -11,7 +11,9 @@
 // each channel with a scalar loop; these loops are vectorized per channel.
 // Loss scaling: check_finite reads the gradients once without writing them.
 // Statistics: accumulate_moments_ adds count, shifted sums (float64 totals) and extremes of any real
-// tensor; moments_payload_ and moments_finish_ are the arithmetic of a Collector's flush over its names.
+// tensor; moments_payload_ and moments_finish_ are the arithmetic of a Collector's flush over its names;
+// accumulate_histogram_ counts any real tensor into a signed histogram of given float64 edges (a
+// cheap logarithm guesses each bucket, float64 comparisons with the edges settle it).
 //
 // Arithmetic: float32 per element (float64 for float64 and integer input), accumulated in blocks
 // (BLOCK elements per channel; 32 per lane for the moments) and summed across blocks in float64;
@@ -665,6 +667,253 @@ void accumulate_moments_(Tensor& acc, const Tensor& x, const Tensor& shift) {
 }
 
 
+// accumulate_histogram_ (contract: KernelBackend.accumulate_histogram_; layout and reference:
+// lightning_ext/kernels/histogram.py): hist[(m + 1) +- j] += 1 per non-NaN value v, j = the number of
+// the m + 1 edges below |v| (torch.bucketize), the sign of v choosing +-.
+//
+// Geometric edges e_j = e_0 gamma^j (DDSketch's, Masson, Rim & Lee, VLDB 2019) put |v| in bucket
+// ceil(log_gamma(|v| / e_0)). A vectorized pass over HIST_BLOCK values guesses j from a float32
+// logarithm (exponent bits and a cubic in the mantissa, within 0.0014 of log2: 0.05 bucket at
+// gamma = 1.0202), clamped to [0, m + 1], and checks it against its two edges, gathered; a scalar
+// pass counts, and moves the rare wrong guesses (values next to an edge, or edges far from geometric)
+// by HIST_STEPS neighbour steps, else by a binary search over all edges: exact for any increasing
+// edges.
+//
+// The comparisons are those of |v| in float64 with the float64 edges, made in the type C of the
+// value: float32 for float16/bfloat16/float32 and 8/16-bit integer input (their values are float32
+// values), with each edge rounded DOWN to float32, ed = RD(e): for a float32 a, e < a <=> ed < a and
+// a <= e <=> a <= ed (no float32 lies strictly between ed and e); float64 for float64, int32 and int64
+// input (converted as ATen's .to(float64), to nearest). Each thread chunk of the input counts into its
+// own int64 histogram (NaN into a trash slot); the chunks' counts are summed in a fixed order and added
+// once per bucket, as the reference's bincount, so the float64 counts equal the reference's. At most
+// HIST_SMALL values (report() of a scalar) skip the tables: float64 comparisons value by value.
+
+constexpr int64_t HIST_BLOCK = 512;      // values per guess-then-count round (positions stay in L1)
+constexpr int HIST_STEPS = 3;            // neighbour steps before a binary search over all edges
+constexpr int64_t HIST_GRAIN = 1 << 14;  // values per thread chunk at least
+constexpr int64_t HIST_SMALL = 64;       // at most this many values: no tables, no threads
+
+template <typename T>
+using HistCompare = std::conditional_t<
+    std::is_same_v<T, double> || std::is_same_v<T, int32_t> || std::is_same_v<T, int64_t>, double, float>;
+
+// What the guess needs: log2(e_0) and 1 / log2(gamma) for gamma = e_1 / e_0, and the largest j; where
+// the edges give no usable ratio (one edge, non-positive or non-finite ones, 2^24 or more edges: j no
+// longer exact in float32) every guess is 0.
+struct HistGuess {
+  float log2_e0 = 0.0f, inv_log2_gamma = 0.0f, top = 0.0f;
+};
+
+HistGuess hist_guess(const double* edges, int64_t m) {
+  HistGuess g;
+  const bool ratio = m >= 1 && edges[0] > 0.0 && edges[1] > edges[0] && std::isfinite(edges[1]);
+  if (ratio && m + 1 < (int64_t{1} << 24)) {
+    const double l2e0 = std::log2(edges[0]), inv = 1.0 / std::log2(edges[1] / edges[0]);
+    if (std::isfinite(l2e0) && std::isfinite(inv) && inv > 0.0) {
+      g.log2_e0 = static_cast<float>(l2e0);
+      g.inv_log2_gamma = static_cast<float>(inv);
+      g.top = static_cast<float>(m + 1);
+    }
+  }
+  return g;
+}
+
+// The guessed j of a magnitude f >= 0 (or NaN): ceil(log_gamma(f / e_0)) clamped to [0, m + 1].
+// Branch-free (bit casts as __builtin_bit_cast: memcpy in an `omp simd` loop draws false
+// -Wstringop-overflow warnings).
+inline int32_t hist_guess_of(float f, const HistGuess& g) {
+  const uint32_t bits = __builtin_bit_cast(uint32_t, f);
+  const float mant = __builtin_bit_cast(float, (bits & 0x7FFFFFu) | 0x3F800000u);  // in [1, 2)
+  const float u = mant - 1.0f;
+  const float log2_mant = ((0.153914771f * u - 0.567755742f) * u + 1.41348792f) * u + 0.00133410354f;
+  const float log2_f = static_cast<float>(static_cast<int32_t>(bits >> 23) - 127) + log2_mant;
+  float t = (log2_f - g.log2_e0) * g.inv_log2_gamma;
+  t = t > 0.0f ? t : 0.0f;  // NaN (0 * inf) too
+  t = t < g.top ? t : g.top;
+  const int32_t j = static_cast<int32_t>(t);
+  return j + (static_cast<float>(j) < t);  // ceil(t)
+}
+
+// The edges between sentinels in the compare type: ext = [-inf, RD(e_0) .. RD(e_m), +inf] (bucket j:
+// ext[j] < |v| <= ext[j + 1]), no bounds checks in the loops.
+template <typename C>
+std::vector<C> hist_edges(const double* edges, int64_t m) {
+  std::vector<C> ext(m + 3);
+  ext[0] = -std::numeric_limits<C>::infinity();
+  for (int64_t k = 0; k <= m; ++k) {
+    C e = static_cast<C>(edges[k]);  // to nearest: one step down where that rounded up
+    if (static_cast<double>(e) > edges[k]) e = std::nextafter(e, -std::numeric_limits<C>::infinity());
+    ext[k + 1] = e;
+  }
+  ext[m + 2] = std::numeric_limits<C>::infinity();
+  return ext;
+}
+
+// float16 -> float32 from the bits, exactly (zeros, subnormals, inf and NaN included), branch-free
+// ("half_to_float" of F. Giesen, https://gist.github.com/rygorous/2156668): it vectorizes where GCC
+// keeps _Float16's conversion scalar.
+inline float half_to_float(const c10::Half* p, int64_t i) {
+  const uint32_t h = reinterpret_cast<const uint16_t*>(p)[i];
+  const uint32_t bits = (h & 0x7FFFu) << 13;  // exponent and mantissa at float32's positions
+  const uint32_t exp = bits & 0x0F800000u;
+  const uint32_t o = bits + ((127u - 15u) << 23) + (exp == 0x0F800000u ? (128u - 16u) << 23 : 0u);
+  // Zero or subnormal: 2^-14 (1 + mantissa / 2^10) - 2^-14, exact in float32.
+  const float sub = __builtin_bit_cast(float, o + (1u << 23)) - __builtin_bit_cast(float, 113u << 23);
+  const uint32_t zero_or_subnormal = 0u - static_cast<uint32_t>(exp == 0);  // a mask: no branch on `sub`
+  const uint32_t magnitude =
+      (__builtin_bit_cast(uint32_t, sub) & zero_or_subnormal) | (o & ~zero_or_subnormal);
+  return __builtin_bit_cast(float, magnitude | ((h & 0x8000u) << 16));
+}
+
+template <typename C, typename T>
+inline C hist_value(const T* p, int64_t i) {
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    return half_to_float(p, i);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return load(p, i);
+  } else {
+    return static_cast<C>(p[i]);
+  }
+}
+
+inline int32_t sign_bit(float v) { return static_cast<int32_t>(__builtin_bit_cast(uint32_t, v) >> 31); }
+inline int32_t sign_bit(double v) { return static_cast<int32_t>(__builtin_bit_cast(uint64_t, v) >> 63); }
+
+// pos[i] for p[0..len): the position m + 1 +- j of a value whose guess j is right, 2m + 3 (the trash
+// slot) for NaN, and -1 - j for a wrong guess j. Branch-free (signs from bits, NaN by its float32
+// bits) so that it vectorizes, the edges gathered.
+template <typename C, typename T>
+LE_CLONES __attribute__((noinline)) void hist_positions(const T* __restrict p, int64_t len,
+                                                       const C* __restrict ext, int32_t m, HistGuess g,
+                                                       int32_t* __restrict pos) {
+  const int32_t trash = 2 * m + 3;
+#pragma omp simd
+  for (int64_t i = 0; i < len; ++i) {
+    const C c = hist_value<C>(p, i);
+    const C a = std::fabs(c);
+    const float f = static_cast<float>(a);  // inf above float32's range, 0 below: clamped
+    const int32_t j = hist_guess_of(f, g);
+    const C lo = ext[j], hi = ext[j + 1];
+    // Quiet comparisons: `<` may trap on NaN, which keeps GCC from if-converting (vectorizing) the loop.
+    const bool right = std::isless(lo, a) & std::islessequal(a, hi);
+    const bool nan = __builtin_bit_cast(uint32_t, f) > 0x7F800000u;
+    const int32_t neg = -sign_bit(c);
+    const int32_t q = m + 1 + ((j ^ neg) - neg);
+    pos[i] = nan ? trash : (right ? q : -1 - j);
+  }
+}
+
+// The j of a magnitude a (not NaN) from a guess j in [0, m + 1]; ext as hist_edges gives it.
+template <typename C>
+inline int64_t hist_locate(const C* ext, int64_t m, C a, int64_t j) {
+  for (int s = 0; s < HIST_STEPS; ++s) {
+    if (ext[j + 1] < a) {
+      ++j;
+    } else if (ext[j] >= a) {
+      --j;
+    } else {
+      return j;
+    }
+  }
+  if (ext[j] < a && a <= ext[j + 1]) return j;
+  return std::lower_bound(ext + 1, ext + m + 2, a) - (ext + 1);  // the number of edges below a
+}
+
+// counts (2m + 4,) int64 += the counts of p[0..n) (the last slot: NaN).
+template <typename C, typename T>
+void histogram_range(const T* p, int64_t n, const C* ext, int64_t m, HistGuess g, int64_t* counts) {
+  int32_t pos[HIST_BLOCK];
+  for (int64_t b0 = 0; b0 < n; b0 += HIST_BLOCK) {
+    const int64_t len = std::min(HIST_BLOCK, n - b0);
+    hist_positions<C>(p + b0, len, ext, static_cast<int32_t>(m), g, pos);
+    for (int64_t i = 0; i < len; ++i) {
+      int64_t q = pos[i];
+      if (q < 0) {
+        const C c = hist_value<C>(p, b0 + i);
+        const int64_t j = hist_locate<C>(ext, m, std::fabs(c), -1 - q);
+        q = m + 1 + (sign_bit(c) ? -j : j);
+      }
+      ++counts[q];
+    }
+  }
+}
+
+// hist += the counts of p[0..n), n <= HIST_SMALL, from float64 comparisons with the edges e themselves.
+template <typename T>
+void histogram_small(const T* p, int64_t n, const double* e, int64_t m, HistGuess g, double* hist) {
+  int64_t pos[HIST_SMALL];
+  int64_t k = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = hist_value<double>(p, i);
+    if (std::isnan(v)) continue;
+    const double a = std::fabs(v);
+    int64_t j = hist_guess_of(static_cast<float>(a), g);
+    for (int s = 0; s < HIST_STEPS && j <= m && e[j] < a; ++s) ++j;
+    for (int s = 0; s < HIST_STEPS && j > 0 && e[j - 1] >= a; ++s) --j;
+    if ((j <= m && e[j] < a) || (j > 0 && e[j - 1] >= a)) j = std::lower_bound(e, e + m + 1, a) - e;
+    pos[k++] = m + 1 + (v < 0.0 ? -j : j);
+  }
+  std::sort(pos, pos + k);  // one float64 add per bucket, as the large path
+  for (int64_t i = 0; i < k;) {
+    int64_t r = i;
+    while (r < k && pos[r] == pos[i]) ++r;
+    hist[pos[i]] += static_cast<double>(r - i);
+    i = r;
+  }
+}
+
+// The dtypes the kernels read; other real ones (uint16/32/64, float8) are converted to float64 first.
+bool hist_reads(at::ScalarType t) {
+  switch (t) {
+    case at::kByte: case at::kChar: case at::kShort: case at::kInt: case at::kLong:
+    case at::kHalf: case at::kBFloat16: case at::kFloat: case at::kDouble:
+      return true;
+    default:
+      return false;
+  }
+}
+
+void accumulate_histogram_(Tensor& hist, const Tensor& x, const Tensor& edges) {
+  Guards guards;
+  const Tensor xd = hist_reads(x.scalar_type()) ? x.contiguous() : x.to(at::kDouble).contiguous();
+  const Tensor ed = edges.contiguous();
+  const int64_t n = xd.numel(), m = ed.numel() - 1, buckets = 2 * m + 3;
+  TORCH_CHECK(m >= 0 && m < (int64_t{1} << 29), "accumulate_histogram_: 1 to 2^29 edges, got ", m + 1);
+  TORCH_CHECK(hist.numel() == buckets && hist.scalar_type() == at::kDouble && hist.is_contiguous(),
+              "accumulate_histogram_: `hist` must be a contiguous float64 tensor of 2m + 3 = ", buckets,
+              " counts");
+  const double* e = ed.const_data_ptr<double>();
+  double* h = hist.data_ptr<double>();
+  const HistGuess g = hist_guess(e, m);
+  if (n <= HIST_SMALL) {
+    AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, xd.scalar_type(), "accumulate_histogram_", [&] {
+      histogram_small(xd.const_data_ptr<scalar_t>(), n, e, m, g, h);
+    });
+    return;
+  }
+  const int chunks =
+      static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n / HIST_GRAIN, 1)));
+  std::vector<int64_t> counts(static_cast<size_t>(chunks) * (buckets + 1), 0);
+  AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, xd.scalar_type(), "accumulate_histogram_", [&] {
+    using C = HistCompare<scalar_t>;
+    const std::vector<C> ext = hist_edges<C>(e, m);
+    const scalar_t* p = xd.const_data_ptr<scalar_t>();
+    const int64_t per = (n + chunks - 1) / chunks;
+    at::parallel_for(0, chunks, 1, [&](int64_t k0, int64_t k1) {
+      for (int64_t k = k0; k < k1; ++k) {
+        const int64_t i0 = k * per, i1 = std::min(n, i0 + per);
+        if (i0 < i1) histogram_range<C>(p + i0, i1 - i0, ext.data(), m, g, counts.data() + k * (buckets + 1));
+      }
+    });
+  });
+  for (int64_t b = 0; b < buckets; ++b) {  // fixed order; exact int64 sums, one float64 add per bucket
+    int64_t total = 0;
+    for (int k = 0; k < chunks; ++k) total += counts[static_cast<size_t>(k) * (buckets + 1) + b];
+    if (total != 0) h[b] += static_cast<double>(total);  // (+0.0 would change nothing but a -0.0)
+  }
+}
+
+
 // ------------------------------------------------------------------------------ statistics flush
 // moments_payload_ and moments_finish_ (contracts: KernelBackend): one loop over the R names each, the
 // float64 operations of the reference (lightning_ext/kernels/moments.py) in the same order.
@@ -761,4 +1010,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("accumulate_moments_", &accumulate_moments_);
   m.def("moments_payload_", &moments_payload_);
   m.def("moments_finish_", &moments_finish_);
+  m.def("accumulate_histogram_", &accumulate_histogram_);
 }

@@ -25,6 +25,7 @@ OPS = [
     "accumulate_moments_",
     "moments_payload_",
     "moments_finish_",
+    "accumulate_histogram_",
 ]
 
 
@@ -77,6 +78,7 @@ def test_opcheck_custom_ops(backend: KernelBackend):
     running = [torch.zeros(5, device=device), torch.ones(5, device=device)]
     momentum = torch.tensor(0.1, dtype=torch.float64)
     payloads = (i["max_payload"], i["sum_payload"])
+    edges = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64, device=device)
     cases = [
         (lib.batch_norm_moments, (i["x"], i["shift_c"], key)),
         (lib.batch_norm_gather_stats, (payload, i["shift_c"], *running, momentum, 1e-5, key)),
@@ -94,6 +96,7 @@ def test_opcheck_custom_ops(backend: KernelBackend):
         (lib.accumulate_moments_, (i["acc"], i["x"], i["shift"], key)),
         (lib.moments_payload_, (*payloads, i["table"], i["shifts"], i["shifts"], 7.0, key)),
         (lib.moments_finish_, (i["published"], i["next_shift"], *payloads, i["shifts"], True, key)),
+        (lib.accumulate_histogram_, (torch.zeros(7, dtype=torch.float64, device=device), i["x"], edges, key)),
     ]
     assert {op._qualified_op_name.split("::")[1] for op, _ in cases} == set(OPS)
     for op, args in cases:
@@ -118,7 +121,9 @@ def _all_ops(backend, x, dy, shift_c, mean, invstd, weight, bias, grads, inv_sca
     needs = backend.moments_finish_(published, next_shift, max_payload, sum_payload, shifts, False)
     backend.moments_payload_(max_payload, sum_payload, table, shifts, shifts, 7.0)
     flush = (max_payload.clone(), sum_payload.clone(), published.clone(), next_shift.clone(), needs)
-    return payload, gathered_mean, *running, y, sums, dx, *flush, finite, found
+    hist, edges = torch.zeros(7, dtype=torch.float64, device=x.device), table.new_tensor([0.5, 1.0, 2.0])
+    backend.accumulate_histogram_(hist, y, edges)
+    return payload, gathered_mean, *running, y, sums, dx, *flush, hist, finite, found
 
 
 @pytest.mark.parametrize("compiler", ["graph", "aot_eager"])
