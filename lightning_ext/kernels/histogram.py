@@ -78,7 +78,7 @@ if HAS_TRITON:
 def _accumulate_histogram_triton(hist: Tensor, x: Tensor, edges: Tensor) -> None:
     """ONE launch of at most 4 programs per multiprocessor: a binary search over the edges and a
     float64 atomic add per value."""
-    x = x.reshape(-1)
+    x = x.reshape(-1).contiguous()  # the kernel reads stride 1; reshape may give a strided view
     m = edges.numel() - 1
     block = 4096 if x.is_cpu else 1024  # Triton's interpreter (CPU tensors): few, large programs
     blocks = triton.cdiv(x.numel(), block)

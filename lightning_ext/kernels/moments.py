@@ -216,7 +216,7 @@ def _accumulate_moments_triton(acc: Tensor, x: Tensor, shift: Tensor) -> None:
     Non-contiguous ``x`` is flattened with a copy first. Float atomics need not propagate NaN, so one
     more op sets the extremes to NaN when the sums are.
     """
-    x = x.reshape(-1)
+    x = x.reshape(-1).contiguous()  # the kernel reads stride 1; reshape may give a strided view
     block = 4096 if x.is_cpu else 1024  # Triton's interpreter (CPU tensors): few, large programs
     blocks = triton.cdiv(x.numel(), block)
     programs = min(blocks, 3 if x.is_cpu else 4 * sm_count(x.device))

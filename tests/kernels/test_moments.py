@@ -37,6 +37,8 @@ def test_accumulate_moments(backend, dtype):
         # 5 interpreted blocks on 3 programs: several blocks per program, a partial last one.
         torch.randn(16389, generator=gen, dtype=torch.float64) * 2 + 990,
         torch.randn(7, 3, generator=gen, dtype=torch.float64).t() + 1000,  # non-contiguous
+        # one stride throughout: reshape(-1) is a strided view, not a copy (a kernel must not read stride 1)
+        (torch.randn(2 * 3001, generator=gen, dtype=torch.float64) + 1000)[::2],
         torch.randn(1, generator=gen, dtype=torch.float64) + 1000,
         torch.randn(0, 5, generator=gen, dtype=torch.float64),  # empty: adds nothing
     ]
