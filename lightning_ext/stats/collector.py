@@ -238,6 +238,9 @@ class Collector:
     ``max``, ``c[name]`` for the mean) give 0/NaN for a matching name without values and raise
     ``KeyError`` (listing close names) for a name ``regex`` excludes, ``TypeError`` for a non-str.
 
+    A collector sees the values reported while it exists: creating one first hands the values
+    pending to the collectors created before (:func:`~lightning_ext.stats.register_sink`).
+
     Opt-in per name: :meth:`quantile` for the names ``quantiles`` matches, from a mergeable sketch
     (:class:`~lightning_ext.stats.LogHistogram`: relative accuracy ``relative_accuracy`` for
     magnitudes in ``value_range``; about 22 KB per name with the defaults), and :meth:`straggler`,
