@@ -432,6 +432,12 @@ def _accumulate(name: str, acc: dict[torch.device, _Entry], x: torch.Tensor) -> 
         entry[1].copy_(x.reshape(-1)[0]).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     # The unchecked call of accumulate_moments_: sums and shift are valid by construction, x by _as_tensor.
     entry[2].run("accumulate_moments_", entry[0], x, entry[1])
+    if entry[6]:
+        _accumulate_sketches(entry, x)
+
+
+def _accumulate_sketches(entry: _Entry, x: torch.Tensor) -> None:
+    """Count ``x`` into the sketches of ``entry`` (the unchecked call: valid by construction)."""
     for _sketch, edges, counts in entry[6]:
         entry[2].run("accumulate_histogram_", counts, x, edges)
 
@@ -450,8 +456,8 @@ def _accumulate_number(name: str, acc: dict[torch.device, _Entry], value: float)
     scratch = entry[3]
     scratch.fill_(value)  # a normal tensor: in-place writes are allowed in inference mode too
     entry[2].run("accumulate_moments_", entry[0], scratch, entry[1])
-    for _sketch, edges, counts in entry[6]:
-        entry[2].run("accumulate_histogram_", counts, scratch, edges)
+    if entry[6]:
+        _accumulate_sketches(entry, scratch)
 
 
 def report(name: str, value: T) -> T:
