@@ -619,7 +619,8 @@ def _take_histograms(device: torch.device) -> dict[tuple[str, LogHistogram], tor
             sketch, counts = pair[0], pair[2]
             key = (name, sketch)
             histograms[key] = histograms[key] + counts.to(device) if key in histograms else counts.to(device)
-            pair[2] = torch.zeros_like(counts)
+            with torch.inference_mode(False):  # a normal tensor, even when drained in inference mode
+                pair[2] = torch.zeros_like(counts)
     return histograms
 
 

@@ -105,8 +105,9 @@ class LogHistogram:
         bucket and of the buckets (the ``edges`` of ``accumulate_histogram_``)."""
         cached = _EDGES.get((self, torch.device(device)))
         if cached is None:
-            k = torch.arange(self.first - 1, self.first + self.buckets, dtype=torch.float64)
-            cached = (k * math.log(self.gamma)).exp_().to(device)
+            with torch.inference_mode(False):  # normal tensors, even when first asked in inference mode
+                k = torch.arange(self.first - 1, self.first + self.buckets, dtype=torch.float64)
+                cached = (k * math.log(self.gamma)).exp_().to(device)
             _EDGES[(self, torch.device(device))] = cached
         return cached
 

@@ -192,3 +192,25 @@ def test_straggler_of_one_process_and_of_a_name_without_values() -> None:
     assert c.straggler("t") is None
     with pytest.raises(KeyError, match=r"'u' is not matched by Collector\(stragglers='t'\)"):
         report("u", 1.0), c.update(), c.straggler("u")
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_a_drain_in_inference_mode_leaves_the_sketches_writable(backend, monkeypatch) -> None:
+    # Lightning validates in inference mode: a validation collector's update drains the training
+    # values too, and training then reports into the sketches again (in place, outside it).
+    from lightning_ext.kernels import BACKEND_ENV_VAR
+    from tests.helpers.cpu_extension import require_cpu_backend
+
+    if backend == "cpu":
+        require_cpu_backend()
+    monkeypatch.setenv(BACKEND_ENV_VAR, backend)
+    clear_statistics()
+    train, val = Collector(quantiles="x"), Collector(stage="validate")
+    with torch.inference_mode():
+        report("y", 1.0)  # the first sketch edges may be asked for here too
+    report("x", 1.0)
+    with torch.inference_mode():
+        val.update()
+    report("x", torch.tensor([2.0, 3.0]))
+    train.update()
+    assert train.num("x") == 3 and train.quantile("x", 0.5) == pytest.approx(2.0, rel=ALPHA)
