@@ -509,10 +509,9 @@ def report(name: str, value: T) -> T:
             _check_value(name, value)
             return value
         acc = _pending[name] = {}
-    if type(value) is float:  # the common Python number: no tensor built
-        _accumulate_number(name, acc, value)
-        return value
-    if isinstance(value, numbers.Real) and not isinstance(value, torch.Tensor | np.ndarray):
+    if type(value) is float or (  # a Python number (float first: the common one): no tensor built
+        isinstance(value, numbers.Real) and not isinstance(value, torch.Tensor | np.ndarray)
+    ):
         _accumulate_number(name, acc, float(value))
         return value
     x = _as_tensor(name, value)
