@@ -16,12 +16,12 @@ from __future__ import annotations
 import fcntl
 import importlib.metadata
 import os
-import re
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import torch
+from packaging.version import Version
 from torch import Tensor, nn
 
 __all__: list[str] = []  # private helpers for the package's own modules
@@ -34,17 +34,14 @@ __all__: list[str] = []  # private helpers for the package's own modules
 MIN_VERSIONS = {"torch": "2.5", "lightning": "2.4"}
 
 
-def release(version: str) -> tuple[int, ...]:
-    """The release numbers of a version string: ``"2.4.1+cu121"`` -> ``(2, 4, 1)``, ``"2.5.0a0"`` ->
-    ``(2, 5, 0)`` (a pre-release counts as its release).
+def at_least(version: str, floor: str) -> bool:
+    """Whether ``version`` is at least ``floor`` (``packaging.version``), a pre-release or local build
+    counting as its release: ``"2.5.0a0+git1"`` is at least ``"2.5"``.
 
     Raises:
-        ValueError: ``version`` does not start with a number.
+        packaging.version.InvalidVersion (a ValueError): ``version`` or ``floor`` is not a PEP 440 version.
     """
-    match = re.match(r"\d+(\.\d+)*", str(version))
-    if match is None:
-        raise ValueError(f"`version` must start with release numbers such as '2.4.1', got {version!r}")
-    return tuple(int(part) for part in match.group().split("."))
+    return Version(Version(version).base_version) >= Version(floor)
 
 
 def check_versions(installed: dict[str, str | None] | None = None) -> None:
@@ -63,7 +60,7 @@ def check_versions(installed: dict[str, str | None] | None = None) -> None:
     old = [
         f"{name} {version} is installed, lightning_ext needs {name}>={MIN_VERSIONS[name]}"
         for name, version in installed.items()
-        if version is not None and release(version) < release(MIN_VERSIONS[name])
+        if version is not None and not at_least(version, MIN_VERSIONS[name])
     ]
     if old:
         raise ImportError(
@@ -91,7 +88,7 @@ from torch.nn.modules.batchnorm import _BatchNorm  # noqa: E402
 # 2.13 a FileBaton, whose file exists exactly while a process builds (a killed build leaves it behind,
 # and every later load waits for it forever); from torch 2.14 filelock's advisory lock on a file that
 # stays after the build (the kernel releases the lock when its holder dies, so it never goes stale).
-BUILD_LOCK_IS_ADVISORY = release(torch.__version__) >= (2, 14)
+BUILD_LOCK_IS_ADVISORY = at_least(torch.__version__, "2.14")
 
 
 def build_lock_held(lock: Path) -> bool:
@@ -122,7 +119,7 @@ def triton_interpreter_limit() -> str | None:
     compiled Triton (CUDA) reads them in every release.
     """
     version = _distribution_version("triton")
-    if version is None or release(version) >= (3, 4):
+    if version is None or at_least(version, "3.4"):
         return None
     return (
         f"Triton {version}'s interpreter does not read the string annotations `tl.constexpr` of the "
