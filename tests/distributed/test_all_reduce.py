@@ -272,6 +272,6 @@ def test_waiting_for_a_rank_whose_process_exited_raises_at_once() -> None:
     child.wait()
     world_size = 2
     storage = torch.zeros(world_size * shm._LINE + 2 * world_size * shm._SLOT_BYTES, dtype=torch.uint8)
-    group = shm._ShmGroup(storage, 0, world_size, [os.getpid(), child.pid])
+    group = shm._ShmGroup(storage, 0, world_size, [os.getpid(), child.pid], timeout=1800.0)
     with pytest.raises(RuntimeError, match=rf"group ranks \[1\] \(pids \[{child.pid}\]\) exited"):
-        group.all_reduce_(torch.ones(3), dist.ReduceOp.SUM)
+        group.all_reduce_(torch.ones(3), dist.ReduceOp.SUM, descriptor=0)
