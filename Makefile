@@ -1,11 +1,12 @@
-# The two set-up commands of README.md: `make demo` (main job) and `make test` (tests).
-# Each creates .venv when missing and installs what it needs (pinned by constraints.txt).
+# The set-up commands of README.md: `make demo` (main job), `make test` (every test, as CI) and
+# `make test-fast` (the everyday loop, see CONTRIBUTING.md). Each creates .venv when missing and installs
+# what it needs (pinned by constraints.txt).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --disable-pip-version-check -q -c constraints.txt
 
-.PHONY: demo test test-oldest test-newest test-matrix lint docs bench bench-gpu clean
+.PHONY: demo test test-fast test-oldest test-newest test-matrix lint docs bench bench-gpu clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,16 +27,22 @@ $(VENV)/.cpu-extension: lightning_ext/csrc/kernels_cpu.cpp | $(VENV)/.examples-i
 	$(PY) -m lightning_ext.kernels || echo "the cpu kernel backend was not built: reference serves CPU tensors"
 	touch $@
 
+# The example jobs live in examples/ at the repository's top, outside the package: run from here.
 demo: $(VENV)/.examples-installed $(VENV)/.cpu-extension
-	$(PY) -m lightning_ext.examples.digits
+	$(PY) -m examples.digits
 
 lint: $(VENV)/.dev-installed
 	$(VENV)/bin/ruff check .
 
 # pytest exits 5 when it collected no test: that is not a failure of the suite.
 test: lint $(VENV)/.cpu-extension
-	$(PY) -m pytest --nbmake lightning_ext tests notebooks; rc=$$?; \
+	$(PY) -m pytest --nbmake lightning_ext examples tests notebooks; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+# Everything but the tests marked `slow` (they start processes: multi-process tests, whole jobs, builds,
+# the notebooks), plus the `smoke` tests, one per multi-process feature.
+test-fast: $(VENV)/.dev-installed $(VENV)/.cpu-extension
+	$(PY) -m pytest -q -m "not slow or smoke" lightning_ext examples tests
 
 # The documentation site, strictly (a warning is an error; see docs/README.md): HTML with the notebooks
 # executed into docs/_build/html, then the guides' examples as doctests. The notebooks draw their figures
@@ -69,7 +76,7 @@ MATRIX_VERSIONS := import importlib.metadata as m, platform; print(*(f"{d} {m.ve
   ("torch", "lightning", "torchmetrics", "numpy")), f"python {platform.python_version()}", sep=", ")
 define corner
 mkdir -p runs/matrix; set -o pipefail; \
-$(2) -m pytest -p no:cacheprovider -q lightning_ext tests 2>&1 | tee runs/matrix/$(1).log; rc=$$?; \
+$(2) -m pytest -p no:cacheprovider -q lightning_ext examples tests 2>&1 | tee runs/matrix/$(1).log; rc=$$?; \
 echo "$(1): $$($(2) -c '$(MATRIX_VERSIONS)'): $$(tail -n 1 runs/matrix/$(1).log | tr -d =)" \
   | tee runs/matrix/$(1).txt; exit $$rc
 endef

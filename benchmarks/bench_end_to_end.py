@@ -67,9 +67,9 @@ for _path in (HERE.parent, HERE):
 
 from _common import environ, write_result  # noqa: E402
 
+from examples.digits import DigitsDataModule, DigitsModule  # noqa: E402
 from lightning_ext import kernels  # noqa: E402
 from lightning_ext.distributed import SHM_ENV_VAR, all_reduce_, close_shared_memory  # noqa: E402
-from lightning_ext.examples.digits import DigitsDataModule, DigitsModule  # noqa: E402
 
 
 class StepClock(Callback):

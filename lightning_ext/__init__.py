@@ -19,7 +19,7 @@ from lightning_ext import _compat  # noqa: F401  (checks the installed torch and
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("amp", "callbacks", "distributed", "examples", "kernels", "nn", "plugins", "stats")
+_SUBMODULES = ("amp", "callbacks", "distributed", "kernels", "nn", "plugins", "stats")
 __all__ = ["__version__", "reset", *_SUBMODULES]
 
 

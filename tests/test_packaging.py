@@ -1,5 +1,7 @@
-"""The wheel: the package with its C++ source and PEP 561 marker, nothing from benchmarks/ or tests/."""
+"""The wheel: the package with its C++ source and PEP 561 marker, nothing from examples/, benchmarks/
+or tests/; the library needs none of the examples' packages."""
 
+import ast
 import subprocess
 import sys
 import zipfile
@@ -8,6 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES_ONLY = {"torchmetrics", "sklearn", "matplotlib", "tensorboard", "rich", "examples"}
 
 
 @pytest.mark.timeout(300)
@@ -35,5 +38,23 @@ def test_wheel_ships_the_package_source_and_marker_only(tmp_path: Path):
     (dist_info,) = {n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info")}
     assert {n.split("/")[0] for n in names} == {"lightning_ext", dist_info}
     assert "lightning_ext/csrc/kernels_cpu.cpp" in names and "lightning_ext/py.typed" in names
-    assert not [n for n in names if n.startswith(("benchmarks/", "tests/", "notebooks/", "docs/"))]
+    assert not [n for n in names if "examples" in n.split("/")]
     assert "License-Expression: Apache-2.0" in metadata
+    torchmetrics = [line for line in metadata.splitlines() if line.startswith("Requires-Dist: torchmetrics")]
+    assert torchmetrics and all('extra == "examples"' in line for line in torchmetrics), torchmetrics
+
+
+def test_the_library_imports_none_of_the_examples_packages():
+    imported = {}
+    for path in sorted((ROOT / "lightning_ext").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+            else:
+                continue
+            for module in modules:
+                if module.split(".")[0] in EXAMPLES_ONLY:
+                    imported[f"{path.relative_to(ROOT)}:{node.lineno}"] = module
+    assert not imported, f"the library imports packages only the examples extra installs: {imported}"

@@ -1,24 +1,27 @@
 """The main job end to end: 2 DDP processes on CPU, every feature on, then a resume."""
 
 import csv
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from lightning_ext.examples.common import read_metrics_csv
-from lightning_ext.examples.digits import parse_args, plot_summary
+from examples.common import read_metrics_csv
+from examples.digits import parse_args, plot_summary
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository, whose examples/ the jobs run from
 
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "lightning_ext.examples.digits", *args],
+        [sys.executable, "-m", "examples.digits", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=400,
-        env={**__import__("os").environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(Path.cwd())},
+        env={**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(ROOT)},
     )
 
 

@@ -11,11 +11,13 @@ import pytest
 import torch
 from lightning.fabric.plugins.precision import MixedPrecision
 
+from examples.common import read_metrics_csv
+from examples.digits import ConvNet, load_digits_tensors
+from examples.fabric_digits import parse_args, training_step
 from lightning_ext.amp import DynamicLossScaler
 from lightning_ext.callbacks.hook_runner import HookRunner
-from lightning_ext.examples.common import read_metrics_csv
-from lightning_ext.examples.digits import ConvNet, load_digits_tensors
-from lightning_ext.examples.fabric_digits import parse_args, training_step
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository, whose examples/ the jobs run from
 
 
 def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -26,14 +28,14 @@ def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=500,
-        env={**os.environ, "PYTHONPATH": str(Path.cwd()), "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
     )
 
 
 @pytest.mark.timeout(600)
 def test_fabric_job_trains_on_two_processes(tmp_path):
     args = ["--max-epochs", "2", "--min-accuracy", "0.8", "--precise-bn-iters", "4"]
-    result = _run(["-m", "lightning_ext.examples.fabric_digits", *args, "--root", str(tmp_path)], tmp_path)
+    result = _run(["-m", "examples.fabric_digits", *args, "--root", str(tmp_path)], tmp_path)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in out
@@ -61,9 +63,9 @@ NAN_JOB = """
     import torch
     import torch.distributed as dist
 
-    from lightning_ext.examples import fabric_digits
-    from lightning_ext.examples.common import start_run
-    from lightning_ext.examples.digits import ConvNet
+    from examples import fabric_digits
+    from examples.common import start_run
+    from examples.digits import ConvNet
 
 
     class NanOnRank1(ConvNet):

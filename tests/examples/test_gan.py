@@ -9,19 +9,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_ext.examples.gan import DigitsFeatures, GanModule, load_gan_digits, parse_args
+from examples.gan import DigitsFeatures, GanModule, load_gan_digits, parse_args
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository, whose examples/ the jobs run from
 
 EPOCHS = 5
 
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "lightning_ext.examples.gan", *args],
+        [sys.executable, "-m", "examples.gan", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=400,
-        env={**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(Path.cwd())},
+        env={**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(ROOT)},
     )
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[2]  # the repository, whose examples/ the jobs run from
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -22,11 +24,11 @@ def test_two_torchrun_agents_train_the_digits_job(tmp_path: Path):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
         "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{_free_port()}", "--rdzv_id=digits",
-        "-m", "lightning_ext.examples.digits", "--devices", "1", "--num-nodes", "2", "--strategy", "ddp",
+        "-m", "examples.digits", "--devices", "1", "--num-nodes", "2", "--strategy", "ddp",
         "--max-epochs", "3", "--min-accuracy", "0.85", "--precise-bn-iters", "4", "--no-plot",
         "--root", str(tmp_path),
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(Path.cwd()), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     agents = [
         subprocess.Popen(
             command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

@@ -1,6 +1,6 @@
 """A GAN on scikit-learn's digits with one loss scale per optimizer (StyleGAN2-ADA's training setup).
 
-Run it with ``python -m lightning_ext.examples.gan``. By default it trains an MLP generator (with
+Run it with ``python -m examples.gan``. By default it trains an MLP generator (with
 BatchNorm) against an MLP discriminator on the 1,797 real 8×8 images of
 ``sklearn.datasets.load_digits`` with ``Trainer(accelerator="cpu", devices=2, strategy="ddp")``,
 manual optimization (the non-saturating logistic loss, and StyleGAN2's lazy R1 regularization: a
@@ -42,21 +42,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.image.fid import FrechetInceptionDistance
 from typing_extensions import override
 
-from lightning_ext._checks import check_choice
-from lightning_ext.examples import common
+from examples import common
 from lightning_ext.stats import report
-
-__all__ = [
-    "FID",
-    "DigitsFeatures",
-    "GanModule",
-    "build_trainer",
-    "load_gan_digits",
-    "main",
-    "parse_args",
-    "plot_loss_scales",
-    "save_samples",
-]
 
 _Z_DIM = 32
 
@@ -203,7 +190,6 @@ class GanModule(L.LightningModule):
         r1_interval: batches between R1 steps (0: no R1).
 
     Raises:
-        TypeError: ``arch`` is not a str.
         ValueError: ``arch`` is neither ``"mlp"`` nor ``"conv"``.
     """
 
@@ -211,7 +197,8 @@ class GanModule(L.LightningModule):
         self, arch: str = "mlp", lr: float = 2e-3, r1_gamma: float = 0.1, r1_interval: int = 4
     ) -> None:
         super().__init__()
-        check_choice("GanModule", "arch", arch, ("mlp", "conv"))
+        if arch not in ("mlp", "conv"):
+            raise ValueError(f"GanModule: arch must be 'mlp' or 'conv', got {arch!r}")
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.G = _mlp_generator() if arch == "mlp" else _conv_generator()
@@ -334,9 +321,9 @@ def plot_loss_scales(metrics_csv: str | Path, out_png: str | Path) -> Path:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse the command line (see ``python -m lightning_ext.examples.gan -h``)."""
+    """Parse the command line (see ``python -m examples.gan -h``)."""
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_ext.examples.gan",
+        prog="python -m examples.gan",
         description="A GAN on scikit-learn's digits with one fp16 loss scale per optimizer.",
     )
     common.add_run_args(parser, name="gan")

@@ -1,6 +1,6 @@
 """The main job: DDP training on scikit-learn's handwritten digits with every lightning_ext feature on.
 
-Run it with ``python -m lightning_ext.examples.digits`` (or ``make demo``). By default it trains a
+Run it with ``python -m examples.digits`` (or ``make demo``). By default it trains a
 small CNN with BatchNorm on the 1,797 real 8×8 images of ``sklearn.datasets.load_digits`` (bundled,
 no download) with ``Trainer(accelerator="cpu", devices=2, strategy="ddp")`` and:
 
@@ -37,8 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
-from lightning_ext._checks import check_int, check_number
-from lightning_ext.examples.common import (
+from examples.common import (
     ProgressBar,
     add_run_args,
     check_positive,
@@ -47,18 +46,6 @@ from lightning_ext.examples.common import (
     start_run,
 )
 from lightning_ext.stats import report
-
-__all__ = [
-    "ConvNet",
-    "DigitsDataModule",
-    "DigitsModule",
-    "build_trainer",
-    "load_digits_tensors",
-    "main",
-    "parse_args",
-    "plot_summary",
-]
-
 
 # ---------------------------------------------------------------------------------------------
 # Data
@@ -69,13 +56,9 @@ def load_digits_tensors(val_fraction: float = 0.2, seed: int = 0) -> tuple[Tenso
     """Scikit-learn's bundled digits as standardized ``(N, 1, 8, 8)`` float32 images and int64 labels.
 
     The split is stratified and deterministic for a given ``seed``; the standardization uses the
-    training split's mean and standard deviation only.
-
-    Raises:
-        TypeError: ``val_fraction`` is not a finite number.
-        ValueError: ``val_fraction`` is not in (0, 1).
+    training split's mean and standard deviation only. scikit-learn's ``train_test_split`` rejects a
+    ``val_fraction`` outside (0, 1).
     """
-    check_number("load_digits_tensors", "val_fraction", val_fraction, gt=0.0, lt=1.0)
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -100,10 +83,6 @@ class DigitsDataModule(L.LightningDataModule):
         val_fraction: share of the 1,797 images held out for validation.
         seed: seed of the stratified split.
 
-    Raises:
-        TypeError: ``batch_size`` is not an int, or ``val_fraction`` not a finite number.
-        ValueError: ``batch_size < 1``, or ``val_fraction`` not in (0, 1).
-
     Example::
 
         >>> dm = DigitsDataModule(batch_size=16)
@@ -115,8 +94,6 @@ class DigitsDataModule(L.LightningDataModule):
 
     def __init__(self, batch_size: int = 32, val_fraction: float = 0.2, seed: int = 0) -> None:
         super().__init__()
-        check_int("DigitsDataModule", "batch_size", batch_size, ge=1)
-        check_number("DigitsDataModule", "val_fraction", val_fraction, gt=0.0, lt=1.0)
         self.batch_size = batch_size
         self.val_fraction = val_fraction
         self.seed = seed
@@ -245,9 +222,9 @@ class DigitsModule(L.LightningModule):
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse the command line of the main job (see ``python -m lightning_ext.examples.digits -h``)."""
+    """Parse the command line of the main job (see ``python -m examples.digits -h``)."""
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_ext.examples.digits",
+        prog="python -m examples.digits",
         description="DDP training on scikit-learn's digits with every lightning_ext feature on.",
     )
     add_run_args(parser, name="digits")

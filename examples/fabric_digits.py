@@ -1,7 +1,7 @@
 """The digits job as a ``lightning.Fabric`` loop: lightning_ext without a Trainer.
 
-Run it with ``python -m lightning_ext.examples.fabric_digits``. It trains the CNN of
-:mod:`lightning_ext.examples.digits` on scikit-learn's bundled 8×8 digits with
+Run it with ``python -m examples.fabric_digits``. It trains the CNN of
+``examples/digits.py`` on scikit-learn's bundled 8×8 digits with
 ``Fabric(accelerator="cpu", devices=2, strategy="ddp")`` and a loop written out in :func:`train`:
 
 - Fabric's own ``MixedPrecision("16-mixed", scaler=DynamicLossScaler(...))``: fp16 autocast with
@@ -36,20 +36,18 @@ import torch.nn.functional as F
 from lightning.fabric.plugins.precision import MixedPrecision
 from torch import nn
 
+from examples.common import add_run_args, check_positive, loggers, start_run
+from examples.digits import ConvNet, DigitsDataModule
 from lightning_ext.amp import DynamicLossScaler
 from lightning_ext.callbacks import HookRunner, IterationTimer, LossMonitor, PreciseBN
-from lightning_ext.examples.common import add_run_args, check_positive, loggers, start_run
-from lightning_ext.examples.digits import ConvNet, DigitsDataModule
 from lightning_ext.nn import convert_sync_batchnorm
 from lightning_ext.stats import Collector, report
 
-__all__ = ["build_fabric", "flush", "main", "parse_args", "train", "training_step", "validate"]
-
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse the command line (see ``python -m lightning_ext.examples.fabric_digits -h``)."""
+    """Parse the command line (see ``python -m examples.fabric_digits -h``)."""
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_ext.examples.fabric_digits",
+        prog="python -m examples.fabric_digits",
         description="The digits job as a Fabric loop: DDP, fp16 loss scaling, SyncBatchNorm, hooks.",
     )
     add_run_args(parser, name="fabric_digits")

@@ -12,16 +12,6 @@ import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar
 from typing_extensions import override
 
-__all__ = [
-    "ProgressBar",
-    "add_run_args",
-    "check_positive",
-    "loggers",
-    "quiet_dependency_warnings",
-    "read_metrics_csv",
-    "start_run",
-]
-
 
 def add_run_args(parser: argparse.ArgumentParser, name: str) -> None:
     """Add the options of every job: where it runs (accelerator, devices per node, nodes, strategy),

@@ -1,3 +1,0 @@
-"""lightning_ext.examples"""
-
-__all__: list[str] = []
