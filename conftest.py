@@ -1,12 +1,57 @@
-"""Test-session set-up shared by ``lightning_ext`` doctests, ``tests`` and the notebooks.
+"""Test-session set-up shared by ``lightning_ext`` doctests, ``examples``, ``tests`` and the notebooks.
 
 Without a GPU, Triton's kernels run on CPU tensors in Triton's interpreter, which
 ``TRITON_INTERPRET=1`` selects; it must be set before anything imports ``triton``.
+
+Test tiers (CONTRIBUTING.md): a test that starts processes through ``run_distributed``
+(tests/helpers/distributed.py) or a Trainer strategy that starts them (``"ddp_spawn"``,
+``"ddp_notebook"``, ...), itself or through a function of its module, is marked ``slow`` here; other
+tests that start processes (whole jobs, builds) carry ``@pytest.mark.slow`` themselves.
+``make test-fast`` runs ``-m "not slow or smoke"``.
 """
 
+import inspect
 import os
+import re
+import sys
+import types
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_STARTS_PROCESSES = re.compile(r"run_distributed|ddp_(spawn|fork|notebook)\w*")
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global and attribute names and the strings ``code`` uses, nested functions included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+        elif isinstance(const, str):
+            names.add(const)
+    return names
+
+
+def _starts_processes(function: types.FunctionType, depth: int = 2) -> bool:
+    names = _names(function.__code__)
+    if any(_STARTS_PROCESSES.fullmatch(name) for name in names):
+        return True
+    module = sys.modules.get(function.__module__)
+    helpers = [getattr(module, name, None) for name in names if name.isidentifier()]
+    return depth > 0 and any(
+        inspect.isfunction(helper)
+        and helper.__module__ == function.__module__
+        and _starts_processes(helper, depth - 1)
+        for helper in helpers
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        function = getattr(item, "function", None)
+        if inspect.isfunction(function) and _starts_processes(function):
+            item.add_marker(pytest.mark.slow)

@@ -30,7 +30,7 @@ sys.path.insert(0, str(DOCS / "_ext"))
 from api_coverage import missing_entries, public_names  # noqa: E402
 
 # The notebooks take ~60 s and the guides' examples ~60 s on 2 cores; Sphinx itself ~30 s.
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _sphinx(builder: str, out: Path, doctrees: Path) -> subprocess.CompletedProcess[str]:

@@ -25,6 +25,7 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # a whole job in new processes
 @pytest.mark.timeout(900)
 def test_main_job_trains_on_two_processes_and_resumes(tmp_path):
     common = ["--root", str(tmp_path), "--name", "run", "--precise-bn-iters", "4"]
@@ -56,6 +57,7 @@ def test_main_job_trains_on_two_processes_and_resumes(tmp_path):
     assert max(steps) > 3 * 22, "the resumed run must train past the first run's last step"
 
 
+@pytest.mark.slow  # a whole job in new processes
 def test_accuracy_gate_exits_non_zero(tmp_path):
     # One epoch cannot reach 100% validation accuracy: the job must report failure.
     result = _run(

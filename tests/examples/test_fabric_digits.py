@@ -32,6 +32,7 @@ def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # a whole job in new processes
 @pytest.mark.timeout(600)
 def test_fabric_job_trains_on_two_processes(tmp_path):
     args = ["--max-epochs", "2", "--min-accuracy", "0.8", "--precise-bn-iters", "4"]
@@ -95,6 +96,7 @@ NAN_JOB = """
 """
 
 
+@pytest.mark.slow  # a whole job in new processes
 @pytest.mark.timeout(600)
 def test_a_nan_loss_on_one_rank_stops_both_ranks(tmp_path):
     script = tmp_path / "nan_job.py"

@@ -27,6 +27,7 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # a whole job in new processes
 @pytest.mark.timeout(600)
 def test_gan_job_trains_two_scales_and_passes_its_fid_gate(tmp_path):
     result = _run(["--max-epochs", str(EPOCHS), "--root", str(tmp_path), "--name", "run"], tmp_path)
@@ -51,6 +52,7 @@ def test_gan_job_trains_two_scales_and_passes_its_fid_gate(tmp_path):
     assert steps == {"G": EPOCHS * 14, "D": EPOCHS * (14 + 4)}
 
 
+@pytest.mark.slow  # a whole job in new processes
 def test_fid_gate_exits_non_zero(tmp_path):
     result = _run(
         [

@@ -17,6 +17,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # a whole job in new processes
 @pytest.mark.timeout(600)
 def test_two_torchrun_agents_train_the_digits_job(tmp_path: Path):
     # What `torchrun --nnodes=2 --nproc_per_node=1` runs on each of two machines, here both on

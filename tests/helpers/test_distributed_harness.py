@@ -1,3 +1,4 @@
+import os
 import time
 
 import pytest
@@ -33,6 +34,38 @@ def _hang_on_rank_zero(rank: int, world_size: int) -> None:
         time.sleep(60)  # stays alive, so rank 0 waits in the barrier
 
 
+def _pid(rank: int, world_size: int) -> int:
+    return os.getpid()
+
+
+def _change_process_state(rank: int, world_size: int) -> None:
+    os.environ["LIGHTNING_EXT_HARNESS_PROBE"] = "set by the previous call"
+    os.environ.pop("LIGHTNING_EXT_HARNESS_PARENT", None)
+    os.chdir("/")
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    dist.new_group([0, 1])  # unreferenced when the call returns: the harness destroys it
+
+
+def _process_state(rank: int, world_size: int) -> dict:
+    return {
+        "pid": os.getpid(),
+        "probe": os.environ.get("LIGHTNING_EXT_HARNESS_PROBE"),
+        "parent": os.environ.get("LIGHTNING_EXT_HARNESS_PARENT"),
+        "cwd": os.getcwd(),
+        "dtype": torch.get_default_dtype(),
+        "grad": torch.is_grad_enabled(),
+        "groups": len(dist.distributed_c10d._world.pg_map),
+        "random": torch.rand(1),
+    }
+
+
+def _keep_a_subgroup(rank: int, world_size: int) -> None:
+    global _kept
+    _kept = dist.new_group([0, 1])
+
+
+@pytest.mark.smoke
 def test_results_come_back_per_rank():
     out = run_distributed(_sum_ranks, 3, 10, timeout=60)
     assert [o["rank"] for o in out] == [0, 1, 2]
@@ -41,14 +74,54 @@ def test_results_come_back_per_rank():
         assert o["world_size"] == 3 and o["device"] == "cpu" and o["distributed"]
 
 
-def test_worker_exception_names_rank():
+@pytest.mark.parametrize("fresh", [False, True], ids=["pool", "fresh"])
+def test_worker_exception_names_rank(fresh: bool):
     with pytest.raises(RuntimeError, match=r"rank 1 .*raised:(.|\n)*boom on purpose"):
-        run_distributed(_raise_on_rank_one, 2, timeout=60)
+        run_distributed(_raise_on_rank_one, 2, timeout=60, fresh=fresh)
 
 
-def test_hang_becomes_timeout():
+@pytest.mark.parametrize("fresh", [False, True], ids=["pool", "fresh"])
+def test_hang_becomes_timeout(fresh: bool):
     with pytest.raises(TimeoutError, match=r"timed out after 8s; ranks \[0, 1\]"):
+        run_distributed(_hang_on_rank_zero, 2, timeout=8, fresh=fresh)
+
+
+@pytest.mark.smoke
+def test_the_pool_serves_every_call_and_a_failure_restarts_it():
+    first = run_distributed(_pid, 2, timeout=60)
+    assert run_distributed(_pid, 2, timeout=60) == first  # the same processes
+    fresh = run_distributed(_pid, 2, timeout=60, fresh=True)
+    assert set(fresh).isdisjoint(first)
+    with pytest.raises(RuntimeError, match="boom on purpose"):
+        run_distributed(_raise_on_rank_one, 2, timeout=60)
+    with pytest.raises(TimeoutError):
         run_distributed(_hang_on_rank_zero, 2, timeout=8)
+    after = run_distributed(_sum_ranks, 2, 0, timeout=60)  # a new pool
+    assert [o["sum"].item() for o in after] == [1.0, 1.0]
+    assert set(run_distributed(_pid, 2, timeout=60)).isdisjoint(first)
+
+
+def test_a_call_sees_the_parents_environment_and_nothing_of_the_previous_call(monkeypatch):
+    monkeypatch.setenv("LIGHTNING_EXT_HARNESS_PARENT", "from the parent")
+    before = run_distributed(_process_state, 2, timeout=60)
+    run_distributed(_change_process_state, 2, timeout=60)
+    after = run_distributed(_process_state, 2, timeout=60)
+    for b, a in zip(before, after):
+        assert a["pid"] == b["pid"]  # the pool served the three calls
+        assert a["probe"] is None and a["parent"] == "from the parent"
+        assert a["cwd"] == b["cwd"] and a["dtype"] == torch.float32 and a["grad"]
+        assert a["groups"] == b["groups"] == 1  # the subgroup of the previous call is gone
+        assert torch.equal(a["random"], b["random"])  # torch's seed is the start-up one again
+
+
+def test_a_subgroup_still_referenced_after_the_call_fails_it():
+    with pytest.raises(RuntimeError, match="still referenced after it returned"):
+        run_distributed(_keep_a_subgroup, 2, timeout=60)
+
+
+def test_world_size_below_one_is_rejected():
+    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
+        run_distributed(_pid, 0)
 
 
 def test_single_process_defaults():
