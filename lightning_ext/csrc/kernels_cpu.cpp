@@ -334,7 +334,39 @@ void affine_pass(const Layout& l, const T* u, const T* v, T* out, const Acc* a, 
 
 // ------------------------------------------------------------------------------ batch norm
 
-// [n, sum(x - shift), sum((x - shift)^2)] per channel, float64 (2C+1,).
+// p[1..2C] = [sum(x - shift), sum((x - shift)^2)] per channel of xd, elements in Acc. The pass sums
+// about a LOCAL shift f, a value of the channel itself (its first element if finite), so that float32
+// partial sums see deviations of the data's own spread even when the common shift (the running mean)
+// is far from the data; the float64 totals are then moved to the common shift c:
+// sum(x - c) = t1 + n d, sum((x - c)^2) = t2 + 2 d t1 + n d^2, d = f - c.
+template <typename T, typename Acc>
+void moment_sums(const T* xp, const Layout& l, const std::vector<double>& s, double* p) {
+  const int64_t c = l.c;
+  std::vector<Acc> local(c);
+  for (int64_t k = 0; k < c; ++k) {
+    const Acc first = load(xp, l.channels_last ? k : k * l.s);
+    local[k] = std::isfinite(first) ? first : static_cast<Acc>(s[k]);  // inf/NaN: no inf - inf
+  }
+  const Acc* fp = local.data();
+  channel_sums<Acc>(
+      l, p + 1, p + 1 + c,
+      [xp, fp, &l](int64_t k, double* s1, double* s2) {
+        channel_terms<MomentTerms, T, Acc>(xp + k * l.s, xp + k * l.s, l.n, l.c * l.s, l.s, fp[k], s1, s2);
+      },
+      [xp, fp, c](int64_t off, int64_t rows, Acc* a1, Acc* a2) {
+        rows_terms<MomentTerms, T, Acc>(xp + off, xp + off, rows, c, fp, a1, a2);
+      });
+  const double count = static_cast<double>(l.rows);
+  for (int64_t k = 0; k < c; ++k) {
+    const double d = static_cast<double>(local[k]) - s[k];
+    const double t1 = p[1 + k];
+    p[1 + k] = t1 + count * d;
+    p[1 + c + k] = p[1 + c + k] + 2.0 * d * t1 + count * d * d;
+  }
+}
+
+// [n, sum(x - shift), sum((x - shift)^2)] per channel, float64 (2C+1,). A float32 pass whose sums
+// overflow (a channel spread beyond ~1e19) is redone in float64.
 Tensor batch_norm_moments(const Tensor& x, const Tensor& shift) {
   Guards guards;
   const int64_t c = x.size(1);
@@ -349,31 +381,9 @@ Tensor batch_norm_moments(const Tensor& x, const Tensor& shift) {
   dispatch_input(xd, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     using Acc = typename AccOf<T>::type;
-    const T* xp = xd.data_ptr<T>();
-    // The pass sums about a LOCAL shift f, a value of the channel itself (its first element if finite),
-    // so that the float32 partial sums see deviations of the data's own spread even when the
-    // common shift (the running mean) is far from the data; the float64 totals are then moved to
-    // the common shift c: sum(x - c) = t1 + n d, sum((x - c)^2) = t2 + 2 d t1 + n d^2, d = f - c.
-    std::vector<Acc> local(c);
-    for (int64_t k = 0; k < c; ++k) {
-      const Acc first = load(xp, l.channels_last ? k : k * l.s);
-      local[k] = std::isfinite(first) ? first : static_cast<Acc>(s[k]);  // inf/NaN: no inf - inf
-    }
-    const Acc* fp = local.data();
-    channel_sums<Acc>(
-        l, p + 1, p + 1 + c,
-        [xp, fp, &l](int64_t k, double* s1, double* s2) {
-          channel_terms<MomentTerms, T, Acc>(xp + k * l.s, xp + k * l.s, l.n, l.c * l.s, l.s, fp[k], s1, s2);
-        },
-        [xp, fp, c](int64_t off, int64_t rows, Acc* a1, Acc* a2) {
-          rows_terms<MomentTerms, T, Acc>(xp + off, xp + off, rows, c, fp, a1, a2);
-        });
-    const double count = static_cast<double>(n);
-    for (int64_t k = 0; k < c; ++k) {
-      const double d = static_cast<double>(local[k]) - s[k];
-      const double t1 = p[1 + k];
-      p[1 + k] = t1 + count * d;
-      p[1 + c + k] = p[1 + c + k] + 2.0 * d * t1 + count * d * d;
+    moment_sums<T, Acc>(xd.data_ptr<T>(), l, s, p);
+    if (!std::is_same_v<Acc, double> && !std::all_of(p + 1, p + 1 + 2 * c, [](double v) { return std::isfinite(v); })) {
+      moment_sums<T, double>(xd.data_ptr<T>(), l, s, p);
     }
   });
   return payload;
@@ -529,8 +539,9 @@ bool tensor_nonfinite(const Tensor& t, U mask) {
   return found;
 }
 
-// float32 0-dim: 1.0 iff any element of any tensor is inf or NaN. Reads each element once.
-Tensor check_finite(const std::vector<Tensor>& tensors) {
+// float32 0-dim: 1.0 iff any element of any tensor is inf or NaN. Reads each element once (the
+// tensors are on the CPU, `device`).
+Tensor check_finite(const std::vector<Tensor>& tensors, const at::Device& /*device*/) {
   Guards guards;
   bool found = false;
   for (const Tensor& t : tensors) {
@@ -619,30 +630,17 @@ LE_CLONES Moments moments_range(const T* p, int64_t n, Acc shift) {
   return m;
 }
 
-// acc (float64 (5,)) += [numel, sum(x - shift), sum((x - shift)^2)], acc[3] = min, acc[4] = max.
-// Float input sums about the shift rounded to float32, moved to the float64 shift in float64:
-// sum(x - c) = t1 + n d, sum((x - c)^2) = t2 + 2 d t1 + n d^2, d = c32 - c. NaN in x: the sums are
-// NaN (a square is never NaN otherwise), and the extremes are set to NaN.
-void accumulate_moments_(Tensor& acc, const Tensor& x, const Tensor& shift) {
-  Guards guards;
-  const Tensor xd = x.contiguous();
-  const int64_t n = xd.numel();
-  const double c = shift.item<double>();
+// Shifted sums and extremes of p[0..n) in fixed-order thread chunks, summed about `shift` in Acc.
+template <typename T, typename Acc>
+Moments moments_of(const T* p, int64_t n, Acc shift) {
   const int chunks = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n >> 15, 1)));
   std::vector<Moments> parts(chunks);
-  double used_shift = c;
-  AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, xd.scalar_type(), "accumulate_moments_", [&] {
-    using Acc = MomentAcc<scalar_t>;
-    const scalar_t* p = xd.const_data_ptr<scalar_t>();
-    const Acc sh = static_cast<Acc>(c);
-    used_shift = static_cast<double>(sh);
-    const int64_t per = (n + chunks - 1) / chunks;
-    at::parallel_for(0, chunks, 1, [&](int64_t k0, int64_t k1) {
-      for (int64_t k = k0; k < k1; ++k) {
-        const int64_t i0 = k * per, i1 = std::min(n, i0 + per);
-        if (i0 < i1) parts[k] = moments_range<scalar_t>(p + i0, i1 - i0, sh);
-      }
-    });
+  const int64_t per = (n + chunks - 1) / chunks;
+  at::parallel_for(0, chunks, 1, [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      const int64_t i0 = k * per, i1 = std::min(n, i0 + per);
+      if (i0 < i1) parts[k] = moments_range<T, Acc>(p + i0, i1 - i0, shift);
+    }
   });
   Moments total;
   for (const Moments& m : parts) {  // fixed order: the same result for the same thread count
@@ -651,6 +649,41 @@ void accumulate_moments_(Tensor& acc, const Tensor& x, const Tensor& shift) {
     total.lo = std::min(total.lo, m.lo);
     total.hi = std::max(total.hi, m.hi);
   }
+  return total;
+}
+
+// Whether float32 partial sums about `shift` (a float32 value) are as accurate as documented for
+// finite data in [m.lo, m.hi]: with d = max |x - shift|, no square overflows (32 terms per lane, each
+// below 2^120) and no large one underflows (d >= 2^-40: squares above 2^-46 d^2 are normal). Data with
+// an infinity is as non-finite in float64.
+bool float32_sums_hold(const Moments& m, double shift) {
+  if (!std::isfinite(m.lo) || !std::isfinite(m.hi)) return true;
+  const double d = std::max(m.hi - shift, shift - m.lo);
+  return d == 0.0 || (d >= 0x1p-40 && d <= 0x1p60);
+}
+
+// acc (float64 (5,)) += [numel, sum(x - shift), sum((x - shift)^2)], acc[3] = min, acc[4] = max.
+// Float input sums about the shift rounded to float32, moved to the float64 shift in float64:
+// sum(x - c) = t1 + n d, sum((x - c)^2) = t2 + 2 d t1 + n d^2, d = c32 - c; values too far from the
+// shift (or too close to it) for float32 squares take a float64 pass instead. NaN in x: the sums are
+// NaN (a square is never NaN otherwise), and the extremes are set to NaN.
+void accumulate_moments_(Tensor& acc, const Tensor& x, const Tensor& shift) {
+  Guards guards;
+  const Tensor xd = x.contiguous();
+  const int64_t n = xd.numel();
+  const double c = shift.item<double>();
+  Moments total;
+  double used_shift = c;
+  AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, xd.scalar_type(), "accumulate_moments_", [&] {
+    using Acc = MomentAcc<scalar_t>;
+    const scalar_t* p = xd.const_data_ptr<scalar_t>();
+    used_shift = static_cast<double>(static_cast<Acc>(c));
+    total = moments_of<scalar_t, Acc>(p, n, static_cast<Acc>(c));
+    if (!std::is_same_v<Acc, double> && !float32_sums_hold(total, used_shift)) {
+      used_shift = c;
+      total = moments_of<scalar_t, double>(p, n, c);
+    }
+  });
   const double count = static_cast<double>(n), d = used_shift - c;
   double* a = acc.data_ptr<double>();
   a[0] += count;
@@ -665,7 +698,6 @@ void accumulate_moments_(Tensor& acc, const Tensor& x, const Tensor& shift) {
   a[4] = std::max(a[4], total.hi);
   if (std::isnan(a[2])) a[3] = a[4] = std::numeric_limits<double>::quiet_NaN();
 }
-
 
 // accumulate_histogram_ (contract: KernelBackend.accumulate_histogram_; layout and reference:
 // lightning_ext/kernels/histogram.py): hist[(m + 1) +- j] += 1 per non-NaN value v, j = the number of

@@ -1,8 +1,9 @@
 """Kernel backends: the fused ops behind SyncBatchNorm, loss scaling and ``report()``.
 
-Callers use the public methods of :class:`KernelBackend` (the ops and their contracts) on the backend
-:func:`get_backend` selects; every op is also a ``torch.library`` custom op, so ``torch.compile``
-traces calls without graph breaks. Built-in backends:
+Callers run an op on the backend :func:`get_backend` selects, one way:
+``backend.run("<op>", *args)`` (:mod:`~lightning_ext.kernels.ops` lists the ops; each op's reference
+implementation documents its arguments). Every op is also a ``torch.library`` custom op, so
+``torch.compile`` traces calls without graph breaks. Built-in backends:
 
 - ``reference`` — fused ATen ops, every device, the definition of correctness (priority 0);
 - ``cpu`` — compiled C++ kernels for CPU tensors, one vectorized pass per op (priority 5);
@@ -15,7 +16,7 @@ Example::
     >>> from lightning_ext.kernels import get_backend
     >>> backend = get_backend("reference", device="cpu")
     >>> grads = [torch.tensor([2.0, 4.0]), torch.tensor([float("inf")])]
-    >>> backend.unscale_and_check_(grads, torch.tensor(0.5))
+    >>> backend.run("unscale_and_check_", grads, torch.tensor(0.5))
     tensor(1.)
     >>> grads[0]
     tensor([1., 2.])
@@ -23,12 +24,10 @@ Example::
 Adding a kernel backend
 -----------------------
 
-1. Subclass :class:`KernelBackend`, set ``name`` and ``devices`` (device types, e.g. ``("cuda",)``)
-   and implement ``_<op>`` for each op, i.e. each public op method of :class:`KernelBackend`, with
-   that method's signature (each is abstract: instantiation names a missing one); arguments arrive
-   validated, ``torch.compile`` support comes from the base class (``supports_compile = False``
-   opts out: see :class:`KernelBackend`). Subclass :class:`ReferenceBackend` instead to keep its ops
-   where you do not override them.
+1. Subclass :class:`ReferenceBackend` (its ops are the reference ones), set ``name`` and ``devices``
+   (device types, e.g. ``("cuda",)``) and override :meth:`KernelBackend.kernel` to return your
+   function for the ops you implement (``super().kernel(op)`` for the others). ``torch.compile``
+   support comes from the base class (``supports_compile = False`` opts out).
 2. Register a factory that builds it lazily and raises when the hardware or a dependency is missing,
    ``register_backend("cuda", CudaBackend, devices=("cuda",), priority=20)``, or from another package
    the entry-point group::
@@ -40,12 +39,14 @@ Adding a kernel backend
 3. Test it against ``reference`` with the parametrized tables of ``tests/kernels`` (every op, odd and
    empty sizes, every memory format), then select it with ``get_backend("my_backend")`` or
    ``LIGHTNING_EXT_KERNELS=my_backend``.
+
+Adding an op: ``docs/guides/adding_a_kernel_op.md``.
 """
 
-from lightning_ext.kernels import ops as _ops  # noqa: F401  (registers torch.ops.lightning_ext.*)
-from lightning_ext.kernels.backend import KernelBackend
+from lightning_ext.kernels._triton import TritonBackend
+from lightning_ext.kernels.backend import KernelBackend, KernelOp, ReferenceBackend, define_op
 from lightning_ext.kernels.cpu import CpuBackend
-from lightning_ext.kernels.reference import ReferenceBackend
+from lightning_ext.kernels.ops import OPS
 from lightning_ext.kernels.registry import (
     BACKEND_ENV_VAR,
     ENTRY_POINT_GROUP,
@@ -55,18 +56,20 @@ from lightning_ext.kernels.registry import (
     get_backend,
     register_backend,
 )
-from lightning_ext.kernels.triton_backend import TritonBackend
 
 __all__ = [
     "BACKEND_ENV_VAR",
     "ENTRY_POINT_GROUP",
+    "OPS",
     "BackendEntry",
     "CpuBackend",
     "KernelBackend",
+    "KernelOp",
     "ReferenceBackend",
     "TritonBackend",
     "available_backends",
     "clear_backend_cache",
+    "define_op",
     "get_backend",
     "register_backend",
 ]

@@ -1,4 +1,5 @@
-"""The optional Triton import shared by the op files, and the multiprocessor count launches size by.
+"""The ``triton`` backend, the optional Triton import the op family modules share, and the
+multiprocessor count launches size by.
 
 Kernels are plain ``@triton.jit`` functions. On CPU tensors they run in Triton's interpreter, which
 ``TRITON_INTERPRET=1`` selects when it is set before ``import triton``.
@@ -6,7 +7,12 @@ Kernels are plain ``@triton.jit`` functions. On CPU tensors they run in Triton's
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, ClassVar
+
+import torch
+
+from lightning_ext.kernels.backend import ReferenceBackend
 
 try:  # Triton is an optional dependency (extra `triton`)
     import triton
@@ -15,7 +21,7 @@ except ImportError:  # pragma: no cover - exercised only without triton
     triton = None
     tl = None
 
-__all__ = ["HAS_TRITON", "sm_count", "tl", "triton"]
+__all__ = ["HAS_TRITON", "TritonBackend", "sm_count", "tl", "triton"]
 
 HAS_TRITON = triton is not None  # whether `import triton` works in this environment
 _SM_COUNT: dict[int, int] = {}  # CUDA device index -> multiprocessors
@@ -23,9 +29,41 @@ _SM_COUNT: dict[int, int] = {}  # CUDA device index -> multiprocessors
 
 def sm_count(device: Any) -> int:
     """Multiprocessors of the CUDA ``device`` (a ``torch.device``), read once per device and cached."""
-    import torch
-
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]
+
+
+def _interpreting() -> bool:
+    """Whether ``TRITON_INTERPRET=1``: the kernels then run in Triton's interpreter, on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class TritonBackend(ReferenceBackend):
+    """Every op as a Triton kernel (fp32 accumulators, any memory format by strides, any C), but the
+    flush's and ``batch_norm_gather_stats``: their reference torch ops.
+
+    Under ``TRITON_INTERPRET=1`` (set before ``import triton``) the kernels run on CPU tensors in
+    Triton's interpreter, for tests; automatic selection never picks the interpreter (the registry
+    lists ``triton`` for CUDA only).
+
+    Raises:
+        RuntimeError: Triton is not installed, or CUDA is not available outside the interpreter.
+    """
+
+    name: ClassVar[str] = "triton"
+    devices: ClassVar[tuple[str, ...]] = ("cuda",)
+
+    def __init__(self) -> None:
+        if not HAS_TRITON:
+            raise RuntimeError("the 'triton' kernel backend needs Triton: install lightning-ext[triton]")
+        if not _interpreting() and not torch.cuda.is_available():
+            raise RuntimeError(
+                "the 'triton' kernel backend needs a CUDA device (torch.cuda.is_available() is False). "
+                "HINT: TRITON_INTERPRET=1, set before triton is imported, runs its kernels on CPU tensors."
+            )
+        super().__init__()
+
+    def supports(self, device_type: str) -> bool:
+        return device_type == "cuda" or (device_type == "cpu" and _interpreting())

@@ -1,8 +1,9 @@
-"""Batch-norm op family: moments for the all_reduce, normalization and the two backward pieces.
+"""Batch-norm op family: moments for the all_reduce, normalization and the two backward pieces, after
+``torch.nn.SyncBatchNorm``'s CUDA building blocks.
 
-``_<op>_reference`` (fused ATen ops), the Triton kernels and the launchers ``_<op>_triton``, which own
-allocation, grid, float32 accumulators and layout (after Liger-Kernel ``ops/layer_norm.py``). The
-contracts are those of :class:`~lightning_ext.kernels.KernelBackend`.
+Per op: the reference implementation (fused ATen ops; its docstring is the op's contract), the Triton
+kernels and their launchers, which own allocation, grid, float32 accumulators and layout (after
+Liger-Kernel ``ops/layer_norm.py``), and the op's registration at the end of the module.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import torch
 from torch import Tensor
 
 from lightning_ext.kernels._triton import HAS_TRITON, sm_count, tl, triton
-from lightning_ext.kernels.backend import _stat_dtype
+from lightning_ext.kernels.backend import _check_vector, _check_x, _stat_dtype, define_op
 
-__all__: list[str] = []  # an op family: the backends bind its `_<op>_<backend>` functions
+__all__: list[str] = []  # an op family: its ops are registered below (lightning_ext.kernels.ops)
 
 
 def _memory_format(x: Tensor) -> torch.memory_format:
@@ -29,10 +30,22 @@ def _memory_format(x: Tensor) -> torch.memory_format:
 
 
 def _batch_norm_moments_reference(x: Tensor, shift: Tensor) -> Tensor:
-    """ATen's fused ``batch_norm_update_stats`` (mean, biased variance), re-expressed about ``shift``.
+    """Per-channel count and sums about ``shift``: the payload of SyncBatchNorm's all_reduce.
 
-    Low-precision input passes float32 scratch running buffers so that ATen accumulates and returns
-    float32 without copying ``x``; the packing is float64.
+    Args:
+        x: ``(N, C, *)`` float16/bfloat16/float32/float64, any memory format.
+        shift: float32/float64 ``(C,)``; the running mean, identical on every rank.
+
+    Returns:
+        float64 ``(2C + 1,)``: ``[n, S1_1..S1_C, S2_1..S2_C]`` with ``n = N * prod(*)``,
+        ``S1 = sum(x - shift)`` and ``S2 = sum((x - shift)^2)`` per channel. Summed over ranks, it
+        gives the global ``mean = shift + S1 / n`` and ``M2 = S2 - S1^2 / n`` for any split of the
+        batch; summing about a shift near the mean keeps ``M2`` free of cancellation (the
+        shifted-data algorithm, Chan, Golub & LeVeque 1983). Empty ``x``: all zeros.
+
+    ATen's fused ``batch_norm_update_stats`` (mean, biased variance), re-expressed about ``shift``;
+    low-precision input passes float32 scratch running buffers so that ATen accumulates and returns
+    float32 without copying ``x``.
     """
     c = x.shape[1]
     payload = torch.zeros(2 * c + 1, dtype=torch.float64, device=x.device)
@@ -65,7 +78,26 @@ def _batch_norm_gather_stats_reference(
     payload: Tensor, shift: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
     momentum: Tensor, eps: float,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Float64 tensor ops (:func:`_payload_moments`)."""
+    """The group's mean and ``invstd`` from the summed ``batch_norm_moments``; running statistics.
+
+    ``mean = shift + S1 / n``, ``var = S2 / n - (S1 / n)^2`` (biased, clipped at 0),
+    ``invstd = 1 / sqrt(var + eps)``; with running statistics given,
+    ``running = (1 - momentum) * running + momentum * statistic`` in place, from the unbiased
+    variance ``var * n / (n - 1)``: the role of ``torch.batch_norm_gather_stats_with_counts``. A
+    group without elements (``n = 0``) gives ``mean = shift``, ``invstd = 1 / sqrt(eps)``.
+
+    Args:
+        payload: float64 ``(2C + 1,)``, the moments summed over the group.
+        shift: float64 ``(C,)``, the shift the moments are about.
+        running_mean, running_var: ``(C,)`` floating buffers to update in place (the caller
+            passes them only for a group of at least 2 elements per channel), or both ``None``.
+        momentum: 0-dim float64 tensor (on the CPU or the payload's device) in ``[0, 1]``; a tensor
+            so that a cumulative average's ``1 / num_batches_tracked`` needs no host read.
+        eps: added to the variance, ``> 0``.
+
+    Returns:
+        ``(mean, invstd)``: float64 ``(C,)`` each.
+    """
     n, mean, var = _payload_moments(payload, shift)
     if running_mean is not None:
         running_mean.mul_(1.0 - momentum).add_(mean * momentum)
@@ -76,8 +108,19 @@ def _batch_norm_gather_stats_reference(
 def _batch_norm_elemt_reference(
     x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None
 ) -> Tensor:
-    """ATen's fused inference batch norm (one pass, keeps the memory format) with ``running_var = 1``
-    and ``eps = 0`` computes exactly ``(x - mean) * (invstd * weight) + bias``."""
+    """Normalize: ``y = (x - mean) * invstd * weight + bias`` per channel.
+
+    Args:
+        x: ``(N, C, *)`` float tensor, any memory format.
+        mean, invstd: float32/float64 ``(C,)``; ``invstd = 1 / sqrt(var + eps)``.
+        weight, bias: float32/float64 ``(C,)`` or ``None`` (ones / zeros).
+
+    Returns:
+        ``y`` of ``x``'s shape, dtype and memory format.
+
+    ATen's fused inference batch norm (one pass, keeps the memory format) with ``running_var = 1``
+    and ``eps = 0`` computes exactly ``(x - mean) * (invstd * weight) + bias``.
+    """
     if x.numel() == 0:
         return torch.empty_like(x)
     dtype = _stat_dtype(x)
@@ -88,9 +131,21 @@ def _batch_norm_elemt_reference(
 
 
 def _batch_norm_backward_reduce_reference(dy: Tensor, x: Tensor, mean: Tensor) -> Tensor:
-    """ATen's fused ``native_batch_norm_backward`` asked for ``(grad_weight, grad_bias)`` with
+    """Per-channel ``[sum(dy), sum(dy * (x - mean))]`` of this shard, packed for one all_reduce
+    (``grad_bias = sum(dy)``, ``grad_weight = sum(dy * (x - mean)) * invstd``).
+
+    Args:
+        dy: gradient of the output, ``x``'s shape, any memory format.
+        x: ``(N, C, *)`` float tensor; may be empty.
+        mean: float32/float64 ``(C,)``, the mean the forward normalized with.
+
+    Returns:
+        ``(2C,)`` in float32 (float64 for float64 ``x``): both sums, concatenated.
+
+    ATen's fused ``native_batch_norm_backward`` asked for ``(grad_weight, grad_bias)`` with
     ``weight = save_invstd = 1`` returns exactly the two sums. Its CPU kernel accumulates in float32
-    only when ``dy`` and ``x`` are dense in one layout, so both are made so."""
+    only when ``dy`` and ``x`` are dense in one layout, so both are made so.
+    """
     c, dtype = x.shape[1], _stat_dtype(x)
     if x.numel() == 0:
         return torch.zeros(2 * c, dtype=dtype, device=x.device)
@@ -106,11 +161,23 @@ def _batch_norm_backward_reduce_reference(dy: Tensor, x: Tensor, mean: Tensor) -
 def _batch_norm_backward_elemt_reference(
     dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, sums: Tensor, count: Tensor
 ) -> Tensor:
-    """``dx = (dy - a - (x - mean) * b) * s``, ``a = G1 / n``, ``b = invstd^2 G2 / n``, ``s = invstd w``.
+    """Input gradient of training-mode batch norm from the group's sums:
+    ``dx = (dy - G1 / n - (x - mean) * invstd^2 * G2 / n) * invstd * weight`` (Ioffe & Szegedy 2015).
+
+    Args:
+        dy: gradient of the output, ``x``'s shape, any memory format.
+        x: ``(N, C, *)`` float tensor.
+        mean, invstd: float32/float64 ``(C,)``, the statistics of the forward.
+        weight: float32/float64 ``(C,)`` or ``None`` (ones).
+        sums: ``(G1, G2)``, ``batch_norm_backward_reduce`` summed over the group, ``(2C,)`` float.
+        count: ``n``, 0-dim float tensor on ``x``'s device: the GLOBAL number of elements per channel.
+
+    Returns:
+        ``dx`` of ``x``'s shape, dtype and memory format.
 
     Two fused ATen passes: an inference batch norm gives ``u = (x - mean) * (-b s) - a s`` in ``x``'s
-    memory format, then ``u += dy * s`` in place. Low-precision input is computed in float32 (``u``
-    and ``dy * s`` can nearly cancel).
+    memory format (``a = G1 / n``, ``b = invstd^2 G2 / n``, ``s = invstd w``), then ``u += dy * s``
+    in place. Low-precision input is computed in float32 (``u`` and ``dy * s`` can nearly cancel).
     """
     if x.numel() == 0:
         return torch.empty_like(x)
@@ -374,3 +441,94 @@ def _batch_norm_backward_elemt_triton(
 ) -> Tensor:
     """One elementwise kernel reading ``dy`` and ``x``, writing ``dx`` in ``x``'s memory format."""
     return _affine(dy, x, [mean, invstd, weight, None, sums, count], True)
+
+
+# ---------------------------------------------------------------------------- argument checks
+
+
+def _check_vectors(x: Tensor, c: int, **vectors: Tensor | None) -> None:
+    """``(C,)`` float32/float64 vectors on ``x``'s device; ``weight``/``bias`` may be None."""
+    for arg, t in vectors.items():
+        _check_vector(t, arg, c, x.device, optional=arg in ("weight", "bias"))
+
+
+def _check_moments(x: Tensor, shift: Tensor) -> None:
+    _check_x(x)
+    _check_vectors(x, x.shape[1], shift=shift)
+
+
+def _check_gather_stats(payload: Tensor, shift: Tensor, running_mean: Tensor | None,
+                        running_var: Tensor | None, momentum: Tensor, eps: float) -> None:  # fmt: skip
+    if not isinstance(shift, Tensor) or shift.dim() != 1:
+        raise TypeError(f"`shift` must be a float64 tensor of shape (C,), got {shift!r:.60}")
+    c = shift.shape[0]
+    _check_vector(shift, "shift", c, shift.device)
+    _check_vector(payload, "payload", 2 * c + 1, shift.device)
+    if (running_mean is None) != (running_var is None):
+        raise ValueError("`running_mean` and `running_var` must both be tensors or both be None")
+    if not isinstance(momentum, Tensor) or momentum.dim() != 0:
+        raise TypeError(f"`momentum` must be a 0-dim tensor, got {momentum!r}")
+    for arg, t in (("running_mean", running_mean), ("running_var", running_var)):
+        if t is not None and (not isinstance(t, Tensor) or not t.is_floating_point() or t.shape != (c,)):
+            raise TypeError(f"`{arg}` must be a floating point tensor of shape ({c},) or None, got {t!r:.60}")
+
+
+def _check_elemt(x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None) -> None:
+    _check_x(x)
+    _check_vectors(x, x.shape[1], mean=mean, invstd=invstd, weight=weight, bias=bias)
+
+
+def _check_backward_reduce(dy: Tensor, x: Tensor, mean: Tensor) -> None:
+    _check_x(x)
+    _check_x(dy, "dy", like=x)
+    _check_vectors(x, x.shape[1], mean=mean)
+
+
+def _check_backward_elemt(dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None,
+                          sums: Tensor, count: Tensor) -> None:  # fmt: skip
+    _check_backward_reduce(dy, x, mean)
+    _check_vectors(x, x.shape[1], invstd=invstd, weight=weight)
+    _check_vector(sums, "sums", 2 * x.shape[1], x.device)
+    if not isinstance(count, Tensor) or count.dim() != 0 or count.device != x.device:
+        raise ValueError(f"`count` must be a 0-dim tensor on {x.device}, got {count!r}")
+
+
+# ---------------------------------------------------------------------------- the ops
+
+batch_norm_moments = define_op(
+    "batch_norm_moments(Tensor x, Tensor shift) -> Tensor",
+    _batch_norm_moments_reference,
+    fake=lambda x, shift: x.new_empty((2 * x.shape[1] + 1,), dtype=torch.float64),
+    check=_check_moments,
+    triton=_batch_norm_moments_triton,
+)
+batch_norm_gather_stats = define_op(
+    "batch_norm_gather_stats(Tensor payload, Tensor shift, Tensor(a2!)? running_mean, "
+    "Tensor(a3!)? running_var, Tensor momentum, float eps) -> (Tensor, Tensor)",
+    _batch_norm_gather_stats_reference,
+    fake=lambda payload, shift, *_: (torch.empty_like(shift), torch.empty_like(shift)),
+    check=_check_gather_stats,
+    clone=True,
+)
+batch_norm_elemt = define_op(
+    "batch_norm_elemt(Tensor x, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias) -> Tensor",
+    _batch_norm_elemt_reference,
+    fake=lambda x, *_: torch.empty_like(x),
+    check=_check_elemt,
+    triton=_batch_norm_elemt_triton,
+)
+batch_norm_backward_reduce = define_op(
+    "batch_norm_backward_reduce(Tensor dy, Tensor x, Tensor mean) -> Tensor",
+    _batch_norm_backward_reduce_reference,
+    fake=lambda dy, x, mean: x.new_empty((2 * x.shape[1],), dtype=_stat_dtype(x)),
+    check=_check_backward_reduce,
+    triton=_batch_norm_backward_reduce_triton,
+)
+batch_norm_backward_elemt = define_op(
+    "batch_norm_backward_elemt(Tensor dy, Tensor x, Tensor mean, Tensor invstd, Tensor? weight, "
+    "Tensor sums, Tensor count) -> Tensor",
+    _batch_norm_backward_elemt_reference,
+    fake=lambda dy, x, *_: torch.empty_like(x),
+    check=_check_backward_elemt,
+    triton=_batch_norm_backward_elemt_triton,
+)

@@ -11,16 +11,21 @@ process first builds this backend, cached in ``TORCH_EXTENSIONS_DIR`` (default
 ahead of time and prints where.
 
 The build key. torch keeps ONE build per extension name and rebuilds it when the environment that
-loads it differs from the one that built it last, so two environments sharing the cache (a project
-venv and a notebook venv with another torch) would rebuild it in turn, ~30 s each time. The name is
-therefore ``lightning_ext_kernels_cpu_<key>``, ``<key>`` the first 12 hex digits of a SHA-256 of
-everything that makes a build incompatible (``_build_key``): the torch version (``2.13.0+cpu``:
-it includes the CUDA/CPU variant), torch's C++ ABI (``torch.compiled_with_cxx11_abi()``, i.e.
-``torch._C._GLIBCXX_USE_CXX11_ABI``), the Python implementation, version and platform (the
-extension-module suffix, e.g. ``.cpython-311-x86_64-linux-gnu.so``), the compiler flags and the
-bytes of the source. Each environment keeps its own build directory,
+loads it differs from the one that built it last, so environments sharing the cache (a project venv
+and a notebook venv, or two venvs with the same torch at different paths) would rebuild it in turn,
+30-90 s each time. The name is therefore ``lightning_ext_kernels_cpu_<key>``, ``<key>`` the first 12
+hex digits of a SHA-256 of everything that makes a build belong to one environment (``_build_key``):
+the torch version (``2.13.0+cpu``: it includes the CUDA/CPU variant) and install location (the
+directory of ``torch/__init__.py``, whose headers and libraries the build uses), torch's C++ ABI
+(``torch.compiled_with_cxx11_abi()``), the Python executable's prefix (``sys.prefix``) and extension
+suffix (implementation, version and platform, e.g. ``.cpython-311-x86_64-linux-gnu.so``), the compiler
+flags and the bytes of the source. Each environment keeps its own build directory,
 ``$TORCH_EXTENSIONS_DIR/lightning_ext_kernels_cpu_<key>``, side by side with the others; a changed
 source gets a new directory (remove old ones freely: they are rebuilt on demand).
+
+A build that cannot run or fails raises ONE short line with the cause (no compiler on ``PATH``: torch
+is not even asked; else the compiler's first error line); the compiler's whole output goes to this
+module's logger at ``DEBUG``.
 
 A process that blocks on a build, its own or another process's (the ranks of one machine wait for
 the one that builds), says so ONCE, on every rank, through this module's logger: a ``WARNING`` naming
@@ -31,6 +36,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import re
+import shutil
 import sys
 import sysconfig
 import threading
@@ -41,11 +49,9 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
-from typing_extensions import override
 
 from lightning_ext._compat import BUILD_LOCK_IS_ADVISORY, build_lock_held
-from lightning_ext.kernels.backend import _OPS
-from lightning_ext.kernels.reference import ReferenceBackend
+from lightning_ext.kernels.backend import ReferenceBackend
 
 __all__ = ["CpuBackend"]
 
@@ -66,13 +72,12 @@ _announce_lock = threading.Lock()
 _announced = False  # this process has said that it blocks on a build (once, again after a reset)
 
 
-def _build_key(torch_version: str, cxx11_abi: bool, python: str, source: bytes) -> str:
-    """The part of the extension's name that separates incompatible builds (see the module docstring).
+def _build_key(environment: tuple[str, ...], source: bytes) -> str:
+    """The part of the extension's name that separates builds of different environments (see the
+    module docstring).
 
     Args:
-        torch_version: ``torch.__version__``, e.g. ``"2.13.0+cpu"``.
-        cxx11_abi: ``torch.compiled_with_cxx11_abi()``.
-        python: the interpreter's extension-module suffix, e.g. ``".cpython-311-x86_64-linux-gnu.so"``.
+        environment: strings naming the environment, as :func:`_environment` gives them.
         source: the bytes of the C++ source.
 
     Returns:
@@ -80,26 +85,33 @@ def _build_key(torch_version: str, cxx11_abi: bool, python: str, source: bytes) 
 
     Example::
 
-        >>> python, source = ".cpython-311-x86_64-linux-gnu.so", b"int f();"
-        >>> key = _build_key("2.13.0+cpu", True, python, source)
-        >>> len(key), key == _build_key("2.13.0+cpu", True, python, source)
+        >>> env = ("2.13.0+cpu", "/venv/lib/python3.11/site-packages/torch", "1", "/venv", ".cpython-311.so")
+        >>> key = _build_key(env, b"int f();")
+        >>> len(key), key == _build_key(env, b"int f();")
         (12, True)
-        >>> key == _build_key("2.14.0+cpu", True, python, source)
+        >>> key == _build_key(("2.13.0+cpu", "/other/venv/torch", *env[2:]), b"int f();")
         False
     """
     digest = hashlib.sha256()
-    for part in (torch_version, str(int(cxx11_abi)), python, " ".join(_CFLAGS)):
+    for part in (*environment, " ".join(_CFLAGS)):
         digest.update(part.encode() + b"\0")
     digest.update(source)
     return digest.hexdigest()[:12]
 
 
+def _environment() -> tuple[str, ...]:
+    """This process's torch version, torch install location, C++ ABI, ``sys.prefix`` and Python
+    extension suffix: what a build belongs to."""
+    python = sysconfig.get_config_var("EXT_SUFFIX") or sys.implementation.cache_tag
+    torch_dir = str(Path(torch.__file__).resolve().parent)
+    abi = str(int(torch.compiled_with_cxx11_abi()))
+    return torch.__version__, torch_dir, abi, sys.prefix, python
+
+
 def _extension_name() -> str:
     """``lightning_ext_kernels_cpu_<key>``: the extension's name (its build directory and module name)
-    for this process's torch, Python and the source as it is now."""
-    python = sysconfig.get_config_var("EXT_SUFFIX") or sys.implementation.cache_tag
-    key = _build_key(torch.__version__, torch.compiled_with_cxx11_abi(), python, _SOURCE.read_bytes())
-    return f"{_NAME}_{key}"
+    for this environment and the source as it is now."""
+    return f"{_NAME}_{_build_key(_environment(), _SOURCE.read_bytes())}"
 
 
 def _build_directory(name: str) -> Path:
@@ -165,6 +177,13 @@ def _clear_stale_lock(directory: Path) -> None:
         time.sleep(0.5)
 
 
+def _short_cause(output: str) -> str:
+    """The line of a failed build's output that says why: the first error, else the last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if re.search(r"error:|not found", line)]
+    return (errors or lines or ["no output"])[0][:160]
+
+
 def _load(verbose: bool = False) -> ModuleType:
     """The compiled extension, built first when torch's cache holds no build for this environment and
     source (see the module docstring). Thread-safe; processes building at once wait for each other
@@ -174,14 +193,20 @@ def _load(verbose: bool = False) -> ModuleType:
         verbose: print the compiler's output.
 
     Raises:
-        RuntimeError: the build failed (no compiler, no ninja, a read-only cache); other errors of
-            torch's build are raised as they are.
+        RuntimeError: the build cannot run or failed (no compiler or ``ninja``, a compiler error, a
+            read-only cache): one short line with the cause, the compiler's output logged at DEBUG.
     """
     global _module
     with _lock:
         if _module is None:
+            from torch.utils.cpp_extension import is_ninja_available
             from torch.utils.cpp_extension import load as build
 
+            compiler = os.environ.get("CXX", "c++")
+            if shutil.which(compiler) is None:
+                raise RuntimeError(f"C++ compiler {compiler!r} not found (install g++, or set CXX)")
+            if not is_ninja_available():
+                raise RuntimeError("ninja is not installed (pip install ninja)")
             name = _extension_name()
             directory = _build_directory(name)
             _clear_stale_lock(directory)
@@ -196,6 +221,9 @@ def _load(verbose: bool = False) -> ModuleType:
                     extra_ldflags=["-fopenmp"],
                     verbose=verbose,
                 )
+            except (RuntimeError, OSError) as error:
+                log.debug("lightning_ext: building the cpu kernels in %s failed:\n%s", directory, error)
+                raise RuntimeError(f"building the cpu kernels failed: {_short_cause(str(error))}") from None
             finally:
                 announce.cancel()
         return _module
@@ -223,40 +251,36 @@ def _channels_last(x: torch.Tensor) -> bool:
 
 _DEFER_TO_REFERENCE: dict[str, Callable[[torch.Tensor], bool]] = {
     "batch_norm_moments": _half,
-    "batch_norm_elemt": lambda x: _half(x) or x.dtype == torch.float64 or (
-        not _channels_last(x)
-        and (
-            (x.dtype == torch.bfloat16 and x.numel() >= _LARGE)
-            or (x.dtype == torch.float32 and x.numel() > 2 * _LARGE)
+    "batch_norm_elemt": lambda x: (
+        _half(x)
+        or x.dtype == torch.float64
+        or (
+            not _channels_last(x)
+            and (
+                (x.dtype == torch.bfloat16 and x.numel() >= _LARGE)
+                or (x.dtype == torch.float32 and x.numel() > 2 * _LARGE)
+            )
         )
     ),
-    "batch_norm_backward_reduce": lambda dy: _half(dy) or (
-        dy.dtype in (torch.float32, torch.float64) and _channels_last(dy)
+    "batch_norm_backward_reduce": lambda dy: (
+        _half(dy) or (dy.dtype in (torch.float32, torch.float64) and _channels_last(dy))
     ),
     "batch_norm_backward_elemt": lambda dy: _half(dy) and not _channels_last(dy),
 }
 
 
-def _deferring(kernel: Callable[..., Any], reference: Callable[..., Any], test: Callable) -> Callable:
-    """``kernel``, but ``reference`` where ``test(first argument)`` holds."""
-
-    def run(*args: Any) -> Any:
-        return (reference if test(args[0]) else kernel)(*args)
-
-    return run
-
-
 class CpuBackend(ReferenceBackend):
-    """The ops of :class:`~lightning_ext.kernels.KernelBackend` as compiled one-pass CPU kernels.
+    """Every op as the compiled extension's function of the same name (the reference where it has
+    none: ``unscale_and_check_``, ATen's one-pass op), but where ``_DEFER_TO_REFERENCE`` says the
+    kernel loses to ATen.
 
     Raises:
-        RuntimeError: the extension cannot be built or loaded (no C++ compiler or ``ninja``, a
-            read-only extension cache).
+        RuntimeError: the extension cannot be built or loaded (see :func:`_load`).
 
     Example::
 
         >>> import torch
-        >>> CpuBackend().batch_norm_moments(torch.tensor([[1.0], [3.0]]), torch.zeros(1)).tolist()
+        >>> CpuBackend().run("batch_norm_moments", torch.tensor([[1.0], [3.0]]), torch.zeros(1)).tolist()
         [2.0, 4.0, 10.0]
     """
 
@@ -264,17 +288,16 @@ class CpuBackend(ReferenceBackend):
     devices: ClassVar[tuple[str, ...]] = ("cpu",)
 
     def __init__(self) -> None:
-        ext = _load()
-        for op in _OPS:  # every op but unscale_and_check_ (ATen's, inherited)
-            if hasattr(ext, op):
-                kernel, test = getattr(ext, op), _DEFER_TO_REFERENCE.get(op)
-                if test is not None:
-                    kernel = _deferring(kernel, getattr(ReferenceBackend, f"_{op}"), test)
-                setattr(self, f"_{op}", kernel)
-        self._check_finite = lambda tensors, device: ext.check_finite(tensors)  # takes no device
+        self._extension = _load()
         super().__init__()
 
-    @override
+    def kernel(self, op: str) -> Callable[..., Any]:
+        kernel, reference = getattr(self._extension, op, None), super().kernel(op)
+        test = _DEFER_TO_REFERENCE.get(op)
+        if kernel is None or test is None:
+            return kernel or reference
+        return lambda *args: (reference if test(args[0]) else kernel)(*args)
+
     def supports(self, device_type: str) -> bool:
         return device_type == "cpu"
 

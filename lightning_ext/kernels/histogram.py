@@ -23,15 +23,36 @@ import torch
 from torch import Tensor
 
 from lightning_ext.kernels._triton import HAS_TRITON, sm_count, tl, triton
+from lightning_ext.kernels.backend import _check_float64, _check_real, _got, define_op
 
-__all__: list[str] = []  # an op family: the backends bind its `_<op>_<backend>` functions
+__all__: list[str] = []  # an op family: its op is registered below (lightning_ext.kernels.ops)
 
 
 # ---------------------------------------------------------------------------- reference (pure torch)
 
 
 def _accumulate_histogram_reference(hist: Tensor, x: Tensor, edges: Tensor) -> None:
-    """``bucketize`` (a binary search) of the float64 magnitudes, ``bincount`` of the positions."""
+    """Count the values of ``x`` into the buckets of a signed histogram with the given edges, in place.
+
+    Args:
+        hist: float64 ``(2m + 3,)`` on ``x``'s device, contiguous, updated in place (the layout above).
+        x: real tensor of any shape and dtype (bool and complex excluded); empty adds nothing. NaN is
+            not counted.
+        edges: float64 ``(m + 1,)`` on ``x``'s device, contiguous, positive, finite, strictly
+            increasing (not checked: that would synchronize host and device).
+
+    ``bucketize`` (a binary search) of the float64 magnitudes, ``bincount`` of the positions.
+
+    Example::
+
+        >>> from lightning_ext.kernels import get_backend
+        >>> hist = torch.zeros(7, dtype=torch.float64)
+        >>> edges = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)
+        >>> x = torch.tensor([-5.0, 0.0, 1.0, 1.5, 3.0, float("nan")])
+        >>> get_backend("reference").run("accumulate_histogram_", hist, x, edges)
+        >>> hist.tolist()
+        [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    """
     v = x.reshape(-1).to(torch.float64)
     v = v[~v.isnan()]
     j = torch.bucketize(v.abs(), edges)
@@ -78,6 +99,8 @@ if HAS_TRITON:
 def _accumulate_histogram_triton(hist: Tensor, x: Tensor, edges: Tensor) -> None:
     """ONE launch of at most 4 programs per multiprocessor: a binary search over the edges and a
     float64 atomic add per value."""
+    if not x.numel():
+        return
     x = x.reshape(-1).contiguous()  # the kernel reads stride 1; reshape may give a strided view
     m = edges.numel() - 1
     block = 4096 if x.is_cpu else 1024  # Triton's interpreter (CPU tensors): few, large programs
@@ -85,3 +108,22 @@ def _accumulate_histogram_triton(hist: Tensor, x: Tensor, edges: Tensor) -> None
     programs = min(blocks, 3 if x.is_cpu else 4 * sm_count(x.device))
     steps = (m + 2).bit_length()
     _histogram_kernel[(programs,)](x, hist, edges, x.numel(), blocks, m, STEPS=steps, BLOCK=block)
+
+
+def _check_histogram(hist: Tensor, x: Tensor, edges: Tensor) -> None:
+    _check_real(x)
+    if not isinstance(edges, Tensor) or edges.dtype != torch.float64:
+        raise TypeError(f"`edges` must be a float64 tensor of shape (m + 1,), got {_got(edges)!r}")
+    if edges.dim() != 1 or not edges.numel():
+        raise ValueError(f"`edges` must have shape (m + 1,), m >= 0, got {tuple(edges.shape)!r}")
+    _check_float64(edges, "edges", (edges.numel(),), x.device)
+    _check_float64(hist, "hist", (2 * edges.numel() + 1,), x.device)
+
+
+accumulate_histogram_ = define_op(
+    "accumulate_histogram_(Tensor(a0!) hist, Tensor x, Tensor edges) -> ()",
+    _accumulate_histogram_reference,
+    fake=lambda *_: None,
+    check=_check_histogram,
+    triton=_accumulate_histogram_triton,
+)

@@ -1,8 +1,7 @@
-"""The statistics ops (contracts: :class:`~lightning_ext.kernels.KernelBackend`): ``accumulate_moments_``
-(``_accumulate_moments_reference`` and the Triton kernel's launcher ``_accumulate_moments_triton``), and
-the flush's ``moments_payload_`` and ``moments_finish_`` (reference only: a few vector ops over the
-names, which ``triton`` inherits; ``cpu`` compiles them). The moment maths of the flush lives here;
-:mod:`lightning_ext.stats.moments` re-exports it.
+"""Statistics op family: ``accumulate_moments_`` (reference and a Triton kernel) and the flush's
+``moments_payload_`` and ``moments_finish_`` (reference only: a few vector ops over the names; ``cpu``
+compiles them). The moment maths of the flush lives here; :mod:`lightning_ext.stats.moments`
+re-exports it.
 
 Sources: shifted sums (Welford 1962; Chan, Golub & LeVeque, "Algorithms for computing the sample
 variance", 1983, section 3) and the parallel merge (Chan, Golub & LeVeque 1979).
@@ -16,8 +15,9 @@ import torch
 from torch import Tensor
 
 from lightning_ext.kernels._triton import HAS_TRITON, sm_count, tl, triton
+from lightning_ext.kernels.backend import _check_float64, _check_real, _got, define_op
 
-__all__: list[str] = []  # an op family: the backends bind its `_<op>_<backend>` functions
+__all__: list[str] = []  # an op family: its ops are registered below (lightning_ext.kernels.ops)
 
 _UNPUBLISHED = (0.0, math.nan, math.nan, math.nan, math.nan)  # a published row without values
 
@@ -25,7 +25,26 @@ _UNPUBLISHED = (0.0, math.nan, math.nan, math.nan, math.nan)  # a published row 
 
 
 def _accumulate_moments_reference(acc: Tensor, x: Tensor, shift: Tensor) -> None:
-    """float64 copy, shifted sum and dot product (BLAS), ``aminmax`` (it propagates NaN)."""
+    """Add the count, shifted sums and extremes of ``x`` into ``acc``, in place, totals in float64.
+
+    ``acc += [numel, sum(x - shift), sum((x - shift)^2)]``, ``acc[3] = min(acc[3], min(x))``,
+    ``acc[4] = max(acc[4], max(x))``; start from ``[0, 0, 0, +inf, -inf]``. A shift near the data
+    (its first value) keeps the variance ``(S2 - S1^2 / n) / n`` accurate (shifted-data algorithm,
+    Chan, Golub & LeVeque 1983). Element arithmetic is float64, except that for
+    float16/bfloat16/float32 input a backend may form ``x - shift`` and its square in float32 and
+    sum them in runs of at most 32 terms before float64 takes them, where no square overflows or
+    underflows (``cpu``: relative error at most ``34 * 2**-24`` of the summed magnitudes; float64
+    elsewhere, so every finite input gives finite sums). NaN in ``x`` makes the sums and extremes NaN.
+
+    Args:
+        acc: float64 ``(5,)`` on ``x``'s device, updated in place.
+        x: real tensor of any shape and dtype (bool and complex excluded); empty adds nothing.
+        shift: float64 0-dim tensor on ``x``'s device.
+
+    Reference: a float64 copy, shifted sum and dot product (BLAS), ``aminmax`` (it propagates NaN).
+    """
+    if not x.numel():
+        return
     # Out of place: for float64 ``x``, ``.to(float64)`` aliases ``x`` and ``sub_`` would modify it.
     xd = x.reshape(-1).to(torch.float64) - shift
     mn, mx = torch.aminmax(x.reshape(-1))
@@ -130,7 +149,30 @@ def _needs_recentering(rows: torch.Tensor, spread: torch.Tensor, distance: torch
 def _moments_payload_reference(
     max_payload: Tensor, sum_payload: Tensor, sums: Tensor, shifts: Tensor, center: Tensor, fingerprint: float
 ) -> None:
-    """Local moment rows of the shifted ``sums``, written as the MAX and SUM payloads of a flush."""
+    """Write one rank's moment rows of ``R`` statistics as the two payloads of a flush, in place.
+
+    Each row's local moments come from its shifted sums: ``mean = shift + S1 / n``,
+    ``m2 = max(S2 - S1^2 / n, 0)``; then, with ``d = mean - center`` (0 where ``n = 0``;
+    non-finite centers count as 0):
+
+    * ``max_payload`` (MAX all-reduce) ``= [fingerprint, -fingerprint, max_1..R, -min_1..R,
+      mean_1..R, -mean_1..R]``, the means ``-inf`` where ``n = 0``;
+    * ``sum_payload`` (SUM all-reduce) ``= [n, m2, n d, n d^2]`` per row.
+
+    Summed over ranks around a ``center`` shared by all, ``moments_finish_`` turns them into the
+    global moments by Chan, Golub & LeVeque's merge (1979): the within-rank ``m2`` never cancels,
+    the between-rank term is exact when the center is near the rank means.
+
+    Args:
+        max_payload: float64 ``(2 + 4R,)``, written.
+        sum_payload: float64 ``(R, 4)``, written.
+        sums: float64 ``(R, 5)``, per row ``[n, S1, S2, min, max]`` with ``S1 = sum(x - shift)``,
+            ``S2 = sum((x - shift)^2)`` (the layout of ``accumulate_moments_``; a moment row
+            ``[n, mean, m2, min, max]`` is the case ``S1 = 0``, ``shift = mean``).
+        shifts: float64 ``(R,)``, each row's shift.
+        center: float64 ``(R,)``, the same on every rank.
+        fingerprint: a float64 identifying the names (see :class:`~lightning_ext.stats.Collector`).
+    """
     rows = _moments_from_shifted(sums, shifts)
     r, has, mean = rows.shape[0], rows[:, 0] > 0, rows[:, 1]
     ninf = torch.full_like(mean, -math.inf)
@@ -144,7 +186,30 @@ def _moments_finish_reference(
     published: Tensor, next_shift: Tensor, max_payload: Tensor, sum_payload: Tensor, center: Tensor,
     keep_previous: bool,
 ) -> Tensor:  # fmt: skip
-    """Global rows from the reduced payloads, published as ``[count, mean, std, min, max]``."""
+    """Publish the global moments of ``R`` statistics from the reduced payloads of
+    ``moments_payload_``, in place; say whether a row must be reduced again.
+
+    Per row, with ``spread = max(mean) - min(mean)`` over the ranks that had values:
+    ``n = sum(n)``, ``mean = center + sum(n d) / n`` (the only rank mean when ``spread == 0``:
+    exact), ``m2 = sum(m2) + (sum(n d^2) - sum(n d)^2 / n)`` (the second term clipped at 0 and
+    exactly 0 when ``spread == 0``), ``std = sqrt(m2 / n)`` (population), min and max. A row
+    with ``n > 0`` is written to ``published`` and its mean to ``next_shift``; a row with
+    ``n = 0`` keeps both when ``keep_previous``, else its ``published`` row becomes
+    ``[0, nan, nan, nan, nan]`` (``next_shift`` is kept).
+
+    Args:
+        published: float64 ``(R, 5)``, ``[n, mean, std, min, max]`` per row, updated.
+        next_shift: float64 ``(R,)``, updated (the center of the next flush).
+        max_payload, sum_payload: the payloads after the MAX and SUM all-reduces.
+        center: float64 ``(R,)``, the center the payloads were made around.
+        keep_previous: what a row without values keeps (above).
+
+    Returns:
+        bool 0-dim tensor: some row's between-rank term may have lost more than ``1e-10`` of its
+        ``m2`` to cancellation (its rounding error is at most a few ``eps n distance^2``, distance
+        the largest ``|rank mean - center|``); reduce ``sum_payload`` again around
+        ``center = max(mean)`` (``max_payload[2 + 2R : 2 + 3R]``) and finish again.
+    """
     r = sum_payload.shape[0]
     hi, neg_lo, mean_max, neg_mean_min = max_payload[2:].view(4, r)
     spread = mean_max + neg_mean_min
@@ -216,9 +281,86 @@ def _accumulate_moments_triton(acc: Tensor, x: Tensor, shift: Tensor) -> None:
     Non-contiguous ``x`` is flattened with a copy first. Float atomics need not propagate NaN, so one
     more op sets the extremes to NaN when the sums are.
     """
+    if not x.numel():
+        return
     x = x.reshape(-1).contiguous()  # the kernel reads stride 1; reshape may give a strided view
     block = 4096 if x.is_cpu else 1024  # Triton's interpreter (CPU tensors): few, large programs
     blocks = triton.cdiv(x.numel(), block)
     programs = min(blocks, 3 if x.is_cpu else 4 * sm_count(x.device))
     _moments_kernel[(programs,)](x, acc, shift, x.numel(), blocks, BLOCK=block)
     acc[3:].masked_fill_(torch.isnan(acc[2]), float("nan"))
+
+
+# ---------------------------------------------------------------------------- argument checks
+
+
+def _check_accumulate(acc: Tensor, x: Tensor, shift: Tensor) -> None:
+    if not isinstance(acc, Tensor) or acc.dtype != torch.float64:
+        raise TypeError(f"`acc` must be a float64 tensor of shape (5,), got {_got(acc)!r}")
+    if tuple(acc.shape) != (5,):
+        raise ValueError(f"`acc` must have shape (5,), got shape {tuple(acc.shape)!r}")
+    _check_real(x)
+    if not isinstance(shift, Tensor) or shift.dtype != torch.float64:
+        raise TypeError(f"`shift` must be a float64 0-dim tensor, got {_got(shift)!r}")
+    if shift.dim() != 0:
+        raise ValueError(f"`shift` must be 0-dim, got shape {tuple(shift.shape)!r}")
+    if acc.device != x.device or shift.device != x.device:
+        raise ValueError(f"`acc` ({acc.device}) and `shift` ({shift.device}) must be on {x.device}")
+
+
+def _check_rows(t: object, width: int, arg: str) -> int:
+    """The ``R`` of a float64 ``(R, width)`` contiguous tensor ``t``, else the error naming ``arg``."""
+    if not isinstance(t, Tensor) or t.dim() != 2:
+        raise ValueError(f"`{arg}` must be a float64 tensor of shape (R, {width}), got {_got(t)!r}")
+    _check_float64(t, arg, (t.shape[0], width), t.device)
+    return t.shape[0]
+
+
+def _check_payload(max_payload: Tensor, sum_payload: Tensor, sums: Tensor, shifts: Tensor, center: Tensor,
+                   fingerprint: float) -> None:  # fmt: skip
+    r = _check_rows(sums, 5, "sums")
+    for t, arg, shape in (
+        (max_payload, "max_payload", (2 + 4 * r,)), (sum_payload, "sum_payload", (r, 4)),
+        (shifts, "shifts", (r,)), (center, "center", (r,)),
+    ):  # fmt: skip
+        _check_float64(t, arg, shape, sums.device)
+    if not isinstance(fingerprint, int | float) or isinstance(fingerprint, bool):
+        raise TypeError(f"`fingerprint` must be a float, got {fingerprint!r}")
+
+
+def _check_finish(published: Tensor, next_shift: Tensor, max_payload: Tensor, sum_payload: Tensor,
+                  center: Tensor, keep_previous: bool) -> None:  # fmt: skip
+    r = _check_rows(published, 5, "published")
+    for t, arg, shape in (
+        (next_shift, "next_shift", (r,)), (max_payload, "max_payload", (2 + 4 * r,)),
+        (sum_payload, "sum_payload", (r, 4)), (center, "center", (r,)),
+    ):  # fmt: skip
+        _check_float64(t, arg, shape, published.device)
+    if not isinstance(keep_previous, bool):
+        raise TypeError(f"`keep_previous` must be a bool, got {keep_previous!r}")
+
+
+# ---------------------------------------------------------------------------- the ops
+
+accumulate_moments_ = define_op(
+    "accumulate_moments_(Tensor(a0!) acc, Tensor x, Tensor shift) -> ()",
+    _accumulate_moments_reference,
+    fake=lambda *_: None,
+    check=_check_accumulate,
+    triton=_accumulate_moments_triton,
+)
+moments_payload_ = define_op(
+    "moments_payload_(Tensor(a0!) max_payload, Tensor(a1!) sum_payload, Tensor sums, Tensor shifts, "
+    "Tensor center, float fingerprint) -> ()",
+    _moments_payload_reference,
+    fake=lambda *_: None,
+    check=_check_payload,
+)
+moments_finish_ = define_op(
+    "moments_finish_(Tensor(a0!) published, Tensor(a1!) next_shift, Tensor max_payload, "
+    "Tensor sum_payload, Tensor center, bool keep_previous) -> Tensor",
+    _moments_finish_reference,
+    fake=lambda published, *_: published.new_empty((), dtype=torch.bool),
+    check=_check_finish,
+    clone=True,
+)

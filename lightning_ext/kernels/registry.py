@@ -18,11 +18,9 @@ import torch
 
 from lightning_ext._checks import check_int
 from lightning_ext.kernels import cpu as _cpu
-from lightning_ext.kernels._triton import _SM_COUNT
-from lightning_ext.kernels.backend import _LIVE, KernelBackend
+from lightning_ext.kernels._triton import _SM_COUNT, TritonBackend
+from lightning_ext.kernels.backend import _LIVE, KernelBackend, ReferenceBackend
 from lightning_ext.kernels.cpu import CpuBackend
-from lightning_ext.kernels.reference import ReferenceBackend
-from lightning_ext.kernels.triton_backend import TritonBackend
 from lightning_ext.kernels.unscale import _META_CACHE
 
 __all__ = [
@@ -220,8 +218,8 @@ def _explicit(name: str, device: torch.device, source: str) -> KernelBackend:
 
 
 def _automatic(device: torch.device) -> KernelBackend:
-    """The highest-priority backend for ``device`` that loads (``reference`` last); one warning per
-    process when a preferred one fails to load."""
+    """The highest-priority backend for ``device`` that loads (``reference`` last); one short warning
+    per process, the cause first, when a preferred one fails to load."""
     global _fallback_warned
     candidates = sorted(
         (e for e in _entries.values() if device.type in e.devices and e.name != "reference"),
@@ -232,14 +230,13 @@ def _automatic(device: torch.device) -> KernelBackend:
         try:
             backend = _instantiate(entry)
         except Exception as exc:
-            failed.append(f"{entry.name!r} ({exc!r})")
+            failed.append(f"kernel backend {entry.name!r} failed to load ({exc!s:.150})")
             continue
         if failed and not _fallback_warned:
             _fallback_warned = True
             warnings.warn(
-                f"lightning_ext: kernel backend(s) {', '.join(failed)} failed to load for device "
-                f"{device.type!r}; using {backend.name!r} instead (warned once per process). "
-                f"HINT: set {BACKEND_ENV_VAR}={backend.name} to silence this.",
+                f"lightning_ext: {'; '.join(failed)}; using {backend.name!r} for {device.type} tensors "
+                f"(warned once per process; {BACKEND_ENV_VAR}={backend.name} silences it)",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -282,9 +279,10 @@ def get_backend(name: str | None = None, device: torch.device | str | None = Non
     if device is not None and not isinstance(device, (torch.device, str, int)):
         raise TypeError(f"`device` must be a torch.device, str or None, got {device!r}")
     device = torch.get_default_device() if device is None else torch.device(device)
-    if torch.compiler.is_compiling():
-        key = _key_while_tracing(name, device.type)
-        return _LIVE[key]
+    if torch.compiler.is_compiling():  # torch._dynamo is loaded: so may the module that needs it be
+        from lightning_ext.kernels._tracing import backend_name
+
+        return _LIVE[backend_name(name, device.type)]
     return _lookup(name, device)
 
 
@@ -304,15 +302,6 @@ def _lookup(name: str | None, device: torch.device) -> KernelBackend:
         backend = _automatic(device) if name is None else _explicit(name, device, source)
         _cache[key] = backend
         return backend
-
-
-@torch.compiler.assume_constant_result
-def _key_while_tracing(name: str | None, device_type: str) -> str:
-    """The key of :func:`_lookup`'s backend. ``torch.compile`` calls it outside the graph and keeps
-    the value: dynamo cannot trace loading (a first lookup in a fresh worker process, after a reset,
-    on a new device) nor, in torch 2.4, ``os.environ``. The graph then takes the live instance the
-    custom ops also find, guarded: a reset makes it trace again."""
-    return _lookup(name, torch.device(device_type)).key
 
 
 def clear_backend_cache() -> None:

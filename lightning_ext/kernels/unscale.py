@@ -1,5 +1,5 @@
-"""``unscale_and_check_`` and ``check_finite``: ``_<op>_reference`` (ATen, as ``torch.amp.GradScaler``)
-and ``_<op>_triton``, one multi-tensor Triton kernel (its stores off for ``check_finite``)."""
+"""Loss-scaling op family: ``unscale_and_check_`` and ``check_finite``, each the reference (ATen, as
+``torch.amp.GradScaler``) and one multi-tensor Triton kernel (its stores off for ``check_finite``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import torch
 from torch import Tensor
 
 from lightning_ext.kernels._triton import HAS_TRITON, tl, triton
+from lightning_ext.kernels.backend import _check_float_tensors, _got, define_op
 
-__all__: list[str] = []  # an op family: the backends bind its `_<op>_<backend>` functions
+__all__: list[str] = []  # an op family: its ops are registered below (lightning_ext.kernels.ops)
 
 
 def _by_dtype(tensors: list[Tensor]) -> dict[torch.dtype, list[Tensor]]:
@@ -22,7 +23,19 @@ def _by_dtype(tensors: list[Tensor]) -> dict[torch.dtype, list[Tensor]]:
 
 
 def _unscale_and_check_reference(tensors: list[Tensor], inv_scale: Tensor) -> Tensor:
-    """ATen's multi-tensor op: one call on CPU (it takes mixed dtypes), one per dtype elsewhere."""
+    """Multiply every tensor in place by ``inv_scale`` and flag any inf/NaN, in one pass; follows
+    ``torch._amp_foreach_non_finite_check_and_unscale_`` (``torch.amp.GradScaler``).
+
+    Args:
+        tensors: floating point tensors (gradients) of any dtypes, on one device.
+        inv_scale: float32 tensor with one element, ``1 / scale``, on the tensors' device.
+
+    Returns:
+        ``found_inf``: float32 0-dim tensor on ``inv_scale.device``, 1.0 iff any element was inf or
+        NaN before scaling.
+
+    ATen's multi-tensor op: one call on CPU (it takes mixed dtypes), one per dtype elsewhere.
+    """
     found = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
     groups = [tensors] if inv_scale.is_cpu else list(_by_dtype(tensors).values())
     for group in groups:
@@ -32,8 +45,17 @@ def _unscale_and_check_reference(tensors: list[Tensor], inv_scale: Tensor) -> Te
 
 
 def _check_finite_reference(tensors: list[Tensor], device: torch.device) -> Tensor:
-    """Read-only: one ``aminmax`` per non-empty tensor (NaN propagates into the extremes, inf is one).
+    """Whether any element of ``tensors`` is inf/NaN, without changing them: the check fused optimizers
+    need (they unscale inside their own step).
 
+    Args:
+        tensors: floating point tensors of any dtypes, on ``device``.
+        device: the tensors' device (needed when ``tensors`` is empty).
+
+    Returns:
+        ``found_inf``: float32 0-dim tensor on ``device``, 1.0 iff any element is inf or NaN.
+
+    Read-only: one ``aminmax`` per non-empty tensor (NaN propagates into the extremes, inf is one).
     GradScaler checks for fused optimizers with its multiply-and-check op at scale 1, which writes
     every tensor: it fails on overlapping (expanded) tensors and, on CPU, rewrites bfloat16 NaNs' bits.
     """
@@ -187,3 +209,45 @@ def _unscale_and_check_triton(tensors: list[Tensor], inv_scale: Tensor) -> Tenso
 def _check_finite_triton(tensors: list[Tensor], device: torch.device) -> Tensor:
     """The multi-tensor kernel with its stores off (half the bytes of unscaling). No host sync."""
     return _multi_tensor_pass(tensors, None, device)
+
+
+# ---------------------------------------------------------------------------- argument checks
+
+
+def _check_unscale(tensors: list[Tensor], inv_scale: Tensor) -> None:
+    _check_float_tensors(tensors)
+    if not isinstance(inv_scale, Tensor) or inv_scale.dtype != torch.float32:
+        raise TypeError(f"`inv_scale` must be a float32 tensor, got {_got(inv_scale)!r}")
+    if inv_scale.numel() != 1:
+        raise ValueError(f"`inv_scale` must have one element, got shape {tuple(inv_scale.shape)!r}")
+    devices = {t.device for t in tensors} - {inv_scale.device}
+    if devices:
+        raise ValueError(f"`tensors` must be on the device of `inv_scale` ({inv_scale.device}): {devices}")
+
+
+def _check_check_finite(tensors: list[Tensor], device: torch.device) -> None:
+    _check_float_tensors(tensors)
+    if not isinstance(device, torch.device):
+        raise TypeError(f"`device` must be a torch.device, got {device!r}")
+    if any(t.device != device for t in tensors):
+        raise ValueError(f"`tensors` must all be on `device` {device}")
+
+
+# ---------------------------------------------------------------------------- the ops
+
+unscale_and_check_ = define_op(
+    "unscale_and_check_(Tensor(a0!)[] tensors, Tensor inv_scale) -> Tensor",
+    _unscale_and_check_reference,
+    fake=lambda tensors, inv_scale: inv_scale.new_empty((), dtype=torch.float32),
+    check=_check_unscale,
+    clone=True,
+    triton=_unscale_and_check_triton,
+)
+check_finite = define_op(
+    "check_finite(Tensor[] tensors, Device device) -> Tensor",
+    _check_finite_reference,
+    fake=lambda tensors, device: torch.empty((), dtype=torch.float32, device=device),
+    check=_check_check_finite,
+    clone=True,
+    triton=_check_finite_triton,
+)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -101,10 +104,10 @@ def _truths(x, dy, shift, mean, invstd, weight, bias, sums, count, dtype=torch.f
 
 def _run(be: KernelBackend, x, dy, shift, mean, invstd, weight, bias, sums, count):
     return {
-        "moments": be.batch_norm_moments(x, shift),
-        "y": be.batch_norm_elemt(x, mean, invstd, weight, bias),
-        "sums": be.batch_norm_backward_reduce(dy, x, mean),
-        "dx": be.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sums, count),
+        "moments": be.run("batch_norm_moments", x, shift),
+        "y": be.run("batch_norm_elemt", x, mean, invstd, weight, bias),
+        "sums": be.run("batch_norm_backward_reduce", dy, x, mean),
+        "dx": be.run("batch_norm_backward_elemt", dy, x, mean, invstd, weight, sums, count),
     }
 
 
@@ -195,7 +198,7 @@ def test_moments_stable_when_the_mean_dominates(backend, shape, fmt, autocast):
     device = backend_device(backend)
     for shift in (torch.zeros_like(t_mean), t_mean + 0.5):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            payload = backend.batch_norm_moments(x.to(device), shift.to(device)).cpu()
+            payload = backend.run("batch_norm_moments", x.to(device), shift.to(device)).cpu()
         mean, m2 = _moments_to_stats(payload, shift)
         assert_close_scaled(mean, t_mean, t_mean.abs(), 0.0, 1e-6, "mean")
         # ATen's float32 statistics (reference) sum in float32: 2e-5 of M2; the kernels: float32 blocks.
@@ -208,16 +211,16 @@ def test_weight_bias_none_and_the_local_batch_gradient(backend):
     device = backend_device(backend)
     x = _make((4, 7, 3, 3), torch.channels_last, False, torch.float32, seed=4).to(device)
     dy = _make((4, 7, 3, 3), torch.channels_last, False, torch.float32, seed=5).to(device)
-    payload = backend.batch_norm_moments(x, torch.zeros(7, dtype=torch.float64, device=device))
+    payload = backend.run("batch_norm_moments", x, torch.zeros(7, dtype=torch.float64, device=device))
     mean, m2 = _moments_to_stats(payload, torch.zeros(7, dtype=torch.float64, device=device))
     invstd = (m2 / 36 + 1e-5).rsqrt()
-    y = backend.batch_norm_elemt(x, mean, invstd, None, None)
+    y = backend.run("batch_norm_elemt", x, mean, invstd, None, None)
     xr = x.detach().clone().requires_grad_()
     ref = torch.nn.functional.batch_norm(xr, None, None, training=True, eps=1e-5)
     ref.backward(dy)
     torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
-    sums = backend.batch_norm_backward_reduce(dy, x, mean)
-    dx = backend.batch_norm_backward_elemt(dy, x, mean, invstd, None, sums, payload[0])
+    sums = backend.run("batch_norm_backward_reduce", dy, x, mean)
+    dx = backend.run("batch_norm_backward_elemt", dy, x, mean, invstd, None, sums, payload[0])
     torch.testing.assert_close(dx, xr.grad, atol=1e-4, rtol=1e-4)
 
 
@@ -253,8 +256,10 @@ def test_sharded_backward_matches_whole_batch(backend, shape, fmt, shards, dtype
     n = xd.numel() // c
     count = torch.tensor(float(n), dtype=torch.float64, device=device)
     parts = list(zip(x.split(list(shards)), dy.split(list(shards))))
-    total = sum(backend.batch_norm_backward_reduce(d, xs, mean) for xs, d in parts)
-    outs = [backend.batch_norm_backward_elemt(d, xs, mean, invstd, weight, total, count) for xs, d in parts]
+    total = sum(backend.run("batch_norm_backward_reduce", d, xs, mean) for xs, d in parts)
+    outs = [
+        backend.run("batch_norm_backward_elemt", d, xs, mean, invstd, weight, total, count) for xs, d in parts
+    ]
     for (xs, _), dx in zip(parts, outs):
         assert dx.dtype == xs.dtype and dx.shape == xs.shape
         if xs.dim() > 2 and xs.numel():
@@ -277,8 +282,8 @@ def test_backward_takes_a_stride_zero_gradient(backend):
     expanded = torch.ones((), dtype=x.dtype, device=device).expand(x.shape)
     dense = torch.ones_like(x)
     for dy in (expanded, dense):
-        sums = backend.batch_norm_backward_reduce(dy, x, mean)
-        dx = backend.batch_norm_backward_elemt(dy, x, mean, invstd, None, sums, count)
+        sums = backend.run("batch_norm_backward_reduce", dy, x, mean)
+        dx = backend.run("batch_norm_backward_elemt", dy, x, mean, invstd, None, sums, count)
         assert dx.is_contiguous(memory_format=torch.channels_last)
         if dy is expanded:
             got = (sums, dx)
@@ -290,50 +295,62 @@ def test_backward_takes_a_stride_zero_gradient(backend):
     ("call", "error", "match"),
     [
         (
-            lambda b: b.batch_norm_moments(torch.zeros(3), torch.zeros(3)),
+            lambda b: b.run("batch_norm_moments", torch.zeros(3), torch.zeros(3)),
             ValueError,
             r"`x` must have shape \(N, C, \*\).*\(3,\)",
         ),
         (
-            lambda b: b.batch_norm_moments([1.0], torch.zeros(1)),
+            lambda b: b.run("batch_norm_moments", [1.0], torch.zeros(1)),
             TypeError,
             r"`x` must be a torch.Tensor.*list",
         ),
         (
-            lambda b: b.batch_norm_moments(torch.zeros(2, 3, dtype=torch.int64), torch.zeros(3)),
+            lambda b: b.run("batch_norm_moments", torch.zeros(2, 3, dtype=torch.int64), torch.zeros(3)),
             TypeError,
             r"`x` must be.*int64",
         ),
         (
-            lambda b: b.batch_norm_moments(torch.zeros(2, 3), torch.zeros(3, dtype=torch.float16)),
+            lambda b: b.run("batch_norm_moments", torch.zeros(2, 3), torch.zeros(3, dtype=torch.float16)),
             TypeError,
             r"`shift` must be a float32/float64 tensor of shape \(3,\), got torch.float16",
         ),
         (
-            lambda b: b.batch_norm_elemt(torch.zeros(2, 3), torch.zeros(4), torch.ones(3), None, None),
+            lambda b: b.run("batch_norm_elemt", torch.zeros(2, 3), torch.zeros(4), torch.ones(3), None, None),
             ValueError,
             r"`mean` must have shape \(3,\) on cpu, got \(4,\)",
         ),
         (
-            lambda b: b.batch_norm_elemt(torch.zeros(2, 3), torch.zeros(3), torch.ones(3), 1.0, None),
+            lambda b: b.run("batch_norm_elemt", torch.zeros(2, 3), torch.zeros(3), torch.ones(3), 1.0, None),
             TypeError,
             r"`weight` must be a float32/float64 tensor of shape \(3,\) or None, got 'float'",
         ),
         (
-            lambda b: b.batch_norm_backward_reduce(torch.zeros(2, 4), torch.zeros(2, 3), torch.zeros(3)),
+            lambda b: b.run(
+                "batch_norm_backward_reduce", torch.zeros(2, 4), torch.zeros(2, 3), torch.zeros(3)
+            ),
             ValueError,
             r"`dy` must have the shape and device of `x` \(2, 3\) on cpu, got \(2, 4\)",
         ),
         (
-            lambda b: b.batch_norm_backward_elemt(
-                *[torch.zeros(2, 3)] * 2, *[torch.ones(3)] * 2, None, torch.ones(6), torch.ones(2)
+            lambda b: b.run(
+                "batch_norm_backward_elemt",
+                *[torch.zeros(2, 3)] * 2,
+                *[torch.ones(3)] * 2,
+                None,
+                torch.ones(6),
+                torch.ones(2),
             ),
             ValueError,
             r"`count` must be a 0-dim tensor on cpu",
         ),
         (
-            lambda b: b.batch_norm_backward_elemt(
-                *[torch.zeros(2, 3)] * 2, *[torch.ones(3)] * 2, None, torch.ones(3), torch.tensor(2.0)
+            lambda b: b.run(
+                "batch_norm_backward_elemt",
+                *[torch.zeros(2, 3)] * 2,
+                *[torch.ones(3)] * 2,
+                None,
+                torch.ones(3),
+                torch.tensor(2.0),
             ),
             ValueError,
             r"`sums` must have shape \(6,\)",
@@ -341,8 +358,9 @@ def test_backward_takes_a_stride_zero_gradient(backend):
     ],
 )
 def test_bad_input_raises(reference, call, error, match):
+    """``run(..., check=True)`` names the argument, the value and what is allowed."""
     with pytest.raises(error, match=match):
-        call(reference)
+        call(SimpleNamespace(run=functools.partial(reference.run, check=True)))
 
 
 @pytest.mark.parametrize("count", [0.0, 2.0, 37.0])
@@ -363,7 +381,9 @@ def test_gather_stats(backend, count, buffers):
         running = [torch.randn(c, generator=gen, dtype=buffers).to(device) for _ in range(2)]
         before = [r.clone() for r in running]
     momentum = torch.tensor(0.3, dtype=torch.float64)
-    mean, invstd = backend.batch_norm_gather_stats(payload, shift, *(running or [None, None]), momentum, 1e-5)
+    mean, invstd = backend.run(
+        "batch_norm_gather_stats", payload, shift, *(running or [None, None]), momentum, 1e-5
+    )
     n = max(count, 1.0)
     t_mean = (shift.cpu() + s1 / n) if count else shift.cpu()
     t_var = (s2 / n - (s1 / n) ** 2).clamp_min(0.0) if count else torch.zeros(c, dtype=torch.float64)

@@ -43,47 +43,75 @@ def test_loops_are_built_for_avx2_and_the_baseline():
         assert any("[clone .default]" in line for line in lines), kernel
 
 
-_ENVIRONMENT = ("2.13.0+cpu", True, ".cpython-311-x86_64-linux-gnu.so", b"// kernels")
+_TORCH = "/venv/lib/python3.11/site-packages/torch"
+_ENVIRONMENT = ("2.13.0+cpu", _TORCH, "1", "/venv", ".cpython-311-x86_64-linux-gnu.so")
 
 
 @pytest.mark.parametrize(
     "changed",
     [
-        ("2.12.1+cpu", True, ".cpython-311-x86_64-linux-gnu.so", b"// kernels"),  # another torch
-        ("2.13.0+cu126", True, ".cpython-311-x86_64-linux-gnu.so", b"// kernels"),  # its CUDA build
-        ("2.13.0+cpu", False, ".cpython-311-x86_64-linux-gnu.so", b"// kernels"),  # the old C++ ABI
-        ("2.13.0+cpu", True, ".cpython-312-x86_64-linux-gnu.so", b"// kernels"),  # another Python
-        ("2.13.0+cpu", True, ".cpython-313t-x86_64-linux-gnu.so", b"// kernels"),  # free-threaded
-        ("2.13.0+cpu", True, ".pypy311-pp73-x86_64-linux-gnu.so", b"// kernels"),  # PyPy
-        ("2.13.0+cpu", True, ".cpython-311-x86_64-linux-gnu.so", b"// kernels v2"),  # another source
+        ("2.12.1+cpu", _TORCH, "1", "/venv", ".cpython-311-x86_64-linux-gnu.so"),  # another torch
+        ("2.13.0+cu126", _TORCH, "1", "/venv", ".cpython-311-x86_64-linux-gnu.so"),  # its CUDA build
+        (
+            "2.13.0+cpu",
+            "/venv2/lib/python3.11/site-packages/torch",
+            "1",
+            "/venv",
+            ".cpython-311-x86_64-linux-gnu.so",
+        ),
+        ("2.13.0+cpu", _TORCH, "0", "/venv", ".cpython-311-x86_64-linux-gnu.so"),  # the old C++ ABI
+        ("2.13.0+cpu", _TORCH, "1", "/venv2", ".cpython-311-x86_64-linux-gnu.so"),  # another prefix
+        ("2.13.0+cpu", _TORCH, "1", "/venv", ".cpython-312-x86_64-linux-gnu.so"),  # another Python
+        ("2.13.0+cpu", _TORCH, "1", "/venv", ".cpython-313t-x86_64-linux-gnu.so"),  # free-threaded
+        ("2.13.0+cpu", _TORCH, "1", "/venv", ".pypy311-pp73-x86_64-linux-gnu.so"),  # PyPy
     ],
 )
-def test_the_build_key_separates_incompatible_environments(changed):
-    """Environments that cannot share a build get different keys (so directories side by side); the
-    same environment gets the same key in every process (so the cache is found)."""
-    key = cpu._build_key(*_ENVIRONMENT)
+def test_the_build_key_separates_environments(changed):
+    """Environments that must not share a build get different keys (so directories side by side),
+    among them two venvs with the same torch at different paths; the same environment gets the same
+    key in every process (so the cache is found); another source another key."""
+    key = cpu._build_key(_ENVIRONMENT, b"// kernels")
     assert re.fullmatch(r"[0-9a-f]{12}", key)
-    assert cpu._build_key(*_ENVIRONMENT) == key
-    assert cpu._build_key(*changed) != key
+    assert cpu._build_key(_ENVIRONMENT, b"// kernels") == key
+    assert cpu._build_key(changed, b"// kernels") != key
+    assert cpu._build_key(_ENVIRONMENT, b"// kernels v2") != key
 
 
 def test_the_extension_name_follows_this_environment(monkeypatch):
     """The name torch builds under is ``lightning_ext_kernels_cpu_<key>`` of this process's torch
-    version and ABI, Python and source: a valid module name, stable while they are."""
+    version, location and ABI, Python prefix and suffix: a valid module name, stable while they are."""
     name = cpu._extension_name()
     assert name.isidentifier() and re.fullmatch(r"lightning_ext_kernels_cpu_[0-9a-f]{12}", name)
     assert cpu._extension_name() == name
-    with monkeypatch.context() as m:
-        m.setattr(torch, "__version__", "2.4.1+cu121")
-        assert cpu._extension_name() != name
     abi = torch.compiled_with_cxx11_abi()
-    with monkeypatch.context() as m:
-        m.setattr(torch, "compiled_with_cxx11_abi", lambda: not abi)
-        assert cpu._extension_name() != name
-    with monkeypatch.context() as m:
-        m.setattr(cpu.sysconfig, "get_config_var", lambda var: ".cpython-399-x86_64-linux-gnu.so")
-        assert cpu._extension_name() != name
+    for target, attr, value in [
+        (torch, "__version__", "2.4.1+cu121"),
+        (torch, "__file__", "/elsewhere/site-packages/torch/__init__.py"),
+        (torch, "compiled_with_cxx11_abi", lambda: not abi),
+        (cpu.sys, "prefix", "/another/venv"),
+        (cpu.sysconfig, "get_config_var", lambda var: ".cpython-399-x86_64-linux-gnu.so"),
+    ]:
+        with monkeypatch.context() as m:
+            m.setattr(target, attr, value)
+            assert cpu._extension_name() != name, attr
     assert cpu._extension_name() == name
+
+
+def test_two_environments_share_the_cache_without_rebuilding_each_other(tmp_path):
+    """Two virtual environments with the same torch at different paths (here: this interpreter, and
+    a venv of it that sees the same packages) build under different names in one shared cache."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+                   check=True, timeout=120)  # fmt: skip
+    script = "import sys; sys.path[:0] = sys.argv[1:]; from lightning_ext.kernels import cpu; "
+    script += "print(cpu._extension_name())"
+    run = [script, *(p for p in sys.path if p)]
+    names = {
+        subprocess.run([python, "-c", *run], capture_output=True, text=True, check=True, timeout=120).stdout
+        for python in (sys.executable, str(venv / "bin" / "python"))
+    }
+    assert len(names) == 2 and all(n.startswith("lightning_ext_kernels_cpu_") for n in names), names
+    assert cpu._extension_name() + "\n" in names
 
 
 def _file_baton(monkeypatch) -> None:
@@ -221,16 +249,66 @@ def test_the_ahead_of_time_build_runs_cleanly():
 
 def test_the_ahead_of_time_build_without_a_compiler_says_so(monkeypatch, capsys):
     """Without a C++ compiler the entry point exits 1 naming what is missing, and builds nothing."""
+    import torch.utils.cpp_extension
+
     from lightning_ext.kernels.__main__ import main
 
     monkeypatch.setenv("CXX", "lightning-ext-no-such-compiler")
-    monkeypatch.setattr(cpu, "_load", lambda **kw: pytest.fail("_load() called without a compiler"))
+    monkeypatch.setattr(cpu, "_module", None)
+    monkeypatch.setattr(
+        torch.utils.cpp_extension, "load", lambda **kw: pytest.fail("built without a compiler")
+    )
     assert main([]) == 1
     assert re.match(
-        r"lightning_ext: cannot build the cpu kernels: the C\+\+ compiler 'lightning-ext-no-such-compiler' "
-        r"is not on PATH \(install g\+\+ or clang\+\+, or set CXX\)",
+        r"lightning_ext: cannot build the cpu kernels: C\+\+ compiler 'lightning-ext-no-such-compiler' "
+        r"not found \(install g\+\+, or set CXX\)",
         capsys.readouterr().err,
     )
+
+
+def test_a_missing_compiler_is_one_short_warning_with_the_cause_first(tmp_path):
+    """A fresh process whose compiler is missing selects ``reference`` with ONE line of at most 300
+    characters that names the cause early, without torch's banner (torch is not asked to build)."""
+    env = {**os.environ, "CXX": "lightning-ext-no-such-c++", "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    env.pop(registry.BACKEND_ENV_VAR, None)
+    script = (
+        "import warnings, torch\n"
+        "from lightning_ext.kernels import get_backend\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    print(get_backend(device='cpu').name)\n"
+        "print(*(str(w.message) for w in caught), sep='\\n')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    name, *lines = result.stdout.splitlines()
+    assert name == "reference" and len(lines) == 1, result.stdout
+    assert (
+        len(lines[0]) <= 300 and lines[0].index("C++ compiler 'lightning-ext-no-such-c++' not found") < 80
+    ), lines[0]
+    assert "!! WARNING !!" not in result.stderr and not list(tmp_path.glob("lightning_ext_kernels_cpu_*"))
+
+
+def test_a_failed_compilation_is_one_line_and_the_output_is_logged_at_debug(monkeypatch, caplog):
+    """A compiler error: the error line in the exception, the whole output at DEBUG."""
+    import torch.utils.cpp_extension
+
+    output = (
+        "[1/2] c++ -MMD " + "-isystem /long/include " * 40 + "\nkernels_cpu.cpp:7:1: error: expected ';'\n"
+    )
+
+    def failing(**kwargs):
+        raise RuntimeError(f"Error building extension '{kwargs['name']}': {output}ninja: build stopped")
+
+    monkeypatch.setattr(cpu, "_module", None)
+    monkeypatch.setattr(cpu, "_clear_stale_lock", lambda directory: None)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", failing)
+    with caplog.at_level(logging.DEBUG, logger=cpu.__name__), pytest.raises(RuntimeError) as info:
+        cpu._load()
+    assert str(info.value) == "building the cpu kernels failed: kernels_cpu.cpp:7:1: error: expected ';'"
+    assert output.strip() in caplog.text
 
 
 def test_the_former_entry_point_names_the_new_one():
@@ -256,12 +334,15 @@ def test_a_failed_build_falls_back_to_reference_with_one_warning(monkeypatch):
 
     monkeypatch.setattr(cpu, "_module", None)
     monkeypatch.setattr(cpu, "_clear_stale_lock", lambda directory: None)
+    monkeypatch.setattr(cpu.shutil, "which", lambda compiler: compiler)
     monkeypatch.setattr(torch.utils.cpp_extension, "load", broken)
     monkeypatch.delenv(registry.BACKEND_ENV_VAR, raising=False)
     registry.clear_backend_cache()
     try:
         with pytest.warns(
-            RuntimeWarning, match=r"'cpu' \(RuntimeError\('no compiler here'\)\).*using 'reference'"
+            RuntimeWarning,
+            match=r"'cpu' failed to load \(building the cpu kernels failed: "
+            r"no compiler here\); using 'reference' for cpu tensors",
         ):
             assert get_backend(device="cpu").name == "reference"
         with warnings.catch_warnings():
@@ -279,7 +360,7 @@ def test_auto_selects_the_cpu_backend_on_cpu():
     registry.clear_backend_cache()
     assert get_backend(device="cpu").name == "cpu"
     x = torch.randn(3, 2)
-    assert get_backend(device="cpu").batch_norm_moments(x, torch.zeros(2)).dtype == torch.float64
+    assert get_backend(device="cpu").run("batch_norm_moments", x, torch.zeros(2)).dtype == torch.float64
 
 
 def test_the_one_defer_rule_sends_float16_batch_norm_ops_to_reference(monkeypatch):
@@ -288,13 +369,13 @@ def test_the_one_defer_rule_sends_float16_batch_norm_ops_to_reference(monkeypatc
     kernel wins there), float64 normalize and channels-last backward_reduce, and nothing else for
     small bfloat16/float32 tensors."""
     require_cpu_backend()
-    from lightning_ext.kernels.reference import ReferenceBackend
+    from lightning_ext.kernels import OPS
 
     calls: list[str] = []
     for op in cpu._DEFER_TO_REFERENCE:
-        original = getattr(ReferenceBackend, f"_{op}")
-        spy = staticmethod(lambda *args, _fn=original, _op=op: calls.append(_op) or _fn(*args))
-        monkeypatch.setattr(ReferenceBackend, f"_{op}", spy)
+        original = OPS[op].impls["reference"]
+        spy = lambda *args, _fn=original, _op=op: calls.append(_op) or _fn(*args)
+        monkeypatch.setitem(OPS[op].impls, "reference", spy)
     backend = cpu.CpuBackend()
     try:
         x = torch.randn(4, 3, 5, 2)
@@ -312,16 +393,18 @@ def test_the_one_defer_rule_sends_float16_batch_norm_ops_to_reference(monkeypatc
         ]:
             calls.clear()
             xd = x.to(dtype).contiguous(memory_format=fmt)
-            backend.batch_norm_moments(xd, shift)
-            backend.batch_norm_elemt(xd, mean, invstd, None, None)
-            sums = backend.batch_norm_backward_reduce(xd, xd, mean)
-            backend.batch_norm_backward_elemt(xd, xd, mean, invstd, None, sums, torch.tensor(40.0))
+            backend.run("batch_norm_moments", xd, shift)
+            backend.run("batch_norm_elemt", xd, mean, invstd, None, None)
+            sums = backend.run("batch_norm_backward_reduce", xd, xd, mean)
+            backend.run("batch_norm_backward_elemt", xd, xd, mean, invstd, None, sums, torch.tensor(40.0))
             assert sorted(calls) == expected, (dtype, fmt)
         calls.clear()
         large = torch.randn(1, 3, 2**19 // 3 + 1, 2).bfloat16()  # >= _LARGE elements: ATen's normalize
-        backend.batch_norm_elemt(large, mean, invstd, None, None)
-        backend.batch_norm_elemt(large.float(), mean, invstd, None, None)  # float32: only above 2 * _LARGE
-        backend.batch_norm_elemt(torch.cat([large.float()] * 2, 2), mean, invstd, None, None)
+        backend.run("batch_norm_elemt", large, mean, invstd, None, None)
+        backend.run(
+            "batch_norm_elemt", large.float(), mean, invstd, None, None
+        )  # float32: only above 2 * _LARGE
+        backend.run("batch_norm_elemt", torch.cat([large.float()] * 2, 2), mean, invstd, None, None)
         assert calls == ["batch_norm_elemt"] * 2
     finally:
         monkeypatch.undo()

@@ -106,18 +106,26 @@ def test_triton_unscale_check_and_moments_on_gpu(backends):
     grads = [torch.randn(11_000_003, device="cuda"), torch.randn(257, 3, device="cuda").half().t()]
     grads2 = [g.clone() for g in grads]
     inv = torch.tensor(0.125, device="cuda")
-    assert ref.unscale_and_check_(grads, inv).item() == tri.unscale_and_check_(grads2, inv).item() == 0.0
+    assert (
+        ref.run("unscale_and_check_", grads, inv).item()
+        == tri.run("unscale_and_check_", grads2, inv).item()
+        == 0.0
+    )
     for a, b in zip(grads, grads2):
         torch.testing.assert_close(b, a, atol=0, rtol=0)
     grads2[1][1, 7] = float("nan")
-    assert ref.check_finite(grads2, "cuda").item() == tri.check_finite(grads2, "cuda").item() == 1.0
-    assert tri.unscale_and_check_(grads2, inv).item() == 1.0
+    assert (
+        ref.run("check_finite", grads2, "cuda").item()
+        == tri.run("check_finite", grads2, "cuda").item()
+        == 1.0
+    )
+    assert tri.run("unscale_and_check_", grads2, inv).item() == 1.0
     x = torch.randn(1_000_003, device="cuda", dtype=torch.float64) + 5
     shift = torch.tensor(5.0, device="cuda", dtype=torch.float64)
     acc_r = torch.tensor([0, 0, 0, float("inf"), -float("inf")], device="cuda", dtype=torch.float64)
     acc_t = acc_r.clone()
-    ref.accumulate_moments_(acc_r, x, shift)
-    tri.accumulate_moments_(acc_t, x, shift)
+    ref.run("accumulate_moments_", acc_r, x, shift)
+    tri.run("accumulate_moments_", acc_t, x, shift)
     assert torch.equal(acc_t[[0, 3, 4]], acc_r[[0, 3, 4]])  # the count and the extremes are exact
     # The sums add the same float64 terms in other orders: each within (n - 1) * eps/2 * sum|terms| of the
     # exact sum (Higham 4.2), so within n * eps * sum|terms| of each other.

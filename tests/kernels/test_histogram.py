@@ -75,8 +75,8 @@ def _check(backend: KernelBackend, reference: KernelBackend, x: torch.Tensor, ed
     device = backend_device(backend)
     start = torch.zeros(2 * edges.numel() + 1, dtype=torch.float64) if start is None else start
     got, want = start.to(device, copy=True), start.clone()
-    backend.accumulate_histogram_(got, x.to(device), edges.to(device))
-    reference.accumulate_histogram_(want, x, edges)
+    backend.run("accumulate_histogram_", got, x.to(device), edges.to(device))
+    reference.run("accumulate_histogram_", want, x, edges)
     got = got.cpu()
     differ = (got != want).nonzero().flatten()[:10].tolist()
     assert torch.equal(got, want), f"{backend.name}: buckets {differ} got {got[differ]} want {want[differ]}"
@@ -88,7 +88,7 @@ def _case(dtype: torch.dtype, edges: str, n: int) -> tuple[torch.Tensor, torch.T
     """``x`` of ``n`` values in ``dtype`` and reference's counts of it (computed once for every backend)."""
     x = _as(_values(n, EDGES[edges], seed=n), dtype)
     counts = torch.zeros(2 * EDGES[edges].numel() + 1, dtype=torch.float64)
-    get_backend("reference", device="cpu").accumulate_histogram_(counts, x, EDGES[edges])
+    get_backend("reference", device="cpu").run("accumulate_histogram_", counts, x, EDGES[edges])
     return x, counts
 
 
@@ -101,7 +101,7 @@ def test_counts_equal_reference(backend, dtype, edges):
             n = min(n, TRITON_LARGE)
         x, want = _case(dtype, edges, n)
         counts = torch.zeros_like(want, device=device)
-        backend.accumulate_histogram_(counts, x.to(device), EDGES[edges].to(device))
+        backend.run("accumulate_histogram_", counts, x.to(device), EDGES[edges].to(device))
         counts = counts.cpu()
         differ = (counts != want).nonzero().flatten()[:10].tolist()
         assert torch.equal(counts, want), f"n={n}: buckets {differ} got {counts[differ]} want {want[differ]}"
@@ -134,7 +134,7 @@ def test_layout_by_hand(backend):
     x = [-8.0, -7.0, -0.15, -0.0, 0.0, 0.1, 0.2, 5.5, 7.0, math.inf, -math.inf, math.nan]
     x = torch.tensor(x, dtype=torch.float64)  # float32 0.1 would be above the edge 0.1
     hist = torch.zeros(9, dtype=torch.float64, device=device)
-    backend.accumulate_histogram_(hist, x.to(device), edges)
+    backend.run("accumulate_histogram_", hist, x.to(device), edges)
     assert hist.tolist() == [2.0, 1.0, 0.0, 1.0, 3.0, 1.0, 0.0, 2.0, 1.0]
 
 
@@ -162,7 +162,9 @@ def test_non_contiguous_and_accumulating(backend, reference, dtype):
     assert torch.equal(once - start, _check(backend, reference, v, edges))  # added to start
     device = backend_device(backend)
     hist = start.to(device, copy=True)
-    backend.accumulate_histogram_(hist, torch.empty(0, 5, dtype=dtype, device=device), edges.to(device))
+    backend.run(
+        "accumulate_histogram_", hist, torch.empty(0, 5, dtype=dtype, device=device), edges.to(device)
+    )
     assert torch.equal(hist.cpu(), start)
 
 
@@ -198,7 +200,7 @@ def test_argument_checks(backend):
     ]  # fmt: skip
     for error, match, args in cases:
         with pytest.raises(error, match=match):
-            backend.accumulate_histogram_(*args)
+            backend.run("accumulate_histogram_", *args, check=True)
     assert hist.abs().sum().item() == 0.0  # nothing counted by a rejected call
 
 
@@ -217,7 +219,7 @@ def test_compile_fullgraph_calls_custom_op(name):
         return aot_eager(gm, example_inputs)
 
     def count(hist, x, edges):
-        backend.accumulate_histogram_(hist, x * 2, edges)
+        backend.run("accumulate_histogram_", hist, x * 2, edges)
         return hist.sum()
 
     edges = EDGES["hand-made"]
@@ -230,6 +232,6 @@ def test_compile_fullgraph_calls_custom_op(name):
     hist = torch.zeros(9, dtype=torch.float64)
     torch.library.opcheck(
         torch.ops.lightning_ext.accumulate_histogram_,
-        (hist, x, edges, backend.key),
+        (hist, x, edges, backend.name),
         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
     )

@@ -46,7 +46,7 @@ def test_accumulate_moments(backend, dtype):
     shift = xs[0].reshape(-1)[0].to(torch.float64)
     acc = _fresh().to(device)
     for x in xs:
-        backend.accumulate_moments_(acc, x, shift)
+        backend.run("accumulate_moments_", acc, x, shift)
     acc, shift = acc.cpu(), shift.cpu()
     allv = torch.cat([x.reshape(-1).double().cpu() for x in xs])
     d = allv - shift  # exact (Sterbenz: every value is within a factor 2 of the shift), on every backend
@@ -76,27 +76,29 @@ def test_accumulate_moments_keeps_previous_extremes_and_checks(backend):
     f64 = lambda *v: torch.tensor(v, dtype=torch.float64, device=device)
     z = f64(0.0).reshape(())
     acc = f64(2.0, 1.0, 5.0, -50.0, 50.0)
-    backend.accumulate_moments_(acc, torch.tensor([3.0, 4.0], device=device), z)
+    backend.run("accumulate_moments_", acc, torch.tensor([3.0, 4.0], device=device), z)
     assert acc.tolist() == [4.0, 8.0, 30.0, -50.0, 50.0]
-    backend.accumulate_moments_(acc, torch.tensor([], device=device), z)
+    backend.run("accumulate_moments_", acc, torch.tensor([], device=device), z)
     assert acc.tolist() == [4.0, 8.0, 30.0, -50.0, 50.0]
-    backend.accumulate_moments_(acc, torch.tensor([float("nan")], device=device), z)
+    backend.run("accumulate_moments_", acc, torch.tensor([float("nan")], device=device), z)
     assert acc[0].item() == 5.0 and math.isnan(acc[1].item()) and math.isnan(acc[2].item())
     z = torch.tensor(0.0, dtype=torch.float64)
     with pytest.raises(TypeError, match=r"`acc` must be a float64 tensor of shape \(5,\), got torch.float32"):
-        backend.accumulate_moments_(torch.zeros(5), torch.ones(2), z)
+        backend.run("accumulate_moments_", torch.zeros(5), torch.ones(2), z, check=True)
     with pytest.raises(TypeError, match=r"`acc` must be a float64 tensor of shape \(5,\), got 'list'"):
-        backend.accumulate_moments_([0.0] * 5, torch.ones(2), z)
+        backend.run("accumulate_moments_", [0.0] * 5, torch.ones(2), z, check=True)
     with pytest.raises(ValueError, match=r"`acc` must have shape \(5,\), got shape \(3,\)"):
-        backend.accumulate_moments_(torch.zeros(3, dtype=torch.float64), torch.ones(2), z)
+        backend.run("accumulate_moments_", torch.zeros(3, dtype=torch.float64), torch.ones(2), z, check=True)
     with pytest.raises(TypeError, match=r"`x` must be a real \(float or integer\) tensor, got torch.bool"):
-        backend.accumulate_moments_(_fresh(), torch.ones(2, dtype=torch.bool), z)
+        backend.run("accumulate_moments_", _fresh(), torch.ones(2, dtype=torch.bool), z, check=True)
     with pytest.raises(TypeError, match=r"`shift` must be a float64 0-dim tensor, got torch.float32"):
-        backend.accumulate_moments_(_fresh(), torch.ones(2), torch.tensor(0.0))
+        backend.run("accumulate_moments_", _fresh(), torch.ones(2), torch.tensor(0.0), check=True)
     with pytest.raises(ValueError, match=r"`shift` must be 0-dim, got shape \(1,\)"):
-        backend.accumulate_moments_(_fresh(), torch.ones(2), torch.zeros(1, dtype=torch.float64))
+        backend.run(
+            "accumulate_moments_", _fresh(), torch.ones(2), torch.zeros(1, dtype=torch.float64), check=True
+        )
     with pytest.raises(ValueError, match=r"`acc` \(meta\) and `shift` \(cpu\) must be on cpu"):
-        backend.accumulate_moments_(_fresh().to("meta"), torch.ones(2), z)
+        backend.run("accumulate_moments_", _fresh().to("meta"), torch.ones(2), z, check=True)
 
 
 # ---------------------------------------------------------------------------- the flush ops
@@ -129,10 +131,16 @@ def _flush(backend, i: dict[str, torch.Tensor], keep_previous: bool, device) -> 
     r = i["sums"].shape[0]
     max_payload = torch.empty(2 + 4 * r, dtype=torch.float64, device=device)
     sum_payload = torch.empty(r, 4, dtype=torch.float64, device=device)
-    backend.moments_payload_(max_payload, sum_payload, i["sums"], i["shifts"], i["center"], 12345.0)
+    backend.run("moments_payload_", max_payload, sum_payload, i["sums"], i["shifts"], i["center"], 12345.0)
     payloads = (max_payload.clone(), sum_payload.clone())
-    needs = backend.moments_finish_(
-        i["published"], i["next_shift"], max_payload, sum_payload, i["center"], keep_previous
+    needs = backend.run(
+        "moments_finish_",
+        i["published"],
+        i["next_shift"],
+        max_payload,
+        sum_payload,
+        i["center"],
+        keep_previous,
     )
     return [t.cpu() for t in (*payloads, i["published"], i["next_shift"], needs)]
 
@@ -174,8 +182,21 @@ def test_flush_ops_check_their_arguments(backend):
     f64 = {"dtype": torch.float64, "device": device}
     sums, shifts, sum_payload = torch.zeros(3, 5, **f64), torch.zeros(3, **f64), torch.zeros(3, 4, **f64)
     with pytest.raises(ValueError, match="`max_payload` must be a contiguous tensor of shape \\(14,\\)"):
-        backend.moments_payload_(torch.zeros(13, **f64), sum_payload, sums, shifts, shifts, 1.0)
+        backend.run(
+            "moments_payload_", torch.zeros(13, **f64), sum_payload, sums, shifts, shifts, 1.0, check=True
+        )
     with pytest.raises(TypeError, match="`sums` must be a float64 tensor"):
-        backend.moments_payload_(torch.zeros(14, **f64), sum_payload, sums.float(), shifts, shifts, 1.0)
+        backend.run(
+            "moments_payload_",
+            torch.zeros(14, **f64),
+            sum_payload,
+            sums.float(),
+            shifts,
+            shifts,
+            1.0,
+            check=True,
+        )
     with pytest.raises(TypeError, match="`keep_previous` must be a bool"):
-        backend.moments_finish_(sums, shifts, torch.zeros(14, **f64), sum_payload, shifts, 1)
+        backend.run(
+            "moments_finish_", sums, shifts, torch.zeros(14, **f64), sum_payload, shifts, 1, check=True
+        )

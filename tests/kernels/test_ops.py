@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
+from lightning_ext.kernels import OPS as REGISTERED
 from lightning_ext.kernels import KernelBackend
-from lightning_ext.kernels.backend import _OPS
 from lightning_ext.nn import SyncBatchNorm
 from tests.kernels.conftest import backend_device
 
@@ -58,14 +58,14 @@ def _inputs(device: torch.device, seed: int = 0) -> dict:
 
 def test_every_op_is_registered():
     """The op list below covers every op of a backend: a new op cannot skip the opcheck."""
-    assert sorted(OPS) == sorted(_OPS)
+    assert sorted(OPS) == sorted(REGISTERED)
     for name in OPS:
         assert hasattr(torch.ops.lightning_ext, name), name
 
 
 def test_opcheck_custom_ops(backend: KernelBackend):
     """Schemas, fake (meta) implementations and dispatch of each op, checked by torch itself."""
-    key, device = backend.key, backend_device(backend)
+    key, device = backend.name, backend_device(backend)
     i = _inputs(device)
     gen = torch.Generator().manual_seed(1)
     sums = torch.randn(10, generator=gen).to(device)
@@ -108,21 +108,21 @@ def test_opcheck_custom_ops(backend: KernelBackend):
 def _all_ops(backend, x, dy, shift_c, mean, invstd, weight, bias, grads, inv_scale, acc, shift, **flush):
     table, shifts, published, next_shift = (flush[k] for k in ("table", "shifts", "published", "next_shift"))
     max_payload, sum_payload = flush["max_payload"], flush["sum_payload"]
-    payload = backend.batch_norm_moments(x, shift_c)
+    payload = backend.run("batch_norm_moments", x, shift_c)
     running = [torch.zeros_like(mean), torch.ones_like(mean)]
     momentum = torch.tensor(0.1, dtype=torch.float64)
-    gathered_mean, _ = backend.batch_norm_gather_stats(payload, shift_c, *running, momentum, 1e-5)
-    y = backend.batch_norm_elemt(x, mean, invstd, weight, bias)
-    sums = backend.batch_norm_backward_reduce(dy, x, mean)
-    dx = backend.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sums, payload[0])
-    finite = backend.check_finite(grads, x.device)
-    found = backend.unscale_and_check_(grads, inv_scale)
-    backend.accumulate_moments_(acc, y, shift)
-    needs = backend.moments_finish_(published, next_shift, max_payload, sum_payload, shifts, False)
-    backend.moments_payload_(max_payload, sum_payload, table, shifts, shifts, 7.0)
+    gathered_mean, _ = backend.run("batch_norm_gather_stats", payload, shift_c, *running, momentum, 1e-5)
+    y = backend.run("batch_norm_elemt", x, mean, invstd, weight, bias)
+    sums = backend.run("batch_norm_backward_reduce", dy, x, mean)
+    dx = backend.run("batch_norm_backward_elemt", dy, x, mean, invstd, weight, sums, payload[0])
+    finite = backend.run("check_finite", grads, x.device)
+    found = backend.run("unscale_and_check_", grads, inv_scale)
+    backend.run("accumulate_moments_", acc, y, shift)
+    needs = backend.run("moments_finish_", published, next_shift, max_payload, sum_payload, shifts, False)
+    backend.run("moments_payload_", max_payload, sum_payload, table, shifts, shifts, 7.0)
     flush = (max_payload.clone(), sum_payload.clone(), published.clone(), next_shift.clone(), needs)
     hist, edges = torch.zeros(7, dtype=torch.float64, device=x.device), table.new_tensor([0.5, 1.0, 2.0])
-    backend.accumulate_histogram_(hist, y, edges)
+    backend.run("accumulate_histogram_", hist, y, edges)
     return payload, gathered_mean, *running, y, sums, dx, *flush, hist, finite, found
 
 

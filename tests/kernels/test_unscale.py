@@ -46,7 +46,7 @@ def test_unscale_and_check(backend, poison, where):
     originals = [g.double().cpu().clone() for g in grads]
     inv_scale = torch.tensor(1.0 / 3.0, device=device)
 
-    found = backend.unscale_and_check_(grads, inv_scale)
+    found = backend.run("unscale_and_check_", grads, inv_scale)
 
     assert found.dtype == torch.float32 and found.shape == () and found.device == inv_scale.device
     assert found.item() == (0.0 if poison is None else 1.0)
@@ -73,22 +73,34 @@ def test_unscale_and_check(backend, poison, where):
 
 def test_unscale_empty_list_and_bad_input(backend):
     device = backend_device(backend)
-    found = backend.unscale_and_check_([], torch.tensor(0.5, device=device))
+    found = backend.run("unscale_and_check_", [], torch.tensor(0.5, device=device))
     assert found.item() == 0.0 and found.dtype == torch.float32 and found.device == device
     with pytest.raises(TypeError, match=r"`tensors` must be a list of tensors, got Tensor"):
-        backend.unscale_and_check_(torch.zeros(3), torch.tensor(0.5))
+        backend.run("unscale_and_check_", torch.zeros(3), torch.tensor(0.5), check=True)
     with pytest.raises(TypeError, match=r"`tensors\[1\]` must be a floating point tensor, got torch.int64"):
-        backend.unscale_and_check_([torch.zeros(3), torch.zeros(3, dtype=torch.long)], torch.tensor(0.5))
+        backend.run(
+            "unscale_and_check_",
+            [torch.zeros(3), torch.zeros(3, dtype=torch.long)],
+            torch.tensor(0.5),
+            check=True,
+        )
     with pytest.raises(TypeError, match=r"`tensors\[0\]` must be a floating point tensor, got 'float'"):
-        backend.unscale_and_check_([1.0, torch.zeros(3)], torch.tensor(0.5))
+        backend.run("unscale_and_check_", [1.0, torch.zeros(3)], torch.tensor(0.5), check=True)
     with pytest.raises(TypeError, match=r"`inv_scale` must be a float32 tensor, got torch.float64"):
-        backend.unscale_and_check_([torch.zeros(3)], torch.tensor(0.5, dtype=torch.float64))
+        backend.run(
+            "unscale_and_check_", [torch.zeros(3)], torch.tensor(0.5, dtype=torch.float64), check=True
+        )
     with pytest.raises(ValueError, match=r"`inv_scale` must have one element, got shape \(2,\)"):
-        backend.unscale_and_check_([torch.zeros(3)], torch.ones(2))
+        backend.run("unscale_and_check_", [torch.zeros(3)], torch.ones(2), check=True)
     with pytest.raises(
         ValueError, match=r"`tensors` must be on the device of `inv_scale` \(cpu\): \{device\(type='meta'\)\}"
     ):
-        backend.unscale_and_check_([torch.zeros(3), torch.zeros(2, device="meta")], torch.tensor(0.5))
+        backend.run(
+            "unscale_and_check_",
+            [torch.zeros(3), torch.zeros(2, device="meta")],
+            torch.tensor(0.5),
+            check=True,
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
@@ -110,7 +122,7 @@ def test_check_finite_reads_without_writing(backend, dtype, bad, where):
         target = tensors[0] if where == "large" else tensors[1]
         target.view(-1)[target.numel() // 2 + 1] = bad
     before = [t.clone() for t in tensors]
-    found = backend.check_finite(tensors, device)
+    found = backend.run("check_finite", tensors, device)
     assert found.dtype == torch.float32 and found.shape == () and found.device == device
     assert found.item() == (0.0 if bad is None else 1.0)
     for t, b in zip(tensors, before):
@@ -134,7 +146,7 @@ def test_check_finite_takes_tensors_it_could_not_write(backend, bad):
         torch.ones(7, device=device, dtype=torch.float64, requires_grad=True),
         inference,
     ]
-    found = backend.check_finite(tensors, device)
+    found = backend.run("check_finite", tensors, device)
     assert found.item() == (0.0 if bad is None else 1.0)
     expected = [torch.full((4, 1023), value), torch.ones(7, dtype=torch.float64), torch.ones(5, 3)]
     for t, e in zip(tensors, expected):
@@ -143,15 +155,17 @@ def test_check_finite_takes_tensors_it_could_not_write(backend, bad):
 
 def test_check_finite_empty_and_bad_input(backend):
     device = backend_device(backend)
-    found = backend.check_finite([], device)
+    found = backend.run("check_finite", [], device)
     assert found.item() == 0.0 and found.dtype == torch.float32 and found.device == device
-    assert backend.check_finite([], str(device)).device == device  # a device name will do
+    cpu = torch.device("cpu")
     with pytest.raises(TypeError, match=r"`tensors\[0\]` must be a floating point tensor, got torch.int32"):
-        backend.check_finite([torch.zeros(2, dtype=torch.int32)], "cpu")
+        backend.run("check_finite", [torch.zeros(2, dtype=torch.int32)], cpu, check=True)
     with pytest.raises(TypeError, match=r"`tensors` must be a list of tensors, got Tensor"):
-        backend.check_finite(torch.zeros(2), "cpu")
+        backend.run("check_finite", torch.zeros(2), cpu, check=True)
     with pytest.raises(ValueError, match=r"`tensors` must all be on `device` cpu"):
-        backend.check_finite([torch.zeros(2), torch.zeros(2, device="meta")], "cpu")
+        backend.run("check_finite", [torch.zeros(2), torch.zeros(2, device="meta")], cpu, check=True)
+    with pytest.raises(TypeError, match=r"`device` must be a torch.device, got 'cpu'"):
+        backend.run("check_finite", [], "cpu", check=True)
 
 
 @pytest.mark.parametrize("check_only", [False, True])
