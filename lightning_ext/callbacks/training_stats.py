@@ -18,7 +18,6 @@ from lightning_ext import distributed as _dist
 from lightning_ext._checks import check_bool, check_int
 from lightning_ext.callbacks.hook_base import _iterations_done
 from lightning_ext.stats import Collector, LogHistogram, init_multiprocessing, report, set_stage
-from lightning_ext.stats.collector import _compile_regex
 
 __all__ = ["TrainingStats"]
 
@@ -27,6 +26,20 @@ _PERCENTILE = re.compile(r"p(\d+(?:\.\d+)?)")  # "p50", "p99.9": a percentile in
 _FLUSH_TIME_NAME = "Timing/stats_flush_sec"
 # Lightning's stages whose values are collected apart, and what their statistics are logged under
 STAGE_PREFIXES = {"validate": "val/", "test": "test/"}
+
+
+def _check_pattern(arg: str, pattern: Any, optional: bool) -> None:
+    """``TypeError``/``ValueError`` naming ``arg`` unless ``pattern`` is a regular expression (or None)."""
+    if optional and pattern is None:
+        return
+    if not isinstance(pattern, str):
+        raise TypeError(f"TrainingStats: `{arg}` must be a str, got {pattern!r} ({type(pattern).__name__})")
+    try:
+        re.compile(pattern)
+    except re.error as err:
+        raise ValueError(
+            f"TrainingStats: `{arg}` must be a regular expression, got {pattern!r} ({err})"
+        ) from None
 
 
 def _check_stats(stats: Any, quantiles: str | None) -> tuple[str, ...]:
@@ -138,8 +151,7 @@ class TrainingStats(Callback):
     ) -> None:
         check_int("TrainingStats", "every_n_train_steps", every_n_train_steps, ge=1)
         stats = _check_stats(stats, quantiles)
-        # the collectors' arguments, checked by building one (it registers nothing once dropped)
-        self._collector_args = {
+        self._collector_args = {  # checked below
             "regex": regex, "keep_previous": keep_previous, "quantiles": quantiles,
             "relative_accuracy": relative_accuracy, "value_range": value_range,
         }  # fmt: skip
@@ -151,10 +163,8 @@ class TrainingStats(Callback):
             raise TypeError(f"TrainingStats: `prefix` must be a str, got {prefix!r}")
         for name, flag in (("on_step", on_step), ("on_epoch", on_epoch), ("keep_previous", keep_previous)):
             check_bool("TrainingStats", name, flag)
-        _compile_regex("TrainingStats", regex)
-        for arg, pattern in (("quantiles", quantiles), ("stragglers", stragglers)):
-            if pattern is not None:
-                _compile_regex("TrainingStats", pattern, arg)
+        for arg, pattern in (("regex", regex), ("quantiles", quantiles), ("stragglers", stragglers)):
+            _check_pattern(arg, pattern, optional=arg != "regex")
         LogHistogram(relative_accuracy, value_range)  # checks them
         self.quantiles, self.stragglers, self.straggler_ratio = quantiles, stragglers, float(straggler_ratio)
         self._hosts: list[str] = []  # host name per rank, gathered at setup (with stragglers)
@@ -248,7 +258,7 @@ class TrainingStats(Callback):
     @override
     def on_sanity_check_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if "validate" in self.stage_collectors:
-            self.stage_collectors["validate"]._discard()
+            self.stage_collectors["validate"].discard()
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

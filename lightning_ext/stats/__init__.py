@@ -5,36 +5,18 @@ reported since its last update. Pure torch + ``torch.distributed``.
 """
 
 from lightning_ext.stats.collector import Collector, Straggler
-from lightning_ext.stats.reporting import (
-    STAGE_SEPARATOR,
-    Sink,
-    Table,
-    clear_statistics,
-    drain,
-    init_multiprocessing,
-    kernel_backend,
-    register_sink,
-    report,
-    report0,
-    set_stage,
-    sync_settings,
-)
+from lightning_ext.stats.moments import merge_moments
+from lightning_ext.stats.reporting import clear_statistics, init_multiprocessing, report, report0, set_stage
 from lightning_ext.stats.sketch import LogHistogram
 
 __all__ = [
-    "STAGE_SEPARATOR",
     "Collector",
     "LogHistogram",
-    "Sink",
     "Straggler",
-    "Table",
     "clear_statistics",
-    "drain",
     "init_multiprocessing",
-    "kernel_backend",
-    "register_sink",
+    "merge_moments",
     "report",
     "report0",
     "set_stage",
-    "sync_settings",
 ]

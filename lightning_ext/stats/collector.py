@@ -13,14 +13,14 @@ import torch.distributed as dist
 
 from lightning_ext._checks import check_bool
 from lightning_ext.distributed import all_reduce_, is_distributed
-from lightning_ext.kernels.moments import _UNPUBLISHED, _moments_from_shifted
 from lightning_ext.stats import reporting
-from lightning_ext.stats.moments import _as_shifted, _empty_moments, _fingerprint, _merge_moments
+from lightning_ext.stats.moments import _fingerprint
+from lightning_ext.stats.reporting import _STAGE_SEPARATOR, _merged, _SyncSettings, _Table
 from lightning_ext.stats.sketch import LogHistogram
 
 __all__ = ["Collector", "Straggler"]
 
-_NAN_VALUES = (0, math.nan, math.nan, math.nan, math.nan)  # (num, mean, std, min, max) of an empty name
+_UNPUBLISHED = (0, math.nan, math.nan, math.nan, math.nan)  # (num, mean, std, min, max) without values
 _COMPACT_AFTER = 16  # merge received tables once this many are waiting (bounds memory between updates)
 
 
@@ -37,43 +37,6 @@ def _compile_regex(owner: str, regex: Any, arg: str = "regex") -> re.Pattern[str
         return re.compile(regex)
     except re.error as err:
         raise ValueError(f"{owner}: `{arg}` must be a regular expression, got {regex!r} ({err})") from None
-
-
-def _merged(names: list[str], tables: list[reporting.Table], device: torch.device) -> reporting.Table:
-    """The table of ``names`` on ``device``: per name, the merge of its rows in ``tables`` (empty rows
-    for names no table has; names not in ``names`` are left out), histograms summed."""
-    histograms = _merged_histograms(set(names), tables, device)
-    if len(tables) == 1 and tables[0].names == names:  # steady state: nothing to reorder
-        table = tables[0]
-        return reporting.Table(names, table.sums.to(device), table.shifts.to(device), histograms)
-    index = {name: i for i, name in enumerate(names)}
-    rows = _empty_moments(len(names), device)
-    for table in tables:
-        pairs = [(index[n], i) for i, n in enumerate(table.names) if n in index]
-        if pairs:
-            dst = torch.tensor([p[0] for p in pairs], device=device)
-            src = torch.tensor([p[1] for p in pairs], device=table.sums.device)
-            rows[dst] = _merge_moments(rows[dst], table.moments()[src].to(device))
-    return reporting.Table(names, *_as_shifted(rows), histograms)
-
-
-def _merged_histograms(names: set[str], tables: list[reporting.Table], device: torch.device) -> dict:
-    """The tables' histograms of ``names`` on ``device``, summed per (name, sketch)."""
-    if len(tables) == 1 and not tables[0].histograms:
-        return tables[0].histograms
-    merged: dict[tuple[str, LogHistogram], torch.Tensor] = {}
-    for table in tables:
-        for key, counts in table.histograms.items():
-            if key[0] in names:
-                merged[key] = merged[key] + counts.to(device) if key in merged else counts.to(device)
-    return merged
-
-
-def _check_stage(stage: Any) -> None:
-    if stage is not None and not isinstance(stage, str):
-        raise TypeError(f"Collector: `stage` must be a str or None, got {stage!r}")
-    if stage is not None and (not stage or reporting.STAGE_SEPARATOR in stage):
-        raise ValueError(f"Collector: `stage` must be a non-empty str without '\\x1f', got {stage!r}")
 
 
 def _check_quantile(q: Any) -> float:
@@ -107,46 +70,67 @@ def _rank_bits(world_size: int) -> int:
     return max(1, (world_size - 1).bit_length())
 
 
+class _Tracked(NamedTuple):
+    """Which of a flush's names have sketches: rows of its names, for quantiles and for stragglers."""
+
+    sketch: LogHistogram | None  # None when no name has one
+    quantiled: list[int]
+    straggled: list[int]
+
+
 class _Flush:
     """What a flush of the agreed names keeps from one update to the next, on the sync device, and the
     payloads of its two all-reduces. Over ``R`` names, ``Q`` of them with quantile sketches and ``S``
-    with the slowest rank tracked (``B`` = the sketch's size), the layout of the buffers is::
+    with the slowest rank tracked (``B`` = the sketch's size), ``W`` ranks::
 
-        max_buffer (2 + 4R + S,)    [fp, -fp | max_1..R | -min_1..R | mean_1..R | -mean_1..R | slowest_1..S]
+        max_buffer (W + 2 + 5R,)    [configuration_1..W | fp, -fp | max, -min, mean, -mean, slowest per name]
         sum_buffer (4R + (Q+S) B,)  [n, m2, n d, n d^2] per name | Q value histograms | S rank-mean histograms
 
-    the first ``2 + 4R`` and ``4R`` entries (``max_payload``, ``sum_payload``) written by the kernel op
-    ``moments_payload_``. ``slowest`` is a rank's mean with its rank in the low bits (MAX picks the
-    slowest rank and names it); a rank-mean histogram counts each rank's mean once (its median).
+    ``configuration_r``: rank ``r``'s fingerprint of its collector's configuration (``-inf`` from the
+    others, so that MAX gives every rank's); ``[fp, -fp | 4R]`` (``max_payload``) and the first
+    ``4R`` of the SUM (``sum_payload``) written by the kernel op ``moments_payload_``; ``slowest``: a
+    rank's mean with its rank in the low bits (MAX picks the slowest rank and names it; ``-inf`` for
+    names without); a rank-mean histogram counts each rank's mean once (its median). The MAX's size
+    depends on ``W`` and ``R`` alone, the SUM's on the configuration too.
 
-    Kept: ``published``, float64 ``(R, 5)`` ``[count, mean, std, min, max]`` per name (the queries);
-    ``next_shift``, float64 ``(R,)``, the center of the next SUM (each name's last published mean, 0
-    before it had one); ``sketches``, float64 ``(Q + S, B)``, the published histograms.
+    Kept (what the queries read): ``published``, float64 ``(R, 5)`` ``[count, mean, std, min, max]``;
+    ``counts``, float64 ``(R,)``, the values of the last interval; ``next_shift``, float64 ``(R,)``,
+    the center of the next SUM (each name's last published mean, 0 before it had one); ``sketches``,
+    float64 ``(Q + S, B)``, and ``slowest``, float64 ``(S,)``, the published histograms and slowest
+    ranks. The payloads are scratch: a failed update leaves what was published. All are normal tensors
+    (not inference tensors): an update in inference mode may make the flush that training updates.
     """
 
+    @torch.inference_mode(False)
     def __init__(
         self,
         names: list[str],
         device: torch.device,
+        world_size: int = 1,
+        tracked: _Tracked | None = None,
         previous: _Flush | None = None,
-        tracked: tuple[LogHistogram | None, list[int], list[int]] = (None, [], []),
     ) -> None:
-        r = len(names)
-        self.names, self.index = names, {name: i for i, name in enumerate(names)}
-        self.sketch, self.quantiled, self.straggled = tracked
-        q, k, size = len(self.quantiled), len(self.straggled), self.sketch.size if self.sketch else 0
+        r, w = len(names), world_size
+        self.names, self.index, self.world_size = names, {name: i for i, name in enumerate(names)}, w
+        self.sketch, self.quantiled, self.straggled = tracked or _Tracked(None, [], [])
+        q, s, size = len(self.quantiled), len(self.straggled), self.sketch.size if self.sketch else 0
         self.published = torch.tensor(_UNPUBLISHED, dtype=torch.float64, device=device).repeat(r, 1)
+        self.counts = torch.zeros(r, dtype=torch.float64, device=device)
         self.next_shift = torch.zeros(r, dtype=torch.float64, device=device)
-        self.max_buffer = torch.empty(2 + 4 * r + k, dtype=torch.float64, device=device)
-        self.sum_buffer = torch.zeros(4 * r + (q + k) * size, dtype=torch.float64, device=device)
-        self.max_payload, self.sum_payload = self.max_buffer[: 2 + 4 * r], self.sum_buffer[: 4 * r].view(r, 4)
-        self.histograms = self.sum_buffer[4 * r :].view(q + k, size)
-        self.sketches = torch.zeros(q + k, size, dtype=torch.float64, device=device)
+        self.max_buffer = torch.full((w + 2 + 5 * r,), -math.inf, dtype=torch.float64, device=device)
+        self.sum_buffer = torch.zeros(4 * r + (q + s) * size, dtype=torch.float64, device=device)
+        self.configurations = self.max_buffer[:w]
+        self.max_payload, self.rank_max = self.max_buffer[w : w + 2 + 4 * r], self.max_buffer[w + 2 + 4 * r :]
+        self.sum_payload = self.sum_buffer[: 4 * r].view(r, 4)
+        self.histograms = self.sum_buffer[4 * r :].view(q + s, size)
+        self.sketches = torch.zeros(q + s, size, dtype=torch.float64, device=device)
+        self.slowest = torch.full((s,), -math.inf, dtype=torch.float64, device=device)
         self._sketch_rows = torch.tensor(self.quantiled + self.straggled, dtype=torch.int64, device=device)
+        self._straggled_rows = torch.tensor(self.straggled, dtype=torch.int64, device=device)
+        self._edges = self.sketch.edges(device) if self.straggled else None
         self.values: dict[str, tuple[int, float, float, float, float]] | None = None  # read lazily
         self.updated: list[str] = []  # names with values in the last interval (read with values)
-        self._host_sketches: Any = None  # sketches and slowest ranks, read lazily
-        self.world_size = 1  # of the last payloads (the bits of a packed rank)
+        self._host_sketches: tuple[np.ndarray, list[float]] | None = None  # read lazily
         if previous is not None:  # keep what was published for the names that stay
             self._keep(previous)
 
@@ -163,12 +147,9 @@ class _Flush:
                 if self.names[i] in before:
                     self.sketches[j] = previous.sketches[before[self.names[i]]].to(device)
 
-    def payloads(
-        self, table: reporting.Table, center: torch.Tensor, fingerprint: float, rank: int, world_size: int
-    ) -> None:
+    def payloads(self, table: _Table, center: torch.Tensor, fingerprint: float, rank: int) -> None:
         """Write ``table``'s rows (aligned to ``names``) into both buffers, about ``center``."""
-        self.world_size = world_size
-        backend = reporting.kernel_backend(self.published.device)
+        backend = reporting._kernel_backend(self.published.device)
         args = (self.max_payload, self.sum_payload, table.sums, table.shifts, center, fingerprint)
         backend.run("moments_payload_", *args)
         if self.sketch is None:
@@ -178,32 +159,34 @@ class _Flush:
             counts = [table.histograms.get((self.names[i], self.sketch), zero) for i in self.quantiled]
             torch.stack([c.expand(self.sketch.size) for c in counts], out=self.histograms[:q])
         if self.straggled:
-            self.histograms[q:].zero_()
-            self._rank_means(table, self.histograms[q:], rank, world_size, backend)
+            self._rank_means(table, rank, backend)
 
-    def _rank_means(self, table: reporting.Table, histograms: torch.Tensor, rank: int, world_size: int,
-                    backend: Any) -> None:  # fmt: skip
-        """This rank's mean of each straggler name: packed with its rank into ``slowest``, counted
+    def _rank_means(self, table: _Table, rank: int, backend: Any) -> None:
+        """This rank's mean of each straggler name: packed with its rank into ``rank_max``, counted
         into its rank-mean histogram."""
-        index = torch.tensor(self.straggled, device=table.sums.device)
-        rows = _moments_from_shifted(table.sums[index], table.shifts[index]).to(histograms.device)
+        histograms = self.histograms[len(self.quantiled) :]
+        histograms.zero_()
+        index = self._straggled_rows.to(table.sums.device)
+        rows = table._replace(sums=table.sums[index], shifts=table.shifts[index]).moments()
+        rows = rows.to(histograms.device)
         has = (rows[:, 0] > 0) & rows[:, 1].isfinite()
-        mask = (1 << _rank_bits(world_size)) - 1
+        mask = (1 << _rank_bits(self.world_size)) - 1
         packed = ((rows[:, 1].view(torch.int64) & ~mask) | rank).view(torch.float64)
-        self.max_buffer[2 + 4 * len(self.names) :] = torch.where(has, packed, -math.inf)
-        edges = self.sketch.edges(histograms.device)
+        self.rank_max[self._straggled_rows] = torch.where(has, packed, -math.inf)
         means = torch.where(has, rows[:, 1], math.nan)  # NaN is not counted
         for j in range(len(self.straggled)):
-            backend.run("accumulate_histogram_", histograms[j], means[j : j + 1], edges)
+            backend.run("accumulate_histogram_", histograms[j], means[j : j + 1], self._edges)
 
     def finish(self, center: torch.Tensor, keep_previous: bool) -> bool:
         """Publish the reduced buffers; whether some name must be reduced again (host read)."""
         self.values, self._host_sketches = None, None
         args = (self.published, self.next_shift, self.max_payload, self.sum_payload, center, keep_previous)
-        again = bool(reporting.kernel_backend(self.published.device).run("moments_finish_", *args))
+        again = bool(reporting._kernel_backend(self.published.device).run("moments_finish_", *args))
+        self.counts.copy_(self.sum_payload[:, 0])
         if self.sketch is not None:
             has = (self.sum_payload[self._sketch_rows, 0] > 0)[:, None]
             self.sketches.copy_(torch.where(has, self.histograms, self.sketches if keep_previous else 0.0))
+            self.slowest.copy_(self.rank_max[self._straggled_rows])
         return again
 
     def mean_max(self) -> torch.Tensor:
@@ -217,14 +200,13 @@ class _Flush:
         if self.values is None:
             rows = self.published.tolist()
             self.values = {n[cut:]: (round(v[0]), *v[1:]) for n, v in zip(self.names, rows)}  # type: ignore[misc]
-            self.updated = [n[cut:] for n, count in zip(self.names, self.sum_payload[:, 0].tolist()) if count]
+            self.updated = [n[cut:] for n, count in zip(self.names, self.counts.tolist()) if count]
         return self.values
 
     def host_sketches(self) -> tuple[np.ndarray, list[float]]:
         """The published histograms (NumPy ``(Q + S, B)``) and the packed slowest means, read once."""
         if self._host_sketches is None:
-            slowest = self.max_buffer[2 + 4 * len(self.names) :].tolist()
-            self._host_sketches = (self.sketches.cpu().numpy(), slowest)
+            self._host_sketches = (self.sketches.cpu().numpy(), self.slowest.tolist())
         return self._host_sketches
 
 
@@ -239,7 +221,7 @@ class Collector:
     ``KeyError`` (listing close names) for a name ``regex`` excludes, ``TypeError`` for a non-str.
 
     A collector sees the values reported while it exists: creating one first hands the values
-    pending to the collectors created before (:func:`~lightning_ext.stats.register_sink`).
+    pending to the collectors created before.
 
     Opt-in per name: :meth:`quantile` for the names ``quantiles`` matches, from a mergeable sketch
     (:class:`~lightning_ext.stats.LogHistogram`: relative accuracy ``relative_accuracy`` for
@@ -250,10 +232,14 @@ class Collector:
     Distributed protocol, in three named steps over the R names agreed at the previous update (same
     lengths on every rank); the buffers' layout is ``_Flush``'s:
 
-    1. *agree names*: the MAX all-reduce carries ``[fp, -fp]``, ``fp`` a 48-bit fingerprint of the
-       sorted names this rank knows now: all ranks know the same names iff ``max(fp) == -max(-fp)``;
-       if not, one ``all_gather_object`` agrees on the sorted union (skipped when every rank saw the
-       same new names), and both all-reduces are redone on aligned rows;
+    1. *agree*: the MAX all-reduce carries each rank's fingerprint of its configuration (every
+       argument above) in its own slot: ranks whose collectors differ raise on every rank, naming the
+       ranks, before anything is published (until the ranks agreed once, the SUM, whose size depends
+       on the configuration, waits for this check). It carries ``[fp, -fp]`` too, ``fp`` a 48-bit
+       fingerprint of the sorted names this rank knows now: all ranks know the same names iff
+       ``max(fp) == -max(-fp)``; if not, one ``all_gather_object`` agrees on the sorted union
+       (skipped when every rank saw the same new names), and both all-reduces are redone on aligned
+       rows;
     2. *reduce rows*: the kernel backend's ``moments_payload_`` (the maths:
        :meth:`~lightning_ext.kernels.KernelBackend.moments_payload_`) writes each name's extremes and
        rank mean (``-inf`` without local values) for the MAX, and ``[n, m2, n d, n d^2]`` (``d`` the
@@ -311,94 +297,105 @@ class Collector:
     ) -> None:
         self._pattern = _compile_regex("Collector", regex)
         check_bool("Collector", "keep_previous", keep_previous)
-        _check_stage(stage)
-        self._tracked = [
-            None if p is None else _compile_regex("Collector", p, arg)
+        reporting._check_stage("Collector", stage)
+        self._tracked = {
+            arg: None if p is None else _compile_regex("Collector", p, arg)
             for arg, p in (("quantiles", quantiles), ("stragglers", stragglers))
-        ]
+        }
         self.sketch = LogHistogram(relative_accuracy, value_range)  # checks them
         self.regex, self.keep_previous, self.stage = regex, keep_previous, stage
         self.quantiles, self.stragglers = quantiles, stragglers
-        self._prefix = "" if stage is None else stage + reporting.STAGE_SEPARATOR  # of this stage's keys
-        self._match_cache: dict[str, bool] = {}  # name => regex matches
-        self._tables: list[reporting.Table] = []  # drained tables received since the last update
+        self._prefix = "" if stage is None else stage + _STAGE_SEPARATOR  # of this stage's keys
+        self._match_cache: dict[str, bool] = {}  # key => of this stage and regex matches its name
+        self._tables: list[_Table] = []  # drained tables received since the last update
         self._seen: set[str] = set()  # names this rank has had (matching), ever
         self._flush = _Flush([], torch.device("cpu"))  # the names agreed at the last update, and more
+        self._agreed_in: _SyncSettings | None = None  # settings in which the ranks agreed on the arguments
         # Caches of the steady state (the same name lists, by identity, from update to update):
         self._combined: tuple[list[str] | None, list[str]] = (None, [])  # drained names -> matching ones
         self._seen_from: list[str] | None = None  # the names last added to _seen
         self._candidate: tuple[list[str] | None, list[str]] = (None, [])  # agreed names -> candidate
         self._fp: tuple[list[str] | None, float] = (None, 0.0)  # names -> _fingerprint(names)
         self._equal: tuple[list[str] | None, list[str] | None] = (None, None)  # two lists found equal
-        reporting.register_sink(self)
+        self._slot: tuple[tuple[int, int], torch.Tensor] | None = None  # (rank, W) -> configurations
+        reporting._register(self)
+
+    def _configuration(self) -> str:
+        """What the ranks' collectors must share: every argument (what is reduced and published)."""
+        return (
+            f"Collector(regex={self.regex!r}, keep_previous={self.keep_previous}, stage={self.stage!r}, "
+            f"quantiles={self.quantiles!r}, relative_accuracy={self.sketch.relative_accuracy!r}, "
+            f"value_range={self.sketch.value_range!r}, stragglers={self.stragglers!r})"
+        )
 
     def _matches(self, name: str) -> bool:
         """Whether ``regex`` matches ``name``."""
         return self._pattern.fullmatch(name) is not None
 
-    def wants(self, key: str) -> bool:
+    def _wants(self, key: str) -> bool:
         """Whether a drained ``key`` (``name``, or ``stage + "\\x1f" + name``) is of this collector's
         stage and its name matches (cached)."""
         match = self._match_cache.get(key)
         if match is None:
-            stage, _, name = key.rpartition(reporting.STAGE_SEPARATOR)
+            stage, _, name = key.rpartition(_STAGE_SEPARATOR)
             match = (stage or None) == self.stage and self._matches(name)
             self._match_cache[key] = match
         return match
 
-    def _tracks(self, which: int, key: str) -> bool:
-        """Whether ``key`` is sketched for quantiles (``which = 0``) or its slowest rank named (``1``)."""
-        pattern = self._tracked[which]
-        return (
-            pattern is not None
-            and self.wants(key)
-            and pattern.fullmatch(key[len(self._prefix) :]) is not None
-        )
+    def _tracks(self, arg: str, key: str) -> bool:
+        """Whether the pattern ``arg`` (``"quantiles"`` or ``"stragglers"``) tracks ``key``."""
+        pattern = self._tracked[arg]
+        name = key[len(self._prefix) :]
+        return pattern is not None and self._wants(key) and pattern.fullmatch(name) is not None
 
-    def sketch_for(self, key: str) -> LogHistogram | None:
+    def _sketch_for(self, key: str) -> LogHistogram | None:
         """The sketch ``report()`` keeps for ``key`` for this collector, or ``None``."""
-        return self.sketch if self._tracks(0, key) else None
+        return self.sketch if self._tracks("quantiles", key) else None
 
-    def _new_flush(self, names: list[str], device: torch.device) -> _Flush:
+    def _new_flush(self, names: list[str], device: torch.device, world_size: int) -> _Flush:
         """A flush of ``names`` that keeps what the current one published for the names that stay."""
-        quantiled = [i for i, n in enumerate(names) if self._tracks(0, n)]
-        straggled = [i for i, n in enumerate(names) if self._tracks(1, n)]
-        tracked = (self.sketch if quantiled or straggled else None, quantiled, straggled)
-        return _Flush(names, device, self._flush, tracked)
+        quantiled = [i for i, n in enumerate(names) if self._tracks("quantiles", n)]
+        straggled = [i for i, n in enumerate(names) if self._tracks("stragglers", n)]
+        tracked = _Tracked(self.sketch if quantiled or straggled else None, quantiled, straggled)
+        return _Flush(names, device, world_size, tracked, self._flush)
 
-    def receive(self, table: reporting.Table) -> None:
+    def _receive(self, table: _Table) -> None:
+        """Take a drained table (read-only; a lent one only until the update that drained it ends)."""
         self._tables.append(table)
         if len(self._tables) >= _COMPACT_AFTER:
             self._tables = [self._combine()]
 
-    def detach(self) -> None:
+    def _detach(self) -> None:
+        """Forget what was received (``clear_statistics()``)."""
         self._tables = []
 
-    def _discard(self) -> None:
-        """Drop what was reported since the last update, locally (no collective; e.g. sanity checks)."""
-        reporting.drain()
+    def discard(self) -> None:
+        """Drop what was reported since the last update (e.g. the values of Lightning's sanity check).
+        Local: no collective; values pending for other collectors are handed to them."""
+        reporting._drain()
         self._tables = []
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_tables": []}  # pending values stay in the process that reported them
+        # pending values stay in the process that reported them; the ranks agree again where it runs
+        return {**self.__dict__, "_tables": [], "_agreed_in": None, "_slot": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        reporting.register_sink(self)
+        reporting._register(self)
 
-    def _combine(self) -> reporting.Table:
+    def _combine(self) -> _Table:
         """Merge the received tables into one table restricted to the names this collector matches."""
         if len(self._tables) == 1:  # the usual case: one drain since the last update
             table = self._tables[0]  # its names are sorted and distinct
             source, names = self._combined
             if table.names is not source:  # a drain reuses its name list while the names repeat
-                names = [n for n in table.names if self.wants(n)]
+                names = [n for n in table.names if self._wants(n)]
                 names = table.names if len(names) == len(table.names) else names
                 self._combined = (table.names, names)
             if names is table.names:
                 return table
             return _merged(names, self._tables, table.sums.device)
-        names = sorted({n for t in self._tables for n in t.names if self.wants(n)})
+        names = sorted({n for t in self._tables for n in t.names if self._wants(n)})
         device = self._tables[0].sums.device if self._tables else torch.device("cpu")
         return _merged(names, self._tables, device)
 
@@ -406,38 +403,48 @@ class Collector:
         """Reduce everything reported since the last ``update()`` and publish it.
 
         Must be called on every rank, in the same order relative to other collectors' updates.
-        Synchronizes host and device (it reads the fingerprint head of the MAX all-reduce and whether
+        Synchronizes host and device (it reads the fingerprints of the MAX all-reduce and whether
         a name needs another reduction). Collectives on the sync device: two all-reduces, three to
         five when the name set changed (see the class docstring).
+
+        Raises:
+            RuntimeError: the ranks' collectors differ in their arguments (on every rank, naming the
+                ranks and this rank's arguments); nothing is published and the values received stay
+                for the next update.
         """
-        release = reporting.drain(self)  # the rows of the values drained, lent while reading them
+        release = reporting._drain(self)  # the rows of the values drained, lent while reading them
         try:
-            self._publish(self._combine())
+            table = self._combine()
+            self._tables = []
+            try:
+                self._publish(table)
+            except BaseException:
+                self._tables = [table.copy()]  # nothing lost: the next update reduces them
+                raise
         finally:
-            self._tables = []  # (never a lent table after its release)
             release()
 
-    def _publish(self, local: reporting.Table) -> None:
-        """Agree on the names, reduce the rows of ``local`` and finish (class docstring)."""
-        rank, device, group = reporting.sync_settings()
+    def _publish(self, local: _Table) -> None:
+        """Agree, reduce the rows of ``local`` and finish (class docstring)."""
+        settings = reporting._sync_settings()
+        rank, device, group = settings
         world_size = dist.get_world_size(group=group) if device is not None and is_distributed() else 1
         rank = rank if world_size > 1 else 0
         device = device if device is not None else local.sums.device
-        if self._flush.published.device != device:
-            self._flush = self._new_flush(self._flush.names, device)
+        if self._flush.published.device != device or self._flush.world_size != world_size:
+            self._flush = self._new_flush(self._flush.names, device, world_size)
         candidate = self._candidate_names(local.names)
         if world_size == 1:  # agree with no one, reduce nothing, finish
             if candidate is not self._flush.names:
-                self._flush = self._new_flush(candidate, device)
+                self._flush = self._new_flush(candidate, device, world_size)
             flush = self._flush
-            flush.payloads(self._aligned(local, device), flush.next_shift, 0.0, rank, world_size)
+            flush.payloads(self._aligned(local, device), flush.next_shift, 0.0, rank)
             flush.finish(flush.next_shift, self.keep_previous)  # one rank: no name needs recentering
             return
-        reduce = (rank, world_size, group)
-        local, center = self._agree_names_and_reduce(candidate, local, device, reduce)
+        local, center = self._agree_and_reduce(candidate, local, settings._replace(rank=rank), world_size)
         if self._flush.finish(center, self.keep_previous):  # rare; the same on every rank
             center = self._flush.mean_max()
-            self._reduce_sum_again(local, center, reduce)
+            self._reduce_sum_again(local, center, rank, group)
             self._flush.finish(center, self.keep_previous)
 
     def _candidate_names(self, drained: list[str]) -> list[str]:
@@ -455,7 +462,7 @@ class Collector:
             self._candidate = (agreed, candidate)
         return candidate
 
-    def _aligned(self, local: reporting.Table, device: torch.device) -> reporting.Table:
+    def _aligned(self, local: _Table, device: torch.device) -> _Table:
         """``local`` with the rows of the agreed names, in their order, on ``device``."""
         names = self._flush.names
         if self._equal[0] is not local.names or self._equal[1] is not names:  # once while both stay
@@ -472,49 +479,74 @@ class Collector:
             self._fp = (names, fp)
         return fp
 
-    def _agree_names_and_reduce(
-        self, candidate: list[str], local: reporting.Table, device: torch.device, reduce: tuple[int, int, Any]
-    ) -> tuple[reporting.Table, torch.Tensor]:
+    def _payloads(
+        self, flush: _Flush, table: _Table, center: torch.Tensor, names: list[str], rank: int
+    ) -> None:
+        """Both payloads of ``flush``, with this rank's fingerprints of its configuration and ``names``."""
+        if self._slot is None or self._slot[0] != (rank, flush.world_size):
+            slot = torch.full((flush.world_size,), -math.inf, dtype=torch.float64)
+            slot[rank] = _fingerprint([self._configuration()])
+            self._slot = ((rank, flush.world_size), slot)
+        flush.configurations.copy_(self._slot[1])
+        flush.payloads(table, center, self._fingerprint(names), rank)
+
+    def _agree_and_reduce(
+        self, candidate: list[str], local: _Table, settings: _SyncSettings, world_size: int
+    ) -> tuple[_Table, torch.Tensor]:
         """Steps 1 and 2 (class docstring): both all-reduces over the agreed names, and again over
         the union when the ranks' names differ; returns the aligned local table and the SUM's center."""
-        rank, world_size, group = reduce
-        flush = self._flush
+        rank, _, group = settings
+        flush, device = self._flush, self._flush.published.device
         aligned, center = self._aligned(local, device), flush.next_shift
-        flush.payloads(aligned, center, self._fingerprint(candidate), rank, world_size)
+        self._payloads(flush, aligned, center, candidate, rank)
         works = [all_reduce_(flush.max_buffer, op=dist.ReduceOp.MAX, group=group, async_op=True)]
+        head = None
+        if self._agreed_in != settings:  # the SUM's size depends on the configuration: check it first
+            works.pop().wait()
+            head = self._check_configurations(rank)
         if flush.sum_buffer.numel():
             works.append(all_reduce_(flush.sum_buffer, op=dist.ReduceOp.SUM, group=group, async_op=True))
         for work in works:
             work.wait()
-        names = self._agreed_names(candidate, world_size, group)
-        if names is flush.names:
-            return aligned, center
-        flush = self._flush = self._new_flush(names, device)  # the same decision on every rank
-        aligned = _merged(names, [local], device)
-        flush.payloads(aligned, flush.next_shift, self._fingerprint(names), rank, world_size)
-        all_reduce_(flush.max_buffer, op=dist.ReduceOp.MAX, group=group)
-        center = flush.mean_max()  # the largest rank mean: inside the data range
-        self._reduce_sum_again(aligned, center, reduce)
-        return aligned, center
-
-    def _agreed_names(self, candidate: list[str], world_size: int, group: Any) -> list[str]:
-        """Step 1 (class docstring), from the reduced fingerprints: the current names (the same
-        list) when every rank knows them, else the sorted union of every rank's ``candidate``."""
-        fp_max, neg_fp_min = self._flush.max_buffer[:2].tolist()  # host sync; identical on every rank
+        fp_max, neg_fp_min = head if head is not None else self._check_configurations(rank)
+        self._agreed_in = settings
         if fp_max != -neg_fp_min:  # ranks know different name sets: agree on the sorted union
             gathered: list[Any] = [None] * world_size
             dist.all_gather_object(gathered, candidate, group=group)
-            return sorted(set().union(*gathered))
-        return candidate if candidate != self._flush.names else self._flush.names
+            names = sorted(set().union(*gathered))
+        elif candidate == flush.names:
+            return aligned, center
+        else:
+            names = candidate
+        flush = self._flush = self._new_flush(names, device, world_size)  # the same decision on every rank
+        aligned = _merged(names, [local], device)
+        self._payloads(flush, aligned, flush.next_shift, names, rank)
+        all_reduce_(flush.max_buffer, op=dist.ReduceOp.MAX, group=group)
+        center = flush.mean_max()  # the largest rank mean: inside the data range
+        self._reduce_sum_again(aligned, center, rank, group)
+        return aligned, center
 
-    def _reduce_sum_again(
-        self, aligned: reporting.Table, center: torch.Tensor, reduce: tuple[int, int, Any]
-    ) -> None:
+    def _check_configurations(self, rank: int) -> list[float]:
+        """Raise on every rank unless the reduced MAX holds the same configuration from every rank;
+        else return its ``[max(fp), max(-fp)]`` of the names (a host read)."""
+        flush = self._flush
+        head = flush.max_buffer[: flush.world_size + 2].tolist()  # identical on every rank
+        configurations, mine = head[: flush.world_size], head[rank]
+        others = [r for r, fp in enumerate(configurations) if fp != mine]
+        if others:
+            same = [r for r, fp in enumerate(configurations) if fp == mine]
+            raise RuntimeError(
+                f"Collector.update: the ranks' collectors differ: ranks {same} have "
+                f"{self._configuration()}, ranks {others} another configuration; nothing was published. "
+                "HINT: create the Collector (or TrainingStats) with the same arguments on every rank."
+            )
+        return head[flush.world_size :]
+
+    def _reduce_sum_again(self, aligned: _Table, center: torch.Tensor, rank: int, group: Any) -> None:
         """Redo the SUM all-reduce about ``center``, keeping the reduced MAX buffer."""
-        rank, world_size, group = reduce
         flush = self._flush
         reduced = flush.max_buffer.clone()
-        flush.payloads(aligned, center, 0.0, rank, world_size)
+        flush.payloads(aligned, center, 0.0, rank)
         flush.max_buffer.copy_(reduced)
         all_reduce_(flush.sum_buffer, op=dist.ReduceOp.SUM, group=group)
 
@@ -536,7 +568,7 @@ class Collector:
         if not isinstance(name, str):
             raise TypeError(f"statistic name must be a str, got {type(name).__name__} {name!r}")
         if self._matches(name):
-            return _NAN_VALUES
+            return _UNPUBLISHED
         close = difflib.get_close_matches(name, self.names(), n=5, cutoff=0.5)
         raise KeyError(
             f"{name!r} is not collected by Collector(regex={self.regex!r}); close names: {close}. "
@@ -566,19 +598,17 @@ class Collector:
     def __getitem__(self, name: str) -> float:
         return self.mean(name)
 
-    def _sketch_row(self, which: int, name: str) -> int | None:
-        """Row of ``name``'s published histogram (``which``: 0 values, 1 rank means), or ``None``."""
+    def _sketch_row(self, arg: str, name: str) -> int | None:
+        """Row of ``name``'s published histogram for ``arg`` (``"quantiles"``: its values,
+        ``"stragglers"``: its rank means), or ``None`` when it has none yet."""
         self._get(name)  # raises for names regex excludes
+        if not self._tracks(arg, self._prefix + name):
+            raise KeyError(f"{name!r} is not matched by Collector({arg}={getattr(self, arg)!r})")
         flush = self._flush
         i = flush.index.get(self._prefix + name)
-        rows = flush.quantiled if which == 0 else flush.straggled
-        if i is None or i not in rows:
-            pattern = self.quantiles if which == 0 else self.stragglers
-            if not self._tracks(which, self._prefix + name):
-                arg = "quantiles" if which == 0 else "stragglers"
-                raise KeyError(f"{name!r} is not matched by Collector({arg}={pattern!r})")
-            return None
-        return rows.index(i) + (0 if which == 0 else len(flush.quantiled))
+        if arg == "quantiles":
+            return flush.quantiled.index(i) if i in flush.quantiled else None
+        return len(flush.quantiled) + flush.straggled.index(i) if i in flush.straggled else None
 
     def quantile(self, name: str, q: float) -> float:
         """The ``q``-quantile of ``name``'s values in the last interval over all ranks (NumPy's
@@ -591,7 +621,7 @@ class Collector:
             KeyError: ``quantiles`` does not match ``name`` (or ``regex`` excludes it).
         """
         q = _check_quantile(q)
-        row = self._sketch_row(0, name)
+        row = self._sketch_row("quantiles", name)
         if row is None:
             return math.nan
         _, _, _, lo, hi = self._get(name)
@@ -605,11 +635,11 @@ class Collector:
         Raises:
             KeyError: ``stragglers`` does not match ``name`` (or ``regex`` excludes it).
         """
-        row = self._sketch_row(1, name)
+        row = self._sketch_row("stragglers", name)
         if row is None:
             return None
         counts, slowest = self._flush.host_sketches()
-        packed = slowest[self._flush.straggled.index(self._flush.index[self._prefix + name])]
+        packed = slowest[row - len(self._flush.quantiled)]
         if not math.isfinite(packed):
             return None
         rank = int(np.float64(packed).view(np.int64)) & ((1 << _rank_bits(self._flush.world_size)) - 1)
@@ -640,8 +670,10 @@ class Collector:
         rows = [values.get(name, _UNPUBLISHED) for name in names]
         names = [self._prefix + name for name in names]
         self._seen.update(names)
-        self._flush = _Flush([], self._flush.published.device)
-        self._flush = flush = self._new_flush(names, self._flush.published.device)
+        device = self._flush.published.device
+        self._flush = _Flush([], device, self._flush.world_size)
+        self._flush = flush = self._new_flush(names, device, self._flush.world_size)
+        self._agreed_in = None  # the SUM's size depends on the configuration again
         flush.published.copy_(torch.tensor(rows, dtype=torch.float64).reshape(-1, 5))
         has = flush.published[:, 0] > 0
         flush.next_shift.copy_(torch.where(has, flush.published[:, 1], 0.0).nan_to_num(0.0, 0.0, 0.0))

@@ -7,7 +7,8 @@ is ``[0, 0, 0, +inf, -inf]`` so that merging with it is the identity. Sources: s
 and the parallel merge (Chan, Golub & LeVeque 1979, "Updating formulae and a pairwise algorithm
 for computing sample variances"). The flush's own maths (shifted sums to moments, the payloads of
 the all-reduces) is in ``lightning_ext.kernels.moments``, behind the kernel backend's ops. None of
-these functions synchronizes host and device.
+these functions synchronizes host and device. :func:`merge_moments` is public (``PreciseBN`` merges
+batch moments with it); the other helpers serve ``report()`` and ``Collector`` and are tested directly.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import hashlib
 
 import torch
 
-__all__: list[str] = []  # the maths of Collector and report(): private helpers, tested directly
+__all__ = ["merge_moments"]
 
-_EMPTY_ROW = (0.0, 0.0, 0.0, float("inf"), float("-inf"))  # identity of _merge_moments
+_EMPTY_ROW = (0.0, 0.0, 0.0, float("inf"), float("-inf"))  # identity of merge_moments
 
 
 def _empty_moments(rows: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -42,7 +43,7 @@ def _moments_of(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([x.new_tensor(float(x.numel())), mean, (x - mean).square().sum(), x.min(), x.max()])
 
 
-def _merge_moments(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def merge_moments(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Chan's parallel merge of two tables of moment rows (elementwise over leading dims).
 
     ``m2 = m2_a + m2_b + δ² · n_a n_b / n`` with ``δ = mean_b - mean_a``.
@@ -56,7 +57,7 @@ def _merge_moments(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     Example::
 
         >>> x = torch.arange(10.0, dtype=torch.float64)
-        >>> torch.allclose(_merge_moments(_moments_of(x[:3]), _moments_of(x[3:])), _moments_of(x))
+        >>> torch.allclose(merge_moments(_moments_of(x[:3]), _moments_of(x[3:])), _moments_of(x))
         True
     """
     na, nb = a[..., 0], b[..., 0]
@@ -70,6 +71,9 @@ def _merge_moments(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     cross = torch.where(both, delta * delta * (na * nb / safe_n), torch.zeros_like(n))
     lo, hi = torch.minimum(a[..., 3], b[..., 3]), torch.maximum(a[..., 4], b[..., 4])
     return torch.stack([n, mean, a[..., 2] + b[..., 2] + cross, lo, hi], -1)
+
+
+_merge_moments = merge_moments  # the name lightning_ext.callbacks.precise_bn still imports
 
 
 def _as_shifted(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

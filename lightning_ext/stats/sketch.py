@@ -102,14 +102,11 @@ class LogHistogram:
 
     def edges(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """float64 ``(m + 1,)``: ``gamma^k`` for ``k = first - 1 .. last``, the upper edges of the zero
-        bucket and of the buckets (the ``edges`` of ``accumulate_histogram_``)."""
-        cached = _EDGES.get((self, torch.device(device)))
-        if cached is None:
-            with torch.inference_mode(False):  # normal tensors, even when first asked in inference mode
-                k = torch.arange(self.first - 1, self.first + self.buckets, dtype=torch.float64)
-                cached = (k * math.log(self.gamma)).exp_().to(device)
-            _EDGES[(self, torch.device(device))] = cached
-        return cached
+        bucket and of the buckets (the ``edges`` of ``accumulate_histogram_``); a normal tensor, even
+        when asked for in inference mode."""
+        with torch.inference_mode(False):
+            k = torch.arange(self.first - 1, self.first + self.buckets, dtype=torch.float64)
+            return (k * math.log(self.gamma)).exp_().to(device)
 
     def quantile(self, counts: np.ndarray, q: float, lo: float, hi: float) -> float:
         """The ``q``-quantile (inverted CDF) estimated from ``counts``; NaN when they are all 0.
@@ -138,6 +135,3 @@ class LogHistogram:
             else math.copysign(2.0 * self.gamma ** (self.first - 1 + abs(j)) / (self.gamma + 1.0), j)
         )
         return min(max(value, lo), hi) if lo <= hi else value
-
-
-_EDGES: dict[tuple[LogHistogram, torch.device], torch.Tensor] = {}  # edges per sketch and device

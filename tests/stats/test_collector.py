@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import math
+import os
 import pickle
 import random
+import re
+import time
 import zlib
 
 import numpy as np
 import pytest
 import torch
 
+from lightning_ext.distributed import SHM_ENV_VAR
 from lightning_ext.stats import Collector, clear_statistics, init_multiprocessing, report, report0, set_stage
 from lightning_ext.stats import collector as collector_module
 from tests.helpers.distributed import run_distributed
@@ -279,6 +283,72 @@ def test_distributed_statistics_match_single_process_float64(world_size: int) ->
             assert_moments_close(sub["Sub/x"], x, f"rank {rank} Sub/x", merges=2)
             assert sub["Sub/r0"] == {"num": 1, "mean": 10.0, "std": 0.0, "min": 10.0, "max": 10.0}
         assert "subgroup" not in outputs[1]
+
+
+# ------------------------------------------------------------------------------------------------
+# Ranks whose collectors differ: every rank raises, naming the ranks, before anything is published.
+
+AGREED = {  # what even ranks pass
+    "regex": "L.*", "keep_previous": True, "stage": None, "quantiles": "L.*", "relative_accuracy": 0.01,
+    "value_range": (1e-6, 1e6), "stragglers": None,
+}  # fmt: skip
+DIFFERENCES = [  # one argument at a time: what odd ranks pass instead
+    ("relative_accuracy", 0.02),
+    ("value_range", (1e-3, 1e3)),
+    ("quantiles", None),
+    ("stragglers", "L/x"),
+    ("regex", "L/.*"),
+    ("keep_previous", False),
+    ("stage", "validate"),
+]
+
+
+def _differing(rank: int, world_size: int, shared_memory: bool) -> list:
+    if not shared_memory:  # before the first reduction, which decides the transport
+        os.environ[SHM_ENV_VAR] = "0"
+    out = []
+    for restored in (False, True):  # fresh, or with agreed names: the SUM has a size then
+        for arg, value in DIFFERENCES:
+            clear_statistics()
+            kwargs = {**AGREED, arg: value} if rank % 2 else AGREED
+            c = Collector(**kwargs)
+            if restored:
+                c.load_state_dict({"names": ["L/x"], "values": {}})
+            outer = set_stage(kwargs.get("stage"))
+            report("L/x", [rank, rank + 1.0])
+            set_stage(outer)
+            start = time.monotonic()
+            with pytest.raises(RuntimeError) as info:
+                c.update()
+            elapsed, names = time.monotonic() - start, c.names()
+            init_multiprocessing(rank, None)  # alone now: the values received before the error remain
+            c.update()
+            out.append((restored, arg, str(info.value), elapsed, names, c.num("L/x"), c.mean("L/x")))
+    return out
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "gloo"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_whose_collectors_differ_all_raise_naming_the_ranks(
+    world_size: int, shared_memory: bool
+) -> None:
+    outputs = run_distributed(_differing, world_size, shared_memory, timeout=120)
+    even, odd = [r for r in range(world_size) if r % 2 == 0], [r for r in range(world_size) if r % 2]
+    for rank, out in enumerate(outputs):
+        assert len(out) == 2 * len(DIFFERENCES)
+        for restored, arg, message, elapsed, names, num, mean in out:
+            where = f"rank {rank}, {arg}{' after load_state_dict' if restored else ''}"
+            same, others = (odd, even) if rank % 2 else (even, odd)
+            mine = re.escape(f"{arg}={(dict(DIFFERENCES)[arg] if rank % 2 else AGREED[arg])!r}")
+            assert re.match(
+                rf"Collector.update: the ranks' collectors differ: ranks {re.escape(str(same))} have "
+                rf"Collector\(.*{mine}.*\), ranks {re.escape(str(others))} another configuration; nothing "
+                r"was published\. HINT: create the Collector",
+                message,
+            ), f"{where}: {message}"
+            assert elapsed < 30.0, f"{where}: raised after {elapsed:.1f} s"
+            assert names == (["L/x"] if restored else []), f"{where}: published {names}"
+            assert (num, mean) == (2, rank + 0.5), f"{where}: the values received were lost"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from lightning_ext.kernels.moments import (
     _needs_recentering,
     _shifted_for_allreduce,
 )
-from lightning_ext.stats.moments import _empty_moments, _fingerprint, _merge_moments, _moments_of
+from lightning_ext.stats.moments import _empty_moments, _fingerprint, _moments_of, merge_moments
 from tests.helpers.float64_reference import assert_moments_close
 
 
@@ -54,7 +54,7 @@ def test_shifted_then_merge_matches_direct(offset: float) -> None:
     ]
     merged = _empty_moments(1)[0]
     for row in rows:
-        merged = _merge_moments(merged, row)
+        merged = merge_moments(merged, row)
     # Four leaves summed around their first value, three real merges (the first, into the empty
     # row, is exact): within the derived bound, dominated by the spacing of the mean (|offset|·eps)
     # entering the merges' between-part terms, not by cancellation.
@@ -64,9 +64,9 @@ def test_shifted_then_merge_matches_direct(offset: float) -> None:
 def test_merge_with_empty_is_identity_and_empty_with_empty_is_empty() -> None:
     row = _moments_of(torch.tensor([1.0, 2.0, 4.0]))
     empty = _empty_moments(1)[0]
-    torch.testing.assert_close(_merge_moments(row, empty), row)
-    torch.testing.assert_close(_merge_moments(empty, row), row)
-    both = _merge_moments(empty, empty)
+    torch.testing.assert_close(merge_moments(row, empty), row)
+    torch.testing.assert_close(merge_moments(empty, row), row)
+    both = merge_moments(empty, empty)
     assert both.tolist() == [0.0, 0.0, 0.0, math.inf, -math.inf]
 
 
@@ -122,7 +122,7 @@ def test_any_split_merges_to_the_direct_moments(values, cuts, offset) -> None:
     bounds = sorted({0, len(values), *(min(c, len(values)) for c in cuts)})
     merged = _empty_moments(1)[0]
     for lo, hi in itertools.pairwise(bounds):
-        merged = _merge_moments(merged, _exact_row(x[lo:hi]))
+        merged = merge_moments(merged, _exact_row(x[lo:hi]))
     if not values:
         assert merged.tolist() == [0.0, 0.0, 0.0, math.inf, -math.inf]
         return

@@ -215,6 +215,43 @@ def test_bad_input_raises_type_error_naming_the_name(name, value, match) -> None
         report(name, value)
 
 
+def _uncountable() -> dict[str, torch.Tensor]:
+    """Tensors whose elements ``report()`` cannot count: no strided storage of real numbers."""
+    pair = [torch.tensor([1.0, 2.0]), torch.tensor([3.0])]
+    return {
+        "meta": torch.ones(3, device="meta"),
+        "sparse_coo": torch.eye(2).to_sparse(),
+        "sparse_csr": torch.eye(2).to_sparse_csr(),
+        "mkldnn": torch.ones(2).to_mkldnn(),
+        "nested": torch.nested.nested_tensor(pair),
+        "jagged": torch.nested.nested_tensor(pair, layout=torch.jagged),
+        "quantized": torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8),
+    }
+
+
+@pytest.mark.parametrize("kind", sorted(_uncountable()))
+def test_a_tensor_without_real_strided_storage_is_refused_and_nothing_else_is_lost(kind: str) -> None:
+    bad = _uncountable()[kind]
+    match = (
+        rf"^report\('Bad', value\): value must be a tensor with real strided storage, got an? ?\w* tensor "
+        rf"on device {bad.device} with layout {bad.layout}\. HINT: report a dense copy"
+    )
+    c = Collector()
+    report("Good", 1.0)
+    for fn in (report, report0):
+        with pytest.raises(TypeError, match=match):
+            fn("Bad", bad)
+    report("Good", torch.tensor([2.0, 3.0]))
+    c.update()
+    assert c.names() == ["Good"] and c.num("Good") == 3 and c.mean("Good") == 2.0
+    report("Good", 4.0)
+    c.update()  # the next interval too
+    assert c.num("Good") == 1 and c.mean("Good") == 4.0
+    clear_statistics()  # also when nobody collects the name
+    with pytest.raises(TypeError, match=match):
+        report("Bad", bad)
+
+
 def test_report0_keeps_only_rank_zero_values_and_registers_elsewhere() -> None:
     c = Collector()
     assert report0("LR", 0.5) == 0.5
@@ -306,7 +343,7 @@ def test_backend_is_resolved_once_per_device_until_clear_statistics(monkeypatch)
     monkeypatch.setenv(BACKEND_ENV_VAR, "reference")
     c = Collector()
     report("A", 1.0)
-    assert reporting._slabs[torch.device("cpu")].backend.name == "reference"
+    assert reporting._state.slabs[torch.device("cpu")].backend.name == "reference"
     monkeypatch.setenv(BACKEND_ENV_VAR, "no-such-backend")  # not looked up again by report()
     report("A", torch.ones(3))
     c.update()
@@ -318,7 +355,7 @@ def test_backend_is_resolved_once_per_device_until_clear_statistics(monkeypatch)
     c = Collector()
     report("A", torch.tensor([3.0, 5.0]))
     c.update()
-    assert c.mean("A") == 4.0 and reporting._slabs[torch.device("cpu")].backend.name == "reference"
+    assert c.mean("A") == 4.0 and reporting._state.slabs[torch.device("cpu")].backend.name == "reference"
 
 
 def test_rows_grown_and_drained_in_inference_mode_serve_training_afterwards() -> None:
