@@ -43,6 +43,10 @@ def _batch_norm_moments_reference(x: Tensor, shift: Tensor) -> Tensor:
         batch; summing about a shift near the mean keeps ``M2`` free of cancellation (the
         shifted-data algorithm, Chan, Golub & LeVeque 1983). Empty ``x``: all zeros.
 
+    Float32 sums of squares (ATen's, and ``triton``'s) are finite while they stay below float32's
+    largest value (about 3e38: a channel spread below about 1e17 at 4096 elements); ``cpu`` redoes
+    such a pass in float64, finite for every finite input.
+
     ATen's fused ``batch_norm_update_stats`` (mean, biased variance), re-expressed about ``shift``;
     low-precision input passes float32 scratch running buffers so that ATen accumulates and returns
     float32 without copying ``x``.

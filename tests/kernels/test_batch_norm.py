@@ -395,3 +395,23 @@ def test_gather_stats(backend, count, buffers):
         tol = 1e-12 if buffers == torch.float64 else 1e-6  # rounded to float32 buffers
         torch.testing.assert_close(running[0].cpu().double(), t_rm, rtol=tol, atol=tol)
         torch.testing.assert_close(running[1].cpu().double(), t_rv, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("magnitude", [1e15, 1e19, 3e38])
+def test_moments_of_huge_values(backend, magnitude):
+    """``batch_norm_moments`` of float32 values up to float32's largest: the ``cpu`` backend redoes a
+    float32 pass whose sums overflow in float64 (finite, float64's accuracy); ``reference`` and
+    ``triton`` sum squares in float32 (ATen's accumulation), finite while they stay below float32's
+    largest value (here 1e15)."""
+    device = backend_device(backend)
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 3, 8, 8, generator=gen, dtype=torch.float64) * magnitude).clamp(-3e38, 3e38).float()
+    shift = torch.zeros(3)
+    payload = backend.run("batch_norm_moments", x.to(device), shift.to(device)).cpu()
+    if backend.name != "cpu" and magnitude > 1e15:
+        return  # documented: float32 sums of squares
+    v = x.double().transpose(0, 1).reshape(3, -1)
+    assert torch.isfinite(payload).all()
+    # float32 terms in blocks (the local shift's deviations), float64 totals: a few float32 ulps
+    torch.testing.assert_close(payload[1:4], v.sum(1), rtol=1e-6, atol=1e-6 * v.abs().sum(1).max().item())
+    torch.testing.assert_close(payload[4:], (v * v).sum(1), rtol=1e-6, atol=0)

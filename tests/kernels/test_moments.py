@@ -71,6 +71,84 @@ def test_accumulate_moments(backend, dtype):
     torch.testing.assert_close(var, truth, rtol=0, atol=bound)
 
 
+def _published(backend, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """One rank's ``[n, mean, std, min, max]`` of ``x`` as ``report()`` and a flush publish it:
+    ``accumulate_moments_``, then ``moments_payload_`` and ``moments_finish_`` (no collective)."""
+    f64 = {"dtype": torch.float64, "device": x.device}
+    acc = _fresh().to(x.device)
+    backend.run("accumulate_moments_", acc, x, shift)
+    center = shift.reshape(1)
+    max_payload, sum_payload = torch.zeros(6, **f64), torch.zeros(1, 4, **f64)
+    backend.run("moments_payload_", max_payload, sum_payload, acc.view(1, 5), center, center, 1.0)
+    published, next_shift = torch.zeros(1, 5, **f64), torch.zeros(1, **f64)
+    backend.run("moments_finish_", published, next_shift, max_payload, sum_payload, center, False)
+    return published[0].cpu()
+
+
+def _magnitudes(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """``n`` values of random sign and log-uniform magnitude in [1e-30, 3e38], clipped to ``dtype``'s max."""
+    gen = torch.Generator().manual_seed(seed)
+    exponent = torch.rand(n, generator=gen, dtype=torch.float64) * (math.log10(3e38) + 30) - 30
+    sign = torch.randint(0, 2, (n,), generator=gen, dtype=torch.float64) * 2 - 1
+    return (sign * 10**exponent).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype)
+
+
+_HUGE = [  # the cases of the issue: float32 sums of squares (or of values) would overflow
+    ([1e20, 2e20, 3e20], torch.float32),
+    ([3e38, 3e38, -3e38], torch.float32),
+    ([3e38, 3.3e38, -3e38, 1.0], torch.bfloat16),
+    ([65504.0, -65504.0, 6e-8, 65504.0], torch.float16),
+    ([1e-30, 3e-30, 2e-30], torch.float32),  # squares below float32's smallest normal
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n", [3, 1023, 4099])
+@pytest.mark.parametrize("shift_at", ["first", "zero"])
+def test_every_backend_publishes_finite_moments_of_any_finite_values(backend, reference, dtype, n, shift_at):
+    """Values of every magnitude up to the dtype's largest, both signs: every backend publishes the
+    float64 mean and std (finite), within the bound of its documented arithmetic, and agrees with
+    ``reference`` within twice that bound."""
+    device = backend_device(backend)
+    cases = [(_magnitudes(n, dtype, seed=n), dtype)] + [(torch.tensor(v).to(d), d) for v, d in _HUGE]
+    for x, dt in cases:
+        if dt != dtype:
+            continue
+        v = x.double()
+        shift = v[0] if shift_at == "first" else torch.zeros((), dtype=torch.float64)
+        got = _published(backend, x.to(device), shift.to(device))
+        ref = _published(reference, x, shift)
+        # float64 truth, correctly rounded sums (math.fsum)
+        values = v.tolist()
+        mean = math.fsum(values) / len(values)
+        std = math.sqrt(math.fsum((a - mean) ** 2 for a in values) / len(values))
+        # The documented arithmetic: float64 terms summed in any order (n eps of the summed
+        # magnitudes), or float32 terms in runs of 32 (34 u of them) for low-precision input; the mean
+        # takes S1 / n, the std (S2 - S1^2 / n) / n to first order (plus the final roundings).
+        d = v - shift
+        b1 = (len(values) * EPS64 + 34 * U32) * d.abs().sum().item()
+        b2 = (len(values) * EPS64 + 34 * U32) * (d * d).sum().item()
+        s1 = d.sum().item()
+        m2_bound = b2 + (2 * abs(s1) * b1 + b1 * b1) / len(values)
+        mean_tol = b1 / len(values) + 4 * EPS64 * abs(mean)
+        std_tol = (
+            m2_bound / (2 * len(values) * std) + 4 * EPS64 * std if std else math.sqrt(m2_bound / len(values))
+        )
+        where = (
+            f"{backend.name} {dt} n={len(values)} shift={shift_at}: got {got.tolist()}, float64 {mean}, {std}"
+        )
+        assert torch.isfinite(got).all(), where
+        assert (
+            got[0].item() == len(values)
+            and got[3].item() == v.min().item()
+            and got[4].item() == v.max().item()
+        )
+        assert abs(got[1].item() - mean) <= mean_tol, where
+        assert abs(got[2].item() - std) <= std_tol, where
+        assert abs(got[1].item() - ref[1].item()) <= 2 * mean_tol, where
+        assert abs(got[2].item() - ref[2].item()) <= 2 * std_tol, where
+
+
 def test_accumulate_moments_keeps_previous_extremes_and_checks(backend):
     device = backend_device(backend)
     f64 = lambda *v: torch.tensor(v, dtype=torch.float64, device=device)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -61,6 +63,24 @@ def test_every_op_is_registered():
     assert sorted(OPS) == sorted(REGISTERED)
     for name in OPS:
         assert hasattr(torch.ops.lightning_ext, name), name
+
+
+def test_eager_use_imports_no_dynamo():
+    """A process that runs the ops eagerly never imports ``torch._dynamo`` (only tracing needs it)."""
+    script = (
+        "import sys, torch, lightning_ext\n"
+        "from lightning_ext.kernels import get_backend\n"
+        "for backend in (get_backend(device='cpu'), get_backend('reference', device='cpu')):\n"
+        "    x = torch.randn(4, 3)\n"
+        "    backend.run('batch_norm_moments', x, torch.zeros(3), check=True)\n"
+        "    backend.run('check_finite', [x], x.device)\n"
+        "    acc = torch.tensor([0.0, 0.0, 0.0, float('inf'), -float('inf')], dtype=torch.float64)\n"
+        "    backend.run('accumulate_moments_', acc, x, torch.tensor(0.0, dtype=torch.float64))\n"
+        "print(backend.name, 'torch._dynamo' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-1] == "False", result.stdout
 
 
 def test_opcheck_custom_ops(backend: KernelBackend):
