@@ -126,10 +126,10 @@ def bench_cpu(quick: bool) -> None:
         c = shape[1]
         case = f"{tuple(shape)} {str(dtype)[6:]} {'CL' if fmt == torch.channels_last else 'NCHW'}"
         shift = torch.zeros(c, dtype=torch.float64)  # the running mean at the first step
-        count, mean, invstd = _statistics(ref.batch_norm_moments(x, shift), shift)
+        count, mean, invstd = _statistics(ref.run("batch_norm_moments", x, shift), shift)
         pdt = torch.float64 if dtype == torch.float64 else torch.float32  # parameters (ATen: same)
         w, b = torch.randn(c, dtype=pdt), torch.randn(c, dtype=pdt)
-        sums = ref.batch_norm_backward_reduce(dy, x, mean)
+        sums = ref.run("batch_norm_backward_reduce", dy, x, mean)
         # ATen's fused BatchNorm pieces, with float32 statistics (float64 for float64 input): moments
         # (batch_norm_update_stats), training forward (moments + normalize), eval forward (normalize),
         # backward (the two sums alone; the whole input gradient).
@@ -148,11 +148,11 @@ def bench_cpu(quick: bool) -> None:
         )
         nb = nbytes(x)
         calls = {
-            "batch_norm_moments": lambda be: be.batch_norm_moments(x, shift),
-            "batch_norm_elemt": lambda be: be.batch_norm_elemt(x, mean, invstd, w, b),
-            "batch_norm_backward_reduce": lambda be: be.batch_norm_backward_reduce(dy, x, mean),
+            "batch_norm_moments": lambda be: be.run("batch_norm_moments", x, shift),
+            "batch_norm_elemt": lambda be: be.run("batch_norm_elemt", x, mean, invstd, w, b),
+            "batch_norm_backward_reduce": lambda be: be.run("batch_norm_backward_reduce", dy, x, mean),
             "batch_norm_backward_elemt": (
-                lambda be: be.batch_norm_backward_elemt(dy, x, mean, invstd, w, sums, count)
+                lambda be: be.run("batch_norm_backward_elemt", dy, x, mean, invstd, w, sums, count)
             ),
         }
         times = guarded(backends, calls, case)
@@ -194,8 +194,8 @@ def bench_cpu(quick: bool) -> None:
         t_gs_check, copy_gbs)  # fmt: skip
     add("cpu", "read grads once (foreach_norm)", "aten", case, t_read, nbytes(*grads), None, copy_gbs)
     calls = {
-        "unscale_and_check_": lambda be: be.unscale_and_check_(grads, inv),
-        "check_finite": lambda be: be.check_finite(grads, "cpu"),
+        "unscale_and_check_": lambda be: be.run("unscale_and_check_", grads, inv),
+        "check_finite": lambda be: be.run("check_finite", grads, torch.device("cpu")),
     }
     times = guarded(backends, calls, case)
     for be in backends:
@@ -207,9 +207,9 @@ def bench_cpu(quick: bool) -> None:
     # batch_norm_gather_stats: statistics and running update from a summed 64-channel payload.
     x = torch.randn(32, 64, 8, 8)
     shift, rm, rv = torch.zeros(64), torch.zeros(64), torch.ones(64)
-    payload, momentum = ref.batch_norm_moments(x, shift), torch.tensor(0.1, dtype=torch.float64)
+    payload, momentum = ref.run("batch_norm_moments", x, shift), torch.tensor(0.1, dtype=torch.float64)
     args = (payload, shift, rm, rv, momentum, 1e-5)
-    gather = {"batch_norm_gather_stats": lambda be: be.batch_norm_gather_stats(*args)}
+    gather = {"batch_norm_gather_stats": lambda be: be.run("batch_norm_gather_stats", *args)}
     times = guarded(backends, gather, "C=64 payload")
     for be in backends:
         t_g = times[be.name]["batch_norm_gather_stats"]
@@ -223,7 +223,7 @@ def bench_cpu(quick: bool) -> None:
         xf = x if x.dtype == torch.float64 else x.float()
         t_a = cpu_time(lambda: (xf.sum(), (xf * xf).sum(), torch.aminmax(xf))) if x.dim() else None
         acc = torch.tensor([0, 0, 0, math.inf, -math.inf], dtype=torch.float64)
-        times = guarded(backends, {"acc": lambda be: be.accumulate_moments_(acc, x, shift)}, case)
+        times = guarded(backends, {"acc": lambda be: be.run("accumulate_moments_", acc, x, shift)}, case)
         for be in backends:
             add("cpu", "accumulate_moments_", be.name, case, times[be.name]["acc"], nbytes(x), t_a, copy_gbs)
 
@@ -238,7 +238,7 @@ def bench_cpu(quick: bool) -> None:
     inputs = [(f"1M {str(d)[6:]}, {m} buckets/sign", torch.randn(2**20).to(d)) for d in dtypes]
     for case, x in [*(inputs[:1] if quick else inputs), ("scalar (per-call overhead)", torch.ones(()))]:
         t_a = cpu_time(lambda: torch.bucketize(x.double().abs(), edges)) if x.dim() else None
-        times = guarded(backends, {"hist": lambda be: be.accumulate_histogram_(hist, x, edges)}, case)
+        times = guarded(backends, {"hist": lambda be: be.run("accumulate_histogram_", hist, x, edges)}, case)
         for be in backends:
             t = times[be.name]["hist"]
             add("cpu", "accumulate_histogram_", be.name, case, t, nbytes(x), t_a, copy_gbs)
@@ -390,15 +390,15 @@ def bench_gpu(quick: bool) -> None:
                     )
                 for be in (tri, ref):
                     calls = {
-                        "batch_norm_moments": lambda a, be=be: be.batch_norm_moments(a[0], a[11]),
-                        "batch_norm_elemt": lambda a, be=be: be.batch_norm_elemt(
-                            a[0], a[2], a[3], a[4], a[5]
+                        "batch_norm_moments": lambda a, be=be: be.run("batch_norm_moments", a[0], a[11]),
+                        "batch_norm_elemt": lambda a, be=be: be.run(
+                            "batch_norm_elemt", a[0], a[2], a[3], a[4], a[5]
                         ),
-                        "batch_norm_backward_reduce": lambda a, be=be: be.batch_norm_backward_reduce(
-                            a[1], a[0], a[2]
+                        "batch_norm_backward_reduce": lambda a, be=be: be.run(
+                            "batch_norm_backward_reduce", a[1], a[0], a[2]
                         ),
-                        "batch_norm_backward_elemt": lambda a, be=be: be.batch_norm_backward_elemt(
-                            a[1], a[0], a[2], a[3], a[4], a[10], a[7]
+                        "batch_norm_backward_elemt": lambda a, be=be: be.run(
+                            "batch_norm_backward_elemt", a[1], a[0], a[2], a[3], a[4], a[10], a[7]
                         ),
                     }
                     for op, fn in calls.items():
@@ -428,10 +428,10 @@ def bench_gpu(quick: bool) -> None:
         add_gpu("copy (same tensors)", "ATen", case, gpu_device_time(copy_fn, pairs),
                 gpu_time(lambda p=pairs[0]: copy_fn(p)), 2 * nb, t_a, copy_gbs)  # fmt: skip
         for be in (tri, ref):
-            fn = lambda g, be=be: be.unscale_and_check_(g, inv)
+            fn = lambda g, be=be: be.run("unscale_and_check_", g, inv)
             add_gpu("unscale_and_check_", be.name, case, gpu_device_time(fn, sets),
                     gpu_time(lambda fn=fn: fn(sets[0])), 2 * nb, t_a, copy_gbs)  # fmt: skip
-            fn = lambda g, be=be: be.check_finite(g, g[0].device)
+            fn = lambda g, be=be: be.run("check_finite", g, g[0].device)
             add_gpu("check_finite (read only)", be.name, case, gpu_device_time(fn, sets),
                     gpu_time(lambda fn=fn: fn(sets[0])), nb, t_a, copy_gbs)  # fmt: skip
         del sets
@@ -441,7 +441,7 @@ def bench_gpu(quick: bool) -> None:
     aten_fn = lambda a: (a[0].sum(), (a[0] * a[0]).sum(), torch.aminmax(a[0]))
     t_a = gpu_device_time(aten_fn, sets)
     for be in (tri, ref):
-        fn = lambda a, be=be: be.accumulate_moments_(acc, a[0], shift)
+        fn = lambda a, be=be: be.run("accumulate_moments_", acc, a[0], shift)
         add_gpu("accumulate_moments_", be.name, "16M fp32", gpu_device_time(fn, sets),
                 gpu_time(lambda fn=fn: fn(sets[0])), 2**26, t_a, copy_gbs)  # fmt: skip
 

@@ -23,9 +23,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-__all__ = ["KernelBackend", "KernelOp", "ReferenceBackend", "define_op"]
+__all__ = ["OPS", "KernelBackend", "KernelOp", "ReferenceBackend", "define_op"]
 
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # allowed dtypes of x / dy
+OPS: dict[str, KernelOp] = {}  # op name -> its registration (by define_op; kept, as torch's custom ops)
 _LIVE: dict[str, KernelBackend] = {}  # backend name -> live instance: how the custom ops find theirs
 
 
@@ -66,10 +67,14 @@ def define_op(
         impls: the implementation of other backends by backend name, e.g. ``triton=...``.
 
     Returns:
-        The :class:`KernelOp`; its module keeps it at top level, where :mod:`lightning_ext.kernels.ops`
-        finds it.
+        The :class:`KernelOp`, also in :data:`OPS` under its name.
+
+    Raises:
+        ValueError: an op of that name is already registered.
     """
     name, _, signature = schema.partition("(")
+    if name in OPS:
+        raise ValueError(f"kernel op {name!r} is already registered: {OPS[name]!r}")
     mutates = re.findall(r"\(\w+!\)\S* (\w+)", signature)
 
     def run(*args: Any) -> Any:
@@ -88,7 +93,8 @@ def define_op(
     full = f"({signature.replace(') ->', ', str backend) ->')}"
     op = torch.library.custom_op(f"lightning_ext::{name}", run, mutates_args=mutates, schema=full)
     op.register_fake(lambda *args: fake(*args[:-1]))
-    return KernelOp(name, {"reference": reference, **impls}, check)
+    OPS[name] = KernelOp(name, {"reference": reference, **impls}, check)
+    return OPS[name]
 
 
 class KernelBackend:
@@ -110,15 +116,13 @@ class KernelBackend:
     supports_compile: ClassVar[bool] = True
 
     def __init__(self) -> None:
-        from lightning_ext.kernels.ops import OPS
-
-        self._ops = OPS
-        self._kernels = {op: self.kernel(op) for op in OPS}
+        self._kernels = _Kernels(self)
         _LIVE[self.name] = self
 
     def kernel(self, op: str) -> Callable[..., Any]:
-        """The function that runs ``op`` eagerly; a backend overrides it to bring kernels of its own."""
-        impls = self._ops[op].impls
+        """The function that runs ``op`` eagerly (looked up once per op); a backend overrides it to
+        bring kernels of its own."""
+        impls = OPS[op].impls
         name = next((c.name for c in type(self).__mro__ if getattr(c, "name", None) in impls), "reference")
         return impls[name]
 
@@ -142,10 +146,22 @@ class KernelBackend:
                 names it, the value received and what is allowed).
         """
         if check:
-            self._ops[op].check(*args)
+            OPS[op].check(*args)
         if torch.compiler.is_compiling():
             return getattr(torch.ops.lightning_ext, op)(*args, self.name)
         return self._kernels[op](*args)
+
+
+class _Kernels(dict):
+    """A backend's kernels by op name, each looked up on first use (also for ops defined later)."""
+
+    def __init__(self, backend: KernelBackend) -> None:
+        super().__init__()
+        self.backend = backend
+
+    def __missing__(self, op: str) -> Callable[..., Any]:
+        self[op] = self.backend.kernel(op)
+        return self[op]
 
 
 class ReferenceBackend(KernelBackend):

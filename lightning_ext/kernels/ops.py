@@ -1,6 +1,7 @@
-"""The ops, by name: every :class:`~lightning_ext.kernels.KernelOp` at the top level of an op family
-module. Each is also the custom op ``torch.ops.lightning_ext.<name>`` that ``torch.compile`` traces;
-its reference implementation documents its arguments (:func:`~lightning_ext.kernels.define_op`).
+"""The ops, by name (:data:`OPS`): the :class:`~lightning_ext.kernels.KernelOp` each op family module
+registers when this module imports it. Each is also the custom op ``torch.ops.lightning_ext.<name>``
+that ``torch.compile`` traces; its reference implementation documents its arguments
+(:func:`~lightning_ext.kernels.define_op`).
 
 - :mod:`~lightning_ext.kernels.batch_norm`: ``batch_norm_moments``, ``batch_norm_gather_stats``,
   ``batch_norm_elemt``, ``batch_norm_backward_reduce``, ``batch_norm_backward_elemt``;
@@ -12,14 +13,7 @@ its reference implementation documents its arguments (:func:`~lightning_ext.kern
 
 from __future__ import annotations
 
-from lightning_ext.kernels import batch_norm, histogram, moments, unscale
-from lightning_ext.kernels.backend import KernelOp
+from lightning_ext.kernels import batch_norm, histogram, moments, unscale  # noqa: F401  (register their ops)
+from lightning_ext.kernels.backend import OPS
 
 __all__ = ["OPS"]
-
-OPS: dict[str, KernelOp] = {
-    op.name: op
-    for family in (batch_norm, unscale, moments, histogram)
-    for op in vars(family).values()
-    if isinstance(op, KernelOp)
-}
