@@ -64,22 +64,17 @@ class BackendEntry:
             raise ValueError(f"`name` must match {_NAME_RE.pattern!r} (e.g. 'triton'), got {self.name!r}")
         if not callable(self.factory):
             raise TypeError(f"`factory` must be callable returning a KernelBackend, got {self.factory!r}")
-        try:
-            devices = (self.devices,) if isinstance(self.devices, str) else tuple(self.devices)
-        except TypeError:
-            raise TypeError(
-                f"`devices` must be a tuple of device types like ('cuda',), got {self.devices!r}"
-            ) from None
+        devices = (self.devices,) if isinstance(self.devices, str) else self.devices
+        if not isinstance(devices, tuple | list) or not all(isinstance(d, str) and d for d in devices):
+            raise TypeError(f"`devices` must be a tuple of device types like ('cuda',), got {self.devices!r}")
+        if not devices:
+            raise ValueError(f"`devices` must name at least one device type, got {self.devices!r}")
         valid = []
         for d in devices:
-            if not isinstance(d, str) or not d:
-                raise TypeError(f"`devices` must contain device type strings like 'cuda', got {d!r}")
             try:
                 valid.append(torch.device(d).type)
             except RuntimeError:
                 raise ValueError(f"`devices` contains {d!r}, which is not a torch device type") from None
-        if not valid:
-            raise ValueError(f"`devices` must name at least one device type, got {self.devices!r}")
         object.__setattr__(self, "devices", tuple(valid))
         check_int("BackendEntry", "priority", self.priority)
 
