@@ -1,7 +1,13 @@
 """Process-group helpers and :func:`all_reduce_`, the one way the pack reduces across ranks. Pure
 torch, no Lightning."""
 
-from lightning_ext.distributed.all_reduce import SHM_ENV_VAR, all_reduce_, close_shared_memory, shm_available
+from lightning_ext.distributed.all_reduce import (
+    SHM_ENV_VAR,
+    all_reduce_,
+    close_shared_memory,
+    collective_seconds,
+    shm_available,
+)
 from lightning_ext.distributed.groups import (
     check_process_group,
     collective_device,
@@ -14,6 +20,7 @@ from lightning_ext.distributed.groups import (
 
 __all__ = [
     "SHM_ENV_VAR", "all_reduce_", "check_process_group", "close_shared_memory", "collective_device",
+    "collective_seconds",
     "create_process_groups", "get_process_group", "get_rank", "get_world_size", "is_distributed",
     "shm_available",
 ]  # fmt: skip

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import platform
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,12 +29,13 @@ import torch.distributed as dist
 from lightning_ext.distributed import shm
 from lightning_ext.distributed.groups import collective_device
 
-__all__ = ["SHM_ENV_VAR", "all_reduce_", "close_shared_memory", "shm_available"]
+__all__ = ["SHM_ENV_VAR", "all_reduce_", "close_shared_memory", "collective_seconds", "shm_available"]
 
 SHM_ENV_VAR = "LIGHTNING_EXT_SHM_COLLECTIVES"  # "0" turns the shared-memory path off (on every rank)
 _X86 = platform.machine().lower() in ("x86_64", "amd64")  # total store order: see shm's docstring
 _AGREED_MAX = 4096  # descriptors a process-group route remembers as agreed (then it forgets them all)
 
+_waited = [0.0]  # host seconds spent inside all_reduce_ by this process (see collective_seconds)
 _routes: weakref.WeakKeyDictionary[Any, _Route] = weakref.WeakKeyDictionary()
 _routes_lock = threading.Lock()  # process group -> how its reductions travel, decided once
 
@@ -196,10 +198,19 @@ def all_reduce_(
     if torch.compiler.is_compiling():
         dist.all_reduce(tensor, op=op, group=group)  # traced as a functional collective
         return _Done() if async_op else None
+    start = time.perf_counter()
+    try:
+        return _all_reduce(tensor, op, group, async_op)
+    finally:
+        _waited[0] += time.perf_counter() - start
+
+
+def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool) -> Any:
+    """:func:`all_reduce_` outside ``torch.compile`` tracing."""
     route = _route(group)
     if tensor.device != route.device:
         moved = tensor.to(route.device)
-        all_reduce_(moved, op, group)
+        _all_reduce(moved, op, group, False)
         tensor.copy_(moved)
         return _Done() if async_op else None
     descriptor = _descriptor(tensor, op)
@@ -228,3 +239,17 @@ def close_shared_memory() -> None:
     next reduction over a group decides its route again (a collective) and sets a segment up anew."""
     with _routes_lock:
         _routes.clear()
+
+
+def collective_seconds() -> float:
+    """Host seconds this process has spent inside :func:`all_reduce_` so far (monotonic, all groups).
+
+    The difference of two readings is the time a stretch of code spent reducing or waiting for
+    the other ranks in the package's own collectives (SyncBatchNorm, the statistics flush, the loss
+    scaler): subtracted from the stretch's wall time, it leaves the time this rank computed, which
+    names a slow rank even when the fast ones wait for it inside a collective
+    (:class:`~lightning_ext.callbacks.IterationTimer`'s ``Timing/compute_sec``). Not counted: the
+    reductions of a compiled graph, collectives outside the package (DDP's gradient all-reduce), and
+    the device-side wait of an asynchronous CUDA (NCCL) reduction. No host sync.
+    """
+    return _waited[0]

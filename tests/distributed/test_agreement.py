@@ -125,7 +125,7 @@ def _late_peer(rank: int, world_size: int, transport: str, timeout: float) -> tu
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_wait_ends_with_the_groups_timeout(transport: str) -> None:
     timeout = 3.0
-    results = run_distributed(_late_peer, 2, transport, timeout, timeout=90)
+    results = run_distributed(_late_peer, 2, transport, timeout, timeout=90, fresh=True)
     message, waited = results[0]
     assert message != "no error"
     assert timeout - 0.5 <= waited <= timeout + 5, (waited, message)  # not gloo's default 1800 s
@@ -145,12 +145,12 @@ def _exit_during_set_up(rank: int, world_size: int) -> str:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="shared memory is x86-64 only")
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86-64 only")
 def test_no_segment_outlives_a_set_up_that_a_peer_left() -> None:
     # Rank 0's reduction fails (the peer closed its connections) and its function returns; the harness
     # then reports the dead peer, or rank 0's failing teardown barrier, whichever it sees first.
-    with pytest.raises(RuntimeError, match="exited with code 3|after the test function returned"):
-        run_distributed(_exit_during_set_up, 2, timeout=60)
+    with pytest.raises(RuntimeError, match=r"exited with code 3|after the test function returned"):
+        run_distributed(_exit_during_set_up, 2, timeout=60, fresh=True)
     assert not glob.glob(SEGMENTS)
 
 

@@ -13,7 +13,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_ext.distributed import SHM_ENV_VAR, all_reduce_, close_shared_memory, shm, shm_available
+from lightning_ext.distributed import (
+    SHM_ENV_VAR,
+    all_reduce_,
+    close_shared_memory,
+    collective_seconds,
+    shm,
+    shm_available,
+)
 from lightning_ext.distributed import all_reduce as all_reduce_module
 from tests.helpers.distributed import run_distributed
 
@@ -275,3 +282,24 @@ def test_waiting_for_a_rank_whose_process_exited_raises_at_once() -> None:
     group = shm._ShmGroup(storage, 0, world_size, [os.getpid(), child.pid], timeout=1800.0)
     with pytest.raises(RuntimeError, match=rf"group ranks \[1\] \(pids \[{child.pid}\]\) exited"):
         group.all_reduce_(torch.ones(3), dist.ReduceOp.SUM, descriptor=0)
+
+
+def _waits(rank: int, world_size: int) -> float:
+    """Rank 1 computes for 1 s before a reduction; rank 0 waits for it inside ``all_reduce_``."""
+    all_reduce_(torch.ones(2))  # the route set up outside the measured stretch
+    before = collective_seconds()
+    if rank == 1:
+        time.sleep(1.0)
+    all_reduce_(torch.ones(2))
+    return collective_seconds() - before
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shm_env", ["1", "0"])
+def test_collective_seconds_counts_the_time_a_rank_waits_for_the_others(shm_env: str) -> None:
+    os.environ[SHM_ENV_VAR] = shm_env  # the spawned workers inherit it
+    try:
+        waited, computed = run_distributed(_waits, 2, timeout=90)
+    finally:
+        os.environ.pop(SHM_ENV_VAR)
+    assert waited >= 0.9 and computed < 0.5, (waited, computed)
