@@ -1,10 +1,10 @@
-"""``DynamicLossScaler``: ``torch.amp.GradScaler`` with schedules, bounds, telemetry, per-optimizer scales.
+"""``DynamicLossScaler``: ``torch.amp.GradScaler`` with schedules, bounds, telemetry, per-optimizer scales
+(``PerOptimizerLossScaler``, what ``DynamicLossScaler(per_optimizer=True)`` makes).
 
 The schedules are the pure functions of :mod:`lightning_ext.amp.schedules`. The gradient pass runs
-through the kernel backend of the gradients' device
-(:meth:`~lightning_ext.kernels.KernelBackend.unscale_and_check_`, and the read-only
-:meth:`~lightning_ext.kernels.KernelBackend.check_finite` for fused optimizers, where GradScaler
-rewrites every gradient at scale 1). State lives on the device as 0-dim tensors and ``update`` runs
+through the kernel backend of the gradients' device (the ops ``unscale_and_check_``, and the read-only
+``check_finite`` for fused optimizers, where GradScaler rewrites every gradient at scale 1: see
+:mod:`lightning_ext.kernels.unscale`). State lives on the device as 0-dim tensors and ``update`` runs
 there without a host sync, as GradScaler's does. As a GradScaler subclass it uses GradScaler's private
 state and hooks: those listed in ``lightning_ext._compat`` (``GRAD_SCALER_*``), tested there.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, get_args
 
 import torch
@@ -34,7 +35,7 @@ from lightning_ext.distributed import all_reduce_, check_process_group, is_distr
 from lightning_ext.kernels import get_backend
 from lightning_ext.stats import report
 
-__all__ = ["DynamicLossScaler"]
+__all__ = ["DynamicLossScaler", "PerOptimizerLossScaler"]
 
 _Schedule = Literal["exponential", "log2"]
 _MinScalePolicy = Literal["warn", "raise", "clamp"]
@@ -54,16 +55,59 @@ _DEVICE_STATE = {
 }
 
 
+# The rule of each constructor argument and state-dict entry, by name: the constructor and
+# load_state_dict check with the same rules and messages (_check).
+_RULES: dict[str, tuple[Callable[..., None], dict[str, Any]]] = {
+    "init_scale": (check_number, {"gt": 0.0}),
+    "scale": (check_number, {"ge": 0.0}),  # a state's scale: 0 once a diverged run underflowed
+    "growth_factor": (check_number, {"gt": 1.0}),
+    "backoff_factor": (check_number, {"gt": 0.0, "lt": 1.0}),
+    "growth_interval": (check_int, {"ge": 1}),
+    "_growth_tracker": (check_int, {"ge": 0}),
+    "schedule": (check_choice, {"choices": _SCHEDULES}),
+    "log2_increment": (check_number, {"gt": 0.0}),
+    "log2_decrement": (check_number, {"gt": 0.0}),
+    "hysteresis": (check_int, {"ge": 1}),
+    "min_scale": (check_number, {"gt": 0.0, "optional": True}),
+    "max_scale": (check_number, {"gt": 0.0, "optional": True}),
+    "on_min_scale": (check_choice, {"choices": _POLICIES}),
+    **dict.fromkeys(("steps", "skipped_steps", "consecutive_overflows"), (check_int, {"ge": 0})),
+    **dict.fromkeys(("enabled", "consecutive_hysteresis", "skip_nonfinite", "telemetry", "per_optimizer",
+                     "last_step_skipped"), (check_bool, {})),
+}  # fmt: skip
+# The keys of our state dict (GradScaler's come with them when enabled): all are needed to load one.
+_STATE_KEYS = (*_CONFIG, "log2_scale", "_hysteresis_tracker", "steps", "skipped_steps",
+               "consecutive_overflows", "last_step_skipped")  # fmt: skip
+_GRAD_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
 def _log2(scale: float) -> float:
     """``log2(scale)`` of a scale ``>= 0``; ``-inf`` for a scale that underflowed to 0."""
     return math.log2(scale) if scale > 0 else -math.inf
 
 
-def _check_args(owner: str, device: Any, flags: dict[str, Any], init_scale: float, growth_factor: float,
-                backoff_factor: float, growth_interval: int, schedule: str, hysteresis: int,
-                increments: tuple[float, float], min_scale: float | None, max_scale: float | None,
-                on_min_scale: str) -> None:  # fmt: skip
-    """Raise the errors of :class:`DynamicLossScaler`'s ``Raises`` section (but ``process_group``'s)."""
+def _is_ours(state: Mapping[str, Any]) -> bool:
+    """Whether ``state`` is a :meth:`DynamicLossScaler.state_dict` (else a ``torch.amp.GradScaler``'s)."""
+    return not set(_STATE_KEYS).isdisjoint(state)
+
+
+def _check(owner: str, values: Mapping[str, Any]) -> None:
+    """Check ``values``, constructor arguments or state-dict entries, by the rules of their names, then
+    that ``min_scale <= init_scale (or scale) <= max_scale``: :class:`DynamicLossScaler`'s errors."""
+    for key, value in values.items():
+        if key in _RULES:
+            check, bounds = _RULES[key]
+            check(owner, key, value, **bounds)
+    scale = "init_scale" if "init_scale" in values else "scale"
+    low, high = values.get("min_scale") or 0.0, values.get("max_scale") or math.inf
+    if low > high or not low <= values.get(scale, low) <= high:
+        raise ValueError(
+            f"{owner}: need min_scale <= {scale} <= max_scale, got min_scale={values.get('min_scale')!r}, "
+            f"{scale}={values.get(scale)!r}, max_scale={values.get('max_scale')!r}"
+        )
+
+
+def _check_device(owner: str, device: Any) -> None:
     if not isinstance(device, str):
         raise TypeError(
             f"{owner}: `device` must be a device type str such as 'cuda' or 'cpu', got {device!r}"
@@ -76,25 +120,11 @@ def _check_args(owner: str, device: Any, flags: dict[str, Any], init_scale: floa
         raise ValueError(
             f"{owner}: `device` must be a device type such as 'cuda' or 'cpu' (no index), got {device!r}"
         )
-    for name, flag in flags.items():
-        check_bool(owner, name, flag)
-    check_number(owner, "init_scale", init_scale, gt=0.0)
-    check_number(owner, "growth_factor", growth_factor, gt=1.0)
-    check_number(owner, "backoff_factor", backoff_factor, gt=0.0, lt=1.0)
-    check_int(owner, "growth_interval", growth_interval, ge=1)
-    check_int(owner, "hysteresis", hysteresis, ge=1)
-    check_number(owner, "log2_increment", increments[0], gt=0.0)
-    check_number(owner, "log2_decrement", increments[1], gt=0.0)
-    check_choice(owner, "schedule", schedule, _SCHEDULES)
-    check_choice(owner, "on_min_scale", on_min_scale, _POLICIES)
-    check_number(owner, "min_scale", min_scale, gt=0.0, optional=True)
-    check_number(owner, "max_scale", max_scale, gt=0.0, optional=True)
-    low, high = min_scale or 0.0, max_scale or math.inf
-    if low > high or not low <= init_scale <= high:
-        raise ValueError(
-            f"need min_scale <= init_scale <= max_scale, got min_scale={min_scale!r}, "
-            f"init_scale={init_scale!r}, max_scale={max_scale!r}"
-        )
+
+
+def _counter(name: str, doc: str) -> property:
+    """The read-only property of the counter ``name`` of ``_DEVICE_STATE``, as an int."""
+    return property(lambda self: int(self._read_device_state()[name]), doc=f"{doc} Syncs host and device.")
 
 
 def _check_optimizer(optimizer: Any) -> None:
@@ -148,8 +178,9 @@ class DynamicLossScaler(GradScaler):
             The ``"log2"`` schedule grows at every clean step, so it behaves so either way.
         min_scale, max_scale: bounds of the scale; ``None`` (default): unbounded, as GradScaler.
         on_min_scale: an overflow that would take the scale below ``min_scale``: ``"clamp"`` (stay at
-            the floor), ``"warn"`` (stay and warn) or ``"raise"`` (``FloatingPointError``). The last
-            two read a flag to the host at every update (only with ``min_scale``).
+            the floor), ``"warn"`` (stay and warn, once until the scale rises above the floor again)
+            or ``"raise"`` (``FloatingPointError``). The last two read two flags to the host at every
+            update, one sync (only with ``min_scale``).
         skip_nonfinite: with ``enabled=False``: still check the gradients (read-only) and skip
             non-finite steps, scale fixed at 1 (bf16/fp32 training). Default ``False``, unlike
             :class:`~lightning_ext.plugins.LossScalingPrecision`'s ``True``: a drop-in for GradScaler
@@ -202,6 +233,12 @@ class DynamicLossScaler(GradScaler):
 
     _per_optimizer = False  # True on PerOptimizerLossScaler (what DynamicLossScaler(per_optimizer=True) is)
 
+    def __new__(cls, *args: Any, per_optimizer: bool = False, **kwargs: Any) -> DynamicLossScaler:
+        """``DynamicLossScaler(..., per_optimizer=True)`` makes a :class:`PerOptimizerLossScaler`."""
+        if per_optimizer is True and cls is DynamicLossScaler:
+            cls = PerOptimizerLossScaler
+        return super().__new__(cls)
+
     def __init__(
         self,
         device: str = "cuda",
@@ -224,17 +261,13 @@ class DynamicLossScaler(GradScaler):
         telemetry: bool = True,
         per_optimizer: bool = False,
     ) -> None:
-        flags = {"enabled": enabled, "skip_nonfinite": skip_nonfinite, "telemetry": telemetry,
-                 "per_optimizer": per_optimizer,
-                 "consecutive_hysteresis": consecutive_hysteresis}  # fmt: skip
-        _check_args(type(self).__name__, device, flags, init_scale, growth_factor, backoff_factor,
-                    growth_interval, schedule, hysteresis, (log2_increment, log2_decrement), min_scale,
-                    max_scale, on_min_scale)  # fmt: skip
+        owner = type(self).__name__
+        _check_device(owner, device)
+        _check(owner, locals())  # every argument by the rule of its name, as load_state_dict's entries
         check_process_group(process_group)
-        becomes_composite = per_optimizer and type(self) is DynamicLossScaler
-        if per_optimizer != self._per_optimizer and not becomes_composite:
+        if per_optimizer != self._per_optimizer:
             raise ValueError(
-                f"{type(self).__name__} takes per_optimizer={self._per_optimizer}, got {per_optimizer!r}. "
+                f"{owner} takes per_optimizer={self._per_optimizer}, got {per_optimizer!r}. "
                 "HINT: DynamicLossScaler(per_optimizer=True) makes a PerOptimizerLossScaler."
             )
         enabled = _enabled_on(device, enabled)
@@ -254,12 +287,7 @@ class DynamicLossScaler(GradScaler):
         self._name: str | None = None  # telemetry prefix AMP/<name>/ of a per-optimizer scale
         self._device_state: dict[str, Tensor] | None = None  # _DEVICE_STATE, created with _scale
         self._start: dict[str, float] = {"hysteresis_tracker": hysteresis}  # loaded/unpickled values
-        if becomes_composite:  # DynamicLossScaler(per_optimizer=True) is a PerOptimizerLossScaler
-            from lightning_ext.amp.per_optimizer_loss_scaler import PerOptimizerLossScaler
-
-            self.__class__ = PerOptimizerLossScaler
-        if per_optimizer:
-            self._init_scales()
+        self._floor_warned = False  # on_min_scale="warn" warned since the scale last left the floor
 
     # ------------------------------------------------------------------ configuration
     growth_factor = property(GradScaler.get_growth_factor, doc="GradScaler's growth factor.")
@@ -343,9 +371,7 @@ class DynamicLossScaler(GradScaler):
                 if not allow_fp16 and grad.dtype == torch.float16:
                     raise ValueError("Attempting to unscale FP16 gradients.")
                 if grad.is_sparse:
-                    if (
-                        grad.dtype is torch.float16
-                    ):  # duplicates could overflow when summed: check them summed
+                    if grad.dtype is torch.float16:  # duplicates could overflow when summed: sum them
                         param.grad = grad = grad.coalesce()
                     grad = sparse_values(grad)
                 grads[grad.device].append(grad)
@@ -368,10 +394,10 @@ class DynamicLossScaler(GradScaler):
         with torch.no_grad():
             for dev, grads in self._grads_by_device(optimizer, allow_fp16).items():
                 if inv_scale is None:
-                    flags[dev] = get_backend(device=dev).check_finite(grads, dev)
+                    flags[dev] = get_backend(device=dev).run("check_finite", grads, dev)
                 else:
                     inv = inv_scale.to(dev, non_blocking=True).float()
-                    flags[dev] = get_backend(device=dev).unscale_and_check_(grads, inv)
+                    flags[dev] = get_backend(device=dev).run("unscale_and_check_", grads, inv)
                 if unusable is not None:
                     flags[dev] = torch.maximum(flags[dev], unusable.to(dev, non_blocking=True))
         if device is None:
@@ -464,7 +490,7 @@ class DynamicLossScaler(GradScaler):
         """Count the optimizer steps since the last update (taken or skipped) and move the scale once,
         with their combined ``found_inf``: GradScaler's, with this scaler's schedule, bounds, counters
         and telemetry. On the device without host sync, except the floor policy (``min_scale`` with
-        ``on_min_scale="warn"|"raise"``: reads one flag).
+        ``on_min_scale="warn"|"raise"``: one read of two flags).
 
         Args:
             new_scale: set the scale to this value (a float, or a one-element float32 tensor on the
@@ -519,7 +545,13 @@ class DynamicLossScaler(GradScaler):
             return
         log2 = s["log2_scale"] if self.schedule == "log2" else None
         hit_floor = schedules._clamp_(self._scale, log2, back_off, self.min_scale, self.max_scale)
-        if self.min_scale is not None and self.on_min_scale != "clamp" and bool(hit_floor):  # host sync
+        if self.min_scale is None or self.on_min_scale == "clamp":
+            return
+        hit, above = torch.stack([hit_floor, self._scale > self.min_scale]).tolist()  # one host sync
+        if above:  # the scale left the floor: warn at its next hit again
+            self._floor_warned = False
+        if hit and (self.on_min_scale == "raise" or not self._floor_warned):
+            self._floor_warned = True
             message = (
                 f"the loss scale hit its floor min_scale={self.min_scale!r} after "
                 f"{self.consecutive_overflows} consecutive overflowing step(s): the gradients are "
@@ -555,20 +587,9 @@ class DynamicLossScaler(GradScaler):
         report(prefix + "skipped_steps", self._device_state["skipped_steps"].clone())
 
     # ------------------------------------------------------------------ read-out
-    @property
-    def steps(self) -> int:
-        """Optimizer steps counted by :meth:`update`, taken or skipped. Syncs host and device."""
-        return int(self._read_device_state()["steps"])
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped because a gradient was inf/NaN. Syncs host and device."""
-        return int(self._read_device_state()["skipped_steps"])
-
-    @property
-    def consecutive_overflows(self) -> int:
-        """Skipped steps in a row up to the last update. Syncs host and device."""
-        return int(self._read_device_state()["consecutive_overflows"])
+    steps = _counter("steps", "Optimizer steps counted by :meth:`update`, taken or skipped.")
+    skipped_steps = _counter("skipped_steps", "Optimizer steps skipped because a gradient was inf/NaN.")
+    consecutive_overflows = _counter("consecutive_overflows", "Skipped steps in a row up to the last update.")
 
     @property
     def last_step_skipped(self) -> bool:
@@ -578,16 +599,12 @@ class DynamicLossScaler(GradScaler):
     @property
     def last_step_skipped_tensor(self) -> Tensor:
         """Whether the last update counted a skipped step, as a bool 0-dim device tensor. No sync."""
-        if self._device_state is None:
-            return torch.zeros((), dtype=torch.bool)
-        return self._device_state["found_inf"] > 0
+        state = self._device_state
+        return state["found_inf"] > 0 if state is not None else torch.zeros((), dtype=torch.bool)
 
     @property
     def scale_tensor(self) -> Tensor | None:
-        """The current scale as a float32 0-dim tensor on its device (``None`` before the first use).
-
-        No sync.
-        """
+        """The scale as a float32 0-dim tensor on its device (``None`` before the first use). No sync."""
         return self._scale
 
     # ------------------------------------------------------------------ state dict and pickling
@@ -606,44 +623,63 @@ class DynamicLossScaler(GradScaler):
         derived = self.schedule != "log2"
         ours["log2_scale"] = _log2(base.get("scale", 1.0)) if derived else host["log2_scale"]
         ours["_hysteresis_tracker"] = int(host["hysteresis_tracker"])
-        for key in ("steps", "skipped_steps", "consecutive_overflows"):
-            ours[key] = int(host[key])
-        ours["last_step_skipped"] = host["found_inf"] > 0
-        return {**base, **ours}
+        ours.update({key: int(host[key]) for key in ("steps", "skipped_steps", "consecutive_overflows")})
+        return {**base, **ours, "last_step_skipped": host["found_inf"] > 0}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`, or adopt a ``torch.amp.GradScaler`` state dict (scale, factors and
-        growth tracker; the counters then restart at 0).
+        growth tracker; the counters then restart at 0). All or nothing: the whole dict is checked first.
 
         Raises:
             RuntimeError: empty ``state_dict`` while enabled (GradScaler's).
-            ValueError: keys missing, per-optimizer state into a shared scaler or the reverse, or
-                counters that contradict each other.
+            TypeError, ValueError: keys missing, an entry the constructor would refuse (the same
+                message, naming the key and the value) or out of range, counters that contradict each
+                other, per-optimizer state into a shared scaler or the reverse.
         """
         _check_per_optimizer_keys(state_dict, self.per_optimizer)
         if not self._checks or (not state_dict and not self._enabled):
             return
-        ours = "schedule" in state_dict
-        if ours:  # checked before anything is loaded: a bad state changes nothing
-            _check_state_dict(state_dict)
+        if state_dict:
+            self._check_state(state_dict, f"{type(self).__name__}.load_state_dict")
         if self._enabled:
             super().load_state_dict(state_dict)
-        if not ours:  # a GradScaler's: its scale, fresh counters
+        if not _is_ours(state_dict):  # a GradScaler's: its scale, fresh counters
             self._start = {"hysteresis_tracker": self.hysteresis}
         else:
             for key in _CONFIG:
-                setattr(self, key, state_dict.get(key, getattr(self, key)))
+                setattr(self, key, state_dict[key])
             self._start = {
                 "log2_scale": float(state_dict["log2_scale"]),
-                "hysteresis_tracker": int(state_dict.get("_hysteresis_tracker", self.hysteresis)),
+                "hysteresis_tracker": state_dict["_hysteresis_tracker"],
                 **{k: float(state_dict[k]) for k in ("steps", "skipped_steps", "consecutive_overflows")},
-                "found_inf": float(bool(state_dict.get("last_step_skipped", False))),
+                "found_inf": float(state_dict["last_step_skipped"]),
             }
         if self._device_state is not None:  # rewrite the device state
             for name, value in self._start_values().items():
                 self._device_state[name].fill_(value)
             if self.schedule == "log2" and self._enabled:
                 self._scale.copy_(torch.exp2(self._device_state["log2_scale"]))
+
+    def _check_state(self, state: Mapping[str, Any], owner: str) -> None:
+        """Raise unless this scaler can load ``state`` whole (see :meth:`load_state_dict`)."""
+        required = (_GRAD_SCALER_KEYS if self._enabled else ()) + (_STATE_KEYS if _is_ours(state) else ())
+        missing = sorted(set(required) - set(state))
+        if missing:
+            raise ValueError(f"{owner}: `state_dict` misses the keys {missing}; got {sorted(state)}")
+        _check(owner, {**{key: getattr(self, key) for key in _CONFIG}, **state})
+        if not _is_ours(state):
+            return
+        check_int(owner, "_hysteresis_tracker", state["_hysteresis_tracker"], le=state["hysteresis"])
+        if state["log2_scale"] != -math.inf:  # -inf: the log2 of a scale that underflowed to 0
+            check_number(owner, "log2_scale", state["log2_scale"])
+        counters = [state[key] for key in ("consecutive_overflows", "skipped_steps", "steps")]
+        if sorted(counters) != counters or bool(counters[0]) != state["last_step_skipped"]:
+            raise ValueError(
+                f"{owner}: `state_dict` has consecutive_overflows={counters[0]!r} with "
+                f"last_step_skipped={state['last_step_skipped']!r}, skipped_steps={counters[1]!r}, "
+                f"steps={counters[2]!r}: need consecutive_overflows <= skipped_steps <= steps, the run of "
+                "overflows nonzero exactly when the last step was skipped"
+            )
 
     def __getstate__(self) -> dict[str, Any]:
         # GradScaler's (the scale as a number, tensors recreated lazily), and ours alike: tensors sent
@@ -670,14 +706,162 @@ def _check_per_optimizer_keys(state_dict: dict[str, Any], per_optimizer: bool) -
         )
 
 
-def _check_state_dict(state_dict: dict[str, Any]) -> None:
-    """Raise when a :meth:`DynamicLossScaler.state_dict` lacks keys or its counters contradict each other."""
-    missing = {"schedule", "log2_scale", "steps", "skipped_steps", "consecutive_overflows"} - set(state_dict)
-    if missing:
-        raise ValueError(f"`state_dict` misses the keys {sorted(missing)}; got {sorted(state_dict)}")
-    if bool(state_dict["consecutive_overflows"]) != bool(state_dict.get("last_step_skipped", False)):
-        raise ValueError(
-            f"`state_dict` has consecutive_overflows={state_dict['consecutive_overflows']!r} with "
-            f"last_step_skipped={state_dict.get('last_step_skipped')!r}: the run of overflows is nonzero "
-            "exactly when the last step was skipped"
-        )
+class PerOptimizerLossScaler(DynamicLossScaler):
+    """One scale, growth tracker and set of counters per optimizer: ``DynamicLossScaler(per_optimizer=True)``.
+
+    ``DynamicLossScaler(..., per_optimizer=True)`` is one (same arguments, same methods), so code
+    written for the scaler drives it unchanged but for ``scale(loss, optimizer=...)``: each optimizer's
+    gradients are scaled by its own scale, checked and stepped or skipped on their own, and each scale
+    moves with the overflows of its own optimizer. A generator whose discriminator overflows keeps its
+    scale (StyleGAN2-ADA's per-``Optimizer`` loss scaling; Apex's ``num_losses``/``loss_id``).
+
+    Each optimizer's scale is a :class:`DynamicLossScaler` with this one's settings, created at the
+    optimizer's first use and named by :meth:`register_optimizer`, else ``"0"``, ``"1"``, ... in order
+    of first use; telemetry ``AMP/<name>/loss_scale_log2``, ``AMP/<name>/overflow``,
+    ``AMP/<name>/skipped_steps``. Host syncs: those of each optimizer's scaler.
+
+    It takes :class:`DynamicLossScaler`'s arguments (``per_optimizer`` must be ``True`` if given).
+
+    Raises:
+        ValueError: ``per_optimizer=False``; :class:`DynamicLossScaler`'s errors.
+
+    Example::
+
+        >>> import torch
+        >>> g, d = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+        >>> opt_g, opt_d = torch.optim.SGD(g.parameters(), lr=0.1), torch.optim.SGD(d.parameters(), lr=0.1)
+        >>> scaler = DynamicLossScaler("cpu", init_scale=2.0**10, per_optimizer=True, telemetry=False)
+        >>> type(scaler).__name__
+        'PerOptimizerLossScaler'
+        >>> scaler.register_optimizer(opt_g, "G"); scaler.register_optimizer(opt_d, "D")
+        >>> scaler.scale(d(torch.ones(1, 2)).sum(), optimizer=opt_d).backward()
+        >>> d.weight.grad.fill_(float("inf"))  # D overflows
+        tensor([[inf, inf]])
+        >>> _ = scaler.step(opt_d)
+        >>> scaler.scale(d(g(torch.ones(1, 2))).sum(), optimizer=opt_g).backward()
+        >>> _ = scaler.step(opt_g)
+        >>> scaler.update()
+        >>> scaler.optimizer_scaler(opt_d).get_scale(), scaler.optimizer_scaler(opt_g).get_scale()
+        (512.0, 1024.0)
+    """
+
+    _per_optimizer = True
+
+    def __init__(self, *args: Any, per_optimizer: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, per_optimizer=per_optimizer, **kwargs)
+        self._children: dict[str, DynamicLossScaler] = {}  # name -> that optimizer's scaler
+        self._names: dict[int, str] = {}  # id(optimizer) -> name
+        self._pending: dict[str, dict[str, Any]] = {}  # loaded states of scalers not yet used
+
+    def register_optimizer(self, optimizer: Optimizer, name: str) -> None:
+        """Name ``optimizer``'s scale: telemetry ``AMP/<name>/...`` and its state-dict key.
+
+        Raises:
+            TypeError: ``optimizer`` is not an optimizer or ``name`` not a non-empty str.
+            ValueError: ``name`` already names another optimizer.
+        """
+        _check_optimizer(optimizer)
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"`name` must be a non-empty str, got {name!r}")
+        if name in self._names.values() and self._names.get(id(optimizer)) != name:
+            raise ValueError(f"`name` {name!r} already names another optimizer's scale")
+        self._names[id(optimizer)] = name
+
+    def optimizer_scaler(self, optimizer: Optimizer) -> DynamicLossScaler:
+        """The scaler holding ``optimizer``'s own scale, created (and given its loaded state) at first use.
+
+        Raises:
+            TypeError: ``optimizer`` is not an optimizer.
+        """
+        _check_optimizer(optimizer)
+        name = self._names.setdefault(id(optimizer), str(len(self._names)))
+        child = self._children.get(name)
+        if child is None:
+            child = self._children[name] = DynamicLossScaler(
+                self._device, self._init_scale, self._growth_factor, self._backoff_factor,
+                self._growth_interval, self._enabled, **{key: getattr(self, key) for key in _OPTIONS},
+            )  # fmt: skip
+            child._name = name
+            if name in self._pending:
+                child.load_state_dict(self._pending.pop(name))
+        return child
+
+    def scale(self, outputs: Any, *, optimizer: Optimizer | None = None) -> Any:
+        """Multiply ``outputs`` by the scale of ``optimizer``, the optimizer that will step their gradients.
+
+        Raises:
+            ValueError: no ``optimizer``.
+        """
+        if optimizer is None:
+            raise ValueError(
+                "DynamicLossScaler(per_optimizer=True).scale(outputs, optimizer=...) needs the optimizer "
+                "that will step these gradients: each optimizer has its own scale"
+            )
+        return self.optimizer_scaler(optimizer).scale(outputs)
+
+    def unscale_(self, optimizer: Optimizer) -> None:
+        """:meth:`DynamicLossScaler.unscale_` by ``optimizer``'s own scale."""
+        return self.optimizer_scaler(optimizer).unscale_(optimizer)
+
+    def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`DynamicLossScaler.step` with ``optimizer``'s own scale."""
+        return self.optimizer_scaler(optimizer).step(optimizer, *args, **kwargs)
+
+    def update(self, new_scale: float | Tensor | None = None, *, optimizer: Optimizer | None = None) -> None:
+        """Move the scale of ``optimizer`` (for its steps since its last update), or with ``None`` of
+        every optimizer that stepped since its last update; see :meth:`DynamicLossScaler.update`."""
+        if optimizer is not None:
+            stepped = [self.optimizer_scaler(optimizer)]
+        else:
+            stepped = [c for c in self._children.values() if c._has_steps()]
+        for child in stepped:
+            child.update(new_scale)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps counted, summed over the optimizers. Syncs host and device."""
+        return sum(c.steps for c in self._children.values())
+
+    @property
+    def skipped_steps(self) -> int:
+        """Skipped optimizer steps, summed over the optimizers. Syncs host and device."""
+        return sum(c.skipped_steps for c in self._children.values())
+
+    @property
+    def consecutive_overflows(self) -> int:
+        """The longest run of skipped steps up to the last update over the optimizers. Syncs."""
+        return max((c.consecutive_overflows for c in self._children.values()), default=0)
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether any optimizer's last update counted a skipped step. Syncs host and device."""
+        return any(c.last_step_skipped for c in self._children.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"per_optimizer": {name: DynamicLossScaler.state_dict()}}``. Syncs host and device."""
+        return {"per_optimizer": {**self._pending, **{n: c.state_dict() for n, c in self._children.items()}}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`: into each optimizer's scaler now, or at its first use. All or
+        nothing: every optimizer's state is checked first.
+
+        Raises:
+            TypeError, ValueError: ``state_dict`` is a shared scale's, ``"per_optimizer"`` does not map
+                names to state dicts; the errors of :meth:`DynamicLossScaler.load_state_dict`.
+        """
+        _check_per_optimizer_keys(state_dict, True)
+        states = state_dict.get("per_optimizer", {})
+        if not isinstance(states, dict) or not all(isinstance(s, dict) for s in states.values()):
+            raise TypeError(
+                f"`state_dict['per_optimizer']` must map names to state dicts, got {states!r:.60}"
+            )
+        for name, state in states.items():
+            self._check_state(state, f"{type(self).__name__}.load_state_dict (the scale {name!r})")
+        for name, state in states.items():
+            if name in self._children:
+                self._children[name].load_state_dict(state)
+            else:
+                self._pending[name] = state
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_names": {}}  # object ids mean nothing in another process

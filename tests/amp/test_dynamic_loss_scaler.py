@@ -4,9 +4,11 @@ counters, skip-only mode, bounds, telemetry, state, pickling, process groups, pe
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import pickle
 import random
+import re
 import warnings
 
 import pytest
@@ -311,6 +313,20 @@ def test_on_min_scale_policies():
         assert free.get_scale() == 0.25
 
 
+def test_on_min_scale_warn_warns_once_per_stay_at_the_floor():
+    scaler = DynamicLossScaler(
+        "cpu", init_scale=4.0, growth_interval=1, min_scale=1.0, on_min_scale="warn", telemetry=False
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, _, scales = _train(scaler, _sgd, poison_steps=set(range(50)), steps=50)  # 4 -> 2 -> 1, floor
+        assert scales[-1] == 1.0 and len(caught) == 1 and "after 3 consecutive" in str(caught[0].message)
+        # A clean step leaves the floor (1 -> 2), overflows come back to it: one warning more.
+        _, _, scales = _train(scaler, _sgd, poison_steps={1, 2, 3, 4}, steps=5)
+        assert scales == [2.0, 1.0, 1.0, 1.0, 1.0] and len(caught) == 2
+        assert "after 2 consecutive" in str(caught[1].message)
+
+
 def test_update_new_scale_respects_explicit_bounds():
     scaler = DynamicLossScaler("cpu", init_scale=4.0, min_scale=1.0, max_scale=1024.0, telemetry=False)
     _train(scaler, _sgd, poison_steps=set(), steps=1)
@@ -534,10 +550,13 @@ def test_skip_only_checks_without_changing_gradients(monkeypatch):
     taken (the read-only ``check_finite`` path, not a multiply by 1)."""
     from lightning_ext.kernels import KernelBackend
 
-    def no_rewrite(*args, **kwargs):
-        raise AssertionError("the skip-only mode must not run the multiply-and-check op")
+    run = KernelBackend.run
 
-    monkeypatch.setattr(KernelBackend, "unscale_and_check_", no_rewrite)
+    def no_rewrite(self, op, *args, **kwargs):
+        assert op != "unscale_and_check_", "the skip-only mode must not run the multiply-and-check op"
+        return run(self, op, *args, **kwargs)
+
+    monkeypatch.setattr(KernelBackend, "run", no_rewrite)
     model, x, y = _model_and_data()
     opt = _sgd(model.parameters())
     scaler = DynamicLossScaler("cpu", enabled=False, skip_nonfinite=True, telemetry=False)
@@ -839,6 +858,75 @@ def test_load_state_dict_refuses_inconsistent_overflow_counters_and_loads_nothin
     with pytest.raises(ValueError, match=r"`state_dict` misses the keys \['steps'\]"):
         scaler.load_state_dict(missing)
     assert scaler.state_dict() == state
+
+
+_OWNER = "DynamicLossScaler.load_state_dict: "
+_BAD_ENTRIES = {  # entry -> (error, message after the owner); each comes with scale 1024 (was 8)
+    "steps": ("abc", TypeError, "`steps` must be an int >= 0, got 'abc' (str)"),
+    "log2_scale": (None, TypeError, "`log2_scale` must be a finite number, got None"),
+    "_growth_tracker": (-1, ValueError, "`_growth_tracker` must be an int >= 0, got -1"),
+    "scale": (-1.0, ValueError, "`scale` must be a finite number >= 0.0, got -1.0"),
+    "growth_factor": (1.0, ValueError, "`growth_factor` must be a finite number > 1.0, got 1.0"),
+    "backoff_factor": (NAN, TypeError, "`backoff_factor` must be a finite number in (0.0, 1.0), got nan"),
+    "growth_interval": (0, ValueError, "`growth_interval` must be an int >= 1, got 0"),
+    "schedule": ("bogus", ValueError, "`schedule` must be one of ('exponential', 'log2'), got 'bogus'"),
+    "hysteresis": (-1, ValueError, "`hysteresis` must be an int >= 1, got -1"),
+    "log2_increment": (INF, TypeError, "`log2_increment` must be a finite number > 0.0, got inf (float)"),
+    "consecutive_hysteresis": (1, TypeError, "`consecutive_hysteresis` must be a bool, got 1 (int)"),
+    "min_scale": (2048.0, ValueError, "need min_scale <= scale <= max_scale, got min_scale=2048.0, "),
+    "skipped_steps": (-2, ValueError, "`skipped_steps` must be an int >= 0, got -2"),
+    "_hysteresis_tracker": (2, ValueError, "`_hysteresis_tracker` must be an int <= 1, got 2"),
+    "last_step_skipped": ("no", TypeError, "`last_step_skipped` must be a bool, got 'no' (str)"),
+}
+
+
+@pytest.mark.parametrize("key", list(_BAD_ENTRIES))
+def test_load_state_dict_checks_every_entry_as_the_constructor_before_loading_any(key):
+    scaler = DynamicLossScaler("cpu", init_scale=8.0, max_scale=4096.0, telemetry=False)
+    _train(scaler, _sgd, poison_steps={1}, steps=3)
+    state = scaler.state_dict()
+    value, error, message = _BAD_ENTRIES[key]
+    with pytest.raises(error, match="^" + re.escape(_OWNER + message)):
+        scaler.load_state_dict({**state, "scale": 1024.0, key: value})
+    assert scaler.state_dict() == state  # nothing changed
+    if key in inspect.signature(DynamicLossScaler).parameters:  # the constructor's message, word for word
+        with pytest.raises(error, match="^" + re.escape("DynamicLossScaler: " + message)):
+            DynamicLossScaler("cpu", **{"init_scale": 1024.0, "max_scale": 4096.0, key: value})
+    changed = {k: v for k, v in {**state, "scale": 1024.0, "steps": 9}.items() if k != key}
+    with pytest.raises(ValueError, match=re.escape(f"{_OWNER}`state_dict` misses the keys ['{key}']")):
+        scaler.load_state_dict(changed)
+    assert scaler.state_dict() == state
+
+
+def test_load_state_dict_refuses_a_grad_scaler_state_it_could_not_construct():
+    ref = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
+    ours = DynamicLossScaler("cpu", init_scale=4.0, min_scale=1.0, max_scale=64.0, telemetry=False)
+    before = ours.state_dict()
+    with pytest.raises(ValueError, match=r"need min_scale <= scale <= max_scale, .* scale=256\.0, max_sc"):
+        ours.load_state_dict(ref.state_dict())
+    assert ours.state_dict() == before
+    bad = {**ref.state_dict(), "growth_interval": "3"}
+    with pytest.raises(TypeError, match=r"load_state_dict: `growth_interval` must be an int >= 1, got '3'"):
+        DynamicLossScaler("cpu", telemetry=False).load_state_dict(bad)
+
+
+def test_per_optimizer_load_state_dict_checks_every_scale_before_loading_any():
+    gan = _Gan()
+    scaler = _per_optimizer_scaler(gan, telemetry=False)
+    gan.step(scaler, 0)
+    state = scaler.state_dict()
+    bad = copy.deepcopy(state)
+    bad["per_optimizer"]["D"]["scale"] = 1.0
+    bad["per_optimizer"]["G"]["steps"] = "1"
+    match = r"^PerOptimizerLossScaler\.load_state_dict \(the scale 'G'\): `steps` must be an int >= 0"
+    with pytest.raises(TypeError, match=match):
+        scaler.load_state_dict(bad)
+    fresh = _per_optimizer_scaler(_Gan(), telemetry=False)
+    with pytest.raises(TypeError, match=match):
+        fresh.load_state_dict(bad)
+    assert scaler.state_dict() == state and fresh.state_dict() == {"per_optimizer": {}}
+    with pytest.raises(TypeError, match=r"`state_dict\['per_optimizer'\]` must map names to state dicts"):
+        scaler.load_state_dict({"per_optimizer": {"D": 1.0}})
 
 
 # ------------------------------------------------------------------------------------------------
