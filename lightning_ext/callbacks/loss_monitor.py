@@ -15,7 +15,8 @@ from typing_extensions import override
 
 from lightning_ext._checks import check_bool, check_int
 from lightning_ext.callbacks.hook_base import HookBase
-from lightning_ext.distributed import collective_device, get_rank, get_world_size
+from lightning_ext.distributed import get_rank, get_world_size
+from lightning_ext.stats import Collector, report, set_stage
 
 __all__ = ["LossMonitor"]
 
@@ -68,82 +69,38 @@ def _short(value: Any) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-def _local_row(
-    rows: torch.Tensor,
-    counts: list[int],
-    iterations: list[int],
-    accumulate: int,
-    data_sec: float,
-    writer_failed: bool,
-) -> torch.Tensor:
-    """One rank's row for the agreement gather, from the losses buffered since the last agreement.
-
-    Args:
-        rows: float64 ``(M, K)`` on the loss device: the ``K`` losses of the ``M`` micro-batches
-            (total loss first; absent losses as 0).
-        counts: host ``(K,)`` number of micro-batches that had each loss.
-        iterations: host ``(M,)`` iteration of each micro-batch.
-        accumulate: factor Lightning divided the total loss by (multiplied back here).
-        data_sec: mean data seconds per iteration; ``writer_failed``: this rank's writer failed.
-
-    Returns:
-        float64 ``(3K + 4,)`` on ``rows.device``: ``[sums (K), counts (K), bad, first_bad_iter,
-        bad_values (K), data_sec, writer_failed]``, where ``bad`` is 1 iff some total loss is
-        non-finite, ``first_bad_iter`` the iteration of the first such micro-batch (``inf`` if
-        none) and ``bad_values`` its losses (NaN if none). No host–device synchronization.
-    """
-    k, device = rows.shape[1], rows.device
-    if accumulate != 1:
-        rows = torch.cat([rows[:, :1] * accumulate, rows[:, 1:]], dim=1)
-    if rows.shape[0] == 0:  # one finite zero row changes neither the sums nor the decision
-        rows, iterations = rows.new_zeros(1, k), [0]
-    nonfinite = ~torch.isfinite(rows[:, 0])
-    first = nonfinite.to(torch.uint8).argmax().reshape(1)  # first non-finite micro-batch (0 if none)
-    bad = nonfinite.any().reshape(1).to(torch.float64)
-    iters = torch.tensor(iterations, dtype=torch.float64).to(device, non_blocking=True)
-    first_bad = torch.where(bad > 0, iters.index_select(0, first), math.inf)
-    bad_values = torch.where(bad > 0, rows.index_select(0, first)[0], math.nan)
-    host = torch.tensor(counts, dtype=torch.float64)
-    tail = torch.tensor([data_sec, float(writer_failed)], dtype=torch.float64)
-    return torch.cat([rows.sum(0), host.to(device), bad, first_bad, bad_values, tail.to(device)])
+# One rank's row of the rare all_gather: (its first non-finite iteration since the last agreement point,
+# inf if none; its losses then; whether its writer failed).
+_RankRow = tuple[float, list[float], bool]
 
 
-def _summarize_gathered(gathered: torch.Tensor, keys: list[str]) -> dict[str, Any]:
-    """Reduce the ``_local_row`` of every rank (host float64 ``(world_size, 3K + 4)``, ``K = len(keys)``).
-
-    Returns the means over ranks and micro-batches per key, the max over ranks of data time, whether
-    any rank saw a non-finite total loss, the first such iteration, the ranks that saw it then and
-    the losses of the lowest of them, and the ranks whose writer failed.
-    """
-    k = len(keys)
-    sums, counts = gathered[:, :k].sum(0), gathered[:, k : 2 * k].sum(0)
-    bad, first_bad = gathered[:, 2 * k], gathered[:, 2 * k + 1]
-    result: dict[str, Any] = {
-        "means": {
-            key: (sums[i] / counts[i]).item() if counts[i] > 0 else math.nan for i, key in enumerate(keys)
-        },
-        "data_sec_max": gathered[:, 3 * k + 2].max().item(),
-        "writer_failed_ranks": [r for r in range(gathered.shape[0]) if gathered[r, 3 * k + 3] > 0],
-        "bad": bool((bad > 0).any()),
+def _summarize(collector: Collector, keys: list[str], ranks: list[_RankRow] | None) -> dict[str, Any]:
+    """An agreement point's summary: the loss means and ``Timing/data_sec_max`` from ``collector`` (the
+    same on every rank) and, from every rank's :data:`_RankRow` (``ranks``, gathered only when a total
+    loss was non-finite or a writer failed), the first non-finite iteration, the ranks that saw it
+    then, the losses of the lowest of them, and the ranks whose writer failed."""
+    summary: dict[str, Any] = {
+        "means": {key: collector.mean(key) for key in keys},
+        "data_sec_max": collector.max("data_sec"),
+        "writer_failed_ranks": [r for r, row in enumerate(ranks or ()) if row[2]],
+        "bad": False,
     }
-    if result["bad"]:
-        iteration = first_bad.min()
-        ranks = [r for r in range(gathered.shape[0]) if bad[r] > 0 and first_bad[r] == iteration]
-        values = gathered[ranks[0], 2 * k + 2 : 3 * k + 2]
-        result["first_bad_iter"] = int(iteration.item())
-        result["bad_ranks"] = ranks
-        result["bad_loss_dict"] = {key: values[i].item() for i, key in enumerate(keys)}
-    return result
+    first = min((row[0] for row in ranks or ()), default=math.inf)
+    if math.isfinite(first):
+        bad_ranks = [r for r, row in enumerate(ranks) if row[0] == first]
+        losses = dict(zip(keys, ranks[bad_ranks[0]][1]))
+        summary.update(bad=True, first_bad_iter=int(first), bad_ranks=bad_ranks, bad_loss_dict=losses)
+    return summary
 
 
 @dataclasses.dataclass
 class _Agreement:
-    """Outcome of one agreement point, filled by the (possibly asynchronous) writer job."""
+    """Outcome of one agreement point, applied on the training thread (after the writer job when async)."""
 
-    writer_error: BaseException | None  # this rank's writer failure that the gathered table reports
-    summary: dict[str, Any] | None = None  # _summarize_gathered() of the gathered table
+    writer_error: BaseException | None  # this rank's writer failure that the agreement reports
+    summary: dict[str, Any]  # _summarize()
     error: FloatingPointError | None = None  # the non-finite loss decision
-    metrics: dict[str, float] | None = None  # what rank zero wrote to the loggers
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # what rank zero writes
 
 
 class LossMonitor(HookBase):
@@ -151,30 +108,33 @@ class LossMonitor(HookBase):
 
     Every micro-batch, the losses returned by ``training_step`` (a tensor: ``"loss"``; a mapping: its
     ``"loss"`` and every other one-element tensor whose key starts with ``"loss"``; under a
-    :class:`~lightning_ext.callbacks.hook_runner.HookRunner`, those given to ``after_step``) are kept
-    on their device: no other tensor op, no host–device synchronization, no collective on the step.
-    Every ``every_n_train_steps`` iterations and at the end of training comes an *agreement point*: ONE
-    ``all_gather`` of each rank's row of loss sums, counts and flags (``3K + 4`` float64, ``K`` losses)
-    on the training thread.
-    From the gathered data, which every rank holds:
+    :class:`~lightning_ext.callbacks.hook_runner.HookRunner`, those given to ``after_step``) are
+    :func:`~lightning_ext.stats.report`-ed under this monitor's own stage
+    (:func:`~lightning_ext.stats.set_stage`: other collectors, ``TrainingStats``'s included, do not see
+    them), and the first non-finite total loss is kept on the device: no host–device synchronization,
+    no collective on the step. Every ``every_n_train_steps`` iterations and at the end of training comes
+    an *agreement point*: this monitor's :class:`~lightning_ext.stats.Collector` updates (its two
+    all-reduces, on the training thread). From the published statistics, which every rank holds:
 
     - if a total loss was non-finite, EVERY rank raises ``FloatingPointError("Loss became infinite
       or NaN at iteration=I on rank(s) [...]!\\nloss_dict = {...}")``, ``I`` being the first such
       iteration (:attr:`~HookBase.iter`) on any rank and ``loss_dict`` that rank's losses then (or
-      warns, with ``raise_on_nonfinite=False``); no rank raises while another waits in a collective;
+      warns, with ``raise_on_nonfinite=False``); the ranks and losses come from one
+      ``all_gather_object`` that every rank runs only then; no rank raises while another waits in a
+      collective;
     - rank zero writes to every logger, and every rank to ``trainer.callback_metrics`` (so
       ``ModelCheckpoint`` can monitor them): ``LossMonitor/<key>``, the mean of each loss over ranks
       and micro-batches, and ``Timing/data_sec_max``, the max over ranks of the mean data time per
       iteration. The step is :attr:`~HookBase.iter`, Lightning's own for the batch: ``i`` after
       iteration ``i``, the number of iterations at the end of training.
 
-    Reading the gathered values synchronizes host and device once per agreement point. With
-    ``async_write=True`` that read, the decision and the logger writes run on one worker thread, in
-    order, and each outcome is applied at the next iteration's ``after_step``; use loggers that
-    tolerate writes from two threads (TensorBoard's ``SummaryWriter`` does; ``CSVLogger`` is not
+    Reading the published values synchronizes host and device once per agreement point. With
+    ``async_write=True`` the logger writes run on one worker thread, in order, and each outcome (the
+    metrics, the non-finite decision) is applied at the next iteration's ``after_step``; use loggers
+    that tolerate writes from two threads (TensorBoard's ``SummaryWriter`` does; ``CSVLogger`` is not
     documented as thread-safe). A logger that raises: on one process the exception is re-raised at
-    once (or at that next ``after_step``); on several it is flagged in the next gather and raised
-    there on every rank (the failing rank re-raises it, the others a ``RuntimeError`` naming it).
+    once (or at that next ``after_step``); on several it is flagged at the next agreement point and
+    raised there on every rank (the failing rank re-raises it, the others a ``RuntimeError`` naming it).
 
     Source: detectron2's ``SimpleTrainer._write_metrics`` (``engine/train_loop.py``), which checks
     on rank 0 only (the other ranks hang in the next collective) and drops writer exceptions.
@@ -182,7 +142,7 @@ class LossMonitor(HookBase):
     Args:
         every_n_train_steps: iterations between agreement points (cross-rank check + writing).
         raise_on_nonfinite: raise ``FloatingPointError`` (``True``) or only warn (``False``).
-        async_write: read back and write on a worker thread instead of the training thread.
+        async_write: write to the loggers on a worker thread instead of the training thread.
 
     Raises:
         ValueError: ``every_n_train_steps < 1`` (at construction); ``training_step`` returned no
@@ -209,30 +169,32 @@ class LossMonitor(HookBase):
         #: summary dict of the last agreement point (means, data_sec_max, bad, ...); for inspection.
         self.last_summary: dict[str, Any] | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._collector: Collector | None = None  # created at before_train, on this monitor's stage
         self._reset_run()
 
     def _reset_run(self) -> None:
         self._keys: list[str] | None = None  # loss names, fixed at the first step
-        self._new_accumulators()
+        self._new_interval()
         self._accumulate = 1  # factor Lightning divided the returned "loss" by
         self._pending: tuple[Future, _Agreement] | None = None  # async job of the last agreement
         self._writer_error: BaseException | None = None  # local writer failure not yet agreed
 
-    def _new_accumulators(self) -> None:
-        # The K 0-dim losses of each micro-batch since the last agreement point (absent ones as 0),
-        # on the loss device; stacked into one (M, K) float64 buffer at the agreement point.
-        self._rows: list[tuple[torch.Tensor, ...]] = []
-        self._counts = [0] * len(self._keys or ())  # micro-batches that had each key
-        self._micro_iters: list[int] = []  # iteration of each buffered micro-batch
+    def _new_interval(self) -> None:
+        # The first non-finite total loss since the last agreement point, on the loss device: float64
+        # 0-dim iteration (inf if none) and float64 (K,) losses then; None before the interval's first
+        # micro-batch.
+        self._first_bad: tuple[torch.Tensor, torch.Tensor] | None = None
         self._iters = 0  # iterations since the last agreement point
         self._data_sec = 0.0  # data seconds since the last agreement point
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "_executor": None, "_pending": None}
+        return {**super().__getstate__(), "_executor": None, "_pending": None, "_collector": None}
 
     @override
     def before_train(self) -> None:
         self._reset_run()
+        self._stage = self.state_key  # the same on every rank; apart from other collectors' values
+        self._collector = Collector(keep_previous=False, stage=self._stage)
         if self.async_write and self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="LossMonitor-writer")
 
@@ -242,22 +204,31 @@ class LossMonitor(HookBase):
     ) -> None:
         automatic = isinstance(trainer, pl.Trainer) and pl_module.automatic_optimization  # not HookRunner
         self._accumulate = trainer.accumulate_grad_batches if automatic else 1
-        self._fold(_extract_losses(outputs), loss_is_copy=automatic)
+        self._fold(_extract_losses(outputs, self._accumulate))
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
-    def _fold(self, losses: dict[str, torch.Tensor], loss_is_copy: bool = False) -> None:
-        """Keep this micro-batch's losses until the agreement point; absent ones count nothing, names
-        new since the first step are ignored. ``losses["loss"]`` is kept by reference if it is
-        Lightning's own detached copy (``loss_is_copy``), other tensors are cloned (the user may
-        change them in place)."""
+    def _fold(self, losses: dict[str, torch.Tensor]) -> None:
+        """Report this micro-batch's losses (names new since the first step are ignored) and keep the
+        first non-finite total loss: device ops only."""
         if self._keys is None:
-            self._keys = list(losses)
-            self._new_accumulators()
-        loss = losses["loss"] if loss_is_copy else losses["loss"].clone()  # "loss" is always first
-        extras = (losses[key].clone() if key in losses else loss.new_zeros(()) for key in self._keys[1:])
-        self._rows.append((loss, *extras))
-        self._counts = [c + (key in losses) for c, key in zip(self._counts, self._keys)]
-        self._micro_iters.append(self.iter)
+            self._keys = list(losses)  # "loss" first
+        self._report({key: losses[key] for key in self._keys if key in losses})
+        loss = losses["loss"]
+        row = torch.stack([losses.get(key, loss.new_zeros(())).double() for key in self._keys])
+        if self._first_bad is None:
+            self._first_bad = (torch.full((), math.inf, dtype=torch.float64, device=row.device), row)
+        first_iter, first_row = self._first_bad
+        new = ~torch.isfinite(loss) & torch.isinf(first_iter)
+        self._first_bad = (torch.where(new, float(self.iter), first_iter), torch.where(new, row, first_row))
+
+    def _report(self, values: dict[str, Any]) -> None:
+        """:func:`~lightning_ext.stats.report` ``values`` on this monitor's stage."""
+        previous = set_stage(self._stage)
+        try:
+            for name, value in values.items():
+                report(name, value)
+        finally:
+            set_stage(previous)
 
     @override
     def after_step(self) -> None:
@@ -274,7 +245,7 @@ class LossMonitor(HookBase):
             if self.exception is None:  # success: every rank is here, collectives are safe
                 if self._pending is not None:
                     self._collect()
-                if self._micro_iters or self._writer_error is not None:
+                if self._first_bad is not None or self._writer_error is not None:
                     self._agree(final=True)
                 if self._writer_error is not None:  # the final write itself failed on this rank
                     raise self._writer_error
@@ -286,43 +257,21 @@ class LossMonitor(HookBase):
             self._pending = None
 
     def _agree(self, final: bool = False) -> None:
-        """Gather the accumulators of every rank (one collective), then decide and write."""
+        """Update the collector (its all-reduces), gather the ranks' rows if something went wrong,
+        decide, then write (on the worker thread when async)."""
         if self._keys is None:
             return
-        data_sec = self._data_sec / max(self._iters, 1)
-        failed = self._writer_error is not None
-        k, flat = len(self._keys), [loss for row in self._rows for loss in row]
-        rows = (
-            torch.stack(flat).to(torch.float64).view(-1, k)
-            if flat
-            else torch.zeros(0, k, dtype=torch.float64)
-        )
-        row = _local_row(rows, self._counts, self._micro_iters, self._accumulate, data_sec, failed)
-        world_size = get_world_size()
-        if world_size > 1:
-            row = row.to(collective_device())
-            gathered = [torch.empty_like(row) for _ in range(world_size)]
-            dist.all_gather(gathered, row)
-            table = torch.stack(gathered)
-        else:
-            table = row.unsqueeze(0)
-        keys, step = list(self._keys), self.iter  # Lightning's step: i after iteration i, n at the end
-        self._new_accumulators()
-        agreement = _Agreement(self._writer_error)
+        self._report({"data_sec": self._data_sec / max(self._iters, 1),
+                      "writer_failed": float(self._writer_error is not None)})  # fmt: skip
+        collector = self._collector
+        collector.update()
+        # The mean total loss is non-finite iff some rank's was (host reads, the same on every rank).
+        bad = collector.num("loss") > 0 and not math.isfinite(collector.mean("loss"))
+        ranks = self._gather() if bad or collector.max("writer_failed") > 0 else None
+        agreement = _Agreement(self._writer_error, _summarize(collector, self._keys, ranks))
         self._writer_error = None
-        if self.async_write and not final and self._executor is not None:
-            future = self._executor.submit(self._decide_and_write, table, keys, step, agreement)
-            self._pending = (future, agreement)
-            return
-        self._finish(lambda: self._decide_and_write(table, keys, step, agreement), agreement)
-
-    def _decide_and_write(
-        self, table: torch.Tensor, keys: list[str], step: int, agreement: _Agreement
-    ) -> None:
-        """Host read-back, non-finite decision and logger writes (on the worker thread when async)."""
-        summary = _summarize_gathered(table.detach().to("cpu", torch.float64), keys)
-        agreement.summary = summary
-        self.last_summary = summary
+        self._new_interval()
+        self.last_summary = summary = agreement.summary
         if summary["bad"]:
             message = (
                 f"Loss became infinite or NaN at iteration={summary['first_bad_iter']} on rank(s) "
@@ -332,9 +281,26 @@ class LossMonitor(HookBase):
                 agreement.error = FloatingPointError(message)
             else:
                 self._warn(message)
-        metrics = {f"LossMonitor/{key}": value for key, value in summary["means"].items()}
-        metrics["Timing/data_sec_max"] = summary["data_sec_max"]
-        agreement.metrics = metrics  # identical on every rank
+        agreement.metrics = {f"LossMonitor/{key}": value for key, value in summary["means"].items()}
+        agreement.metrics["Timing/data_sec_max"] = summary["data_sec_max"]
+        step = self.iter  # Lightning's step: i after iteration i, n at the end
+        if self.async_write and not final and self._executor is not None:
+            self._pending = (self._executor.submit(self._write, agreement.metrics, step), agreement)
+            return
+        self._finish(lambda: self._write(agreement.metrics, step), agreement)
+
+    def _gather(self) -> list[_RankRow]:
+        """Every rank's :data:`_RankRow`: a host read, and one ``all_gather_object`` on several ranks."""
+        first_iter, losses = self._first_bad if self._first_bad is not None else (math.inf, [])
+        row = (float(first_iter), torch.as_tensor(losses).tolist(), self._writer_error is not None)
+        if get_world_size() == 1:
+            return [row]
+        rows: list[Any] = [None] * get_world_size()
+        dist.all_gather_object(rows, row)
+        return rows
+
+    def _write(self, metrics: dict[str, float], step: int) -> None:
+        """Rank zero's logger writes (on the worker thread when async)."""
         if get_rank() == 0:
             for logger in self.trainer.loggers:
                 logger.log_metrics(metrics, step=step)
@@ -357,13 +323,12 @@ class LossMonitor(HookBase):
         self._apply(agreement)
 
     def _apply(self, agreement: _Agreement) -> None:
-        """On the training thread: publish the metrics, then raise what the gathered data decided."""
-        if agreement.metrics is not None:  # not from the worker: Lightning reads this dict meanwhile
-            self.trainer.callback_metrics.update({k: torch.tensor(v) for k, v in agreement.metrics.items()})
+        """On the training thread: publish the metrics, then raise what the agreement decided."""
+        self.trainer.callback_metrics.update({k: torch.tensor(v) for k, v in agreement.metrics.items()})
         if agreement.error is not None:
             raise agreement.error
-        failed = agreement.summary["writer_failed_ranks"] if agreement.summary is not None else []
-        if failed:
+        if agreement.summary["writer_failed_ranks"]:
             if agreement.writer_error is not None:
                 raise agreement.writer_error
+            failed = agreement.summary["writer_failed_ranks"]
             raise RuntimeError(f"LossMonitor: the writer failed on rank(s) {failed}; see that rank's error")

@@ -11,7 +11,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 from lightning_ext.callbacks import LossMonitor
-from lightning_ext.callbacks.loss_monitor import _extract_losses, _local_row, _summarize_gathered
+from lightning_ext.callbacks.loss_monitor import _extract_losses
+from lightning_ext.stats import Collector
 from tests.helpers.distributed import run_distributed
 
 
@@ -161,6 +162,28 @@ def test_nan_raises_naming_first_bad_iteration(async_write, raised_at):
     assert f"LossMonitor.after_step() at iteration={raised_at}" in "\n".join(e.value.__notes__)
 
 
+def test_inf_is_named_with_its_value_and_the_losses_stay_out_of_other_collectors():
+    others = Collector()  # e.g. TrainingStats's: the monitor reports on a stage of its own
+    match = r"iteration=2 on rank\(s\) \[0\]!\nloss_dict = \{'loss': inf, 'loss_aux': "
+    with pytest.raises(FloatingPointError, match=match):
+        fit(InfModule(inf_step=2), LossMonitor(every_n_train_steps=3), max_steps=6)
+    others.update()
+    assert others.names() == []
+
+
+class InfModule(NanModule):
+    def __init__(self, inf_step: int) -> None:
+        super().__init__()
+        self.inf_step = inf_step
+
+    @override
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        if self.global_step == self.inf_step:
+            out["loss"] = out["loss"] + math.inf
+        return out
+
+
 def test_nan_at_the_end_caught_by_final_flush():
     with pytest.raises(FloatingPointError, match="iteration=5 on rank"):
         fit(NanModule(nan_step=5), LossMonitor(every_n_train_steps=100), max_steps=7)
@@ -299,22 +322,3 @@ def test_nan_on_rank1_raises_on_every_rank_at_the_same_step():
     assert results[0][2:] == [("OSError: disk full", 8), ("OSError: disk full", 9)]
     failed = "RuntimeError: LossMonitor: the writer failed on rank(s) [0]; see that rank's error"
     assert results[1][2:] == [(failed, 8), (failed, 9)]
-
-
-def test_local_row_and_summary():
-    rows = torch.tensor([[1.0, 0.5], [2.0, 0.0], [math.inf, 0.25], [math.nan, 1.0]], dtype=torch.float64)
-    row = _local_row(rows, [4, 3], [10, 10, 11, 11], accumulate=2, data_sec=0.5, writer_failed=False)
-    k = 2
-    assert row.dtype == torch.float64 and row.shape == (3 * k + 4,)
-    assert row[:k].tolist()[1] == 1.75 and math.isnan(row[0])  # sums, total loss scaled by 2
-    assert row[k : 2 * k].tolist() == [4.0, 3.0] and row[2 * k].item() == 1.0 and row[2 * k + 1].item() == 11
-    assert row[2 * k + 2 : 3 * k + 2].tolist() == [math.inf, 0.25] and row[-2:].tolist() == [0.5, 0.0]
-    clean = _local_row(rows[:2], [2, 1], [3, 4], accumulate=1, data_sec=0.25, writer_failed=True)
-    assert clean[2 * k].item() == 0 and clean[2 * k + 1].item() == math.inf
-    summary = _summarize_gathered(torch.stack([clean, row]), ["loss", "loss_x"])
-    assert summary["bad"] and summary["first_bad_iter"] == 11 and summary["bad_ranks"] == [1]
-    assert summary["bad_loss_dict"] == {"loss": math.inf, "loss_x": 0.25}
-    assert summary["means"]["loss_x"] == pytest.approx((0.5 + 1.75) / 4)
-    assert summary["data_sec_max"] == 0.5 and summary["writer_failed_ranks"] == [0]
-    empty = _local_row(rows[:0], [0, 0], [], accumulate=1, data_sec=0.0, writer_failed=False)
-    assert not _summarize_gathered(empty[None], ["loss", "loss_x"])["bad"]
