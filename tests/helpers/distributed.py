@@ -47,6 +47,7 @@ import gc
 import io
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_module
 import shutil
 import signal
@@ -56,6 +57,7 @@ import traceback
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
@@ -219,8 +221,8 @@ def _pool_worker(
     _init_worker(rank, world_size, init_file, _POOL_GROUP_TIMEOUT)
     environ, cwd, seed = dict(os.environ), os.getcwd(), torch.initial_seed()
     while (task := tasks[rank].get()) is not None:
-        fn, args, kwargs, parent_environ = task
         try:
+            fn, args, kwargs, parent_environ = pickle.loads(task)
             os.environ.clear()
             os.environ.update(parent_environ)
             payload = _call(fn, rank, world_size, args, kwargs)
@@ -322,9 +324,11 @@ class _Pool:
         self.procs, self.store_dir = _spawn(world_size, _pool_worker, self.tasks, self.results)
 
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float) -> list[Any]:
-        environ = {**os.environ, "OMP_NUM_THREADS": "1"}
+        # Pickled here, so an argument that cannot be pickled raises in the test, not in a queue's thread;
+        # once per rank, as a tensor's shared memory is handed over once per pickle.
+        task = (fn, args, kwargs, {**os.environ, "OMP_NUM_THREADS": "1"})
         for tasks in self.tasks:
-            tasks.put((fn, args, kwargs, environ))
+            tasks.put(bytes(ForkingPickler.dumps(task)))
         return _collect(self.results, self.procs, fn, timeout)
 
     def close(self) -> None:

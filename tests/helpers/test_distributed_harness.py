@@ -1,4 +1,5 @@
 import os
+import pickle
 import time
 
 import pytest
@@ -60,6 +61,10 @@ def _process_state(rank: int, world_size: int) -> dict:
     }
 
 
+def _echo(rank: int, world_size: int, value: torch.Tensor) -> torch.Tensor:
+    return value
+
+
 def _keep_a_subgroup(rank: int, world_size: int) -> None:
     global _kept
     _kept = dist.new_group([0, 1])
@@ -86,7 +91,6 @@ def test_hang_becomes_timeout(fresh: bool):
         run_distributed(_hang_on_rank_zero, 2, timeout=8, fresh=fresh)
 
 
-@pytest.mark.smoke
 def test_the_pool_serves_every_call_and_a_failure_restarts_it():
     first = run_distributed(_pid, 2, timeout=60)
     assert run_distributed(_pid, 2, timeout=60) == first  # the same processes
@@ -112,6 +116,13 @@ def test_a_call_sees_the_parents_environment_and_nothing_of_the_previous_call(mo
         assert a["cwd"] == b["cwd"] and a["dtype"] == torch.float32 and a["grad"]
         assert a["groups"] == b["groups"] == 1  # the subgroup of the previous call is gone
         assert torch.equal(a["random"], b["random"])  # torch's seed is the start-up one again
+
+
+def test_tensor_arguments_reach_every_rank_and_unpicklable_ones_raise_at_once():
+    value = torch.arange(5.0)
+    assert all(torch.equal(out, value) for out in run_distributed(_echo, 3, value, timeout=60))
+    with pytest.raises((AttributeError, TypeError, pickle.PicklingError), match="pickle"):
+        run_distributed(_echo, 3, lambda: None, timeout=60)
 
 
 def test_a_subgroup_still_referenced_after_the_call_fails_it():
