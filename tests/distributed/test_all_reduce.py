@@ -119,6 +119,7 @@ def _matches_gloo(rank: int, world_size: int) -> list[torch.Tensor]:
     return results
 
 
+@pytest.mark.smoke
 @needs_shm
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world_size", [2, 3])
