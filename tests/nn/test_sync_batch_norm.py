@@ -332,6 +332,7 @@ def _checkpoint_worker(rank, world_size):
 # ------------------------------------------------------------------------------------------- tests
 
 
+@pytest.mark.smoke
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("world_size", "backend"),
