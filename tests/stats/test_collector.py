@@ -229,6 +229,7 @@ def _assert_snapshot_equal(got: dict, want: dict[str, Reference | None], where: 
             assert_moments_close(got[name], ref, f"{where} {name}")
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_distributed_statistics_match_single_process_float64(world_size: int) -> None:
     outputs = run_distributed(_distributed_schedule, world_size, timeout=150)
