@@ -17,51 +17,35 @@ messages in the same spirit.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection
+import operator
+from collections.abc import Collection
 from typing import Any, NoReturn
 
 __all__ = ["check_bool", "check_choice", "check_int", "check_number"]
 
 _REPR_LIMIT = 80  # characters of a received value's repr kept in a message
-
-
-def _received(value: Any, with_type: bool) -> str:
-    """``repr(value)`` cut to a readable length, followed by its type name for a ``TypeError``."""
-    text = repr(value)
-    if len(text) > _REPR_LIMIT:
-        text = text[: _REPR_LIMIT - 3] + "..."
-    return f"{text} ({type(value).__name__})" if with_type and value is not None else text
+_SIGNS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}  # a bound's keyword (an `operator` name) => its sign
 
 
 def _fail(
     error: type[Exception], owner: str, name: str, allowed: str, value: Any, hint: str | None
 ) -> NoReturn:
-    message = f"{owner}: `{name}` must be {allowed}, got {_received(value, error is TypeError)}"
+    """Raise ``error`` with the message of the module docstring (the received value cut to a readable
+    length, with its type on a ``TypeError``)."""
+    got = repr(value)
+    got = got if len(got) <= _REPR_LIMIT else got[: _REPR_LIMIT - 3] + "..."
+    got += f" ({type(value).__name__})" if error is TypeError and value is not None else ""
+    message = f"{owner}: `{name}` must be {allowed}, got {got}"
     raise error(f"{message}. HINT: {hint}" if hint else message)
 
 
-def _range(gt: float | None, ge: float | None, lt: float | None, le: float | None) -> str:
+def _in_words(bounds: dict[str, float]) -> str:
     """The bounds in words: ``" >= 1"``, ``" < 1.0"``, ``" in (0.0, 1.0]"`` or ``""``."""
-    assert gt is None or ge is None, "give at most one lower bound"
-    assert lt is None or le is None, "give at most one upper bound"
-    low = gt if gt is not None else ge
-    high = lt if lt is not None else le
-    if low is not None and high is not None:
-        return f" in {'(' if gt is not None else '['}{low!r}, {high!r}{')' if lt is not None else ']'}"
-    if low is not None:
-        return f" {'>' if gt is not None else '>='} {low!r}"
-    if high is not None:
-        return f" {'<' if lt is not None else '<='} {high!r}"
-    return ""
-
-
-def _in_range(value: float, gt: float | None, ge: float | None, lt: float | None, le: float | None) -> bool:
-    return (
-        (gt is None or value > gt)
-        and (ge is None or value >= ge)
-        and (lt is None or value < lt)
-        and (le is None or value <= le)
-    )
+    assert not {"gt", "ge"} <= bounds.keys() and not {"lt", "le"} <= bounds.keys(), "one bound per side"
+    if len(bounds) < 2:
+        return "".join(f" {_SIGNS[key]} {bound!r}" for key, bound in bounds.items())
+    low, high = ("gt" if "gt" in bounds else "ge"), ("lt" if "lt" in bounds else "le")
+    return f" in {'(' if low == 'gt' else '['}{bounds[low]!r}, {bounds[high]!r}{')' if high == 'lt' else ']'}"
 
 
 def check_int(owner: str, name: str, value: Any, **bounds: Any) -> None:
@@ -92,7 +76,8 @@ def check_int(owner: str, name: str, value: Any, **bounds: Any) -> None:
         TypeError: LossMonitor: `every_n_train_steps` must be an int >= 1, got True (bool)
     """
 
-    _check_bounded("an int", _is_int, owner, name, value, **bounds)
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    _check_bounded("an int", is_int, owner, name, value, **bounds)
 
 
 def check_number(owner: str, name: str, value: Any, **bounds: Any) -> None:
@@ -118,38 +103,31 @@ def check_number(owner: str, name: str, value: Any, **bounds: Any) -> None:
         TypeError: SyncBatchNorm: `eps` must be a finite number > 0.0, got nan (float)
     """
 
-    _check_bounded("a finite number", _is_finite_number, owner, name, value, **bounds)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_finite_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    finite = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    _check_bounded("a finite number", finite, owner, name, value, **bounds)
 
 
 def _check_bounded(
     kind: str,
-    accepts: Callable[[Any], bool],
+    of_kind: bool,
     owner: str,
     name: str,
     value: Any,
     *,
-    gt: float | None = None,
-    ge: float | None = None,
-    lt: float | None = None,
-    le: float | None = None,
     optional: bool = False,
     hint: str | None = None,
+    **bounds: float | None,
 ) -> None:
-    """:func:`check_int` and :func:`check_number`: ``kind`` names the type, ``accepts`` tests it."""
+    """:func:`check_int` and :func:`check_number`: ``kind`` names the type, ``of_kind`` says whether
+    ``value`` is of it."""
+    assert bounds.keys() <= _SIGNS.keys(), f"unknown bounds {sorted(bounds)}"
     if value is None and optional:
         return
-    allowed = f"{kind}{_range(gt, ge, lt, le)}{' or None' if optional else ''}"
-    if not accepts(value):
+    bounds = {key: bound for key, bound in bounds.items() if bound is not None}
+    allowed = f"{kind}{_in_words(bounds)}{' or None' if optional else ''}"
+    if not of_kind:
         _fail(TypeError, owner, name, allowed, value, hint)
-    if not _in_range(value, gt, ge, lt, le):
+    if not all(getattr(operator, key)(value, bound) for key, bound in bounds.items()):
         _fail(ValueError, owner, name, allowed, value, hint)
 
 
