@@ -156,7 +156,18 @@ def _enabled_on(device: str, enabled: bool) -> bool:
     return enabled
 
 
-class DynamicLossScaler(GradScaler):
+class _PerOptimizerNew:
+    """``DynamicLossScaler(..., per_optimizer=True)`` makes a :class:`PerOptimizerLossScaler`: the
+    ``__new__`` of a base class, so that ``DynamicLossScaler``'s signature (for ``inspect`` and
+    jsonargparse, hence ``LightningCLI``) stays its ``__init__``'s."""
+
+    def __new__(cls, *args: Any, per_optimizer: bool = False, **kwargs: Any) -> Any:
+        if per_optimizer is True and cls is DynamicLossScaler:
+            cls = PerOptimizerLossScaler
+        return super().__new__(cls)
+
+
+class DynamicLossScaler(_PerOptimizerNew, GradScaler):
     """A ``torch.amp.GradScaler`` with log2/hysteresis schedules, bounds, telemetry and per-optimizer scales.
 
     A subclass with GradScaler's signature, state and methods, so code (and torch's own tests) written
@@ -232,12 +243,6 @@ class DynamicLossScaler(GradScaler):
     """
 
     _per_optimizer = False  # True on PerOptimizerLossScaler (what DynamicLossScaler(per_optimizer=True) is)
-
-    def __new__(cls, *args: Any, per_optimizer: bool = False, **kwargs: Any) -> DynamicLossScaler:
-        """``DynamicLossScaler(..., per_optimizer=True)`` makes a :class:`PerOptimizerLossScaler`."""
-        if per_optimizer is True and cls is DynamicLossScaler:
-            cls = PerOptimizerLossScaler
-        return super().__new__(cls)
 
     def __init__(
         self,

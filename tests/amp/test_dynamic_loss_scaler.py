@@ -861,6 +861,7 @@ def test_load_state_dict_refuses_inconsistent_overflow_counters_and_loads_nothin
 
 
 _OWNER = "DynamicLossScaler.load_state_dict: "
+_CONSTRUCTOR_ARGUMENTS = inspect.signature(DynamicLossScaler).parameters
 _BAD_ENTRIES = {  # entry -> (error, message after the owner); each comes with scale 1024 (was 8)
     "steps": ("abc", TypeError, "`steps` must be an int >= 0, got 'abc' (str)"),
     "log2_scale": (None, TypeError, "`log2_scale` must be a finite number, got None"),
@@ -889,7 +890,8 @@ def test_load_state_dict_checks_every_entry_as_the_constructor_before_loading_an
     with pytest.raises(error, match="^" + re.escape(_OWNER + message)):
         scaler.load_state_dict({**state, "scale": 1024.0, key: value})
     assert scaler.state_dict() == state  # nothing changed
-    if key in inspect.signature(DynamicLossScaler).parameters:  # the constructor's message, word for word
+    if key in _CONSTRUCTOR_ARGUMENTS:  # the constructor's message, word for word
+        message = message.replace("<= scale <=", "<= init_scale <=")  # the argument's name
         with pytest.raises(error, match="^" + re.escape("DynamicLossScaler: " + message)):
             DynamicLossScaler("cpu", **{"init_scale": 1024.0, "max_scale": 4096.0, key: value})
     changed = {k: v for k, v in {**state, "scale": 1024.0, "steps": 9}.items() if k != key}
@@ -1222,6 +1224,10 @@ def test_per_optimizer_true_makes_a_per_optimizer_loss_scaler_with_the_same_api(
     with pytest.raises(ValueError, match=r"Shared takes per_optimizer=False, got True. HINT"):
         Shared("cpu", per_optimizer=True)
     assert type(DynamicLossScaler("cpu", telemetry=False)) is DynamicLossScaler
+    # The signature stays __init__'s (inspect, jsonargparse and so LightningCLI read it).
+    assert list(inspect.signature(DynamicLossScaler).parameters)[:6] == list(
+        inspect.signature(torch.amp.GradScaler).parameters
+    )
 
 def test_per_optimizer_scale_needs_the_optimizer():
     gan = _Gan()
