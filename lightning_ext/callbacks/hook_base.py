@@ -216,12 +216,10 @@ class HookBase(Callback):
         if self._in_step:  # a later micro-batch of the same iteration
             self._data_sec_later += wait
             self.data_sec += wait
-        else:
-            self.data_sec, self._data_sec_later = wait, 0.0
-        if not self._in_step:
-            self._in_step = True
-            self._step_global_step = trainer.global_step
-            self._call("before_step")
+            return
+        self.data_sec, self._data_sec_later = wait, 0.0
+        self._in_step, self._step_global_step = True, trainer.global_step
+        self._call("before_step")
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -238,9 +236,8 @@ class HookBase(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._running:
+        if self._running:  # (self.exception is None: on_exception would have ended the run)
             self._running = False
-            self.exception = None
             self._call("after_train")
 
     @override
@@ -280,5 +277,5 @@ def _iterations_done(trainer: pl.Trainer) -> int:
 
 def _add_note(exc: BaseException, note: str) -> None:
     """Attach ``note`` to ``exc`` (PEP 678; shown in the traceback) once."""
-    if hasattr(exc, "add_note") and note not in getattr(exc, "__notes__", ()):
+    if note not in getattr(exc, "__notes__", ()):
         exc.add_note(note)
