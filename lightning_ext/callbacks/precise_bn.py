@@ -11,6 +11,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
@@ -18,41 +19,10 @@ from lightning_ext._checks import check_int
 from lightning_ext._compat import BatchNormBase
 from lightning_ext.callbacks.hook_base import HookBase
 from lightning_ext.distributed import all_reduce_, collective_device, get_world_size, is_distributed
-from lightning_ext.stats.moments import _merge_moments
+from lightning_ext.nn import SyncBatchNorm
+from lightning_ext.stats import merge_moments
 
 __all__ = ["PreciseBN", "update_bn_stats"]
-
-
-def _merge_batch_statistics(
-    count: torch.Tensor,
-    mean: torch.Tensor,
-    m2: torch.Tensor,
-    n: torch.Tensor,
-    batch_mean: torch.Tensor,
-    batch_var: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Merge one batch into running population moments (Chan, Golub & LeVeque's parallel update, by
-    :func:`lightning_ext.stats.moments._merge_moments`, the package's one implementation of it).
-
-    Args:
-        count, mean, m2: so far, float64: elements per channel (0-dim), mean and sum of squared
-            deviations ``(C,)``.
-        n: float64 0-dim, elements per channel of the batch (> 1).
-        batch_mean, batch_var: ``(C,)`` batch mean and UNBIASED variance (BatchNorm's running
-            statistics after a batch with ``momentum=1``).
-
-    Returns:
-        The merged ``(count, mean, m2)`` in float64. No host–device synchronization.
-    """
-    batch_mean = batch_mean.to(torch.float64)
-    merged = _merge_moments(_moment_rows(count, mean, m2), _moment_rows(n, batch_mean, batch_var * (n - 1)))
-    return count + n, merged[:, 1], merged[:, 2]
-
-
-def _moment_rows(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> torch.Tensor:
-    """Per-channel float64 moment rows ``(C, 5)`` (no extremes) of a count and ``(C,)`` mean and m2."""
-    inf = torch.full_like(mean, torch.inf)
-    return torch.stack([count.expand_as(mean), mean, m2.to(torch.float64), inf, -inf], -1)
 
 
 def _agree(state: float) -> float:
@@ -63,17 +33,6 @@ def _agree(state: float) -> float:
     flag = torch.tensor([state], device=collective_device())
     all_reduce_(flag, op=dist.ReduceOp.MIN)
     return flag.item()
-
-
-def _runs_error(layers: list[BatchNormBase], records: list[list[_Record]], used: int) -> str | None:
-    """Why a layer did not run exactly once in each of the ``used`` forwards, or ``None``."""
-    for i, (layer, runs) in enumerate(zip(layers, records)):
-        if len(runs) != used:
-            return (
-                f"PreciseBN: BatchNorm layer {i} ({type(layer).__name__}) ran {len(runs) - used + 1} "
-                "times in one forward; each layer must run once"
-            )
-    return None
 
 
 def update_bn_stats(
@@ -143,7 +102,8 @@ def _run_batches(
     forward_fn: Callable[[nn.Module, Any], Any],
 ) -> int:
     """Forward up to ``num_iter`` batches while every rank has one; the number run. Before each batch
-    the ranks agree (one all_reduce), so they stop, or raise, at the same batch."""
+    the ranks agree (one all_reduce), so they stop, or raise, at the same batch. A layer that did not
+    run exactly once in a forward fails the update."""
     used, error = 0, None
     iterator = iter(batches)
     while True:
@@ -156,11 +116,17 @@ def _run_batches(
         with torch.no_grad():
             forward_fn(model, batch)
         used += 1
-        error = _runs_error(layers, records, used)
+        for i, (layer, runs) in enumerate(zip(layers, records)):
+            if len(runs) != used:  # raised at the next agreement, on every rank
+                error = (
+                    f"PreciseBN: BatchNorm layer {i} ({type(layer).__name__}) ran {len(runs) - used + 1} "
+                    "times in one forward; each layer must run once"
+                )
+                break
 
 
 _END = object()
-_Record = tuple[float, torch.Tensor, torch.Tensor]  # (elements per channel, running_mean, running_var)
+_Record = tuple[float, torch.Tensor, torch.Tensor]  # (elements per channel, float64 running_mean, _var)
 
 
 @contextlib.contextmanager
@@ -168,10 +134,7 @@ def _population_mode(model: nn.Module, layers: list[BatchNormBase]) -> Iterator[
     """The mode :func:`update_bn_stats` describes, restored on exit; yields per layer the list of
     ``_Record`` its forward hook appends after each run."""
     flags = {m: m.training for m in model.modules()}
-    saved = [
-        (bn.momentum, None if bn.num_batches_tracked is None else bn.num_batches_tracked.clone())
-        for bn in layers
-    ]
+    saved = [(bn.momentum, bn.num_batches_tracked.clone()) for bn in layers]  # (track_running_stats)
     records: list[list[_Record]] = [[] for _ in layers]
     handles = [bn.register_forward_hook(functools.partial(_record, r)) for bn, r in zip(layers, records)]
     try:
@@ -187,8 +150,7 @@ def _population_mode(model: nn.Module, layers: list[BatchNormBase]) -> Iterator[
             handle.remove()
         for bn, (momentum, tracked) in zip(layers, saved):
             bn.momentum = momentum
-            if tracked is not None:
-                bn.num_batches_tracked.copy_(tracked)
+            bn.num_batches_tracked.copy_(tracked)
         for module, flag in flags.items():
             module.training = flag
 
@@ -196,34 +158,33 @@ def _population_mode(model: nn.Module, layers: list[BatchNormBase]) -> Iterator[
 def _record(runs: list[_Record], layer: BatchNormBase, args: tuple, output: Any) -> None:
     x = args[0]
     n = float(x.numel() // x.shape[1]) if x.dim() > 1 else 0.0
-    runs.append((n, layer.running_mean.clone(), layer.running_var.clone()))
+    runs.append((n, layer.running_mean.double().clone(), layer.running_var.double().clone()))
 
 
 def _write_population_stats(layers: list[BatchNormBase], records: list[list[_Record]]) -> None:
-    """Merge each layer's batch statistics, weighted by global element counts, into its running stats."""
-    from lightning_ext.nn import SyncBatchNorm
-
-    counts = [torch.tensor([r[0] for r in runs], dtype=torch.float64) for runs in records]
-    groups: dict[Any, list[int]] = {}  # process group => its synchronized layers: one all_reduce each
+    """Merge each layer's batch statistics, weighted by global element counts, into its running stats
+    (Chan, Golub & LeVeque's merge, :func:`lightning_ext.stats.merge_moments`, in float64)."""
+    counts = [torch.tensor([n for n, _, _ in runs], dtype=torch.float64) for runs in records]
+    synchronized: dict[Any, list[int]] = {}  # process group => its layers: one all_reduce of their counts
     for i, layer in enumerate(layers):
         if isinstance(layer, (SyncBatchNorm, nn.SyncBatchNorm)) and is_distributed():
-            groups.setdefault(getattr(layer, "process_group", None), []).append(i)
-    for group, indices in groups.items():
+            synchronized.setdefault(layer.process_group, []).append(i)
+    for group, indices in synchronized.items():
         packed = torch.stack([counts[i] for i in indices]).to(collective_device(group))
         all_reduce_(packed, group=group)
-        for row, i in zip(packed.cpu(), indices):
+        for i, row in zip(indices, packed.cpu()):
             counts[i] = row
-    for layer, layer_counts, runs in zip(layers, counts, records):
-        ns = layer_counts.tolist()
-        if all(n <= 1 for n in ns):  # BatchNorm does not update (or rejects) batches of <= 1 element
-            continue
-        mean = torch.zeros_like(layer.running_mean, dtype=torch.float64)
-        count, m2 = mean.new_zeros(()), torch.zeros_like(mean)
-        for n, (_, mu, var) in zip(ns, runs):
-            if n > 1:
-                count, mean, m2 = _merge_batch_statistics(count, mean, m2, mean.new_tensor(n), mu, var)
-        layer.running_mean.copy_(mean)
-        layer.running_var.copy_(m2 / (count - 1))
+    for layer, ns, runs in zip(layers, counts, records):
+        # Moment rows [n, mean, m2, min, max] (extremes unused) of the batches BatchNorm updated on (n > 1).
+        rows = [
+            F.pad(torch.stack([torch.full_like(mean, n), mean, var * (n - 1)], -1), (0, 2))
+            for n, (_, mean, var) in zip(ns.tolist(), runs)
+            if n > 1
+        ]
+        if rows:
+            count, mean, m2 = functools.reduce(merge_moments, rows).unbind(-1)[:3]
+            layer.running_mean.copy_(mean)
+            layer.running_var.copy_(m2 / (count - 1))
 
 
 class PreciseBN(HookBase):
