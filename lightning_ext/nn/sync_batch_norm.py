@@ -357,7 +357,7 @@ def sync_batch_norm_stats(
         ``(C,)`` sum of squared deviations; NaN mean/m2 when the count is 0. Not differentiable.
 
     Raises:
-        TypeError, ValueError: as :meth:`lightning_ext.kernels.KernelBackend.batch_norm_moments`.
+        TypeError, ValueError: as the ``batch_norm_moments`` op (:mod:`lightning_ext.kernels.batch_norm`).
 
     Synchronizes host and device only when the group's collective device differs from ``x``'s.
     """
@@ -367,7 +367,7 @@ def sync_batch_norm_stats(
         shift = torch.zeros(x.shape[1], dtype=torch.float64, device=x.device)
     if isinstance(shift, Tensor) and shift.dtype not in (torch.float32, torch.float64):
         shift = shift.double()
-    payload = _backend(backend, x.device).batch_norm_moments(x.detach(), shift)
+    payload = _backend(backend, x.device).run("batch_norm_moments", x.detach(), shift, check=True)
     if sync and is_distributed():
         all_reduce_(payload, group=process_group)
     count, mean, var = _payload_moments(payload, shift.double())
