@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -108,10 +109,8 @@ class SyncBatchNormPlugin(LayerSync):
         Runs the collectives of the class docstring (``group_size``'s groups; the buffer broadcast),
         every rank alike and in the same order.
         """
-        process_group = self.process_group
-        if self.group_size is not None:
-            process_group = create_process_groups(self.group_size)
-        model = convert_sync_batchnorm(model, process_group=process_group, backend=self.backend)
+        group = self.process_group if self.group_size is None else create_process_groups(self.group_size)
+        model = convert_sync_batchnorm(model, process_group=group, backend=self.backend)
         if not self.ddp_broadcast_buffers and is_distributed():
             self._exclude_from_ddp_buffer_sync(model)
         return model
@@ -126,34 +125,27 @@ class SyncBatchNormPlugin(LayerSync):
         return revert_sync_batchnorm(model)
 
     def _exclude_from_ddp_buffer_sync(self, model: Module) -> None:
-        world_size = get_world_size()
-        names: list[str] = []
-        buffers: list[torch.Tensor] = []
-        for prefix, layer in model.named_modules():
-            if not isinstance(layer, SyncBatchNorm) or get_world_size(layer.process_group) != world_size:
-                continue
-            for name, buffer in layer.named_buffers(recurse=False):
-                if buffer is not None:
-                    names.append(f"{prefix}.{name}" if prefix else name)
-                    buffers.append(buffer)
-        if not buffers or any(b.is_meta for b in buffers):
+        buffers = {  # name in the model => buffer, of the layers synchronized over the whole world
+            name: buffer
+            for prefix, layer in model.named_modules()
+            if isinstance(layer, SyncBatchNorm) and get_world_size(layer.process_group) == get_world_size()
+            for name, buffer in layer.named_buffers(prefix, recurse=False)
+        }
+        if not buffers or any(b.is_meta for b in buffers.values()):
             return  # nothing to exclude, or not materialized yet: leave DDP's sync as it is
-        _broadcast_from_rank0(buffers)
+        _broadcast_from_rank0(list(buffers.values()))
         previous = ddp_ignored(model)
-        set_ddp_ignored(model, [*(previous or ()), *names])
+        set_ddp_ignored(model, [*(previous or ()), *buffers])
         self._ddp_ignore = (model, previous)
 
 
 def _broadcast_from_rank0(buffers: list[torch.Tensor]) -> None:
-    """Overwrite ``buffers`` with rank 0's values in place: one broadcast per dtype, in fixed order."""
+    """Overwrite BatchNorm ``buffers`` (no autograd) with rank 0's values in place: one broadcast per dtype,
+    in the same order on every rank."""
     device = collective_device()
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for buffer in buffers:
-        by_dtype.setdefault(buffer.dtype, []).append(buffer)
-    for dtype in sorted(by_dtype, key=str):
-        group = by_dtype[dtype]
-        flat = torch.cat([b.detach().reshape(-1).to(device) for b in group])
+    for _, same_dtype in itertools.groupby(sorted(buffers, key=lambda b: str(b.dtype)), lambda b: b.dtype):
+        group = list(same_dtype)
+        flat = torch.cat([b.reshape(-1).to(device) for b in group])
         dist.broadcast(flat, src=0)
-        with torch.no_grad():
-            for b, value in zip(group, flat.split([b.numel() for b in group])):
-                b.copy_(value.view_as(b))
+        for b, value in zip(group, flat.split([b.numel() for b in group])):
+            b.copy_(value.view_as(b))
