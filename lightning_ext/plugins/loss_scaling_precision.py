@@ -155,8 +155,7 @@ class LossScalingPrecision(Precision):
         self, model: torch.nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[torch.nn.Module, list[Optimizer], list[Any]]:
         if self.device is None:
-            param = next(iter(model.parameters()), None)
-            self.device = param.device.type if param is not None else "cpu"
+            self.device = next((p.device.type for p in model.parameters()), "cpu")
         self._optimizers = list(optimizers)
         if self.scaler is None:
             return model, optimizers, lr_schedulers
@@ -307,9 +306,7 @@ class LossScalingPrecision(Precision):
                 " because it performs unscaling of gradients internally."
                 " HINT: Are you using a 'fused' optimizer?"
             )
-        super().clip_gradients(
-            optimizer=optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm
-        )
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     # ----------------------------------------------------------------------------------- checkpoints
     @override
