@@ -80,9 +80,8 @@ class ResourceStats(HookBase):
     def before_train(self) -> None:
         # A window of every_n_train_steps + 1 updates spans the iterations since the previous report.
         self._throughput = Throughput(window_size=self.every_n_train_steps + 1)
-        self._start = time.perf_counter()
         self._batches = self._samples = self._batches_updated = 0
-        self._throughput.update(time=0.0, batches=0, samples=0, flops=self._flops_since_update())
+        self._update_throughput()
         self.last_report = {}
 
     @override
@@ -95,19 +94,13 @@ class ResourceStats(HookBase):
 
     @override
     def after_step(self) -> None:
-        self._throughput.update(
-            time=time.perf_counter() - self._start,
-            batches=self._batches,
-            samples=self._samples,
-            flops=self._flops_since_update(),
-        )
+        self._update_throughput()
         if (self.iter + 1) % self.every_n_train_steps:
             return
-        computed = self._throughput.compute()
         values = {"cpu_mem_gb": psutil.Process().memory_info().rss / _GB}
-        for key in ("samples_per_sec", "batches_per_sec", "flops_per_sec"):
-            if f"device/{key}" in computed:
-                values[key] = float(computed[f"device/{key}"])
+        for key, value in self._throughput.compute().items():  # this rank's: {samples,batches,flops}_per_sec
+            if key.startswith("device/"):
+                values[key.removeprefix("device/")] = float(value)
         device = self.pl_module.device
         if device.type == "cuda":
             values["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated(device) / _GB
@@ -117,7 +110,11 @@ class ResourceStats(HookBase):
             report(f"Resources/{name}", value)
         self.last_report = values
 
-    def _flops_since_update(self) -> int | None:
+    def _update_throughput(self) -> None:
+        """Hand the totals so far to ``Throughput``, with the FLOPs of the batches since its last update."""
         flops_per_batch = getattr(self.pl_module, "flops_per_batch", None)
-        batches, self._batches_updated = self._batches - self._batches_updated, self._batches
-        return None if flops_per_batch is None else flops_per_batch * batches
+        new_batches, self._batches_updated = self._batches - self._batches_updated, self._batches
+        flops = None if flops_per_batch is None else flops_per_batch * new_batches
+        self._throughput.update(
+            time=time.perf_counter(), batches=self._batches, samples=self._samples, flops=flops
+        )
