@@ -156,9 +156,8 @@ class HookBase(Callback):
     @property
     @override
     def state_key(self) -> str:
-        if self._key_index is None:
-            return self._generate_state_key(instance=self._instance_id)
-        return self._generate_state_key(index=self._key_index)
+        key = {"instance": self._instance_id} if self._key_index is None else {"index": self._key_index}
+        return self._generate_state_key(**key)
 
     def __getstate__(self) -> dict[str, Any]:
         # Weak proxies and modules of a finished run do not travel to spawned workers.
@@ -270,9 +269,7 @@ def _iterations_done(trainer: pl.Trainer) -> int:
 
     Reads Lightning's private count through ``lightning_ext._compat.batches_that_stepped``.
     """
-    if getattr(trainer, "fit_loop", None) is None:  # a HookRunner has none
-        return trainer.iter
-    return batches_that_stepped(trainer)
+    return trainer.iter if getattr(trainer, "fit_loop", None) is None else batches_that_stepped(trainer)
 
 
 def _add_note(exc: BaseException, note: str) -> None:
