@@ -40,6 +40,11 @@ T = TypeVar("T")
 _CPU = torch.device("cpu")
 _STAGE_SEPARATOR = "\x1f"  # a staged value is filed under the key ``stage + _STAGE_SEPARATOR + name``
 _MIN_ROWS = 64  # rows of a device's first accumulator block
+_STRIDED = torch.strided
+_UNCOUNTABLE = frozenset(  # dtypes whose elements are no real numbers
+    (torch.complex32, torch.complex64, torch.complex128, torch.qint8, torch.quint8, torch.qint32,
+     torch.quint4x2, torch.quint2x4)
+)  # fmt: skip
 
 
 class _SyncSettings(NamedTuple):
@@ -192,7 +197,7 @@ class _Slab:
 _Used = dict[_Slab, tuple[torch.Tensor, torch.Tensor, list[str], int]]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _State:
     """All process-wide state of ``report()`` and the collectors' registry."""
 
@@ -403,16 +408,16 @@ def _check_name(name: Any) -> None:
 
 def _check_tensor(name: str, value: torch.Tensor) -> None:
     """TypeError naming ``name`` unless the elements of ``value`` can be counted: real numbers in
-    strided storage."""
-    if value.layout is not torch.strided or value.is_meta or value.is_nested or value.is_quantized:
+    strided storage (one dtype lookup and three flags: the cost of report() of a tensor)."""
+    if value.dtype in _UNCOUNTABLE or value.layout is not _STRIDED or value.is_nested or value.is_meta:
+        if value.is_complex():
+            raise TypeError(f"report({name!r}, value): complex tensors are not supported, got {value.dtype}")
         kind = " nested" if value.is_nested else " quantized" if value.is_quantized else ""
         raise TypeError(
             f"report({name!r}, value): value must be a tensor with real strided storage, got a{kind} "
             f"tensor on device {value.device} with layout {value.layout}. HINT: report a dense copy "
             "(`value.to_dense()`, `value.dequantize()`, ...) or a tensor that holds data (not on 'meta')"
         )
-    if value.is_complex():
-        raise TypeError(f"report({name!r}, value): complex tensors are not supported, got {value.dtype}")
 
 
 def _check_value(name: str, value: Any) -> None:
@@ -452,7 +457,7 @@ def _as_tensor(name: str, value: Any) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         _check_tensor(name, value)
         x = value.detach()
-        return x.to(torch.uint8) if x.dtype == torch.bool else x
+        return x.to(torch.uint8) if x.dtype is torch.bool else x
     if _is_number(value):
         return torch.tensor(float(value), dtype=torch.float64)
     return torch.from_numpy(_as_array(name, value))
@@ -476,8 +481,9 @@ def _accumulate(
         accumulator.shift.copy_(x.reshape(-1)[0]).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     # The unchecked calls of the ops: sums, shift and edges are valid by construction, x by _as_tensor.
     slab.backend.run("accumulate_moments_", accumulator.sums, x, accumulator.shift)
-    for sketch in accumulator.sketches:
-        slab.backend.run("accumulate_histogram_", sketch.counts, x, sketch.edges)
+    if accumulator.sketches:
+        for sketch in accumulator.sketches:
+            slab.backend.run("accumulate_histogram_", sketch.counts, x, sketch.edges)
 
 
 def report(name: str, value: T) -> T:
@@ -532,7 +538,7 @@ def report(name: str, value: T) -> T:
             _check_value(name, value)
             return value
         per_device = state.accumulators[name] = {}
-    if _is_number(value):  # no tensor built
+    if type(value) is float or _is_number(value):  # no tensor built
         _accumulate(state, name, per_device, float(value), _CPU)
         return value
     x = _as_tensor(name, value)
