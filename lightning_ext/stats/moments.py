@@ -73,9 +73,6 @@ def merge_moments(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.stack([n, mean, a[..., 2] + b[..., 2] + cross, lo, hi], -1)
 
 
-_merge_moments = merge_moments  # the name lightning_ext.callbacks.precise_bn still imports
-
-
 def _as_shifted(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Moment rows as the shifted sums of the flush ops: ``[n, 0, m2, min, max]`` about each mean.
 

@@ -126,5 +126,5 @@ def test_any_split_merges_to_the_direct_moments(values, cuts, offset) -> None:
     if not values:
         assert merged.tolist() == [0.0, 0.0, 0.0, math.inf, -math.inf]
         return
-    # Exact leaves, at most len(bounds) - 1 merges: only _merge_moments' rounding is measured.
+    # Exact leaves, at most len(bounds) - 1 merges: only merge_moments' rounding is measured.
     assert_moments_close(_stats(merged), x, merges=len(bounds) - 1)
