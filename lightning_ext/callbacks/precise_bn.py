@@ -157,28 +157,27 @@ def _population_mode(model: nn.Module, layers: list[BatchNormBase]) -> Iterator[
 
 def _record(runs: list[_Record], layer: BatchNormBase, args: tuple, output: Any) -> None:
     x = args[0]
-    n = float(x.numel() // x.shape[1]) if x.dim() > 1 else 0.0
+    n = float(x.numel() // x.shape[1])  # (BatchNorm layers take (N, C, *) only)
     runs.append((n, layer.running_mean.double().clone(), layer.running_var.double().clone()))
 
 
 def _write_population_stats(layers: list[BatchNormBase], records: list[list[_Record]]) -> None:
     """Merge each layer's batch statistics, weighted by global element counts, into its running stats
     (Chan, Golub & LeVeque's merge, :func:`lightning_ext.stats.merge_moments`, in float64)."""
-    counts = [torch.tensor([n for n, _, _ in runs], dtype=torch.float64) for runs in records]
+    counts = torch.tensor([[r[0] for r in runs] for runs in records], dtype=torch.float64)  # (layer, batch)
     synchronized: dict[Any, list[int]] = {}  # process group => its layers: one all_reduce of their counts
     for i, layer in enumerate(layers):
         if isinstance(layer, (SyncBatchNorm, nn.SyncBatchNorm)) and is_distributed():
             synchronized.setdefault(layer.process_group, []).append(i)
     for group, indices in synchronized.items():
-        packed = torch.stack([counts[i] for i in indices]).to(collective_device(group))
+        packed = counts[indices].to(collective_device(group))
         all_reduce_(packed, group=group)
-        for i, row in zip(indices, packed.cpu()):
-            counts[i] = row
-    for layer, ns, runs in zip(layers, counts, records):
+        counts[indices] = packed.cpu()
+    for layer, ns, runs in zip(layers, counts.tolist(), records):
         # Moment rows [n, mean, m2, min, max] (extremes unused) of the batches BatchNorm updated on (n > 1).
         rows = [
             F.pad(torch.stack([torch.full_like(mean, n), mean, var * (n - 1)], -1), (0, 2))
-            for n, (_, mean, var) in zip(ns.tolist(), runs)
+            for n, (_, mean, var) in zip(ns, runs)
             if n > 1
         ]
         if rows:
