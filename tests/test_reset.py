@@ -30,26 +30,13 @@ from lightning_ext.kernels import (
     registry,
     unscale,
 )
-from lightning_ext.stats import Collector, init_multiprocessing, report, reporting, sketch
+from lightning_ext.stats import Collector, init_multiprocessing, report, reporting
 
 PACKAGE = Path(lightning_ext.__file__).parent
 
 # (module, name) of the state lightning_ext.reset() empties: test_reset_empties_every_cache checks each.
 CLEARED = {
-    ("lightning_ext.stats.reporting", "_settings"),
-    ("lightning_ext.stats.reporting", "_pending"),
-    ("lightning_ext.stats.reporting", "_slabs"),
-    ("lightning_ext.stats.reporting", "_sinks"),
-    ("lightning_ext.stats.reporting", "_wanted"),
-    ("lightning_ext.stats.reporting", "_backends"),
-    ("lightning_ext.stats.reporting", "_registered"),
-    ("lightning_ext.stats.reporting", "_dirty"),
-    ("lightning_ext.stats.reporting", "_drains"),
-    ("lightning_ext.stats.reporting", "_pruning"),
-    ("lightning_ext.stats.reporting", "_followed"),
-    ("lightning_ext.stats.reporting", "_stage"),
-    ("lightning_ext.stats.reporting", "_sketched"),
-    ("lightning_ext.stats.sketch", "_EDGES"),
+    ("lightning_ext.stats.reporting", "_state"),
     ("lightning_ext.kernels.registry", "_built"),
     ("lightning_ext.kernels.registry", "_cache"),
     ("lightning_ext.kernels.registry", "_entry_points_loaded"),
@@ -158,7 +145,7 @@ def plugin_path(tmp_path):
 def test_reset_empties_every_cache(plugin_path, monkeypatch, caplog, tmp_path) -> None:
     monkeypatch.setenv(BACKEND_ENV_VAR, "reference")  # report() needs no compiled backend here
     # stats: settings, a collector, a pending value of a name it wants
-    reporting.sync_settings()  # resolved from torch.distributed (not initialized: single process)
+    reporting._sync_settings()  # resolved from torch.distributed (not initialized: single process)
     init_multiprocessing(0, None)
     collector = Collector(regex="Loss/.*")
     report("Loss/a", 1.0)
@@ -186,20 +173,7 @@ def test_reset_empties_every_cache(plugin_path, monkeypatch, caplog, tmp_path) -
     all_reduce_module._routes[group] = all_reduce_module._Route(torch.device("cpu"), None)
 
     filled = {
-        "_settings": reporting._settings is not None,
-        "_pending": bool(reporting._pending),
-        "_slabs": bool(reporting._slabs),
-        "_sinks": bool(reporting._sinks),
-        "_wanted": bool(reporting._wanted),
-        "_backends": bool(reporting._backends),
-        "_registered": bool(reporting._registered),
-        "_dirty": reporting._dirty,
-        "_drains": bool(reporting._drains),
-        "_pruning": reporting._pruning,
-        "_followed": reporting._followed is not None,
-        "_stage": reporting._stage is not None,
-        "_sketched": bool(reporting._sketched),
-        "_EDGES": bool(sketch._EDGES),
+        "_state": reporting._state != reporting._State(),
         "_built": bool(registry._built),
         "_cache": bool(registry._cache),
         "_entry_points_loaded": registry._entry_points_loaded,
@@ -216,11 +190,8 @@ def test_reset_empties_every_cache(plugin_path, monkeypatch, caplog, tmp_path) -
 
     lightning_ext.reset()
 
-    assert reporting._settings is None and not reporting._pending and not reporting._sinks
-    assert not reporting._wanted and not reporting._slabs and not reporting._backends
-    assert not reporting._registered and not reporting._dirty and not reporting._drains
-    assert not reporting._pruning and reporting._followed is None and reporting._stage is None
-    assert not reporting._sketched and not sketch._EDGES
+    stats = reporting._state
+    assert stats == reporting._State(), stats  # the one object of report()'s state, replaced
     assert not registry._built and not registry._cache and not registry._fallback_warned
     assert not registry._entry_points_loaded and not registry._from_entry_points
     assert "reset_plugin" not in registry._entries  # read again from the group at the next lookup

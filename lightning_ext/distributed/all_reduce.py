@@ -216,7 +216,7 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool) -> An
     descriptor = _descriptor(tensor, op)
     if route.segment is not None:
         _check_agreement(route.segment.all_reduce_(tensor, op, descriptor), group, "shared memory")
-        if shm.fits(tensor, op):
+        if shm._fits(tensor, op):
             return _Done() if async_op else None
     elif dist.get_world_size(group) > 1:
         _agree(route, descriptor, group)

@@ -75,7 +75,7 @@ class _ShmGroup:
         self._views_cache: dict[tuple[int, torch.dtype, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
     def all_reduce_(self, tensor: torch.Tensor, op: dist.ReduceOp, descriptor: int) -> list[int]:
-        """Publish ``descriptor`` and, when ``fits(tensor, op)``, reduce ``tensor`` (CPU) in place.
+        """Publish ``descriptor`` and, when ``_fits(tensor, op)``, reduce ``tensor`` (CPU) in place.
 
         Returns:
             Every rank's descriptor, index = group rank. The reduction happened only when they are all
@@ -84,7 +84,7 @@ class _ShmGroup:
         Raises:
             RuntimeError: a rank did not join within ``timeout`` seconds, or its process exited.
         """
-        in_slot = fits(tensor, op) and tensor.numel() > 0
+        in_slot = _fits(tensor, op) and tensor.numel() > 0
         flat = tensor.reshape(-1) if in_slot else tensor  # a view if contiguous, else a copy written back
         with self.lock:
             self.seq += 1
@@ -157,7 +157,7 @@ _REDUCE = {  # ReduceOp -> out-of-place op taking out=
 }
 
 
-def fits(tensor: torch.Tensor, op: Any) -> bool:
+def _fits(tensor: torch.Tensor, op: Any) -> bool:
     """Whether a segment reduces ``tensor`` by ``op`` itself: a strided tensor of at most ``_SLOT_BYTES``
     bytes, reduced by SUM, MAX, MIN or PRODUCT (ranks that agree on op, dtype, layout and element count
     agree on this)."""
