@@ -28,7 +28,7 @@ class LogHistogram:
     ``value_range``: ``gamma = (1 + alpha) / (1 - alpha)``, bucket ``k`` holds the magnitudes in
     ``(gamma^(k-1), gamma^k]`` for ``k`` from ``ceil(log_gamma(low))`` to ``ceil(log_gamma(high))``,
     one set per sign, plus a zero bucket and an overflow bucket per sign (the layout of the kernel op
-    :meth:`~lightning_ext.kernels.KernelBackend.accumulate_histogram_`). Two sketches of the same
+    ``accumulate_histogram_``, :mod:`lightning_ext.kernels.histogram`). Two sketches of the same
     parameters merge by adding their counts (float64: exact to ``2**53`` values per bucket), so the
     sketches of every rank ride in one SUM all-reduce.
 
