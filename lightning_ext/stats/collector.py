@@ -241,9 +241,9 @@ class Collector:
        (skipped when every rank saw the same new names), and both all-reduces are redone on aligned
        rows;
     2. *reduce rows*: the kernel backend's ``moments_payload_`` (the maths:
-       ``moments_payload_``, :mod:`lightning_ext.kernels.moments`) writes each name's extremes and
-       rank mean (``-inf`` without local values) for the MAX, and ``[n, m2, n d, n d^2]`` (``d`` the
-       local mean minus the mean published by the previous update) for the SUM, after which come the
+       :mod:`lightning_ext.kernels.moments`) writes each name's extremes and rank mean (``-inf``
+       without local values) for the MAX, and ``[n, m2, n d, n d^2]`` (``d`` the local mean minus
+       the mean published by the previous update) for the SUM, after which come the
        sketches' counts; the two all-reduces run together (async);
     3. *finish*: ``moments_finish_`` publishes the statistics in one pass and says whether a name lost
        precision to cancellation; then the SUM is redone around the largest rank mean (rare).
