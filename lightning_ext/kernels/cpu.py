@@ -18,8 +18,9 @@ hex digits of a SHA-256 of everything that makes a build belong to one environme
 the torch version (``2.13.0+cpu``: it includes the CUDA/CPU variant) and install location (the
 directory of ``torch/__init__.py``, whose headers and libraries the build uses), torch's C++ ABI
 (``torch.compiled_with_cxx11_abi()``), the Python executable's prefix (``sys.prefix``) and extension
-suffix (implementation, version and platform, e.g. ``.cpython-311-x86_64-linux-gnu.so``), the compiler
-flags and the bytes of the source. Each environment keeps its own build directory,
+suffix (implementation, version and platform, e.g. ``.cpython-311-x86_64-linux-gnu.so``), the source's
+location (torch's build file names the source by its path: two checkouts sharing one venv would
+rebuild in turn), the compiler flags and the bytes of the source. Each environment keeps its own build directory,
 ``$TORCH_EXTENSIONS_DIR/lightning_ext_kernels_cpu_<key>``, side by side with the others; a changed
 source gets a new directory (remove old ones freely: they are rebuilt on demand).
 
@@ -100,12 +101,12 @@ def _build_key(environment: tuple[str, ...], source: bytes) -> str:
 
 
 def _environment() -> tuple[str, ...]:
-    """This process's torch version, torch install location, C++ ABI, ``sys.prefix`` and Python
-    extension suffix: what a build belongs to."""
+    """This process's torch version, torch install location, C++ ABI, ``sys.prefix``, Python
+    extension suffix and the source's location: what a build belongs to."""
     python = sysconfig.get_config_var("EXT_SUFFIX") or sys.implementation.cache_tag
     torch_dir = str(Path(torch.__file__).resolve().parent)
     abi = str(int(torch.compiled_with_cxx11_abi()))
-    return torch.__version__, torch_dir, abi, sys.prefix, python
+    return torch.__version__, torch_dir, abi, sys.prefix, python, str(_SOURCE)
 
 
 def _extension_name() -> str:

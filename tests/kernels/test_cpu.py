@@ -77,19 +77,24 @@ def test_the_build_key_separates_environments(changed):
     assert cpu._build_key(_ENVIRONMENT, b"// kernels v2") != key
 
 
-def test_the_extension_name_follows_this_environment(monkeypatch):
+def test_the_extension_name_follows_this_environment(monkeypatch, tmp_path):
     """The name torch builds under is ``lightning_ext_kernels_cpu_<key>`` of this process's torch
-    version, location and ABI, Python prefix and suffix: a valid module name, stable while they are."""
+    version, location and ABI, Python prefix and suffix and the source's location (two checkouts of
+    one source sharing a venv: torch rebuilds when its build file names another source path): a valid
+    module name, stable while they are."""
     name = cpu._extension_name()
     assert name.isidentifier() and re.fullmatch(r"lightning_ext_kernels_cpu_[0-9a-f]{12}", name)
     assert cpu._extension_name() == name
     abi = torch.compiled_with_cxx11_abi()
+    copy = tmp_path / "kernels_cpu.cpp"
+    copy.write_bytes(cpu._SOURCE.read_bytes())
     for target, attr, value in [
         (torch, "__version__", "2.4.1+cu121"),
         (torch, "__file__", "/elsewhere/site-packages/torch/__init__.py"),
         (torch, "compiled_with_cxx11_abi", lambda: not abi),
         (cpu.sys, "prefix", "/another/venv"),
         (cpu.sysconfig, "get_config_var", lambda var: ".cpython-399-x86_64-linux-gnu.so"),
+        (cpu, "_SOURCE", copy),  # the same bytes in another checkout
     ]:
         with monkeypatch.context() as m:
             m.setattr(target, attr, value)
