@@ -72,6 +72,7 @@ def test_fid_gate_exits_non_zero(tmp_path):
     assert "--max-fid-ratio" in result.stdout
 
 
+@pytest.mark.slow  # trains the FID's classifier to its accuracy
 def test_feature_extractor_classifies_the_digits():
     images, labels = load_gan_digits()
     assert images.shape == (1797, 1, 8, 8) and images.min() == -1 and images.max() == 1
