@@ -20,9 +20,9 @@ directory of ``torch/__init__.py``, whose headers and libraries the build uses),
 (``torch.compiled_with_cxx11_abi()``), the Python executable's prefix (``sys.prefix``) and extension
 suffix (implementation, version and platform, e.g. ``.cpython-311-x86_64-linux-gnu.so``), the source's
 location (torch's build file names the source by its path: two checkouts sharing one venv would
-rebuild in turn), the compiler flags and the bytes of the source. Each environment keeps its own build directory,
-``$TORCH_EXTENSIONS_DIR/lightning_ext_kernels_cpu_<key>``, side by side with the others; a changed
-source gets a new directory (remove old ones freely: they are rebuilt on demand).
+rebuild in turn), the compiler flags and the bytes of the source. Each environment keeps its own
+build directory, ``$TORCH_EXTENSIONS_DIR/lightning_ext_kernels_cpu_<key>``, side by side with the
+others; a changed source gets a new directory (remove old ones freely: they are rebuilt on demand).
 
 A build that cannot run or fails raises ONE short line with the cause (no compiler on ``PATH``: torch
 is not even asked; else the compiler's first error line); the compiler's whole output goes to this
