@@ -1,5 +1,5 @@
 """The ``triton`` backend, the optional Triton import the op family modules share, and the
-multiprocessor count launches size by.
+multiprocessor count and grid-stride grid launches size by.
 
 Kernels are plain ``@triton.jit`` functions. On CPU tensors they run in Triton's interpreter, which
 ``TRITON_INTERPRET=1`` selects when it is set before ``import triton``.
@@ -21,7 +21,7 @@ except ImportError:  # pragma: no cover - exercised only without triton
     triton = None
     tl = None
 
-__all__ = ["HAS_TRITON", "TritonBackend", "sm_count", "tl", "triton"]
+__all__ = ["HAS_TRITON", "TritonBackend", "grid_stride", "sm_count", "tl", "triton"]
 
 HAS_TRITON = triton is not None  # whether `import triton` works in this environment
 _SM_COUNT: dict[int, int] = {}  # CUDA device index -> multiprocessors
@@ -33,6 +33,16 @@ def sm_count(device: Any) -> int:
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]
+
+
+def grid_stride(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """``(x', BLOCK, blocks, programs)`` of one grid-stride launch over the elements of ``x``: ``x'``
+    flat and contiguous (a copy where ``x`` is strided), at most 4 programs per multiprocessor; in
+    Triton's interpreter (CPU tensors) 3 programs of large blocks."""
+    x = x.reshape(-1).contiguous()  # the kernels read stride 1; reshape may give a strided view
+    block = 4096 if x.is_cpu else 1024
+    blocks = triton.cdiv(x.numel(), block)
+    return x, block, blocks, min(blocks, 3 if x.is_cpu else 4 * sm_count(x.device))
 
 
 def _interpreting() -> bool:

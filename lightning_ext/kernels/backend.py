@@ -4,9 +4,9 @@ which runs every op on the devices it serves.
 An op is defined once, by :func:`define_op` in its op family module (``batch_norm``, ``moments``,
 ``histogram``, ``unscale``): its ``torch.library`` schema, its fake (the outputs' shapes, dtypes and
 strides for ``torch.compile``), its reference implementation in pure torch (whose docstring is the
-op's contract), its argument check, and the implementations of other backends by backend name. Every
-caller runs it one way, ``backend.run("<op>", *args)``. No op is differentiable and no op
-synchronizes host and device.
+op's contract), the implementations of other backends by backend name and, for an op a user can
+reach with arguments of their own, its argument check. Every caller runs it one way,
+``backend.run("<op>", *args)``. No op is differentiable and no op synchronizes host and device.
 
 Tensors of the batch-norm ops: ``x``/``dy`` of shape ``(N, C, *)`` in any memory format, per-channel
 vectors ``(C,)`` on ``x``'s device; element arithmetic is float32 (float64 for float64 input), sums
@@ -16,7 +16,7 @@ over many elements are accumulated in float64 or in float32 blocks added in floa
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -25,7 +25,6 @@ from torch import Tensor
 
 __all__ = ["OPS", "KernelBackend", "KernelOp", "ReferenceBackend", "define_op"]
 
-_X_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # allowed dtypes of x / dy
 OPS: dict[str, KernelOp] = {}  # op name -> its registration (by define_op; kept, as torch's custom ops)
 _LIVE: dict[str, KernelBackend] = {}  # backend name -> live instance: how the custom ops find theirs
 
@@ -38,12 +37,13 @@ class KernelOp:
         name: the op's name, e.g. ``"batch_norm_moments"`` (``torch.ops.lightning_ext.<name>``).
         impls: implementation by backend name; ``"reference"`` always present.
         check: raises ``TypeError``/``ValueError`` naming the argument, the value and what is allowed
-            for arguments the op does not take (``backend.run(..., check=True)``).
+            for arguments the op does not take (``backend.run(..., check=True)``); ``None`` for an op
+            only this package's modules call, with arguments valid by construction.
     """
 
     name: str
     impls: dict[str, Callable[..., Any]]
-    check: Callable[..., None] = field(repr=False)
+    check: Callable[..., None] | None = field(default=None, repr=False)
 
 
 def define_op(
@@ -51,7 +51,7 @@ def define_op(
     reference: Callable[..., Any],
     *,
     fake: Callable[..., Any],
-    check: Callable[..., None],
+    check: Callable[..., None] | None = None,
     clone: bool = False,
     **impls: Callable[..., Any],
 ) -> KernelOp:
@@ -62,7 +62,7 @@ def define_op(
             an alias annotation, e.g. ``Tensor(a0!) acc`` (they become the op's ``mutates_args``).
         reference: the pure-torch implementation, any device: the definition of correctness.
         fake: the fake implementation (the op's arguments; outputs with the real ones' metadata).
-        check: the argument check (see :class:`KernelOp`).
+        check: the argument check, where a user can call the op (see :class:`KernelOp`).
         clone: the custom op returns copies (a kernel's outputs may alias each other or its state).
         impls: the implementation of other backends by backend name, e.g. ``triton=...``.
 
@@ -85,7 +85,7 @@ def define_op(
 
             where = next(a for a in args if isinstance(a, Tensor | torch.device))
             backend = get_backend(key, where if isinstance(where, torch.device) else where.device)
-        out = backend._kernels[name](*args)
+        out = backend._kernel(name)(*args)
         if clone:
             return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
         return out
@@ -116,7 +116,7 @@ class KernelBackend:
     supports_compile: ClassVar[bool] = True
 
     def __init__(self) -> None:
-        self._kernels = _Kernels(self)
+        self._kernels: dict[str, Callable[..., Any]] = {}  # op -> kernel(op), looked up on first use
         _LIVE[self.name] = self
 
     def kernel(self, op: str) -> Callable[..., Any]:
@@ -125,6 +125,12 @@ class KernelBackend:
         impls = OPS[op].impls
         name = next((c.name for c in type(self).__mro__ if getattr(c, "name", None) in impls), "reference")
         return impls[name]
+
+    def _kernel(self, op: str) -> Callable[..., Any]:
+        """:meth:`kernel`, looked up once per op (also for an op defined after this backend)."""
+        if op not in self._kernels:
+            self._kernels[op] = self.kernel(op)
+        return self._kernels[op]
 
     def supports(self, device_type: str) -> bool:
         """Whether this backend can run on tensors of ``device_type`` (e.g. ``"cuda"``)."""
@@ -138,30 +144,20 @@ class KernelBackend:
         implementation documents them (:mod:`lightning_ext.kernels.ops` lists the ops).
 
         Arguments are taken as valid (callers whose arguments are valid by construction pay nothing);
-        ``check=True`` checks them first. Eager calls run the backend's kernel; under ``torch.compile``
-        the op's custom op ``torch.ops.lightning_ext.<op>`` (one graph node).
+        ``check=True`` checks them first where the op has a check (``batch_norm_moments``, which
+        :func:`~lightning_ext.nn.sync_batch_norm_stats` calls with a user's tensors). Eager calls run
+        the backend's kernel; under ``torch.compile`` the op's custom op
+        ``torch.ops.lightning_ext.<op>`` (one graph node).
 
         Raises:
             TypeError, ValueError: with ``check=True``, an argument the op does not take (the message
                 names it, the value received and what is allowed).
         """
-        if check:
+        if check and OPS[op].check is not None:
             OPS[op].check(*args)
         if torch.compiler.is_compiling():
             return getattr(torch.ops.lightning_ext, op)(*args, self.name)
-        return self._kernels[op](*args)
-
-
-class _Kernels(dict):
-    """A backend's kernels by op name, each looked up on first use (also for ops defined later)."""
-
-    def __init__(self, backend: KernelBackend) -> None:
-        super().__init__()
-        self.backend = backend
-
-    def __missing__(self, op: str) -> Callable[..., Any]:
-        self[op] = self.backend.kernel(op)
-        return self[op]
+        return self._kernel(op)(*args)
 
 
 class ReferenceBackend(KernelBackend):
@@ -180,67 +176,3 @@ class ReferenceBackend(KernelBackend):
 
     def supports(self, device_type: str) -> bool:
         return True
-
-
-# ---------------------------------------------------------------------------- argument checks
-
-
-def _stat_dtype(x: Tensor) -> torch.dtype:
-    """Dtype of per-channel sums for input ``x``: float64 for float64 input, else float32."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _got(t: object) -> object:
-    """What an error message reports for a tensor argument: its dtype, else its type's name."""
-    return t.dtype if isinstance(t, Tensor) else type(t).__name__
-
-
-def _check_x(x: object, arg: str = "x", like: Tensor | None = None) -> None:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"`{arg}` must be a torch.Tensor of shape (N, C, *), got {type(x).__name__}")
-    if x.dim() < 2:
-        raise ValueError(f"`{arg}` must have shape (N, C, *) with at least 2 dims, got {tuple(x.shape)!r}")
-    if x.dtype not in _X_DTYPES:
-        raise TypeError(f"`{arg}` must be float16, bfloat16, float32 or float64, got dtype {x.dtype!r}")
-    if like is not None and (x.shape != like.shape or x.device != like.device):
-        raise ValueError(
-            f"`{arg}` must have the shape and device of `x` {tuple(like.shape)!r} on {like.device}, "
-            f"got {tuple(x.shape)!r} on {x.device}"
-        )
-
-
-def _check_vector(t: object, arg: str, size: int, device: torch.device, optional: bool = False) -> None:
-    if t is None and optional:
-        return
-    if not isinstance(t, Tensor) or t.dtype not in (torch.float32, torch.float64):
-        allowed = " or None" if optional else ""
-        raise TypeError(
-            f"`{arg}` must be a float32/float64 tensor of shape ({size},){allowed}, got {_got(t)!r}"
-        )
-    if tuple(t.shape) != (size,) or t.device != device:
-        raise ValueError(
-            f"`{arg}` must have shape ({size},) on {device}, got {tuple(t.shape)!r} on {t.device}"
-        )
-
-
-def _check_float64(t: object, arg: str, shape: tuple[int, ...], device: torch.device) -> None:
-    if not isinstance(t, Tensor) or t.dtype != torch.float64:
-        raise TypeError(f"`{arg}` must be a float64 tensor of shape {shape}, got {_got(t)!r}")
-    if tuple(t.shape) != shape or t.device != device or not t.is_contiguous():
-        raise ValueError(
-            f"`{arg}` must be a contiguous tensor of shape {shape} on {device}, "
-            f"got shape {tuple(t.shape)} on {t.device}"
-        )
-
-
-def _check_real(x: object) -> None:
-    if not isinstance(x, Tensor) or x.dtype == torch.bool or x.is_complex():
-        raise TypeError(f"`x` must be a real (float or integer) tensor, got {_got(x)!r}")
-
-
-def _check_float_tensors(tensors: object) -> None:
-    if isinstance(tensors, Tensor) or not isinstance(tensors, Sequence):
-        raise TypeError(f"`tensors` must be a list of tensors, got {type(tensors).__name__}")
-    for i, t in enumerate(tensors):
-        if not isinstance(t, Tensor) or not t.is_floating_point():
-            raise TypeError(f"`tensors[{i}]` must be a floating point tensor, got {_got(t)!r}")

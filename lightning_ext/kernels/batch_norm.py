@@ -12,9 +12,14 @@ import torch
 from torch import Tensor
 
 from lightning_ext.kernels._triton import HAS_TRITON, sm_count, tl, triton
-from lightning_ext.kernels.backend import _check_vector, _check_x, _stat_dtype, define_op
+from lightning_ext.kernels.backend import define_op
 
 __all__: list[str] = []  # an op family: its ops are registered below (lightning_ext.kernels.ops)
+
+
+def _stat_dtype(x: Tensor) -> torch.dtype:
+    """Dtype of per-channel sums for input ``x``: float64 for float64 input, else float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _memory_format(x: Tensor) -> torch.memory_format:
@@ -413,21 +418,22 @@ def _batch_norm_backward_reduce_triton(dy: Tensor, x: Tensor, mean: Tensor) -> T
     return _channel_sums(dy, x, mean, out, None) if x.numel() else out
 
 
-def _affine(u: Tensor, v: Tensor, vectors: list[Tensor | None], backward: bool) -> Tensor:
+def _affine(
+    u: Tensor, v: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None = None,
+    sums: Tensor | None = None, count: Tensor | None = None,
+) -> Tensor:  # fmt: skip
     """Launch the elementwise kernel: ``out`` in ``v``'s (``x``'s) memory format from ``u`` and ``v``;
-    ``vectors``: mean, invstd, weight, bias, sums, count (absent ones None)."""
+    the backward when ``sums`` and ``count`` are given."""
     if v.numel() == 0:
         return torch.empty_like(v)
     out = torch.empty_like(_ncs(v)[0])
     (u, v, out), n, c, s, strides = _geometry(u, v, out)
     block_s, block_c = _tiles(c, s, strides[1] == 1, _TILE)
     grid = (triton.cdiv(s, block_s), triton.cdiv(c, block_c), min(n, 65535))
-    mean, invstd, weight, bias, sums, count = (t.contiguous() if t is not None else None for t in vectors)
+    vectors = [mean if t is None else t.contiguous() for t in (mean, invstd, weight, bias, sums, count)]
     _bn_affine_kernel[grid](
-        u, v, out, mean, invstd, weight if weight is not None else mean, bias if bias is not None else mean,
-        sums if sums is not None else mean, count if count is not None else mean,
-        n, c, s, *strides,
-        ACC=_acc(out), BACKWARD=backward, HAS_W=weight is not None, HAS_B=bias is not None,
+        u, v, out, *vectors, n, c, s, *strides,
+        ACC=_acc(out), BACKWARD=sums is not None, HAS_W=weight is not None, HAS_B=bias is not None,
         BLOCK_S=block_s, BLOCK_C=block_c, **_opts(out, False),
     )  # fmt: skip
     return out
@@ -437,64 +443,36 @@ def _batch_norm_elemt_triton(
     x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None
 ) -> Tensor:
     """One elementwise kernel writing ``y`` in ``x``'s memory format."""
-    return _affine(x, x, [mean, invstd, weight, bias, None, None], False)
+    return _affine(x, x, mean, invstd, weight, bias)
 
 
 def _batch_norm_backward_elemt_triton(
     dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, sums: Tensor, count: Tensor
 ) -> Tensor:
     """One elementwise kernel reading ``dy`` and ``x``, writing ``dx`` in ``x``'s memory format."""
-    return _affine(dy, x, [mean, invstd, weight, None, sums, count], True)
+    return _affine(dy, x, mean, invstd, weight, None, sums, count)
 
 
-# ---------------------------------------------------------------------------- argument checks
-
-
-def _check_vectors(x: Tensor, c: int, **vectors: Tensor | None) -> None:
-    """``(C,)`` float32/float64 vectors on ``x``'s device; ``weight``/``bias`` may be None."""
-    for arg, t in vectors.items():
-        _check_vector(t, arg, c, x.device, optional=arg in ("weight", "bias"))
+# ---------------------------------------------------------------------------- argument check
 
 
 def _check_moments(x: Tensor, shift: Tensor) -> None:
-    _check_x(x)
-    _check_vectors(x, x.shape[1], shift=shift)
-
-
-def _check_gather_stats(payload: Tensor, shift: Tensor, running_mean: Tensor | None,
-                        running_var: Tensor | None, momentum: Tensor, eps: float) -> None:  # fmt: skip
-    if not isinstance(shift, Tensor) or shift.dim() != 1:
-        raise TypeError(f"`shift` must be a float64 tensor of shape (C,), got {shift!r:.60}")
-    c = shift.shape[0]
-    _check_vector(shift, "shift", c, shift.device)
-    _check_vector(payload, "payload", 2 * c + 1, shift.device)
-    if (running_mean is None) != (running_var is None):
-        raise ValueError("`running_mean` and `running_var` must both be tensors or both be None")
-    if not isinstance(momentum, Tensor) or momentum.dim() != 0:
-        raise TypeError(f"`momentum` must be a 0-dim tensor, got {momentum!r}")
-    for arg, t in (("running_mean", running_mean), ("running_var", running_var)):
-        if t is not None and (not isinstance(t, Tensor) or not t.is_floating_point() or t.shape != (c,)):
-            raise TypeError(f"`{arg}` must be a floating point tensor of shape ({c},) or None, got {t!r:.60}")
-
-
-def _check_elemt(x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None) -> None:
-    _check_x(x)
-    _check_vectors(x, x.shape[1], mean=mean, invstd=invstd, weight=weight, bias=bias)
-
-
-def _check_backward_reduce(dy: Tensor, x: Tensor, mean: Tensor) -> None:
-    _check_x(x)
-    _check_x(dy, "dy", like=x)
-    _check_vectors(x, x.shape[1], mean=mean)
-
-
-def _check_backward_elemt(dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None,
-                          sums: Tensor, count: Tensor) -> None:  # fmt: skip
-    _check_backward_reduce(dy, x, mean)
-    _check_vectors(x, x.shape[1], invstd=invstd, weight=weight)
-    _check_vector(sums, "sums", 2 * x.shape[1], x.device)
-    if not isinstance(count, Tensor) or count.dim() != 0 or count.device != x.device:
-        raise ValueError(f"`count` must be a 0-dim tensor on {x.device}, got {count!r}")
+    """The arguments of ``batch_norm_moments``, the op a user reaches with tensors of their own
+    (:func:`~lightning_ext.nn.sync_batch_norm_stats`); the other ops take the module's own."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"`x` must be a torch.Tensor of shape (N, C, *), got {type(x).__name__}")
+    if x.dim() < 2:
+        raise ValueError(f"`x` must have shape (N, C, *) with at least 2 dims, got {tuple(x.shape)!r}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"`x` must be float16, bfloat16, float32 or float64, got dtype {x.dtype!r}")
+    c = x.shape[1]
+    if not isinstance(shift, Tensor) or shift.dtype not in (torch.float32, torch.float64):
+        got = shift.dtype if isinstance(shift, Tensor) else type(shift).__name__
+        raise TypeError(f"`shift` must be a float32/float64 tensor of shape ({c},), got {got!r}")
+    if tuple(shift.shape) != (c,) or shift.device != x.device:
+        raise ValueError(
+            f"`shift` must have shape ({c},) on {x.device}, got {tuple(shift.shape)!r} on {shift.device}"
+        )
 
 
 # ---------------------------------------------------------------------------- the ops
@@ -511,21 +489,18 @@ batch_norm_gather_stats = define_op(
     "Tensor(a3!)? running_var, Tensor momentum, float eps) -> (Tensor, Tensor)",
     _batch_norm_gather_stats_reference,
     fake=lambda payload, shift, *_: (torch.empty_like(shift), torch.empty_like(shift)),
-    check=_check_gather_stats,
     clone=True,
 )
 batch_norm_elemt = define_op(
     "batch_norm_elemt(Tensor x, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias) -> Tensor",
     _batch_norm_elemt_reference,
     fake=lambda x, *_: torch.empty_like(x),
-    check=_check_elemt,
     triton=_batch_norm_elemt_triton,
 )
 batch_norm_backward_reduce = define_op(
     "batch_norm_backward_reduce(Tensor dy, Tensor x, Tensor mean) -> Tensor",
     _batch_norm_backward_reduce_reference,
     fake=lambda dy, x, mean: x.new_empty((2 * x.shape[1],), dtype=_stat_dtype(x)),
-    check=_check_backward_reduce,
     triton=_batch_norm_backward_reduce_triton,
 )
 batch_norm_backward_elemt = define_op(
@@ -533,6 +508,5 @@ batch_norm_backward_elemt = define_op(
     "Tensor sums, Tensor count) -> Tensor",
     _batch_norm_backward_elemt_reference,
     fake=lambda dy, x, *_: torch.empty_like(x),
-    check=_check_backward_elemt,
     triton=_batch_norm_backward_elemt_triton,
 )

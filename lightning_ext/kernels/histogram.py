@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_ext.kernels._triton import HAS_TRITON, sm_count, tl, triton
-from lightning_ext.kernels.backend import _check_float64, _check_real, _got, define_op
+from lightning_ext.kernels._triton import HAS_TRITON, grid_stride, tl, triton
+from lightning_ext.kernels.backend import define_op
 
 __all__: list[str] = []  # an op family: its op is registered below (lightning_ext.kernels.ops)
 
@@ -101,29 +101,15 @@ def _accumulate_histogram_triton(hist: Tensor, x: Tensor, edges: Tensor) -> None
     float64 atomic add per value."""
     if not x.numel():
         return
-    x = x.reshape(-1).contiguous()  # the kernel reads stride 1; reshape may give a strided view
+    x, block, blocks, programs = grid_stride(x)
     m = edges.numel() - 1
-    block = 4096 if x.is_cpu else 1024  # Triton's interpreter (CPU tensors): few, large programs
-    blocks = triton.cdiv(x.numel(), block)
-    programs = min(blocks, 3 if x.is_cpu else 4 * sm_count(x.device))
     steps = (m + 2).bit_length()
     _histogram_kernel[(programs,)](x, hist, edges, x.numel(), blocks, m, STEPS=steps, BLOCK=block)
-
-
-def _check_histogram(hist: Tensor, x: Tensor, edges: Tensor) -> None:
-    _check_real(x)
-    if not isinstance(edges, Tensor) or edges.dtype != torch.float64:
-        raise TypeError(f"`edges` must be a float64 tensor of shape (m + 1,), got {_got(edges)!r}")
-    if edges.dim() != 1 or not edges.numel():
-        raise ValueError(f"`edges` must have shape (m + 1,), m >= 0, got {tuple(edges.shape)!r}")
-    _check_float64(edges, "edges", (edges.numel(),), x.device)
-    _check_float64(hist, "hist", (2 * edges.numel() + 1,), x.device)
 
 
 accumulate_histogram_ = define_op(
     "accumulate_histogram_(Tensor(a0!) hist, Tensor x, Tensor edges) -> ()",
     _accumulate_histogram_reference,
     fake=lambda *_: None,
-    check=_check_histogram,
     triton=_accumulate_histogram_triton,
 )

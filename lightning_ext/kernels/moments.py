@@ -14,8 +14,8 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_ext.kernels._triton import HAS_TRITON, sm_count, tl, triton
-from lightning_ext.kernels.backend import _check_float64, _check_real, _got, define_op
+from lightning_ext.kernels._triton import HAS_TRITON, grid_stride, tl, triton
+from lightning_ext.kernels.backend import define_op
 
 __all__: list[str] = []  # an op family: its ops are registered below (lightning_ext.kernels.ops)
 
@@ -283,61 +283,9 @@ def _accumulate_moments_triton(acc: Tensor, x: Tensor, shift: Tensor) -> None:
     """
     if not x.numel():
         return
-    x = x.reshape(-1).contiguous()  # the kernel reads stride 1; reshape may give a strided view
-    block = 4096 if x.is_cpu else 1024  # Triton's interpreter (CPU tensors): few, large programs
-    blocks = triton.cdiv(x.numel(), block)
-    programs = min(blocks, 3 if x.is_cpu else 4 * sm_count(x.device))
+    x, block, blocks, programs = grid_stride(x)
     _moments_kernel[(programs,)](x, acc, shift, x.numel(), blocks, BLOCK=block)
     acc[3:].masked_fill_(torch.isnan(acc[2]), float("nan"))
-
-
-# ---------------------------------------------------------------------------- argument checks
-
-
-def _check_accumulate(acc: Tensor, x: Tensor, shift: Tensor) -> None:
-    if not isinstance(acc, Tensor) or acc.dtype != torch.float64:
-        raise TypeError(f"`acc` must be a float64 tensor of shape (5,), got {_got(acc)!r}")
-    if tuple(acc.shape) != (5,):
-        raise ValueError(f"`acc` must have shape (5,), got shape {tuple(acc.shape)!r}")
-    _check_real(x)
-    if not isinstance(shift, Tensor) or shift.dtype != torch.float64:
-        raise TypeError(f"`shift` must be a float64 0-dim tensor, got {_got(shift)!r}")
-    if shift.dim() != 0:
-        raise ValueError(f"`shift` must be 0-dim, got shape {tuple(shift.shape)!r}")
-    if acc.device != x.device or shift.device != x.device:
-        raise ValueError(f"`acc` ({acc.device}) and `shift` ({shift.device}) must be on {x.device}")
-
-
-def _check_rows(t: object, width: int, arg: str) -> int:
-    """The ``R`` of a float64 ``(R, width)`` contiguous tensor ``t``, else the error naming ``arg``."""
-    if not isinstance(t, Tensor) or t.dim() != 2:
-        raise ValueError(f"`{arg}` must be a float64 tensor of shape (R, {width}), got {_got(t)!r}")
-    _check_float64(t, arg, (t.shape[0], width), t.device)
-    return t.shape[0]
-
-
-def _check_payload(max_payload: Tensor, sum_payload: Tensor, sums: Tensor, shifts: Tensor, center: Tensor,
-                   fingerprint: float) -> None:  # fmt: skip
-    r = _check_rows(sums, 5, "sums")
-    for t, arg, shape in (
-        (max_payload, "max_payload", (2 + 4 * r,)), (sum_payload, "sum_payload", (r, 4)),
-        (shifts, "shifts", (r,)), (center, "center", (r,)),
-    ):  # fmt: skip
-        _check_float64(t, arg, shape, sums.device)
-    if not isinstance(fingerprint, int | float) or isinstance(fingerprint, bool):
-        raise TypeError(f"`fingerprint` must be a float, got {fingerprint!r}")
-
-
-def _check_finish(published: Tensor, next_shift: Tensor, max_payload: Tensor, sum_payload: Tensor,
-                  center: Tensor, keep_previous: bool) -> None:  # fmt: skip
-    r = _check_rows(published, 5, "published")
-    for t, arg, shape in (
-        (next_shift, "next_shift", (r,)), (max_payload, "max_payload", (2 + 4 * r,)),
-        (sum_payload, "sum_payload", (r, 4)), (center, "center", (r,)),
-    ):  # fmt: skip
-        _check_float64(t, arg, shape, published.device)
-    if not isinstance(keep_previous, bool):
-        raise TypeError(f"`keep_previous` must be a bool, got {keep_previous!r}")
 
 
 # ---------------------------------------------------------------------------- the ops
@@ -346,7 +294,6 @@ accumulate_moments_ = define_op(
     "accumulate_moments_(Tensor(a0!) acc, Tensor x, Tensor shift) -> ()",
     _accumulate_moments_reference,
     fake=lambda *_: None,
-    check=_check_accumulate,
     triton=_accumulate_moments_triton,
 )
 moments_payload_ = define_op(
@@ -354,13 +301,11 @@ moments_payload_ = define_op(
     "Tensor center, float fingerprint) -> ()",
     _moments_payload_reference,
     fake=lambda *_: None,
-    check=_check_payload,
 )
 moments_finish_ = define_op(
     "moments_finish_(Tensor(a0!) published, Tensor(a1!) next_shift, Tensor max_payload, "
     "Tensor sum_payload, Tensor center, bool keep_previous) -> Tensor",
     _moments_finish_reference,
     fake=lambda published, *_: published.new_empty((), dtype=torch.bool),
-    check=_check_finish,
     clone=True,
 )

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from lightning_ext.kernels._triton import HAS_TRITON, tl, triton
-from lightning_ext.kernels.backend import _check_float_tensors, _got, define_op
+from lightning_ext.kernels.backend import define_op
 
 __all__: list[str] = []  # an op family: its ops are registered below (lightning_ext.kernels.ops)
 
@@ -211,35 +211,12 @@ def _check_finite_triton(tensors: list[Tensor], device: torch.device) -> Tensor:
     return _multi_tensor_pass(tensors, None, device)
 
 
-# ---------------------------------------------------------------------------- argument checks
-
-
-def _check_unscale(tensors: list[Tensor], inv_scale: Tensor) -> None:
-    _check_float_tensors(tensors)
-    if not isinstance(inv_scale, Tensor) or inv_scale.dtype != torch.float32:
-        raise TypeError(f"`inv_scale` must be a float32 tensor, got {_got(inv_scale)!r}")
-    if inv_scale.numel() != 1:
-        raise ValueError(f"`inv_scale` must have one element, got shape {tuple(inv_scale.shape)!r}")
-    devices = {t.device for t in tensors} - {inv_scale.device}
-    if devices:
-        raise ValueError(f"`tensors` must be on the device of `inv_scale` ({inv_scale.device}): {devices}")
-
-
-def _check_check_finite(tensors: list[Tensor], device: torch.device) -> None:
-    _check_float_tensors(tensors)
-    if not isinstance(device, torch.device):
-        raise TypeError(f"`device` must be a torch.device, got {device!r}")
-    if any(t.device != device for t in tensors):
-        raise ValueError(f"`tensors` must all be on `device` {device}")
-
-
 # ---------------------------------------------------------------------------- the ops
 
 unscale_and_check_ = define_op(
     "unscale_and_check_(Tensor(a0!)[] tensors, Tensor inv_scale) -> Tensor",
     _unscale_and_check_reference,
     fake=lambda tensors, inv_scale: inv_scale.new_empty((), dtype=torch.float32),
-    check=_check_unscale,
     clone=True,
     triton=_unscale_and_check_triton,
 )
@@ -247,7 +224,6 @@ check_finite = define_op(
     "check_finite(Tensor[] tensors, Device device) -> Tensor",
     _check_finite_reference,
     fake=lambda tensors, device: torch.empty((), dtype=torch.float32, device=device),
-    check=_check_check_finite,
     clone=True,
     triton=_check_finite_triton,
 )

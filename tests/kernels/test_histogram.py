@@ -175,35 +175,6 @@ def test_strided_view(backend, reference):
     _check(backend, reference, v.reshape(100, 30)[:, 1::3], EDGES["geometric"])
 
 
-def test_argument_checks(backend):
-    device = backend_device(backend)
-    f64 = {"dtype": torch.float64, "device": device}
-    edges, x, hist = torch.tensor([0.5, 1.0], **f64), torch.ones(3, device=device), torch.zeros(5, **f64)
-    real = r"`x` must be a real \(float or integer\) tensor, got "
-    edges_type = r"`edges` must be a float64 tensor of shape \(m \+ 1,\), got "
-    edges_shape = r"`edges` must have shape \(m \+ 1,\), m >= 0, got "
-    cases = [
-        (ValueError, r"`hist` must be a contiguous tensor of shape \(5,\) on .*, got shape \(4,\)",
-         (torch.zeros(4, **f64), x, edges)),
-        (ValueError, r"`hist` must be a contiguous tensor of shape \(5,\)",
-         (torch.zeros(10, **f64)[::2], x, edges)),
-        (TypeError, r"`hist` must be a float64 tensor of shape \(5,\), got torch.float32",
-         (torch.zeros(5, device=device), x, edges)),
-        (TypeError, edges_type + "torch.float32", (hist, x, edges.float())),
-        (TypeError, edges_type + "'list'", (hist, x, [0.5, 1.0])),
-        (ValueError, edges_shape + r"\(1, 2\)", (hist, x, edges.reshape(1, 2))),
-        (ValueError, edges_shape + r"\(0,\)", (hist, x, torch.zeros(0, **f64))),
-        (ValueError, r"`edges` must be a contiguous tensor of shape \(2,\)",
-         (hist, x, torch.tensor([0.5, 0.0, 1.0, 0.0], **f64)[::2])),
-        (TypeError, real + "torch.bool", (hist, x.bool(), edges)),
-        (TypeError, real + "torch.complex64", (hist, x.to(torch.complex64), edges)),
-    ]  # fmt: skip
-    for error, match, args in cases:
-        with pytest.raises(error, match=match):
-            backend.run("accumulate_histogram_", *args, check=True)
-    assert hist.abs().sum().item() == 0.0  # nothing counted by a rejected call
-
-
 @pytest.mark.parametrize("name", ["reference", "cpu"])
 def test_compile_fullgraph_calls_custom_op(name):
     """The op traces as one custom-op node (no graph break, no decomposition) and mutates the caller's

@@ -149,7 +149,7 @@ def test_every_backend_publishes_finite_moments_of_any_finite_values(backend, re
         assert abs(got[2].item() - ref[2].item()) <= 2 * std_tol, where
 
 
-def test_accumulate_moments_keeps_previous_extremes_and_checks(backend):
+def test_accumulate_moments_keeps_previous_extremes(backend):
     device = backend_device(backend)
     f64 = lambda *v: torch.tensor(v, dtype=torch.float64, device=device)
     z = f64(0.0).reshape(())
@@ -160,23 +160,6 @@ def test_accumulate_moments_keeps_previous_extremes_and_checks(backend):
     assert acc.tolist() == [4.0, 8.0, 30.0, -50.0, 50.0]
     backend.run("accumulate_moments_", acc, torch.tensor([float("nan")], device=device), z)
     assert acc[0].item() == 5.0 and math.isnan(acc[1].item()) and math.isnan(acc[2].item())
-    z = torch.tensor(0.0, dtype=torch.float64)
-    with pytest.raises(TypeError, match=r"`acc` must be a float64 tensor of shape \(5,\), got torch.float32"):
-        backend.run("accumulate_moments_", torch.zeros(5), torch.ones(2), z, check=True)
-    with pytest.raises(TypeError, match=r"`acc` must be a float64 tensor of shape \(5,\), got 'list'"):
-        backend.run("accumulate_moments_", [0.0] * 5, torch.ones(2), z, check=True)
-    with pytest.raises(ValueError, match=r"`acc` must have shape \(5,\), got shape \(3,\)"):
-        backend.run("accumulate_moments_", torch.zeros(3, dtype=torch.float64), torch.ones(2), z, check=True)
-    with pytest.raises(TypeError, match=r"`x` must be a real \(float or integer\) tensor, got torch.bool"):
-        backend.run("accumulate_moments_", _fresh(), torch.ones(2, dtype=torch.bool), z, check=True)
-    with pytest.raises(TypeError, match=r"`shift` must be a float64 0-dim tensor, got torch.float32"):
-        backend.run("accumulate_moments_", _fresh(), torch.ones(2), torch.tensor(0.0), check=True)
-    with pytest.raises(ValueError, match=r"`shift` must be 0-dim, got shape \(1,\)"):
-        backend.run(
-            "accumulate_moments_", _fresh(), torch.ones(2), torch.zeros(1, dtype=torch.float64), check=True
-        )
-    with pytest.raises(ValueError, match=r"`acc` \(meta\) and `shift` \(cpu\) must be on cpu"):
-        backend.run("accumulate_moments_", _fresh().to("meta"), torch.ones(2), z, check=True)
 
 
 # ---------------------------------------------------------------------------- the flush ops
@@ -253,28 +236,3 @@ def test_flush_ops_give_the_moments_of_one_rank(backend):
     torch.testing.assert_close(got[2], want, rtol=4 * EPS64, atol=0)
     assert got[2][:, 1].tolist() == mean.tolist() and got[3].tolist() == mean.tolist()
     assert not got[4].item()  # one rank: nothing to reduce again
-
-
-def test_flush_ops_check_their_arguments(backend):
-    device = backend_device(backend)
-    f64 = {"dtype": torch.float64, "device": device}
-    sums, shifts, sum_payload = torch.zeros(3, 5, **f64), torch.zeros(3, **f64), torch.zeros(3, 4, **f64)
-    with pytest.raises(ValueError, match="`max_payload` must be a contiguous tensor of shape \\(14,\\)"):
-        backend.run(
-            "moments_payload_", torch.zeros(13, **f64), sum_payload, sums, shifts, shifts, 1.0, check=True
-        )
-    with pytest.raises(TypeError, match="`sums` must be a float64 tensor"):
-        backend.run(
-            "moments_payload_",
-            torch.zeros(14, **f64),
-            sum_payload,
-            sums.float(),
-            shifts,
-            shifts,
-            1.0,
-            check=True,
-        )
-    with pytest.raises(TypeError, match="`keep_previous` must be a bool"):
-        backend.run(
-            "moments_finish_", sums, shifts, torch.zeros(14, **f64), sum_payload, shifts, 1, check=True
-        )

@@ -71,36 +71,10 @@ def test_unscale_and_check(backend, poison, where):
         assert bool((err <= ulp * truth[finite].abs()).all()), f"tensor {i}: error {err.max()}"
 
 
-def test_unscale_empty_list_and_bad_input(backend):
+def test_unscale_empty_list(backend):
     device = backend_device(backend)
     found = backend.run("unscale_and_check_", [], torch.tensor(0.5, device=device))
     assert found.item() == 0.0 and found.dtype == torch.float32 and found.device == device
-    with pytest.raises(TypeError, match=r"`tensors` must be a list of tensors, got Tensor"):
-        backend.run("unscale_and_check_", torch.zeros(3), torch.tensor(0.5), check=True)
-    with pytest.raises(TypeError, match=r"`tensors\[1\]` must be a floating point tensor, got torch.int64"):
-        backend.run(
-            "unscale_and_check_",
-            [torch.zeros(3), torch.zeros(3, dtype=torch.long)],
-            torch.tensor(0.5),
-            check=True,
-        )
-    with pytest.raises(TypeError, match=r"`tensors\[0\]` must be a floating point tensor, got 'float'"):
-        backend.run("unscale_and_check_", [1.0, torch.zeros(3)], torch.tensor(0.5), check=True)
-    with pytest.raises(TypeError, match=r"`inv_scale` must be a float32 tensor, got torch.float64"):
-        backend.run(
-            "unscale_and_check_", [torch.zeros(3)], torch.tensor(0.5, dtype=torch.float64), check=True
-        )
-    with pytest.raises(ValueError, match=r"`inv_scale` must have one element, got shape \(2,\)"):
-        backend.run("unscale_and_check_", [torch.zeros(3)], torch.ones(2), check=True)
-    with pytest.raises(
-        ValueError, match=r"`tensors` must be on the device of `inv_scale` \(cpu\): \{device\(type='meta'\)\}"
-    ):
-        backend.run(
-            "unscale_and_check_",
-            [torch.zeros(3), torch.zeros(2, device="meta")],
-            torch.tensor(0.5),
-            check=True,
-        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
@@ -153,19 +127,10 @@ def test_check_finite_takes_tensors_it_could_not_write(backend, bad):
         torch.testing.assert_close(t.detach().cpu(), e, atol=0, rtol=0, equal_nan=True)
 
 
-def test_check_finite_empty_and_bad_input(backend):
+def test_check_finite_empty(backend):
     device = backend_device(backend)
     found = backend.run("check_finite", [], device)
     assert found.item() == 0.0 and found.dtype == torch.float32 and found.device == device
-    cpu = torch.device("cpu")
-    with pytest.raises(TypeError, match=r"`tensors\[0\]` must be a floating point tensor, got torch.int32"):
-        backend.run("check_finite", [torch.zeros(2, dtype=torch.int32)], cpu, check=True)
-    with pytest.raises(TypeError, match=r"`tensors` must be a list of tensors, got Tensor"):
-        backend.run("check_finite", torch.zeros(2), cpu, check=True)
-    with pytest.raises(ValueError, match=r"`tensors` must all be on `device` cpu"):
-        backend.run("check_finite", [torch.zeros(2), torch.zeros(2, device="meta")], cpu, check=True)
-    with pytest.raises(TypeError, match=r"`device` must be a torch.device, got 'cpu'"):
-        backend.run("check_finite", [], "cpu", check=True)
 
 
 @pytest.mark.parametrize("check_only", [False, True])
