@@ -231,42 +231,27 @@ def _load(verbose: bool = False) -> ModuleType:
 
 
 # The one rule by which this backend hands a call to the reference op: op -> a test of its first
-# tensor argument (x, or dy) that is true where the compiled kernel loses to ATen. The float16
-# reductions and forward stay scalar in the kernels where ATen's are vectorized; the float16
-# backward_elemt loses only in NCHW (channels last, ATen's is several times slower); float16
-# accumulate_moments_ still wins. ATen's float64 normalize and channels-last float32/float64 backward
-# sums are faster, and so is its NCHW normalize from about a million elements in bfloat16 and above
-# two million in float32 (below, the kernel's lower overhead wins: the digits model's layers).
-# benchmarks/bench_kernels.py fails when the automatic choice is slower than `reference` anywhere, and
-# bench_syncbn.py compares them on whole layers, so this table follows measurement.
+# tensor argument (x, or dy; not contiguous: channels last) that is true where the compiled kernel
+# loses to ATen. The float16 reductions and forward stay scalar in the kernels where ATen's are
+# vectorized; the float16 backward_elemt loses only in NCHW (channels last, ATen's is several times
+# slower); float16 accumulate_moments_ still wins. ATen's float64 normalize and channels-last
+# float32/float64 backward sums are faster, and so is its NCHW normalize from about a million
+# elements in bfloat16 and above two million in float32 (below, the kernel's lower overhead wins: the
+# digits model's layers). benchmarks/bench_kernels.py fails when the automatic choice is slower than
+# `reference` anywhere, and bench_syncbn.py compares them on whole layers, so this table follows
+# measurement.
 _LARGE = 2**20  # elements
-
-
-def _half(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float16
-
-
-def _channels_last(x: torch.Tensor) -> bool:
-    return not x.is_contiguous()
-
-
 _DEFER_TO_REFERENCE: dict[str, Callable[[torch.Tensor], bool]] = {
-    "batch_norm_moments": _half,
+    "batch_norm_moments": lambda x: x.dtype == torch.float16,
     "batch_norm_elemt": lambda x: (
-        _half(x)
-        or x.dtype == torch.float64
-        or (
-            not _channels_last(x)
-            and (
-                (x.dtype == torch.bfloat16 and x.numel() >= _LARGE)
-                or (x.dtype == torch.float32 and x.numel() > 2 * _LARGE)
-            )
-        )
+        x.dtype in (torch.float16, torch.float64)
+        or (x.is_contiguous() and x.dtype == torch.bfloat16 and x.numel() >= _LARGE)
+        or (x.is_contiguous() and x.dtype == torch.float32 and x.numel() > 2 * _LARGE)
     ),
     "batch_norm_backward_reduce": lambda dy: (
-        _half(dy) or (dy.dtype in (torch.float32, torch.float64) and _channels_last(dy))
+        dy.dtype == torch.float16 or (dy.dtype in (torch.float32, torch.float64) and not dy.is_contiguous())
     ),
-    "batch_norm_backward_elemt": lambda dy: _half(dy) and not _channels_last(dy),
+    "batch_norm_backward_elemt": lambda dy: dy.dtype == torch.float16 and dy.is_contiguous(),
 }
 
 

@@ -24,14 +24,9 @@ from lightning_ext.kernels.cpu import CpuBackend
 from lightning_ext.kernels.unscale import _META_CACHE
 
 __all__ = [
-    "BACKEND_ENV_VAR",
-    "ENTRY_POINT_GROUP",
-    "BackendEntry",
-    "available_backends",
-    "clear_backend_cache",
-    "get_backend",
-    "register_backend",
-]
+    "BACKEND_ENV_VAR", "ENTRY_POINT_GROUP", "BackendEntry", "available_backends", "clear_backend_cache",
+    "get_backend", "register_backend",
+]  # fmt: skip
 
 BACKEND_ENV_VAR = "LIGHTNING_EXT_KERNELS"  # environment variable naming the backend to use
 ENTRY_POINT_GROUP = "lightning_ext.kernels"  # entry-point group third-party backends register in
@@ -65,28 +60,26 @@ class BackendEntry:
         if not callable(self.factory):
             raise TypeError(f"`factory` must be callable returning a KernelBackend, got {self.factory!r}")
         devices = (self.devices,) if isinstance(self.devices, str) else self.devices
-        if not isinstance(devices, tuple | list) or not all(isinstance(d, str) and d for d in devices):
+        if not isinstance(devices, tuple | list):
             raise TypeError(f"`devices` must be a tuple of device types like ('cuda',), got {self.devices!r}")
         if not devices:
             raise ValueError(f"`devices` must name at least one device type, got {self.devices!r}")
-        valid = []
-        for d in devices:
-            try:
-                valid.append(torch.device(d).type)
-            except RuntimeError:
-                raise ValueError(f"`devices` contains {d!r}, which is not a torch device type") from None
-        object.__setattr__(self, "devices", tuple(valid))
+        object.__setattr__(self, "devices", tuple(map(_device_type, devices)))
         check_int("BackendEntry", "priority", self.priority)
 
 
+def _device_type(device: str) -> str:
+    """``torch.device(device).type``, else the error of :func:`register_backend`."""
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError):
+        raise ValueError(f"`devices` contains {device!r}, which is not a torch device type") from None
+
+
 def register_backend(
-    name: str,
-    factory: Callable[[], KernelBackend],
-    devices: tuple[str, ...] | list[str] | str = ("cuda",),
-    priority: int = 0,
-    *,
-    replace: bool = False,
-) -> BackendEntry:
+    name: str, factory: Callable[[], KernelBackend], devices: tuple[str, ...] | list[str] | str = ("cuda",),
+    priority: int = 0, *, replace: bool = False,
+) -> BackendEntry:  # fmt: skip
     """Register a kernel backend under ``name``.
 
     Args:
@@ -137,22 +130,13 @@ def _load_entry_points() -> None:
             before = dict(_entries)
             try:
                 obj = ep.load()
-                if isinstance(obj, type) and issubclass(obj, KernelBackend):
-                    if ep.name not in _entries:
-                        register_backend(ep.name, obj, obj.devices, getattr(obj, "priority", 0))
-                elif callable(obj):
-                    obj()
-                else:
-                    raise TypeError(
-                        f"entry point object must be a KernelBackend subclass or callable, got {obj!r}"
-                    )
+                if not (isinstance(obj, type) and issubclass(obj, KernelBackend)):
+                    obj()  # a function that registers
+                elif ep.name not in _entries:
+                    register_backend(ep.name, obj, obj.devices, getattr(obj, "priority", 0))
             except Exception as exc:  # a broken plugin must not break the others
-                warnings.warn(
-                    f"lightning_ext: kernel backend entry point {ep.name!r} ({ep.value}) "
-                    f"failed to load: {exc!r}",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+                message = f"lightning_ext: kernel backend entry point {ep.name!r} ({ep.value}) failed to load"
+                warnings.warn(f"{message}: {exc!r}", RuntimeWarning, stacklevel=3)
             _from_entry_points.update((n, e) for n, e in _entries.items() if before.get(n) is not e)
 
 
@@ -189,26 +173,19 @@ def _instantiate(entry: BackendEntry) -> KernelBackend:
 
 def _explicit(name: str, device: torch.device, source: str) -> KernelBackend:
     """The backend ``name`` asked for by ``source``; raises when it is unknown, elsewhere or broken."""
-    registered = sorted(_entries)
+    what = f"kernel backend {name!r} (from {source})"
+    registered = f"registered backends: {sorted(_entries)}"
     entry = _entries.get(name)
     if entry is None:
-        raise ValueError(
-            f"unknown kernel backend {name!r} (from {source}); registered backends: {registered}"
-        )
+        raise ValueError(f"unknown {what}; {registered}")
     try:
         backend = _instantiate(entry)
     except Exception as exc:
-        raise RuntimeError(
-            f"kernel backend {name!r} (from {source}) failed to load: {exc!r}; "
-            f"registered backends: {registered}"
-        ) from exc
+        raise RuntimeError(f"{what} failed to load: {exc!r}; {registered}") from exc
     # Named explicitly, a backend also serves a device it supports beyond its registration (Triton's
     # interpreter on CPU tensors).
     if device.type not in entry.devices and not backend.supports(device.type):
-        raise ValueError(
-            f"kernel backend {name!r} (from {source}) supports devices {entry.devices}, not "
-            f"{device.type!r}; registered backends: {registered}"
-        )
+        raise ValueError(f"{what} supports devices {entry.devices}, not {device.type!r}; {registered}")
     return backend
 
 
@@ -221,22 +198,23 @@ def _automatic(device: torch.device) -> KernelBackend:
         key=lambda e: (-e.priority, e.name),
     )
     failed = []
-    for entry in [*candidates, _entries["reference"]]:
+    for entry in candidates:
         try:
             backend = _instantiate(entry)
+            break
         except Exception as exc:
             failed.append(f"kernel backend {entry.name!r} failed to load ({exc!s:.150})")
-            continue
-        if failed and not _fallback_warned:
-            _fallback_warned = True
-            warnings.warn(
-                f"lightning_ext: {'; '.join(failed)}; using {backend.name!r} for {device.type} tensors "
-                f"(warned once per process; {BACKEND_ENV_VAR}={backend.name} silences it)",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        return backend
-    raise RuntimeError(f"no kernel backend loads for {device.type!r}: {failed}")  # reference always does
+    else:  # no preferred backend loads: `reference`, which always does
+        backend = _instantiate(_entries["reference"])
+    if failed and not _fallback_warned:
+        _fallback_warned = True
+        warnings.warn(
+            f"lightning_ext: {'; '.join(failed)}; using {backend.name!r} for {device.type} tensors "
+            f"(warned once per process; {BACKEND_ENV_VAR}={backend.name} silences it)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return backend
 
 
 def get_backend(name: str | None = None, device: torch.device | str | None = None) -> KernelBackend:
@@ -288,15 +266,13 @@ def _lookup(name: str | None, device: torch.device) -> KernelBackend:
         env = os.environ.get(BACKEND_ENV_VAR, "").strip()
         name = None if env in ("", "auto") else env
         source = f"environment variable {BACKEND_ENV_VAR}"
-    key = (name, device.type)
-    cached = _cache.get(key)
-    if cached is not None:
-        return cached
-    _load_entry_points()
-    with _lock:
-        backend = _automatic(device) if name is None else _explicit(name, device, source)
-        _cache[key] = backend
-        return backend
+    backend = _cache.get((name, device.type))
+    if backend is None:
+        _load_entry_points()
+        with _lock:
+            backend = _automatic(device) if name is None else _explicit(name, device, source)
+            _cache[name, device.type] = backend
+    return backend
 
 
 def clear_backend_cache() -> None:
@@ -318,17 +294,12 @@ def clear_backend_cache() -> None:
     """
     global _fallback_warned, _entry_points_loaded
     with _lock:
-        _built.clear()
-        _cache.clear()
-        _fallback_warned = False
         for name, entry in _from_entry_points.items():
             if _entries.get(name) is entry:  # not replaced by a register_backend() call since
                 del _entries[name]
-        _from_entry_points.clear()
-        _entry_points_loaded = False
-        _LIVE.clear()
-        _META_CACHE.clear()
-        _SM_COUNT.clear()
+        for cache in (_built, _cache, _from_entry_points, _LIVE, _META_CACHE, _SM_COUNT):
+            cache.clear()
+        _fallback_warned = _entry_points_loaded = False
         _cpu._forget_announcement()
 
 
