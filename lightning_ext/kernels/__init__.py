@@ -58,18 +58,7 @@ from lightning_ext.kernels.registry import (
 )
 
 __all__ = [
-    "BACKEND_ENV_VAR",
-    "ENTRY_POINT_GROUP",
-    "OPS",
-    "BackendEntry",
-    "CpuBackend",
-    "KernelBackend",
-    "KernelOp",
-    "ReferenceBackend",
-    "TritonBackend",
-    "available_backends",
-    "clear_backend_cache",
-    "define_op",
-    "get_backend",
-    "register_backend",
-]
+    "BACKEND_ENV_VAR", "ENTRY_POINT_GROUP", "OPS", "BackendEntry", "CpuBackend", "KernelBackend", "KernelOp",
+    "ReferenceBackend", "TritonBackend", "available_backends", "clear_backend_cache", "define_op",
+    "get_backend", "register_backend",
+]  # fmt: skip
