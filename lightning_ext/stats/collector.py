@@ -55,7 +55,8 @@ class Straggler(NamedTuple):
 
     ``rank``: its rank in the collector's process group; ``mean``: its mean (to ``2**(b - 52)``
     relatively, ``b`` the bits of the largest rank: the rank rides in the low bits of the float64
-    mean); ``median``: the median of the ranks' means, within the sketch's relative accuracy;
+    mean); ``median``: the median of the ranks' means (the mean of the two middle ones for an even
+    number of ranks: of both, with two), within the sketch's relative accuracy;
     ``ratio``: ``mean / median``.
     """
 
@@ -217,8 +218,9 @@ class Collector:
     every device of this process, and publishes per name the count, mean, population standard
     deviation (divide by ``num``, as NVIDIA's ``training_stats``), min and max, identical on every
     rank; each collector sees every value once. The queries (``num``, ``mean``, ``std``, ``min``,
-    ``max``, ``c[name]`` for the mean) give 0/NaN for a matching name without values and raise
-    ``KeyError`` (listing close names) for a name ``regex`` excludes, ``TypeError`` for a non-str.
+    ``max``, ``c[name]`` for the mean) give 0/NaN for a name without values in the interval and raise
+    ``KeyError`` (listing close names) for a name never reported on any rank before the last update or
+    one ``regex`` excludes, ``TypeError`` for a non-str.
 
     A collector sees the values reported while it exists: creating one first hands the values
     pending to the collectors created before.
@@ -567,13 +569,14 @@ class Collector:
             return values
         if not isinstance(name, str):
             raise TypeError(f"statistic name must be a str, got {type(name).__name__} {name!r}")
-        if self._matches(name):
-            return _UNPUBLISHED
         close = difflib.get_close_matches(name, self.names(), n=5, cutoff=0.5)
-        raise KeyError(
-            f"{name!r} is not collected by Collector(regex={self.regex!r}); close names: {close}. "
-            "HINT: widen the regex or create another Collector for it."
+        never = self._matches(name)  # a misspelt name, or one asked for before its first update
+        why, hint = (
+            ("was never reported to", "check the spelling, or update() after reporting it")
+            if never
+            else ("is not collected by", "widen the regex or create another Collector for it")
         )
+        raise KeyError(f"{name!r} {why} Collector(regex={self.regex!r}); close names: {close}. HINT: {hint}.")
 
     def num(self, name: str) -> int:
         """Number of values of ``name`` in the last interval, over all ranks."""
@@ -627,6 +630,41 @@ class Collector:
         _, _, _, lo, hi = self._get(name)
         return self.sketch.quantile(self._flush.host_sketches()[0][row], q, lo, hi)
 
+    def histogram(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """``name``'s sketch of the last update, merged over all ranks, as :func:`numpy.histogram`
+        returns one: float64 ``counts`` ``(k,)`` and ``edges`` ``(k + 1,)``, bucket ``i`` holding the
+        values between ``edges[i]`` and ``edges[i + 1]``; the buckets from the first to the last one
+        with values (``k = 0`` without values), the edges clipped to the exact min and max (not NaN). The
+        counts sum to ``num`` minus the NaNs. Reads the sketches from the device once per update.
+
+        Raises:
+            KeyError: ``quantiles`` does not match ``name`` (or it was never reported).
+        """
+        row = self._sketch_row("quantiles", name)
+        counts = np.zeros(0) if row is None else self._flush.host_sketches()[0][row]
+        edges = self.sketch.edges().numpy()
+        edges = np.concatenate(([-np.inf], -edges[::-1], edges, [np.inf]))  # the kernel op's layout
+        used = np.flatnonzero(counts)
+        if not used.size:
+            return np.zeros(0), np.zeros(0)
+        _, _, _, lo, hi = self._get(name)
+        return counts[used[0] : used[-1] + 1].copy(), np.fmin(np.fmax(edges[used[0] : used[-1] + 2], lo), hi)
+
+    def unmatched(self) -> dict[str, list[str]]:
+        """``{argument: names}`` for each pattern (``regex``, ``quantiles``, ``stragglers``) that matched
+        none of :meth:`names` at the last update, with the names it may have meant: for ``regex``
+        (matched nothing on any rank) the names this process reported to this stage since the last
+        collector was created, for the others :meth:`names`. Local, no collective."""
+        names = self.names()
+        if not names:
+            keys = (key.rpartition(_STAGE_SEPARATOR) for key in reporting._state.wanted)
+            return {"regex": sorted(name for stage, _, name in keys if (stage or None) == self.stage)}
+        return {
+            arg: names
+            for arg, pattern in self._tracked.items()
+            if pattern is not None and not any(self._tracks(arg, self._prefix + n) for n in names)
+        }
+
     def straggler(self, name: str) -> Straggler | None:
         """The rank whose mean of ``name`` was the largest in the last interval, its mean, the
         median of the ranks' means and their ratio (:class:`Straggler`); ``None`` when no rank had
@@ -644,7 +682,8 @@ class Collector:
             return None
         rank = int(np.float64(packed).view(np.int64)) & ((1 << _rank_bits(self._flush.world_size)) - 1)
         _, _, _, lo, hi = self._get(name)
-        median = self.sketch.quantile(counts[row], 0.5, lo, hi)
+        upper = 0.5 + 0.5 / counts[row].sum()  # the upper middle rank: the two middle ones' mean
+        median = sum(self.sketch.quantile(counts[row], q, lo, hi) for q in (0.5, upper)) / 2
         return Straggler(rank, packed, median, packed / median if median else math.inf)
 
     def as_dict(self) -> dict[str, dict[str, float]]:

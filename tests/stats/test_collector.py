@@ -384,11 +384,19 @@ def test_queries_and_bad_arguments() -> None:
     assert c["Loss/total"] == 2.0 and c.as_dict() == {
         "Loss/total": {"num": 2, "mean": 2.0, "std": 1.0, "min": 1.0, "max": 3.0}
     }
-    assert math.isnan(c.mean("Loss/never"))  # matches the regex, never reported
+    with pytest.raises(  # matches the regex, never reported: a misspelling, not a NaN
+        KeyError,
+        match=r"'Loss/totl' was never reported to Collector\(regex='Loss/\.\*'\); "
+        r"close names: \['Loss/total'\]",
+    ):
+        c.mean("Loss/totl")
+    report("Loss/empty", [])
+    c.update()
+    assert c.num("Loss/empty") == 0 and math.isnan(c.mean("Loss/empty"))  # known, no values: NaN
     with pytest.raises(
         KeyError,
         match=r"'Loss_total' is not collected by Collector\(regex='Loss/\.\*'\); "
-        r"close names: \['Loss/total'\]",
+        r"close names: \['Loss/total', 'Loss/empty'\]",
     ):
         c.mean("Loss_total")
     with pytest.raises(TypeError, match=r"statistic name must be a str, got int 3"):

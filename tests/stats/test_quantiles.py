@@ -214,3 +214,28 @@ def test_a_drain_in_inference_mode_leaves_the_sketches_writable(backend, monkeyp
     report("x", torch.tensor([2.0, 3.0]))
     train.update()
     assert train.num("x") == 3 and train.quantile("x", 0.5) == pytest.approx(2.0, rel=ALPHA)
+
+
+def test_histogram_is_the_sketch_between_its_edges_and_unmatched_patterns_are_named() -> None:
+    clear_statistics()
+    c = Collector(quantiles="x|z", stragglers="none", relative_accuracy=0.05, value_range=(1e-3, 1e3))
+    values = [-2.0, -0.5, 0.0, 1e-4, 0.7, 0.7, 3.0, 5e3]  # the zero bucket, both signs, an overflow
+    report("x", values)
+    report("z", [])
+    c.update()
+    counts, edges = c.histogram("x")
+    assert (edges[0], edges[-1]) == (-2.0, 5e3) and np.all(np.diff(edges) > 0)  # clipped to min, max
+    assert counts.tolist() == np.histogram(values, edges)[0].tolist()  # no value on an edge here
+    assert counts[0] > 0 and counts[-1] > 0  # trimmed to the buckets with values
+    assert [a.size for a in c.histogram("z")] == [0, 0]
+    report("x", [1.5, float("nan")])
+    c.update()
+    counts, edges = c.histogram("x")
+    assert counts.sum() == c.num("x") - 1 and np.isfinite(edges).all()  # NaN is not counted
+    assert c.unmatched() == {"stragglers": ["x", "z"]}  # a pattern that matched no name
+    with pytest.raises(KeyError, match=r"'y' is not matched by Collector\(quantiles='x\|z'\)"):
+        report("y", 1.0), c.update(), c.histogram("y")
+    misspelt = Collector(regex="Los/.*")
+    report("Loss/a", 1.0)
+    misspelt.update()
+    assert misspelt.unmatched() == {"regex": ["Loss/a"]}  # the names reported here, for a hint
