@@ -1,4 +1,4 @@
-"""The ``accumulate_histogram_`` op (contract: ``KernelBackend.accumulate_histogram_``): counts of values
+"""The ``accumulate_histogram_`` op (contract: its reference implementation below): counts of values
 in the buckets of a signed histogram whose bucket edges are given.
 
 With ``edges`` the ``m + 1`` increasing positive upper edges ``e_0 < e_1 < ... < e_m``, the histogram has

@@ -56,7 +56,7 @@ def _accumulate_moments_reference(acc: Tensor, x: Tensor, shift: Tensor) -> None
 
 # ---------------------------------------------------------------------------- the flush (reference)
 # Moment rows ``[count, mean, m2, min, max]`` (m2: sum of squared deviations from the mean) and the two
-# payloads of a flush; see KernelBackend.moments_payload_ / moments_finish_ for the contracts.
+# payloads of a flush; the references of moments_payload_ and moments_finish_ below state the contracts.
 
 
 def _moments_from_shifted(acc: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
