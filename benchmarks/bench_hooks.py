@@ -77,7 +77,7 @@ def _run_once(config: str, steps: int) -> tuple[float, float, float]:
     import lightning as L
 
     from lightning_ext.callbacks import IterationTimer, LossMonitor
-    from lightning_ext.examples.digits import DigitsDataModule, DigitsModule
+    from examples.digits import DigitsDataModule, DigitsModule
 
     torch.manual_seed(0)
     probe = _make_probe()

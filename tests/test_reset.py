@@ -52,7 +52,8 @@ CLEARED = {
 KEPT = {
     ("lightning_ext.kernels.registry", "_entries"): "registrations (built-in and register_backend's) stay",
     ("lightning_ext.kernels.cpu", "_module"): "a compiled extension module cannot be unloaded",
-    ("lightning_ext.kernels.backend", "OPS"): "op registrations (define_op, at import) stay, as torch's custom ops do",
+    ("lightning_ext.kernels.backend", "OPS"): "op registrations (define_op, at import) stay, as torch's "
+    "custom ops do",
     ("lightning_ext.callbacks.hook_base", "_instance_ids"): "hooks alive across a reset keep distinct ids",
     ("lightning_ext.nn.sync_batch_norm", "_untraced_warned"): "weak: holds no backend a reset dropped; a "
     "backend built after a reset warns again",
