@@ -76,8 +76,8 @@ def _time_hook_methods(hook: Any, per_step: dict[int, float], probe: Any) -> Non
 def _run_once(config: str, steps: int) -> tuple[float, float, float]:
     import lightning as L
 
-    from lightning_ext.callbacks import IterationTimer, LossMonitor
     from examples.digits import DigitsDataModule, DigitsModule
+    from lightning_ext.callbacks import IterationTimer, LossMonitor
 
     torch.manual_seed(0)
     probe = _make_probe()
