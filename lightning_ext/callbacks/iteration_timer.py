@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from lightning_ext._checks import check_int
 from lightning_ext.callbacks.hook_base import HookBase
+from lightning_ext.distributed import collective_seconds
 from lightning_ext.stats import report
 
 __all__ = ["IterationTimer"]
@@ -27,13 +28,17 @@ class IterationTimer(HookBase):
     of the previous micro-batch, the start of the epoch or the end of a validation run to the start
     of the next micro-batch, summed over the iteration), and after the first ``warmup_iter``
     iterations ``Timing/step_sec``, the seconds of the iteration itself (forward, backward, optimizer
-    step and the hooks in between, data time excluded), and ``Timing/forward_sec`` per micro-batch,
-    from its start to ``on_before_backward`` (the ``training_step``: under DDP the time before the
-    gradient all-reduce, so a slow rank's is longer while its step time is not, the others waiting in
-    the all-reduce; :class:`~lightning_ext.callbacks.TrainingStats` names the slowest rank from it):
-    host wall time on CPU; on CUDA, events recorded at those hooks and read once a later iteration
-    finds them completed (``Event.query()``), so no per-step synchronization but values one or more
-    iterations late.
+    step and the hooks in between, data time excluded), and per micro-batch ``Timing/forward_sec``,
+    from its start to ``on_before_backward`` (the ``training_step``), and ``Timing/compute_sec``, that
+    time less the seconds spent in the package's collectives meanwhile
+    (:func:`~lightning_ext.distributed.collective_seconds`: SyncBatchNorm's all-reduce, a statistics
+    flush). A fast rank waits for a slow one in a collective: in DDP's gradient all-reduce, after
+    ``on_before_backward``, or in SyncBatchNorm's, inside the forward and subtracted; so the slow rank's
+    ``compute_sec`` is the longest (:class:`~lightning_ext.callbacks.TrainingStats` names it) while the
+    step times are alike. Times are host wall time on CPU; on CUDA, events recorded at those hooks
+    and read once a later iteration finds them completed (``Event.query()``), so no per-step
+    synchronization but values one or more iterations late (``compute_sec`` then subtracts the host
+    seconds of the collectives, which misses an NCCL wait on the device).
     :class:`~lightning_ext.callbacks.TrainingStats` writes them, at Lightning's step of the batch
     that flushes (see :attr:`~HookBase.iter`).
 
@@ -78,7 +83,9 @@ class IterationTimer(HookBase):
         self._timed_iters = 0  # number of those iterations
         self._cuda_start: torch.cuda.Event | None = None
         self._forward_start: float | torch.cuda.Event | None = None  # of the current micro-batch
-        self._pending_events: deque[tuple[str, torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._collective_start = 0.0  # collective_seconds() at the start of the current micro-batch
+        # (name, start, end, seconds to subtract) of CUDA timings not read yet
+        self._pending_events: deque[tuple[str, torch.cuda.Event, torch.cuda.Event, float]] = deque()
 
     @property
     def timed_iters(self) -> int:
@@ -113,19 +120,22 @@ class IterationTimer(HookBase):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        self._forward_start = None
-        if self._timed():
-            self._forward_start = _now_or_event(self._on_cuda())
+        self._forward_start = _now_or_event(self._on_cuda()) if self._timed() else None
+        self._collective_start = collective_seconds()
 
     @override
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
         start, self._forward_start = self._forward_start, None
+        waited = collective_seconds() - self._collective_start
         if isinstance(start, float):
-            report("Timing/forward_sec", time.perf_counter() - start)
+            forward = report("Timing/forward_sec", time.perf_counter() - start)
+            report("Timing/compute_sec", forward - waited)
         elif start is not None:
-            self._pending_events.append(("Timing/forward_sec", start, _now_or_event(True)))
+            end = _now_or_event(True)
+            self._pending_events.extend([("Timing/forward_sec", start, end, 0.0),
+                                         ("Timing/compute_sec", start, end, waited)])  # fmt: skip
 
     @override
     def after_step(self) -> None:
@@ -137,7 +147,7 @@ class IterationTimer(HookBase):
             self._timed_sec += step_sec + self.data_sec
             self._timed_iters += 1
             if self._cuda_start is not None:
-                self._pending_events.append(("Timing/step_sec", self._cuda_start, _now_or_event(True)))
+                self._pending_events.append(("Timing/step_sec", self._cuda_start, _now_or_event(True), 0.0))
                 self._cuda_start = None
                 self._report_completed_events()
             else:
@@ -147,8 +157,8 @@ class IterationTimer(HookBase):
 
     def _report_completed_events(self) -> None:
         while self._pending_events and self._pending_events[0][2].query():
-            name, start, end = self._pending_events.popleft()
-            report(name, start.elapsed_time(end) / 1000.0)
+            name, start, end, waited = self._pending_events.popleft()
+            report(name, start.elapsed_time(end) / 1000.0 - waited)
 
     @override
     def after_train(self) -> None:

@@ -9,21 +9,27 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ext import distributed as _dist
-from lightning_ext._checks import check_bool, check_int
+from lightning_ext._checks import check_bool, check_int, check_number
 from lightning_ext.callbacks.hook_base import _iterations_done
+from lightning_ext.callbacks.iteration_timer import IterationTimer
 from lightning_ext.stats import Collector, LogHistogram, init_multiprocessing, report, set_stage
 
 __all__ = ["TrainingStats"]
 
 _STATS = ("mean", "std", "min", "max", "num")
-_PERCENTILE = re.compile(r"p(\d+(?:\.\d+)?)")  # "p50", "p99.9": a percentile in (0, 100)
+_PERCENTILE = re.compile(r"p[1-9]\d?(\.\d+)?")  # "p1", "p50", "p99.9": a percentile in [1, 100)
 _FLUSH_TIME_NAME = "Timing/stats_flush_sec"
+_TIMER_NAMES = ("Timing/data_sec", "Timing/step_sec", "Timing/forward_sec", "Timing/compute_sec")
+_CHECK_AFTER = 3  # training flushes (or the first epoch) after which unmatched patterns are warned about
+_WANDB_BINS = 512  # the most buckets a wandb.Histogram takes
 # Lightning's stages whose values are collected apart, and what their statistics are logged under
 STAGE_PREFIXES = {"validate": "val/", "test": "test/"}
 
@@ -48,14 +54,11 @@ def _check_stats(stats: Any, quantiles: str | None) -> tuple[str, ...]:
         raise TypeError(f"TrainingStats: `stats` must be a sequence of names, not the str {stats!r}")
     stats = tuple(stats)
 
-    def known(stat: Any) -> bool:
-        match = _PERCENTILE.fullmatch(stat) if isinstance(stat, str) else None
-        return stat in _STATS or (match is not None and 0.0 < float(match[1]) < 100.0)
-
-    if not stats or not all(map(known, stats)):
+    if not stats or not all(s in _STATS or (isinstance(s, str) and _PERCENTILE.fullmatch(s)) for s in stats):
         raise ValueError(
             f"TrainingStats: `stats` must be a non-empty sequence of {_STATS} and percentiles 'p<P>' "
-            f"with 0 < P < 100 (e.g. 'p99.9'), got {stats!r}"
+            f"with 1 <= P < 100 (e.g. 'p99.9'), got {stats!r}. HINT: 'p0.99' would be ambiguous (the "
+            "0.99th percentile or the quantile 0.99): write 'p99' for the 99th percentile"
         )
     percentiles = [s for s in stats if s not in _STATS]
     if percentiles and quantiles is None:
@@ -77,7 +80,9 @@ class TrainingStats(Callback):
     :class:`~lightning_ext.callbacks.HookBase`), and at the
     end of each training epoch when ``on_epoch``. A flush writes at the step at which Lightning logs
     the ``self.log`` values of the same batch: the flush after ``every_n_train_steps`` iterations at
-    step ``every_n_train_steps - 1``, as Lightning's ``log_every_n_steps`` row of that batch.
+    step ``every_n_train_steps - 1``, as Lightning's ``log_every_n_steps`` row of that batch; the
+    epoch-end flush at the number of iterations done (one past the epoch's last iteration), where
+    Lightning writes the ``self.log(on_epoch=True)`` values of that epoch.
 
     Stages. While Lightning runs validation, test or predict, the callback sets that stage
     (:func:`~lightning_ext.stats.set_stage`): a ``report()`` in a ``forward`` that serves every loop
@@ -90,26 +95,36 @@ class TrainingStats(Callback):
     Percentiles. ``stats`` may ask for percentiles, ``"p50"``, ``"p99"``, ``"p99.9"``, written as
     ``name + "/p50"`` for the names ``quantiles`` matches (the others get the other statistics), from
     a sketch with relative accuracy ``relative_accuracy`` over ``value_range`` that rides in the
-    flush's SUM all-reduce (:class:`~lightning_ext.stats.LogHistogram`: about 22 KB per name).
+    flush's SUM all-reduce (:class:`~lightning_ext.stats.LogHistogram`: about 22 KB per name). With a
+    ``TensorBoardLogger`` (``WandbLogger``) each of these names' merged sketch is also written as a
+    TensorBoard (W&B) histogram ``name + "/hist"`` (:meth:`~lightning_ext.stats.Collector.histogram`;
+    no extra collective).
 
     The slowest rank. For each name ``stragglers`` matches that received values, a flush with several
     processes writes ``name + "/slowest_rank"``, the rank whose mean was the largest, and
     ``name + "/slowest_ratio"``, its mean over the median of the ranks' means (the rank rides in the
-    flush's MAX all-reduce, the ranks' means in a sketch: no extra collective, nothing per rank), and
-    logs on rank zero, when the ratio is at least ``straggler_ratio``::
+    flush's MAX all-reduce, the ranks' means in a sketch: no extra collective, nothing per rank). It
+    logs on rank zero when the same rank's excess over the median was at least ``straggler_excess``
+    times the iteration time (the means of ``Timing/data_sec`` and ``Timing/step_sec``) and at least
+    ``straggler_min_sec`` at ``straggler_patience`` flushes in a row::
 
-        Slowest rank at iteration=24: rank 1 (host n3), Timing/forward_sec 0.06 = 4.9x the median rank (0.012)
+        Slowest rank at iteration=24: rank 1 (host n3), Timing/compute_sec 0.06 = 4.9x the median rank (0.012)
 
     The default names are :class:`~lightning_ext.callbacks.IterationTimer`'s ``Timing/data_sec`` (a
-    slow data loader) and ``Timing/forward_sec`` (a slow ``training_step``): under DDP the step time
-    is the same on every rank, the fast ones waiting for the slow one in the gradient all-reduce.
-    Host names are gathered once, at ``setup``.
+    slow data loader) and ``Timing/compute_sec`` (a slow ``training_step``, net of the waits in the
+    collectives, where the fast ranks wait for the slow one). Host names are gathered once, at ``setup``.
+
+    Warnings, once, on rank zero: slowest-rank names of ``IterationTimer`` asked for on several
+    processes without it in the callbacks (at the start of training), and a pattern (``regex``,
+    ``quantiles``, ``stragglers``) that matched no reported name after three training flushes or
+    the first epoch.
 
     Args:
         every_n_train_steps: flush period in iterations (``>= 1``).
         regex: names to collect (``re.fullmatch``).
         stats: statistics to log, a non-empty sequence of ``"mean"``, ``"std"``, ``"min"``,
-            ``"max"``, ``"num"`` and percentiles ``"p<P>"`` (``0 < P < 100``, e.g. ``"p99.9"``).
+            ``"max"``, ``"num"`` and percentiles ``"p<P>"`` (``1 <= P < 100``, e.g. ``"p99.9"``; not
+            ``"p0.99"``, which could mean a quantile).
         prefix: prepended to every logged key.
         on_step: flush every ``every_n_train_steps`` iterations.
         on_epoch: flush at the end of validation and training epochs.
@@ -117,15 +132,19 @@ class TrainingStats(Callback):
         quantiles: names whose percentiles are written (``re.fullmatch``); ``None``: none.
         relative_accuracy, value_range: the percentiles' sketch (``Collector``).
         stragglers: names whose slowest rank is written (``re.fullmatch``); ``None``: none.
-        straggler_ratio: the ratio from which the slowest rank is logged (``>= 1``).
+        straggler_excess: the fraction of the iteration time (``>= 0``) from which the slowest rank's
+            excess over the median rank counts.
+        straggler_min_sec: the seconds (``>= 0``) from which that excess counts.
+        straggler_patience: the flushes in a row (``>= 1``) at which it must count before a line.
 
     Raises:
         ValueError: ``every_n_train_steps < 1``, ``stats`` is empty or holds an unknown statistic or
-            a percentile without ``quantiles``, a pattern does not compile, a sketch parameter or
-            ``straggler_ratio`` is out of range.
-        TypeError: ``every_n_train_steps`` is not an int, ``regex``/``prefix`` is not a str, ``stats``
-            is a str, ``on_step``/``on_epoch``/``keep_previous`` is not a bool, ``quantiles`` or
-            ``stragglers`` neither a str nor None, ``straggler_ratio`` not a number.
+            a percentile without ``quantiles``, a pattern does not compile, a sketch or straggler
+            parameter is out of range.
+        TypeError: ``every_n_train_steps`` or ``straggler_patience`` is not an int, ``regex``/``prefix``
+            is not a str, ``stats`` is a str, ``on_step``/``on_epoch``/``keep_previous`` is not a
+            bool, ``quantiles`` or ``stragglers`` neither a str nor None, ``straggler_excess`` or
+            ``straggler_min_sec`` not a finite number.
 
     Example::
 
@@ -146,19 +165,20 @@ class TrainingStats(Callback):
         quantiles: str | None = None,
         relative_accuracy: float = 0.01,
         value_range: tuple[float, float] = (1e-6, 1e6),
-        stragglers: str | None = "Timing/(data|forward)_sec",
-        straggler_ratio: float = 1.25,
+        stragglers: str | None = "Timing/(data|compute)_sec",
+        straggler_excess: float = 0.1,
+        straggler_min_sec: float = 0.005,
+        straggler_patience: int = 2,
     ) -> None:
         check_int("TrainingStats", "every_n_train_steps", every_n_train_steps, ge=1)
+        check_number("TrainingStats", "straggler_excess", straggler_excess, ge=0.0)
+        check_number("TrainingStats", "straggler_min_sec", straggler_min_sec, ge=0.0)
+        check_int("TrainingStats", "straggler_patience", straggler_patience, ge=1)
         stats = _check_stats(stats, quantiles)
         self._collector_args = {  # checked below
             "regex": regex, "keep_previous": keep_previous, "quantiles": quantiles,
             "relative_accuracy": relative_accuracy, "value_range": value_range,
         }  # fmt: skip
-        if isinstance(straggler_ratio, bool) or not isinstance(straggler_ratio, int | float):
-            raise TypeError(f"TrainingStats: `straggler_ratio` must be a float, got {straggler_ratio!r}")
-        if not straggler_ratio >= 1.0:
-            raise ValueError(f"TrainingStats: `straggler_ratio` must be >= 1, got {straggler_ratio!r}")
         if not isinstance(prefix, str):
             raise TypeError(f"TrainingStats: `prefix` must be a str, got {prefix!r}")
         for name, flag in (("on_step", on_step), ("on_epoch", on_epoch), ("keep_previous", keep_previous)):
@@ -166,8 +186,13 @@ class TrainingStats(Callback):
         for arg, pattern in (("regex", regex), ("quantiles", quantiles), ("stragglers", stragglers)):
             _check_pattern(arg, pattern, optional=arg != "regex")
         LogHistogram(relative_accuracy, value_range)  # checks them
-        self.quantiles, self.stragglers, self.straggler_ratio = quantiles, stragglers, float(straggler_ratio)
+        self.quantiles, self.stragglers = quantiles, stragglers
+        self.straggler_excess, self.straggler_min_sec = float(straggler_excess), float(straggler_min_sec)
+        self.straggler_patience = straggler_patience
         self._hosts: list[str] = []  # host name per rank, gathered at setup (with stragglers)
+        self._runs: dict[str, tuple[int, int]] = {}  # straggler name => (rank, flushes in a row it counted)
+        self._flushes = 0  # training flushes of this run; -1 once unmatched patterns were checked
+        self._unchecked = {"regex", "quantiles", "stragglers"}  # patterns not warned about yet
         self.every_n_train_steps = every_n_train_steps
         self.regex = regex
         self.stats = stats
@@ -201,6 +226,17 @@ class TrainingStats(Callback):
         if several and self.stragglers is not None:  # every rank, in the same order: one gather
             self._hosts = [""] * _dist.get_world_size()
             torch.distributed.all_gather_object(self._hosts, socket.gethostname())
+        untimed = not any(isinstance(c, IterationTimer) for c in trainer.callbacks) and any(
+            re.fullmatch(self.stragglers or "(?!)", name) for name in _TIMER_NAMES
+        )  # asks for the timer's names without it
+        if several and untimed and "stragglers" in self._unchecked:
+            rank_zero_warn(
+                f"TrainingStats: `stragglers`={self.stragglers!r} asks for IterationTimer's timings, but the "
+                "Trainer has no IterationTimer: no slowest rank will be named. HINT: add IterationTimer() "
+                "first in `callbacks`, or pass stragglers=None."
+            )
+        if not several or untimed:  # said above, or no slowest rank on one process
+            self._unchecked.discard("stragglers")
         if self.collector is None:
             self.collector = Collector(**self._collector_args, stragglers=self.stragglers)
             if self.on_epoch:
@@ -274,6 +310,18 @@ class TrainingStats(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.on_epoch:
             self.flush(trainer)
+        if self._flushes:
+            self._warn_unmatched()
+
+    def _warn_unmatched(self) -> None:
+        """Warn, once and on rank zero, about each pattern that matched no reported name."""
+        for arg, names in self.collector.unmatched().items():
+            if arg in self._unchecked:
+                rank_zero_warn(
+                    f"TrainingStats: `{arg}`={getattr(self, arg)!r} matched none of the names reported so "
+                    f"far (re.fullmatch): {names[:20]}. HINT: check the pattern; nothing is written for it."
+                )
+        self._unchecked.clear()
 
     def flush(
         self, trainer: pl.Trainer, step: int | None = None, stage: str | None = None
@@ -288,7 +336,8 @@ class TrainingStats(Callback):
         :attr:`HookBase.iter <lightning_ext.callbacks.HookBase.iter>` reads: ``i`` in iteration ``i``
         and in a validation run after it, the number of iterations at the end of an epoch; so the steps of
         a logger never go backwards) and to ``trainer.callback_metrics`` (float32 0-dim CPU tensors, for
-        ``ModelCheckpoint``/``EarlyStopping``). Its wall time is ``report()``-ed as
+        ``ModelCheckpoint``/``EarlyStopping``), and the sketched names' histograms to the TensorBoard
+        and W&B loggers (rank zero). Its wall time is ``report()``-ed as
         ``Timing/stats_flush_sec`` (seen at the next flush). Must run on every rank:
         ``Collector.update()`` runs collectives. Synchronizes host and device once.
 
@@ -310,9 +359,11 @@ class TrainingStats(Callback):
         start = time.perf_counter()
         collector.update()
         step = _iterations_done(trainer) if step is None else step
-        metrics = self._metrics(collector, self.prefix + ("" if stage is None else STAGE_PREFIXES[stage]))
+        prefix = self.prefix + ("" if stage is None else STAGE_PREFIXES[stage])
+        metrics = self._metrics(collector, prefix)
         if stage is None and len(self._hosts) > 1:
             metrics.update(self._stragglers(collector, step))
+        self._histograms(trainer, collector, prefix, step)
         if metrics:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
@@ -322,6 +373,9 @@ class TrainingStats(Callback):
         outer = set_stage(None)  # the flush's own time is a training statistic
         report(_FLUSH_TIME_NAME, time.perf_counter() - start)
         set_stage(outer)
+        self._flushes += stage is None
+        if self._flushes == _CHECK_AFTER:
+            self._warn_unmatched()
         return metrics
 
     def _metrics(self, collector: Collector, prefix: str) -> dict[str, float]:
@@ -342,20 +396,38 @@ class TrainingStats(Callback):
 
     def _stragglers(self, collector: Collector, step: int) -> dict[str, float]:
         """The slowest rank and its ratio to the median rank of each straggler name with values;
-        the log line where the ratio reaches ``straggler_ratio``."""
+        the log line where its excess counted at ``straggler_patience`` flushes in a row."""
         metrics: dict[str, float] = {}
         pattern = re.compile(self.stragglers or "(?!)")
+        values = collector.as_dict()
+        means = [values[n]["mean"] for n in ("Timing/data_sec", "Timing/step_sec") if n in values]
+        floor = max(self.straggler_min_sec, self.straggler_excess * sum(m for m in means if m == m))  # no NaN
         for name in collector.updated():
             slowest = collector.straggler(name) if pattern.fullmatch(name) else None
             if slowest is None:
                 continue
             metrics[f"{self.prefix}{name}/slowest_rank"] = float(slowest.rank)
             metrics[f"{self.prefix}{name}/slowest_ratio"] = slowest.ratio
-            if slowest.ratio >= self.straggler_ratio:
+            rank, count = self._runs.get(name, (-1, 0))
+            counted = slowest.mean - slowest.median >= floor
+            count = (count + 1 if rank == slowest.rank else 1) if counted else 0
+            self._runs[name] = (slowest.rank, count)
+            if count >= self.straggler_patience:
                 where = f"rank {slowest.rank} (host {self._hosts[slowest.rank]})"
                 times = f"{slowest.mean:.4g} = {slowest.ratio:.2f}x the median rank ({slowest.median:.4g})"
-                rank_zero_info(f"Slowest rank at iteration={step}: {where}, {name} {times}")
+                rank_zero_info(f"Slowest rank at iteration={step}: {where}, {name} {times}, {count} flushes")
         return metrics
+
+    def _histograms(self, trainer: pl.Trainer, collector: Collector, prefix: str, step: int) -> None:
+        """Each sketched name's histogram of the last interval to the TensorBoard and W&B loggers."""
+        loggers = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger | WandbLogger)]
+        if not (loggers and trainer.is_global_zero and self.quantiles):
+            return
+        for name in filter(re.compile(self.quantiles).fullmatch, collector.updated()):
+            counts, edges = collector.histogram(name)
+            for logger in loggers if counts.size else ():
+                moments = collector.num(name), collector.mean(name), collector.std(name)
+                _log_histogram(logger, f"{prefix}{name}/hist", counts, edges, moments, step)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -379,3 +451,28 @@ class TrainingStats(Callback):
         for stage, state in state_dict.get("stages", {}).items():
             if stage in self.stage_collectors:
                 self.stage_collectors[stage].load_state_dict(state)
+
+
+def _log_histogram(
+    logger: TensorBoardLogger | WandbLogger,
+    tag: str,
+    counts: np.ndarray,
+    edges: np.ndarray,
+    moments: tuple[int, float, float],
+    step: int,
+) -> None:
+    """``counts`` between ``edges`` (NumPy's histogram) as a TensorBoard or W&B histogram at ``step``;
+    ``moments`` are the ``(num, mean, std)`` of the values."""
+    if isinstance(logger, TensorBoardLogger):
+        num, mean, std = moments
+        logger.experiment.add_histogram_raw(
+            tag, min=edges[0], max=edges[-1], num=int(counts.sum()), sum=num * mean,
+            sum_squares=num * (std**2 + mean**2), bucket_limits=edges[1:].tolist(),
+            bucket_counts=counts.tolist(), global_step=step,
+        )  # fmt: skip
+        return
+    import wandb  # the WandbLogger needs it
+
+    starts = np.arange(0, counts.size, -(-counts.size // _WANDB_BINS))  # adjacent buckets merged
+    merged = (np.add.reduceat(counts, starts), np.append(edges[starts], edges[-1]))
+    logger.log_metrics({tag: wandb.Histogram(np_histogram=merged)}, step=step)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import math
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -94,7 +95,7 @@ def _expect(ref: Reference, suffix: str) -> tuple[float, float]:
 
 @pytest.mark.timeout(240)
 @pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
-def test_ddp_spawn_logs_match_float64_and_checkpoint_round_trips(tmp_path: Path) -> None:
+def test_ddp_spawn_logs_match_float64_and_checkpoint_round_trips(tmp_path: Path, capfd) -> None:
     clear_statistics()
     stats = TrainingStats(every_n_train_steps=EVERY, stats=("mean", "std", "min", "max", "num"))
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="Data/x", mode="max", save_top_k=1)
@@ -113,6 +114,8 @@ def test_ddp_spawn_logs_match_float64_and_checkpoint_round_trips(tmp_path: Path)
     )
     trainer.fit(ReportingModule(str(tmp_path)))
     records = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    # The default slowest-rank names without IterationTimer: said once, on rank zero.
+    assert capfd.readouterr().err.count("asks for IterationTimer's timings, but the Trainer has no") == 1
 
     # Single-process float64 reference over both ranks' data, per flush interval (4 micro-batches).
     micro_per_flush = EVERY * ACCUMULATE
@@ -217,9 +220,12 @@ def test_bad_arguments_and_state_keys() -> None:
         TrainingStats(on_epoch="no")
     with pytest.raises(ValueError, match=r"asks for percentiles \['p99'\] but `quantiles` is None"):
         TrainingStats(stats=("mean", "p99"))
-    for bad in ("p0", "p100", "p-1", "p", "p5x"):
-        with pytest.raises(ValueError, match=r"`stats` must be a non-empty sequence"):
+    for bad in ("p0", "p100", "p-1", "p", "p5x", "p050", "p0.5"):
+        with pytest.raises(ValueError, match=r"`stats` must be a non-empty sequence .* 1 <= P < 100"):
             TrainingStats(stats=(bad,), quantiles=".*")
+    with pytest.raises(ValueError, match=r"got \('p0.99',\)\. HINT: 'p0.99' would be ambiguous .*'p99'"):
+        TrainingStats(stats=("p0.99",), quantiles=".*")
+    assert TrainingStats(stats=("p1", "p50", "p99.99"), quantiles=".*").stats == ("p1", "p50", "p99.99")
     with pytest.raises(ValueError, match=r"Stats: `quantiles` must be a regular expression, got '\('"):
         TrainingStats(quantiles="(")
     with pytest.raises(TypeError, match=r"TrainingStats: `stragglers` must be a str, got 3"):
@@ -228,8 +234,12 @@ def test_bad_arguments_and_state_keys() -> None:
         TrainingStats(relative_accuracy=0.5)
     with pytest.raises(ValueError, match=r"`value_range` must be .* 0 < low < high < inf, got \(1.0, 1.0\)"):
         TrainingStats(value_range=(1.0, 1.0))
-    with pytest.raises(ValueError, match=r"TrainingStats: `straggler_ratio` must be >= 1, got 0.5"):
-        TrainingStats(straggler_ratio=0.5)
+    with pytest.raises(ValueError, match=r"Stats: `straggler_excess` must be a finite number >= 0.0, got -1"):
+        TrainingStats(straggler_excess=-1)
+    with pytest.raises(TypeError, match=r"`straggler_min_sec` must be a finite number >= 0.0, got nan"):
+        TrainingStats(straggler_min_sec=math.nan)
+    with pytest.raises(ValueError, match=r"Stats: `straggler_patience` must be an int >= 1, got 0"):
+        TrainingStats(straggler_patience=0)
     with pytest.raises(RuntimeError, match=r"TrainingStats.flush\(\) needs a Trainer that ran setup\(\)"):
         TrainingStats().flush(None)
     a, b = TrainingStats(regex="Loss/.*"), TrainingStats(regex="AMP/.*")
@@ -474,3 +484,55 @@ def test_values_of_validation_never_mix_with_training_ones(every: int) -> None:
     # predict: values reported there are not collected (no stage of TrainingStats takes them)
     trainer.predict(_ForwardReports(), DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=4))
     assert stats.collector is not None and stats.collector.names() == ["Input/x", "Timing/stats_flush_sec"]
+
+
+class _Spread(pl.LightningModule):
+    """Reports 8 values per step into ``Data/x`` and one NaN every second step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        report("Data/x", torch.cat([x.reshape(-1), torch.tensor([math.nan] * (batch_idx % 2))]))
+        return torch.nn.functional.mse_loss(self.lin(x - 1e4), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(_dataset(), batch_size=4)
+
+
+def test_histograms_reach_tensorboard_and_unmatched_patterns_are_said_once(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    clear_statistics()
+    logger = pl.loggers.TensorBoardLogger(tmp_path, name="tb", version=0)
+    callbacks = [
+        TrainingStats(every_n_train_steps=2, stats=("mean", "p50"), quantiles="Data/.*"),
+        TrainingStats(every_n_train_steps=2, regex="Dta/.*"),  # a misspelt regex
+        TrainingStats(every_n_train_steps=2, stats=("p50",), quantiles="Dat/.*"),  # and quantiles
+    ]
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, limit_train_batches=8, logger=logger, callbacks=callbacks,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="matched none") as caught:
+        trainer.fit(_Spread())
+    said = sorted(str(w.message) for w in caught if "matched none" in str(w.message))
+    assert len(said) == 2, said  # once each, after the third flush, not again at the epoch ends
+    assert said[0].startswith("TrainingStats: `quantiles`='Dat/.*' matched none of the names reported")
+    assert said[1].startswith("TrainingStats: `regex`='Dta/.*' matched none of the names reported")
+    assert "'Data/x'" in said[1]  # the names this process reported, to pick from
+    events = EventAccumulator(logger.log_dir, size_guidance={"histograms": 0})
+    events.Reload()
+    histograms = events.Histograms("Data/x/hist")
+    # One per flush, at the steps of the scalars: every 2 iterations (each with 8 values and, after
+    # the second one, a NaN), none at the epoch ends (no new values).
+    assert [h.step for h in histograms] == [1, 3, 5, 7, 9, 11, 13, 15]
+    for h in histograms:
+        value = h.histogram_value
+        assert sum(value.bucket) == value.num == 16  # 17 reported, the NaN not counted
+        assert value.min < value.bucket_limit[0] and list(value.bucket_limit) == sorted(value.bucket_limit)
