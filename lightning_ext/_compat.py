@@ -110,6 +110,23 @@ def build_lock_held(lock: Path) -> bool:
     return False
 
 
+def extension_build_directory(name: str) -> Path:
+    """Where ``torch.utils.cpp_extension.load`` builds and caches the extension ``name`` (created when
+    missing): torch's private ``_get_build_directory`` (``$TORCH_EXTENSIONS_DIR`` or its default)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
+
+
+def group_timeout(group: Any, device: torch.device) -> float:
+    """Seconds the collectives of process group ``group`` wait (the ``timeout`` it was created with):
+    its backend's private options on ``device``; torch's default when a backend has none."""
+    try:
+        return group._get_backend(device).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return torch.distributed.distributed_c10d.default_pg_timeout.total_seconds()
+
+
 def triton_interpreter_limit() -> str | None:
     """Why Triton's interpreter (``TRITON_INTERPRET=1``: the ``triton`` backend on CPU tensors) cannot run
     this package's kernels with the installed Triton, or ``None`` when it can (or Triton is absent).

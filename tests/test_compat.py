@@ -311,3 +311,29 @@ def test_an_unreachable_frequency_holds_a_step_scheduler():
         f"{held} times in 4 batches (4 with frequency 1: {stepped}): the training epoch loop no longer tests "
         "(batch_idx + 1) % frequency, and LossScalingPrecision cannot hold schedulers on skipped steps"
     )
+
+
+def test_extension_build_directory_is_where_cpp_extension_builds(tmp_path, monkeypatch):
+    """torch's private ``_get_build_directory`` (``torch.utils.cpp_extension``) names, and creates, the
+    directory ``load`` builds in: ``$TORCH_EXTENSIONS_DIR/<name>``."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    directory = _compat.extension_build_directory("lightning_ext_probe")
+    assert directory == tmp_path / "lightning_ext_probe" and directory.is_dir()
+
+
+def test_group_timeout_reads_the_timeout_a_gloo_group_was_created_with(tmp_path):
+    """A process group backend's private ``options._timeout`` (``ProcessGroupGloo.Options``) holds the
+    ``timeout`` given to ``init_process_group``/``new_group``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+        timeout=datetime.timedelta(seconds=7),
+    )
+    try:
+        assert _compat.group_timeout(dist.group.WORLD, torch.device("cpu")) == 7.0
+        assert _compat.group_timeout(object(), torch.device("cpu")) == 1800.0  # torch's default
+    finally:
+        dist.destroy_process_group()

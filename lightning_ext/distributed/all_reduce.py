@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_ext._compat import group_timeout
 from lightning_ext.distributed import shm
 from lightning_ext.distributed.groups import collective_device
 
@@ -114,14 +115,6 @@ def _agree(route: _Route, descriptor: int, group: Any) -> None:
     route.agreed.add(descriptor)
 
 
-def _group_timeout(group: Any) -> float:
-    """Seconds the process group's collectives wait (the ``timeout`` it was created with)."""
-    try:
-        return group._get_backend(collective_device(group)).options._timeout.total_seconds()
-    except (AttributeError, RuntimeError):
-        return dist.distributed_c10d.default_pg_timeout.total_seconds()
-
-
 def _route(group: Any) -> _Route:
     """How reductions over ``group`` travel, decided at its first reduction (a collective, once).
 
@@ -139,7 +132,7 @@ def _route(group: Any) -> _Route:
             and "gloo" in str(dist.get_backend(group)).lower()
         )
         if world_size > 1 and shm._all_ranks_agree(capable, group, device):
-            segment = shm._create(group, _group_timeout(group))
+            segment = shm._create(group, group_timeout(group, device))
         else:
             segment = None
         route = _Route(device, segment)

@@ -41,10 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="print the compiler's output")
     args = parser.parse_args(argv)
 
+    from lightning_ext._compat import extension_build_directory
     from lightning_ext.kernels import cpu
 
     name = cpu._extension_name()
-    library = cpu._build_directory(name) / f"{name}.so"
+    library = extension_build_directory(name) / f"{name}.so"
     cached = library.stat().st_mtime_ns if library.exists() else None
     start = time.perf_counter()
     try:

@@ -51,7 +51,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from lightning_ext._compat import BUILD_LOCK_IS_ADVISORY, build_lock_held
+from lightning_ext._compat import BUILD_LOCK_IS_ADVISORY, build_lock_held, extension_build_directory
 from lightning_ext.kernels.backend import ReferenceBackend
 
 __all__ = ["CpuBackend"]
@@ -113,13 +113,6 @@ def _extension_name() -> str:
     """``lightning_ext_kernels_cpu_<key>``: the extension's name (its build directory and module name)
     for this environment and the source as it is now."""
     return f"{_NAME}_{_build_key(_environment(), _SOURCE.read_bytes())}"
-
-
-def _build_directory(name: str) -> Path:
-    """Where torch builds and caches the extension ``name`` (created when missing)."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    return Path(_get_build_directory(name, verbose=False))
 
 
 def _announce(build_directory: Path, waiting: bool = False) -> None:
@@ -209,7 +202,7 @@ def _load(verbose: bool = False) -> ModuleType:
             if not is_ninja_available():
                 raise RuntimeError("ninja is not installed (pip install ninja)")
             name = _extension_name()
-            directory = _build_directory(name)
+            directory = extension_build_directory(name)
             _clear_stale_lock(directory)
             announce = threading.Timer(_ANNOUNCE_AFTER_SECONDS, _announce, args=(directory,))
             announce.daemon = True

@@ -21,6 +21,7 @@ import warnings
 import pytest
 import torch
 
+from lightning_ext import _compat
 from lightning_ext.kernels import cpu, get_backend, registry
 from tests.helpers.cpu_extension import require_cpu_backend
 
@@ -147,8 +148,6 @@ def test_an_advisory_build_lock_is_waited_for_while_held_and_never_removed(monke
     """torch 2.14's lock (filelock): the file stays after the build; only a held lock means a build."""
     import fcntl
 
-    from lightning_ext import _compat
-
     monkeypatch.setattr(_compat, "BUILD_LOCK_IS_ADVISORY", True)
     monkeypatch.setattr(cpu, "BUILD_LOCK_IS_ADVISORY", True)
     monkeypatch.setattr(cpu, "build_lock_held", _compat.build_lock_held)
@@ -247,7 +246,7 @@ def test_the_ahead_of_time_build_runs_cleanly():
     assert result.returncode == 0, result.stderr
     assert "RuntimeWarning" not in result.stderr, result.stderr  # (torch 2.5's dynamo import leaves a
     # ResourceWarning of its own under -W default)
-    directory = re.escape(str(cpu._build_directory(cpu._extension_name())))
+    directory = re.escape(str(_compat.extension_build_directory(cpu._extension_name())))
     printed = rf"lightning_ext: cpu kernels (built|cached, loaded) in \d+\.\d s (in|from) {directory}\n"
     assert re.fullmatch(printed, result.stdout), result.stdout
 
