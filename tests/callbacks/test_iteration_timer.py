@@ -91,6 +91,9 @@ def test_timer_against_slow_loader_and_step(accumulate):
     for stat in ("mean", "min", "max"):
         assert getattr(collector, stat)("Timing/data_sec") == data_per_iter, stat
         assert getattr(collector, stat)("Timing/step_sec") == step_per_iter, stat
+    # Per timed micro-batch, the training_step; no collective ran in it, so nothing is subtracted.
+    assert collector.num("Timing/compute_sec") == collector.num("Timing/forward_sec") == 6 * accumulate
+    assert collector.max("Timing/compute_sec") == collector.min("Timing/forward_sec") == STEP_SEC
     assert timer.timed_iters == 6
     assert timer.timed_seconds == 6 * (data_per_iter + step_per_iter)
     per_iter = data_per_iter + step_per_iter
