@@ -14,7 +14,7 @@ from torch import Tensor
 from lightning_ext.kernels._triton import HAS_TRITON, sm_count, tl, triton
 from lightning_ext.kernels.backend import define_op
 
-__all__: list[str] = []  # an op family: its ops are registered below (lightning_ext.kernels.ops)
+__all__ = ["payload_moments"]  # an op family: its ops are registered below (lightning_ext.kernels.ops)
 
 
 def _stat_dtype(x: Tensor) -> torch.dtype:
@@ -73,7 +73,7 @@ def _batch_norm_moments_reference(x: Tensor, shift: Tensor) -> Tensor:
     return payload
 
 
-def _payload_moments(payload: Tensor, shift: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def payload_moments(payload: Tensor, shift: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(count, mean, var)`` from a summed ``batch_norm_moments`` payload, in float64: 0-dim count,
     ``(C,)`` mean and biased variance; an empty group (count 0) gives ``mean = shift``, ``var = 0``.
     The one reading of the payload (``_batch_norm_gather_stats_reference``, ``sync_batch_norm_stats``)."""
@@ -107,7 +107,7 @@ def _batch_norm_gather_stats_reference(
     Returns:
         ``(mean, invstd)``: float64 ``(C,)`` each.
     """
-    n, mean, var = _payload_moments(payload, shift)
+    n, mean, var = payload_moments(payload, shift)
     if running_mean is not None:
         running_mean.mul_(1.0 - momentum).add_(mean * momentum)
         running_var.mul_(1.0 - momentum).add_(var * (n / (n - 1.0) * momentum))

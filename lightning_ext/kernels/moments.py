@@ -17,7 +17,7 @@ from torch import Tensor
 from lightning_ext.kernels._triton import HAS_TRITON, grid_stride, tl, triton
 from lightning_ext.kernels.backend import define_op
 
-__all__: list[str] = []  # an op family: its ops are registered below (lightning_ext.kernels.ops)
+__all__ = ["moments_from_shifted"]  # an op family: its ops are registered below (lightning_ext.kernels.ops)
 
 _UNPUBLISHED = (0.0, math.nan, math.nan, math.nan, math.nan)  # a published row without values
 
@@ -59,7 +59,7 @@ def _accumulate_moments_reference(acc: Tensor, x: Tensor, shift: Tensor) -> None
 # payloads of a flush; the references of moments_payload_ and moments_finish_ below state the contracts.
 
 
-def _moments_from_shifted(acc: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+def moments_from_shifted(acc: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """Convert shifted sums to moment rows (a shift taken from the data keeps the sums small when
     ``|mean| ≫ std``).
 
@@ -173,7 +173,7 @@ def _moments_payload_reference(
         center: float64 ``(R,)``, the same on every rank.
         fingerprint: a float64 identifying the names (see :class:`~lightning_ext.stats.Collector`).
     """
-    rows = _moments_from_shifted(sums, shifts)
+    rows = moments_from_shifted(sums, shifts)
     r, has, mean = rows.shape[0], rows[:, 0] > 0, rows[:, 1]
     ninf = torch.full_like(mean, -math.inf)
     max_payload[0], max_payload[1] = fingerprint, -fingerprint

@@ -63,7 +63,7 @@ from lightning_ext.distributed import (
     get_world_size,
     is_distributed,
 )
-from lightning_ext.kernels.batch_norm import _payload_moments
+from lightning_ext.kernels import payload_moments
 
 __all__ = ["SyncBatchNorm", "sync_batch_norm_stats"]
 
@@ -370,6 +370,6 @@ def sync_batch_norm_stats(
     payload = _backend(backend, x.device).run("batch_norm_moments", x.detach(), shift, check=True)
     if sync and is_distributed():
         all_reduce_(payload, group=process_group)
-    count, mean, var = _payload_moments(payload, shift.double())
+    count, mean, var = payload_moments(payload, shift.double())
     nan = torch.full_like(mean, torch.nan)  # no element in the group: no statistics
     return count, torch.where(count > 0, mean, nan), torch.where(count > 0, var * count, nan)

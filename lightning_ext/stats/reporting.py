@@ -26,8 +26,7 @@ import torch
 
 from lightning_ext import distributed
 from lightning_ext._checks import check_int
-from lightning_ext.kernels import KernelBackend, get_backend
-from lightning_ext.kernels.moments import _moments_from_shifted
+from lightning_ext.kernels import KernelBackend, get_backend, moments_from_shifted
 from lightning_ext.stats.moments import _EMPTY_ROW, _as_shifted, _empty_moments, merge_moments
 from lightning_ext.stats.sketch import LogHistogram
 
@@ -88,7 +87,7 @@ class _Table(NamedTuple):
 
     def moments(self) -> torch.Tensor:
         """Float64 ``(len(names), 5)`` moment rows ``[count, mean, m2, min, max]``."""
-        return _moments_from_shifted(self.sums, self.shifts)
+        return moments_from_shifted(self.sums, self.shifts)
 
     def copy(self) -> _Table:
         """A table that owns its tensors (a drained table may be a view of the accumulator rows)."""

@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ext.kernels import BACKEND_ENV_VAR, get_backend, registry
-from lightning_ext.kernels.batch_norm import _payload_moments as payload_moments
+from lightning_ext.kernels import BACKEND_ENV_VAR, get_backend, payload_moments, registry
 from lightning_ext.nn import SyncBatchNorm, create_process_groups, sync_batch_norm_stats
 from tests.helpers.cpu_extension import require_cpu_backend
 from tests.helpers.distributed import run_distributed

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from lightning_ext.kernels.moments import (
     _moments_from_allreduce,
-    _moments_from_shifted,
     _needs_recentering,
     _shifted_for_allreduce,
+    moments_from_shifted,
 )
 from lightning_ext.stats.moments import _empty_moments, _fingerprint, _moments_of, merge_moments
 from tests.helpers.float64_reference import assert_moments_close
@@ -49,7 +49,7 @@ def test_shifted_then_merge_matches_direct(offset: float) -> None:
     x = offset + torch.randn(1001, generator=gen, dtype=torch.float64)
     parts = [x[:1], x[1:400], x[400:401], x[401:]]
     rows = [
-        _moments_from_shifted(_shifted(p, float(p[0])), torch.tensor(float(p[0]), dtype=torch.float64))
+        moments_from_shifted(_shifted(p, float(p[0])), torch.tensor(float(p[0]), dtype=torch.float64))
         for p in parts
     ]
     merged = _empty_moments(1)[0]
