@@ -111,9 +111,7 @@ class IterationTimer(HookBase):
     @override
     def before_step(self) -> None:
         self._step_start = time.perf_counter()
-        if self._on_cuda() and self._timed():
-            self._cuda_start = torch.cuda.Event(enable_timing=True)
-            self._cuda_start.record()
+        self._cuda_start = _now_or_event(True) if self._on_cuda() and self._timed() else None
 
     @override
     def on_train_batch_start(
@@ -148,7 +146,6 @@ class IterationTimer(HookBase):
             self._timed_iters += 1
             if self._cuda_start is not None:
                 self._pending_events.append(("Timing/step_sec", self._cuda_start, _now_or_event(True), 0.0))
-                self._cuda_start = None
                 self._report_completed_events()
             else:
                 report("Timing/step_sec", step_sec)

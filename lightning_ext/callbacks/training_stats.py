@@ -21,6 +21,7 @@ from lightning_ext._checks import check_bool, check_int, check_number
 from lightning_ext.callbacks.hook_base import _iterations_done
 from lightning_ext.callbacks.iteration_timer import IterationTimer
 from lightning_ext.stats import Collector, LogHistogram, init_multiprocessing, report, set_stage
+from lightning_ext.stats.collector import _compile_regex
 
 __all__ = ["TrainingStats"]
 
@@ -32,20 +33,6 @@ _CHECK_AFTER = 3  # training flushes (or the first epoch) after which unmatched 
 _WANDB_BINS = 512  # the most buckets a wandb.Histogram takes
 # Lightning's stages whose values are collected apart, and what their statistics are logged under
 STAGE_PREFIXES = {"validate": "val/", "test": "test/"}
-
-
-def _check_pattern(arg: str, pattern: Any, optional: bool) -> None:
-    """``TypeError``/``ValueError`` naming ``arg`` unless ``pattern`` is a regular expression (or None)."""
-    if optional and pattern is None:
-        return
-    if not isinstance(pattern, str):
-        raise TypeError(f"TrainingStats: `{arg}` must be a str, got {pattern!r} ({type(pattern).__name__})")
-    try:
-        re.compile(pattern)
-    except re.error as err:
-        raise ValueError(
-            f"TrainingStats: `{arg}` must be a regular expression, got {pattern!r} ({err})"
-        ) from None
 
 
 def _check_stats(stats: Any, quantiles: str | None) -> tuple[str, ...]:
@@ -184,22 +171,19 @@ class TrainingStats(Callback):
         for name, flag in (("on_step", on_step), ("on_epoch", on_epoch), ("keep_previous", keep_previous)):
             check_bool("TrainingStats", name, flag)
         for arg, pattern in (("regex", regex), ("quantiles", quantiles), ("stragglers", stragglers)):
-            _check_pattern(arg, pattern, optional=arg != "regex")
+            if pattern is not None or arg == "regex":
+                _compile_regex("TrainingStats", pattern, arg)
         LogHistogram(relative_accuracy, value_range)  # checks them
         self.quantiles, self.stragglers = quantiles, stragglers
         self.straggler_excess, self.straggler_min_sec = float(straggler_excess), float(straggler_min_sec)
         self.straggler_patience = straggler_patience
         self._hosts: list[str] = []  # host name per rank, gathered at setup (with stragglers)
         self._runs: dict[str, tuple[int, int]] = {}  # straggler name => (rank, flushes in a row it counted)
-        self._flushes = 0  # training flushes of this run; -1 once unmatched patterns were checked
-        self._unchecked = {"regex", "quantiles", "stragglers"}  # patterns not warned about yet
-        self.every_n_train_steps = every_n_train_steps
-        self.regex = regex
-        self.stats = stats
+        self._flushes = 0  # training flushes so far
+        self._unchecked = {"regex", "quantiles", "stragglers"}  # patterns not checked for matches yet
+        self.every_n_train_steps, self.regex, self.stats = every_n_train_steps, regex, stats
         self.prefix = prefix
-        self.on_step = on_step
-        self.on_epoch = on_epoch
-        self.keep_previous = keep_previous
+        self.on_step, self.on_epoch, self.keep_previous = on_step, on_epoch, keep_previous
         self.collector: Collector | None = None  # the training values
         self.stage_collectors: dict[str, Collector] = {}  # stage => its values (with ``on_epoch``)
         self._outer_stage: str | None = None  # the stage set before a loop's
@@ -230,11 +214,9 @@ class TrainingStats(Callback):
             re.fullmatch(self.stragglers or "(?!)", name) for name in _TIMER_NAMES
         )  # asks for the timer's names without it
         if several and untimed and "stragglers" in self._unchecked:
-            rank_zero_warn(
-                f"TrainingStats: `stragglers`={self.stragglers!r} asks for IterationTimer's timings, but the "
-                "Trainer has no IterationTimer: no slowest rank will be named. HINT: add IterationTimer() "
-                "first in `callbacks`, or pass stragglers=None."
-            )
+            hint = "HINT: add IterationTimer() first to `callbacks`, or pass stragglers=None."
+            rank_zero_warn(f"TrainingStats: `stragglers`={self.stragglers!r} asks for IterationTimer's "
+                           f"timings, but the Trainer has none: no rank is named. {hint}")  # fmt: skip
         if not several or untimed:  # said above, or no slowest rank on one process
             self._unchecked.discard("stragglers")
         if self.collector is None:
@@ -261,35 +243,29 @@ class TrainingStats(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._global_step = trainer.global_step
 
-    def _enter(self, stage: str) -> None:
-        self._outer_stage = set_stage(stage)
-
-    def _leave(self) -> None:
-        set_stage(self._outer_stage)
-
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._enter("validate")
+        self._outer_stage = set_stage("validate")
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._leave()
+        set_stage(self._outer_stage)
 
     @override
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._enter("test")
+        self._outer_stage = set_stage("test")
 
     @override
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._leave()
+        set_stage(self._outer_stage)
 
     @override
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._enter("predict")
+        self._outer_stage = set_stage("predict")
 
     @override
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._leave()
+        set_stage(self._outer_stage)
 
     @override
     def on_sanity_check_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -424,10 +400,8 @@ class TrainingStats(Callback):
         if not (loggers and trainer.is_global_zero and self.quantiles):
             return
         for name in filter(re.compile(self.quantiles).fullmatch, collector.updated()):
-            counts, edges = collector.histogram(name)
-            for logger in loggers if counts.size else ():
-                moments = collector.num(name), collector.mean(name), collector.std(name)
-                _log_histogram(logger, f"{prefix}{name}/hist", counts, edges, moments, step)
+            for logger in loggers:
+                _log_histogram(logger, collector, name, f"{prefix}{name}/hist", step)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -453,18 +427,14 @@ class TrainingStats(Callback):
                 self.stage_collectors[stage].load_state_dict(state)
 
 
-def _log_histogram(
-    logger: TensorBoardLogger | WandbLogger,
-    tag: str,
-    counts: np.ndarray,
-    edges: np.ndarray,
-    moments: tuple[int, float, float],
-    step: int,
-) -> None:
-    """``counts`` between ``edges`` (NumPy's histogram) as a TensorBoard or W&B histogram at ``step``;
-    ``moments`` are the ``(num, mean, std)`` of the values."""
+def _log_histogram(logger: Any, collector: Collector, name: str, tag: str, step: int) -> None:
+    """``name``'s histogram of the last interval (:meth:`Collector.histogram`) as a TensorBoard or W&B
+    histogram ``tag`` at ``step``."""
+    counts, edges = collector.histogram(name)
+    if not counts.size:
+        return
     if isinstance(logger, TensorBoardLogger):
-        num, mean, std = moments
+        num, mean, std = collector.num(name), collector.mean(name), collector.std(name)
         logger.experiment.add_histogram_raw(
             tag, min=edges[0], max=edges[-1], num=int(counts.sum()), sum=num * mean,
             sum_squares=num * (std**2 + mean**2), bucket_limits=edges[1:].tolist(),

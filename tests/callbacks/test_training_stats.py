@@ -115,7 +115,7 @@ def test_ddp_spawn_logs_match_float64_and_checkpoint_round_trips(tmp_path: Path,
     trainer.fit(ReportingModule(str(tmp_path)))
     records = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     # The default slowest-rank names without IterationTimer: said once, on rank zero.
-    assert capfd.readouterr().err.count("asks for IterationTimer's timings, but the Trainer has no") == 1
+    assert capfd.readouterr().err.count("asks for IterationTimer's timings, but the Trainer has none") == 1
 
     # Single-process float64 reference over both ranks' data, per flush interval (4 micro-batches).
     micro_per_flush = EVERY * ACCUMULATE
