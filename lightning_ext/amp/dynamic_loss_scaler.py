@@ -44,6 +44,7 @@ _SCHEDULES, _POLICIES = get_args(_Schedule), get_args(_MinScalePolicy)
 _CONFIG = ("schedule", "log2_increment", "log2_decrement", "hysteresis", "consecutive_hysteresis",
            "min_scale", "max_scale")  # fmt: skip
 _OPTIONS = (*_CONFIG, "on_min_scale", "skip_nonfinite", "process_group", "telemetry")
+_COUNTERS = ("steps", "skipped_steps", "consecutive_overflows")  # int in the state dict, float64 on device
 # Our device state beyond GradScaler's ``_scale``/``_growth_tracker``: name -> dtype.
 _DEVICE_STATE = {
     "log2_scale": torch.float64,  # log2 of the scale; the authoritative value of the "log2" schedule
@@ -71,13 +72,12 @@ _RULES: dict[str, tuple[Callable[..., None], dict[str, Any]]] = {
     "min_scale": (check_number, {"gt": 0.0, "optional": True}),
     "max_scale": (check_number, {"gt": 0.0, "optional": True}),
     "on_min_scale": (check_choice, {"choices": _POLICIES}),
-    **dict.fromkeys(("steps", "skipped_steps", "consecutive_overflows"), (check_int, {"ge": 0})),
+    **dict.fromkeys(_COUNTERS, (check_int, {"ge": 0})),
     **dict.fromkeys(("enabled", "consecutive_hysteresis", "skip_nonfinite", "telemetry", "per_optimizer",
                      "last_step_skipped"), (check_bool, {})),
 }  # fmt: skip
 # The keys of our state dict (GradScaler's come with them when enabled): all are needed to load one.
-_STATE_KEYS = (*_CONFIG, "log2_scale", "_hysteresis_tracker", "steps", "skipped_steps",
-               "consecutive_overflows", "last_step_skipped")  # fmt: skip
+_STATE_KEYS = (*_CONFIG, "log2_scale", "_hysteresis_tracker", *_COUNTERS, "last_step_skipped")
 _GRAD_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
@@ -125,6 +125,12 @@ def _check_device(owner: str, device: Any) -> None:
 def _counter(name: str, doc: str) -> property:
     """The read-only property of the counter ``name`` of ``_DEVICE_STATE``, as an int."""
     return property(lambda self: int(self._read_device_state()[name]), doc=f"{doc} Syncs host and device.")
+
+
+def _over_children(combine: Callable[[Any], Any], name: str, doc: str) -> property:
+    """The read-only property ``name`` of a per-optimizer scaler: ``combine`` of its scalers' values."""
+    return property(lambda self: combine(getattr(c, name) for c in self._children.values()),
+                    doc=f"{doc} Syncs host and device.")  # fmt: skip
 
 
 def _check_optimizer(optimizer: Any) -> None:
@@ -242,7 +248,7 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
         (True, False)
     """
 
-    _per_optimizer = False  # True on PerOptimizerLossScaler (what DynamicLossScaler(per_optimizer=True) is)
+    per_optimizer = False  # True on PerOptimizerLossScaler (what DynamicLossScaler(per_optimizer=True) is)
 
     def __init__(
         self,
@@ -270,25 +276,22 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
         _check_device(owner, device)
         _check(owner, locals())  # every argument by the rule of its name, as load_state_dict's entries
         check_process_group(process_group)
-        if per_optimizer != self._per_optimizer:
+        if per_optimizer != self.per_optimizer:
             raise ValueError(
-                f"{owner} takes per_optimizer={self._per_optimizer}, got {per_optimizer!r}. "
+                f"{owner} takes per_optimizer={self.per_optimizer}, got {per_optimizer!r}. "
                 "HINT: DynamicLossScaler(per_optimizer=True) makes a PerOptimizerLossScaler."
             )
         enabled = _enabled_on(device, enabled)
-        super().__init__(device, float(init_scale), growth_factor, backoff_factor, growth_interval, enabled)
-        # GradScaler sets these only when enabled; the skip-only mode needs them too.
-        self._init_scale = float(init_scale) if self._enabled else 1.0
-        self._scale, self._growth_tracker = None, None
-        self._growth_factor, self._backoff_factor = growth_factor, backoff_factor
-        self._growth_interval, self._init_growth_tracker = growth_interval, 0
-        self._per_optimizer_states = defaultdict(new_optimizer_state)
+        # GradScaler sets its settings and state only when enabled, and the skip-only mode needs them
+        # too (scale 1): built enabled for "cpu" (no CUDA check: _enabled_on made it), then set both.
+        init_scale = float(init_scale) if enabled else 1.0
+        super().__init__("cpu", init_scale, growth_factor, backoff_factor, growth_interval, enabled=True)
+        self._device, self._enabled = device, enabled
         self.schedule, self.hysteresis, self.on_min_scale = schedule, hysteresis, on_min_scale
         self.consecutive_hysteresis = consecutive_hysteresis
         self.log2_increment, self.log2_decrement = log2_increment, log2_decrement
         self.min_scale, self.max_scale = min_scale, max_scale
-        self.skip_nonfinite, self.telemetry, self.per_optimizer = skip_nonfinite, telemetry, per_optimizer
-        self.process_group = process_group
+        self.skip_nonfinite, self.telemetry, self.process_group = skip_nonfinite, telemetry, process_group
         self._name: str | None = None  # telemetry prefix AMP/<name>/ of a per-optimizer scale
         self._device_state: dict[str, Tensor] | None = None  # _DEVICE_STATE, created with _scale
         self._start: dict[str, float] = {"hysteresis_tracker": hysteresis}  # loaded/unpickled values
@@ -338,10 +341,15 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
         self._device_state = {
-            name: torch.tensor(value, dtype=_DEVICE_STATE[name], device=dev)
-            for name, value in self._start_values().items()
+            name: torch.empty((), dtype=dtype, device=dev) for name, dtype in _DEVICE_STATE.items()
         }
-        if self.schedule == "log2":  # the scale follows its float64 log2
+        self._fill_device_state()
+
+    def _fill_device_state(self) -> None:
+        """Write :meth:`_start_values` into the device state; the log2 schedule's scale follows its log2."""
+        for name, value in self._start_values().items():
+            self._device_state[name].fill_(value)
+        if self.schedule == "log2" and self._enabled:
             self._scale.copy_(torch.exp2(self._device_state["log2_scale"]))
 
     def _has_steps(self) -> bool:
@@ -382,48 +390,44 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
                 grads[grad.device].append(grad)
         return grads
 
-    def _found_inf_per_device(
-        self, optimizer: Optimizer, allow_fp16: bool, inv_scale: Tensor | None, device: Any
+    def _check_grads(
+        self, optimizer: Optimizer, allow_fp16: bool, inv_scale: Tensor | None
     ) -> dict[torch.device, Tensor]:
         """``found_inf`` (float32 0-dim) per device of ``optimizer``'s gradients, unscaled in place by
         ``inv_scale`` in the same pass (read-only check for ``None``). With ``process_group``, their MAX
-        over the group instead, on ``device`` (``None``: the scale's, else the first gradients')."""
+        over the group instead, on the scale's device (else the first gradients')."""
         flags = {}
         # Below a scale of about 2**-128 (0 included) 1/scale is inf in float32: unscaling (ours, or a
         # fused optimizer's) turns every gradient into inf/NaN after ATen's check, which reads them
         # before multiplying. Such a step counts as an overflow (GradScaler would take it).
-        unusable = None
-        if self._enabled and self._scale is not None:
-            inv = inv_scale if inv_scale is not None else self._scale.double().reciprocal().float()
-            unusable = torch.isinf(inv).float()
+        inv = self._scale.double().reciprocal().float() if inv_scale is None and self._enabled else inv_scale
+        unusable = None if inv is None else torch.isinf(inv).float()
         with torch.no_grad():
             for dev, grads in self._grads_by_device(optimizer, allow_fp16).items():
                 if inv_scale is None:
                     flags[dev] = get_backend(device=dev).run("check_finite", grads, dev)
                 else:
-                    inv = inv_scale.to(dev, non_blocking=True).float()
+                    inv = inv_scale.to(dev, non_blocking=True)
                     flags[dev] = get_backend(device=dev).run("unscale_and_check_", grads, inv)
                 if unusable is not None:
                     flags[dev] = torch.maximum(flags[dev], unusable.to(dev, non_blocking=True))
-        if device is None:
-            device = self._scale.device if self._scale is not None else next(iter(flags), torch.device("cpu"))
         if self.process_group is None or not is_distributed():
             return flags
-        combined = torch.zeros((), dtype=torch.float32, device=device)
-        for flag in flags.values():
-            combined = torch.maximum(combined, flag.to(device, non_blocking=True))
+        device = self._scale.device if self._scale is not None else next(iter(flags), torch.device("cpu"))
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        combined = torch.stack([zero, *(f.to(device, non_blocking=True) for f in flags.values())]).amax()
         all_reduce_(combined, op=dist.ReduceOp.MAX, group=self.process_group)
         return {device: combined}
 
     def _unscale_grads_(
         self, optimizer: Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
     ) -> dict[torch.device, Tensor]:
-        return self._found_inf_per_device(optimizer, allow_fp16, inv_scale, found_inf.device)
+        return self._check_grads(optimizer, allow_fp16, inv_scale)
 
     def _check_inf_per_device(self, optimizer: Optimizer) -> dict[torch.device, Tensor]:
         """``found_inf`` per device without unscaling (fused optimizers, the skip-only mode), recorded."""
         state = self._per_optimizer_states[id(optimizer)]
-        state["found_inf_per_device"] = self._found_inf_per_device(optimizer, True, None, None)
+        state["found_inf_per_device"] = self._check_grads(optimizer, True, None)
         return state["found_inf_per_device"]
 
     def unscale_(self, optimizer: Optimizer) -> None:
@@ -516,14 +520,13 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
         found_infs = [_combined(s) for s in states if s["found_inf_per_device"]]
         if new_scale is None and not found_infs:
             raise AssertionError("No inf checks were recorded prior to update.")
-        device = self._scale.device if self._scale is not None else found_infs[0].device
         if self._scale is None:
-            self._lazy_init_scale_growth_tracker(device)
+            self._lazy_init_scale_growth_tracker(found_infs[0].device)
+        device = self._scale.device
         found_infs = [f.to(device, non_blocking=True) for f in found_infs]
         for found in found_infs:
-            schedules._count_(self._device_state["steps"], self._device_state["skipped_steps"],
-                             self._device_state["consecutive_overflows"], found)  # fmt: skip
-        combined = sum(found_infs[1:], found_infs[0]) if found_infs else torch.zeros((), device=device)
+            schedules._count_(*(self._device_state[key] for key in _COUNTERS), found)
+        combined = sum(found_infs, torch.zeros((), dtype=torch.float32, device=device))
         self._device_state["found_inf"].copy_(combined)
         if self._enabled and new_scale is not None:
             self._set_scale(new_scale)
@@ -546,8 +549,6 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
                 self._growth_factor, self._backoff_factor, self._growth_interval, self.hysteresis,
                 self.consecutive_hysteresis,
             )  # fmt: skip
-        if self.min_scale is None and self.max_scale is None:
-            return
         log2 = s["log2_scale"] if self.schedule == "log2" else None
         hit_floor = schedules._clamp_(self._scale, log2, back_off, self.min_scale, self.max_scale)
         if self.min_scale is None or self.on_min_scale == "clamp":
@@ -599,7 +600,7 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
     @property
     def last_step_skipped(self) -> bool:
         """Whether the last update counted a skipped step. Syncs host and device."""
-        return self._device_state is not None and bool(self._device_state["found_inf"] > 0)
+        return bool(self.last_step_skipped_tensor)
 
     @property
     def last_step_skipped_tensor(self) -> Tensor:
@@ -621,15 +622,14 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
         (GradScaler's). Syncs host and device."""
         if not self._checks:
             return {}
-        host = self._read_device_state()
-        base = super().state_dict() if self._enabled else {}
-        ours = {key: getattr(self, key) for key in _CONFIG}
+        host, base = self._read_device_state(), super().state_dict()  # GradScaler's: {} when disabled
         # The exponential schedule moves the scale alone: its log2 is derived here, as pickling does.
-        derived = self.schedule != "log2"
-        ours["log2_scale"] = _log2(base.get("scale", 1.0)) if derived else host["log2_scale"]
-        ours["_hysteresis_tracker"] = int(host["hysteresis_tracker"])
-        ours.update({key: int(host[key]) for key in ("steps", "skipped_steps", "consecutive_overflows")})
-        return {**base, **ours, "last_step_skipped": host["found_inf"] > 0}
+        log2 = host["log2_scale"] if self.schedule == "log2" else _log2(base.get("scale", 1.0))
+        return {
+            **base, **{key: getattr(self, key) for key in _CONFIG}, "log2_scale": log2,
+            "_hysteresis_tracker": int(host["hysteresis_tracker"]),
+            **{key: int(host[key]) for key in _COUNTERS}, "last_step_skipped": host["found_inf"] > 0,
+        }  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`, or adopt a ``torch.amp.GradScaler`` state dict (scale, factors and
@@ -656,14 +656,11 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
             self._start = {
                 "log2_scale": float(state_dict["log2_scale"]),
                 "hysteresis_tracker": state_dict["_hysteresis_tracker"],
-                **{k: float(state_dict[k]) for k in ("steps", "skipped_steps", "consecutive_overflows")},
+                **{key: float(state_dict[key]) for key in _COUNTERS},
                 "found_inf": float(state_dict["last_step_skipped"]),
             }
-        if self._device_state is not None:  # rewrite the device state
-            for name, value in self._start_values().items():
-                self._device_state[name].fill_(value)
-            if self.schedule == "log2" and self._enabled:
-                self._scale.copy_(torch.exp2(self._device_state["log2_scale"]))
+        if self._device_state is not None:
+            self._fill_device_state()
 
     def _check_state(self, state: Mapping[str, Any], owner: str) -> None:
         """Raise unless this scaler can load ``state`` whole (see :meth:`load_state_dict`)."""
@@ -689,15 +686,11 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
     def __getstate__(self) -> dict[str, Any]:
         # GradScaler's (the scale as a number, tensors recreated lazily), and ours alike: tensors sent
         # to spawned workers would otherwise travel through shared memory and be one state for all.
-        if self._enabled:
-            state = super().__getstate__()
-        else:
-            state = {**self.__dict__, "_scale": None, "_growth_tracker": None}
         host = self._read_device_state()
         if self.schedule != "log2":
             del host["log2_scale"]  # derived from the scale
-        state["_start"], state["_device_state"] = host, None
-        return state
+        return {**super().__getstate__(), "_scale": None, "_growth_tracker": None, "_start": host,
+                "_device_state": None}  # fmt: skip
 
 
 def _check_per_optimizer_keys(state_dict: dict[str, Any], per_optimizer: bool) -> None:
@@ -750,7 +743,7 @@ class PerOptimizerLossScaler(DynamicLossScaler):
         (512.0, 1024.0)
     """
 
-    _per_optimizer = True
+    per_optimizer = True
 
     def __init__(self, *args: Any, per_optimizer: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, per_optimizer=per_optimizer, **kwargs)
@@ -822,25 +815,13 @@ class PerOptimizerLossScaler(DynamicLossScaler):
         for child in stepped:
             child.update(new_scale)
 
-    @property
-    def steps(self) -> int:
-        """Optimizer steps counted, summed over the optimizers. Syncs host and device."""
-        return sum(c.steps for c in self._children.values())
-
-    @property
-    def skipped_steps(self) -> int:
-        """Skipped optimizer steps, summed over the optimizers. Syncs host and device."""
-        return sum(c.skipped_steps for c in self._children.values())
-
-    @property
-    def consecutive_overflows(self) -> int:
-        """The longest run of skipped steps up to the last update over the optimizers. Syncs."""
-        return max((c.consecutive_overflows for c in self._children.values()), default=0)
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """Whether any optimizer's last update counted a skipped step. Syncs host and device."""
-        return any(c.last_step_skipped for c in self._children.values())
+    steps = _over_children(sum, "steps", "Optimizer steps counted, summed over the optimizers.")
+    skipped_steps = _over_children(sum, "skipped_steps", "Skipped steps, summed over the optimizers.")
+    consecutive_overflows = _over_children(
+        lambda runs: max(runs, default=0), "consecutive_overflows",
+        "The longest run of skipped steps up to the last update over the optimizers.",
+    )  # fmt: skip
+    last_step_skipped = _over_children(any, "last_step_skipped", "Whether any last update skipped.")
 
     def state_dict(self) -> dict[str, Any]:
         """``{"per_optimizer": {name: DynamicLossScaler.state_dict()}}``. Syncs host and device."""
