@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,7 +43,7 @@ def _extract_losses(outputs: Any, accumulate_grad_batches: int = 1) -> dict[str,
     if not isinstance(outputs, Mapping) or outputs.get("loss") is None:
         raise ValueError(
             f"LossMonitor: `training_step` returned no loss (its output reached `on_train_batch_end` as "
-            f"{_short(outputs)}); LossMonitor needs the loss tensor or a dict with a 'loss' entry. "
+            f"{outputs!r:.120}); LossMonitor needs the loss tensor or a dict with a 'loss' entry. "
             "HINT: return the loss from `training_step` (with a HookRunner: pass it to "
             "`runner.after_step(loss)`), or remove LossMonitor from the callbacks."
         )
@@ -52,21 +51,14 @@ def _extract_losses(outputs: Any, accumulate_grad_batches: int = 1) -> dict[str,
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TypeError(
             f"LossMonitor: the 'loss' returned by `training_step` must be a tensor with one "
-            f"element, got {_short(loss)}"
+            f"element, got {loss!r:.120}"
         )
-    loss = loss.detach().reshape(())
-    if accumulate_grad_batches != 1:
-        loss = loss * accumulate_grad_batches
-    extras = {k: v for k, v in outputs.items() if k != "loss" and isinstance(k, str) and k.startswith("loss")}
-    scalars = {
-        k: v.detach().reshape(()) for k, v in extras.items() if isinstance(v, torch.Tensor) and v.numel() == 1
-    }
-    return {"loss": loss, **dict(sorted(scalars.items()))}
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 120 else text[:117] + "..."
+    extras = {
+        k: v.detach().reshape(()) for k, v in outputs.items()
+        if isinstance(k, str) and k.startswith("loss") and k != "loss"
+        and isinstance(v, torch.Tensor) and v.numel() == 1
+    }  # fmt: skip
+    return {"loss": loss.detach().reshape(()) * accumulate_grad_batches, **dict(sorted(extras.items()))}
 
 
 # One rank's row of the rare all_gather: (its first non-finite iteration since the last agreement point,
@@ -91,16 +83,6 @@ def _summarize(collector: Collector, keys: list[str], ranks: list[_RankRow] | No
         losses = dict(zip(keys, ranks[bad_ranks[0]][1]))
         summary.update(bad=True, first_bad_iter=int(first), bad_ranks=bad_ranks, bad_loss_dict=losses)
     return summary
-
-
-@dataclasses.dataclass
-class _Agreement:
-    """Outcome of one agreement point, applied on the training thread (after the writer job when async)."""
-
-    writer_error: BaseException | None  # this rank's writer failure that the agreement reports
-    summary: dict[str, Any]  # _summarize()
-    error: FloatingPointError | None = None  # the non-finite loss decision
-    metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # what rank zero writes
 
 
 class LossMonitor(HookBase):
@@ -175,8 +157,8 @@ class LossMonitor(HookBase):
     def _reset_run(self) -> None:
         self._keys: list[str] | None = None  # loss names, fixed at the first step
         self._new_interval()
-        self._accumulate = 1  # factor Lightning divided the returned "loss" by
-        self._pending: tuple[Future, _Agreement] | None = None  # async job of the last agreement
+        # The last agreement's async write, its metrics and the exception it decided (raised after it).
+        self._pending: tuple[Future, dict[str, float], BaseException | None] | None = None
         self._writer_error: BaseException | None = None  # local writer failure not yet agreed
 
     def _new_interval(self) -> None:
@@ -203,8 +185,7 @@ class LossMonitor(HookBase):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         automatic = isinstance(trainer, pl.Trainer) and pl_module.automatic_optimization  # not HookRunner
-        self._accumulate = trainer.accumulate_grad_batches if automatic else 1
-        self._fold(_extract_losses(outputs, self._accumulate))
+        self._fold(_extract_losses(outputs, trainer.accumulate_grad_batches if automatic else 1))
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     def _fold(self, losses: dict[str, torch.Tensor]) -> None:
@@ -268,26 +249,33 @@ class LossMonitor(HookBase):
         # The mean total loss is non-finite iff some rank's was (host reads, the same on every rank).
         bad = collector.num("loss") > 0 and not math.isfinite(collector.mean("loss"))
         ranks = self._gather() if bad or collector.max("writer_failed") > 0 else None
-        agreement = _Agreement(self._writer_error, _summarize(collector, self._keys, ranks))
+        self.last_summary = summary = _summarize(collector, self._keys, ranks)
+        error = self._decide(summary)
         self._writer_error = None
         self._new_interval()
-        self.last_summary = summary = agreement.summary
+        metrics = {f"LossMonitor/{key}": value for key, value in summary["means"].items()}
+        metrics["Timing/data_sec_max"] = summary["data_sec_max"]
+        step = self.iter  # Lightning's step: i after iteration i, n at the end
+        if self.async_write and not final and self._executor is not None:
+            self._pending = (self._executor.submit(self._write, metrics, step), metrics, error)
+        else:
+            self._finish(lambda: self._write(metrics, step), metrics, error)
+
+    def _decide(self, summary: dict[str, Any]) -> BaseException | None:
+        """The exception an agreement point raises on every rank once written: the non-finite loss (a
+        warning instead with ``raise_on_nonfinite=False``), else a writer failure (this rank's own)."""
         if summary["bad"]:
             message = (
                 f"Loss became infinite or NaN at iteration={summary['first_bad_iter']} on rank(s) "
                 f"{summary['bad_ranks']}!\nloss_dict = {summary['bad_loss_dict']}"
             )
             if self.raise_on_nonfinite:
-                agreement.error = FloatingPointError(message)
-            else:
-                self._warn(message)
-        agreement.metrics = {f"LossMonitor/{key}": value for key, value in summary["means"].items()}
-        agreement.metrics["Timing/data_sec_max"] = summary["data_sec_max"]
-        step = self.iter  # Lightning's step: i after iteration i, n at the end
-        if self.async_write and not final and self._executor is not None:
-            self._pending = (self._executor.submit(self._write, agreement.metrics, step), agreement)
-            return
-        self._finish(lambda: self._write(agreement.metrics, step), agreement)
+                return FloatingPointError(message)
+            self._warn(message)
+        failed = summary["writer_failed_ranks"]
+        if self._writer_error is not None or not failed:  # this rank's own failure, or none anywhere
+            return self._writer_error
+        return RuntimeError(f"LossMonitor: the writer failed on rank(s) {failed}; see that rank's error")
 
     def _gather(self) -> list[_RankRow]:
         """Every rank's :data:`_RankRow`: a host read, and one ``all_gather_object`` on several ranks."""
@@ -307,28 +295,20 @@ class LossMonitor(HookBase):
 
     def _collect(self) -> None:
         """Wait for the last asynchronous job and raise what it found (see the class docstring)."""
-        future, agreement = self._pending
+        future, metrics, error = self._pending
         self._pending = None
-        self._finish(future.result, agreement)
+        self._finish(future.result, metrics, error)
 
-    def _finish(self, job: Callable[[], Any], agreement: _Agreement) -> None:
-        """Run ``job`` (the writer, or the wait for it), then :meth:`_apply`; on several processes a
-        writer failure is kept for the next agreement point instead of raising on this rank alone."""
+    def _finish(self, job: Callable[[], Any], metrics: dict[str, float], error: BaseException | None) -> None:
+        """Run ``job`` (the writer, or the wait for it), then, on the training thread, publish ``metrics``
+        and raise ``error``; on several processes a writer failure is kept for the next agreement point
+        instead of raising on this rank alone."""
         try:
             job()
         except Exception as exc:
             if get_world_size() == 1:
                 raise
             self._writer_error = exc
-        self._apply(agreement)
-
-    def _apply(self, agreement: _Agreement) -> None:
-        """On the training thread: publish the metrics, then raise what the agreement decided."""
-        self.trainer.callback_metrics.update({k: torch.tensor(v) for k, v in agreement.metrics.items()})
-        if agreement.error is not None:
-            raise agreement.error
-        if agreement.summary["writer_failed_ranks"]:
-            if agreement.writer_error is not None:
-                raise agreement.writer_error
-            failed = agreement.summary["writer_failed_ranks"]
-            raise RuntimeError(f"LossMonitor: the writer failed on rank(s) {failed}; see that rank's error")
+        self.trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
+        if error is not None:
+            raise error
