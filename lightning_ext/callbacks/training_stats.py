@@ -153,7 +153,7 @@ class TrainingStats(Callback):
         relative_accuracy: float = 0.01,
         value_range: tuple[float, float] = (1e-6, 1e6),
         stragglers: str | None = "Timing/(data|compute)_sec",
-        straggler_excess: float = 0.1,
+        straggler_excess: float = 0.2,
         straggler_min_sec: float = 0.005,
         straggler_patience: int = 2,
     ) -> None:
