@@ -41,8 +41,11 @@ run, interleaved; medians of the slower rank. Target: flush <= 3x floor. Also ``
 
 Part 4, quantile sketches: the flush of part 3 at K=100 with 0, 10 and 100 names sketched for
 quantiles (their float64 counts in the SUM all-reduce; the floor grows with them), and ``report()`` of
-a 2**20-element float32 tensor with and without its sketch, interleaved. Target: the K=100 flush with
-no sketched name keeps flush <= 3x floor. ``--quantiles-only`` runs this part alone.
+a 2**20-element float32 tensor with and without its sketch, interleaved; and ``TrainingStats``' flush
+with the slowest rank of 2 names (read with ``straggler()``) and the 10 sketched names' histograms
+written to a ``TensorBoardLogger`` on rank zero. Target: the K=100 flush with no sketched name, and
+the one with the slowest rank and the histograms, keep flush <= 3x floor. ``--quantiles-only`` runs
+this part alone.
 
 Usage: ``python benchmarks/bench_stats.py [--quick] [--sweep-only | --flush-only]``.
 """
@@ -405,14 +408,15 @@ def measure_report_calls(number: int = 20_000, repeat: int = 5) -> dict[str, flo
     return result
 
 
-def _floor_flush(k: int, group=None, sketched: int = 0):
+def _floor_flush(k: int, group=None, sketched: int = 0, straggled: int = 0):
     """One flush's collectives alone: the MAX and SUM all_reduces of ``Collector.update()`` for K names,
-    ``sketched`` of them with a quantile sketch (its counts in the SUM)."""
+    ``sketched`` of them with a quantile sketch (its counts in the SUM), ``straggled`` with the slowest
+    rank tracked (a rank mean per name in the MAX, a rank-mean sketch in the SUM)."""
     from lightning_ext.distributed import all_reduce_
     from lightning_ext.stats import LogHistogram
 
-    payload = torch.zeros(2 + 4 * k, dtype=torch.float64)
-    sums = torch.zeros(4 * k + sketched * LogHistogram().size, dtype=torch.float64)
+    payload = torch.zeros(2 + (5 if straggled else 4) * k, dtype=torch.float64)  # + a rank mean per name
+    sums = torch.zeros(4 * k + (sketched + straggled) * LogHistogram().size, dtype=torch.float64)
 
     def floor() -> None:
         works = [
@@ -433,13 +437,16 @@ def _flush_worker(rank: int, world_size: int, init_file: str, config: dict, out_
 
         distributed.shm_available()
         results = {}
-        for k, sketched in config["cases"]:
+        for case in config["cases"]:
+            k, sketched, straggled = (*case, 0)[:3]
             clear_statistics()
-            collector = Collector(quantiles="Sketched/.*")
-            names = [f"Sketched/{i}" if i < sketched else f"Metric/{i}" for i in range(k)]
+            collector = Collector(quantiles="Sketched/.*", stragglers="Straggled/.*")
+            names = [f"Sketched/{i}" if i < sketched else f"Metric/{i}" for i in range(k - straggled)]
+            names += [f"Straggled/{i}" for i in range(straggled)]
             gen = torch.Generator().manual_seed(rank)
             values = [torch.rand((), generator=gen) for _ in range(k)]
-            floor = _floor_flush(k, sketched=sketched)
+            floor = _floor_flush(k, sketched=sketched, straggled=straggled)
+            flush = _signal_flush(collector, names, config["tmp"], rank) if straggled else collector.update
 
             for name, value in zip(names, values):  # warm-up: the first update agrees on the names
                 report(name, value)
@@ -449,7 +456,7 @@ def _flush_worker(rank: int, world_size: int, init_file: str, config: dict, out_
             for _ in range(config["rounds"]):
                 for name, value in zip(names, values):  # untimed
                     report(name, value)
-                for key, fn in (("flush", collector.update), ("floor", floor)):
+                for key, fn in (("flush", flush), ("floor", floor)):
                     align_ranks()
                     t0 = time.perf_counter()
                     fn()
@@ -458,7 +465,7 @@ def _flush_worker(rank: int, world_size: int, init_file: str, config: dict, out_
                 [statistics.median(times["flush"]), statistics.median(times["floor"])], dtype=torch.float64
             )
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            results[(k, sketched)] = {"flush_ms": 1e3 * t[0].item(), "floor_ms": 1e3 * t[1].item()}
+            results[case] = {"flush_ms": 1e3 * t[0].item(), "floor_ms": 1e3 * t[1].item()}
         clear_statistics()
         if rank == 0:
             torch.save(results, out_file)
@@ -466,14 +473,42 @@ def _flush_worker(rank: int, world_size: int, init_file: str, config: dict, out_
         dist.destroy_process_group()
 
 
+_SIGNAL_CASE = (100, 10, 2)  # K names, sketched (histograms written), with the slowest rank tracked
+
+
+def _signal_flush(collector, names: list[str], tmp: str, rank: int):
+    """What ``TrainingStats.flush`` adds to ``collector.update()`` for the slowest rank and the
+    histograms: every straggler name's :meth:`straggler`, and on rank zero every sketched name's
+    histogram written to a real ``TensorBoardLogger`` (its event file in ``tmp``)."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lightning_ext.callbacks.training_stats import _log_histogram
+
+    logger = TensorBoardLogger(tmp, name="tb", version=rank) if rank == 0 else None
+    straggled = [n for n in names if n.startswith("Straggled/")]
+    sketched = [n for n in names if n.startswith("Sketched/")]
+    steps = iter(range(1 << 30))
+
+    def flush() -> None:
+        collector.update()
+        for name in straggled:
+            collector.straggler(name)
+        step = next(steps)
+        for name in sketched if logger is not None else ():
+            _log_histogram(logger, collector, name, name + "/hist", step)
+
+    return flush
+
+
 def run_flush_floor(
-    cases: tuple[tuple[int, int], ...] = ((10, 0), (100, 0), (1000, 0)), rounds: int = 200
-) -> dict[tuple[int, int], dict[str, float]]:
-    """Spawn 2 gloo ranks; per (K names, of which sketched) the median ms of ``Collector.update()``
-    and of its floor."""
+    cases: tuple[tuple[int, ...], ...] = ((10, 0), (100, 0), (1000, 0)), rounds: int = 200
+) -> dict[tuple[int, ...], dict[str, float]]:
+    """Spawn 2 gloo ranks; per (K names, of which sketched[, of which with the slowest rank]) the median
+    ms of ``Collector.update()`` (with the straggler reads and histogram writes of ``TrainingStats``
+    when some names have the slowest rank) and of its floor."""
     with tempfile.TemporaryDirectory(prefix="bench_stats_") as tmp:
         init_file, out_file = os.path.join(tmp, "store"), os.path.join(tmp, "out.pt")
-        config = {"cases": tuple(cases), "rounds": rounds}
+        config = {"cases": tuple(cases), "rounds": rounds, "tmp": tmp}
         with environ(OMP_NUM_THREADS="1"):
             mp.spawn(_flush_worker, args=(2, init_file, config, out_file), nprocs=2, join=True)
         return torch.load(out_file)
@@ -552,12 +587,20 @@ def format_quantiles(
         f"{size * 8 / 1024:.1f} KiB per name in the SUM all-reduce); floor: the same two all_reduces "
         f"with those payload sizes, interleaved; medians over {rounds} flushes.",
         "",
-        "| K | sketched | flush ms | floor ms | flush / floor |",
-        "|---:|---:|---:|---:|---:|",
+        "The last row is `TrainingStats`' flush with the slowest rank and the histograms: 2 of the names "
+        "with the slowest rank tracked (`Collector(stragglers=...)`, as `Timing/data_sec` and "
+        "`Timing/compute_sec`; their rank means in the MAX, their rank-mean sketches in the SUM) and "
+        "read with `straggler()`, and on rank zero the 10 sketched names' histograms written to a real "
+        "`TensorBoardLogger` (`add_histogram_raw`); the floor carries those payloads too.",
+        "",
+        "| K | sketched | slowest rank | flush ms | floor ms | flush / floor |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
-    for (k, sketched), r in sorted(floor.items()):
+    for case, r in sorted(floor.items()):
+        k, sketched, straggled = (*case, 0)[:3]
         ratio = r["flush_ms"] / r["floor_ms"]
-        lines.append(f"| {k} | {sketched} | {r['flush_ms']:.3f} | {r['floor_ms']:.3f} | {ratio:.1f}× |")
+        cells = f"| {k} | {sketched}{' + histograms' if straggled else ''} | {straggled} |"
+        lines.append(f"{cells} {r['flush_ms']:.3f} | {r['floor_ms']:.3f} | {ratio:.1f}× |")
     plain, sketched = report_ms["Plain"], report_ms["Sketched"]
     lines += [
         "",
@@ -576,6 +619,9 @@ def format_quantiles(
     lines.append(
         f"| K=100 flush, none sketched: flush / floor | {base:.1f}× | ≤ 3× | {'yes' if base <= 3 else 'NO'} |"
     )
+    signal = floor[_SIGNAL_CASE]["flush_ms"] / floor[_SIGNAL_CASE]["floor_ms"]
+    met = "yes" if signal <= 3 else "NO"
+    lines.append(f"| K=100 flush, slowest rank + histograms: flush / floor | {signal:.1f}× | ≤ 3× | {met} |")
     return "\n".join(lines)
 
 
@@ -661,7 +707,7 @@ def main() -> int:
 
 
 def _quantiles(rounds: int, quick: bool) -> int:
-    cases = ((100, 0), (100, 10), (100, 100))
+    cases = ((100, 0), (100, 10), (100, 100), _SIGNAL_CASE)
     markdown = format_quantiles(run_flush_floor(cases, rounds=rounds), measure_report_histogram(), rounds)
     print(markdown, flush=True)
     write_result("stats_quantiles", markdown, quick=quick)
