@@ -40,7 +40,8 @@ __all__ = ["DynamicLossScaler", "PerOptimizerLossScaler"]
 _Schedule = Literal["exponential", "log2"]
 _MinScalePolicy = Literal["warn", "raise", "clamp"]
 _SCHEDULES, _POLICIES = get_args(_Schedule), get_args(_MinScalePolicy)
-# Our options in the state dict, and all those a per-optimizer scale copies from its parent.
+# Our options in the state dict, and all our options (the keyword-only arguments but per_optimizer, kept
+# as attributes of their names), which a per-optimizer scale copies from its parent.
 _CONFIG = ("schedule", "log2_increment", "log2_decrement", "hysteresis", "consecutive_hysteresis",
            "min_scale", "max_scale")  # fmt: skip
 _OPTIONS = (*_CONFIG, "on_min_scale", "skip_nonfinite", "process_group", "telemetry")
@@ -59,20 +60,15 @@ _DEVICE_STATE = {
 # The rule of each constructor argument and state-dict entry, by name: the constructor and
 # load_state_dict check with the same rules and messages (_check).
 _RULES: dict[str, tuple[Callable[..., None], dict[str, Any]]] = {
-    "init_scale": (check_number, {"gt": 0.0}),
+    **dict.fromkeys(("init_scale", "log2_increment", "log2_decrement"), (check_number, {"gt": 0.0})),
+    **dict.fromkeys(("min_scale", "max_scale"), (check_number, {"gt": 0.0, "optional": True})),
     "scale": (check_number, {"ge": 0.0}),  # a state's scale: 0 once a diverged run underflowed
     "growth_factor": (check_number, {"gt": 1.0}),
     "backoff_factor": (check_number, {"gt": 0.0, "lt": 1.0}),
-    "growth_interval": (check_int, {"ge": 1}),
-    "_growth_tracker": (check_int, {"ge": 0}),
+    **dict.fromkeys(("growth_interval", "hysteresis"), (check_int, {"ge": 1})),
+    **dict.fromkeys(("_growth_tracker", *_COUNTERS), (check_int, {"ge": 0})),
     "schedule": (check_choice, {"choices": _SCHEDULES}),
-    "log2_increment": (check_number, {"gt": 0.0}),
-    "log2_decrement": (check_number, {"gt": 0.0}),
-    "hysteresis": (check_int, {"ge": 1}),
-    "min_scale": (check_number, {"gt": 0.0, "optional": True}),
-    "max_scale": (check_number, {"gt": 0.0, "optional": True}),
     "on_min_scale": (check_choice, {"choices": _POLICIES}),
-    **dict.fromkeys(_COUNTERS, (check_int, {"ge": 0})),
     **dict.fromkeys(("enabled", "consecutive_hysteresis", "skip_nonfinite", "telemetry", "per_optimizer",
                      "last_step_skipped"), (check_bool, {})),
 }  # fmt: skip
@@ -155,7 +151,6 @@ def _enabled_on(device: str, enabled: bool) -> bool:
         warnings.warn(
             "DynamicLossScaler('cuda') is enabled, but CUDA is not available: disabling it (as "
             "torch.amp.GradScaler does). HINT: use DynamicLossScaler('cpu') to scale losses on CPU.",
-            UserWarning,
             stacklevel=3,
         )
         return False
@@ -272,9 +267,9 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
         telemetry: bool = True,
         per_optimizer: bool = False,
     ) -> None:
-        owner = type(self).__name__
+        owner, arguments = type(self).__name__, locals()
         _check_device(owner, device)
-        _check(owner, locals())  # every argument by the rule of its name, as load_state_dict's entries
+        _check(owner, arguments)  # every argument by the rule of its name, as load_state_dict's entries
         check_process_group(process_group)
         if per_optimizer != self.per_optimizer:
             raise ValueError(
@@ -287,11 +282,8 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
         init_scale = float(init_scale) if enabled else 1.0
         super().__init__("cpu", init_scale, growth_factor, backoff_factor, growth_interval, enabled=True)
         self._device, self._enabled = device, enabled
-        self.schedule, self.hysteresis, self.on_min_scale = schedule, hysteresis, on_min_scale
-        self.consecutive_hysteresis = consecutive_hysteresis
-        self.log2_increment, self.log2_decrement = log2_increment, log2_decrement
-        self.min_scale, self.max_scale = min_scale, max_scale
-        self.skip_nonfinite, self.telemetry, self.process_group = skip_nonfinite, telemetry, process_group
+        for key in _OPTIONS:  # our options, as attributes of their names (self.schedule, ...)
+            setattr(self, key, arguments[key])
         self._name: str | None = None  # telemetry prefix AMP/<name>/ of a per-optimizer scale
         self._device_state: dict[str, Tensor] | None = None  # _DEVICE_STATE, created with _scale
         self._start: dict[str, float] = {"hysteresis_tracker": hysteresis}  # loaded/unpickled values

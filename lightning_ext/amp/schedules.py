@@ -59,17 +59,13 @@ def _exponential_(scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Ten
     """
     overflow = found_inf > 0
     if hysteresis == 1:
-        amp_update_scale_(
-            scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval
-        )
+        amp_update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
         return overflow
     back_off, after = _hysteresis(overflow, hysteresis_tracker)
     # A tolerated overflow resets the growth count without backing off: from -1, GradScaler's op
     # (told "clean") leaves the tracker at 0 and cannot grow (growth_interval >= 1).
     growth_tracker.copy_(torch.where(overflow & ~back_off, -1, growth_tracker))
-    amp_update_scale_(
-        scale, growth_tracker, back_off.float(), growth_factor, backoff_factor, growth_interval
-    )
+    amp_update_scale_(scale, growth_tracker, back_off.float(), growth_factor, backoff_factor, growth_interval)
     refill = ~overflow if consecutive else ~overflow & (growth_tracker == 0)  # 0 after op: it grew
     hysteresis_tracker.copy_(torch.where(refill, hysteresis, after))
     return back_off
