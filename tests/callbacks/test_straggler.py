@@ -59,9 +59,9 @@ class _Model(pl.LightningModule):
         return DataLoader(_Data(self.slow == "data"), batch_size=BATCH)
 
 
-def run_job(tmp_path: Path, capfd, world: int, slow: str | None, sync_bn: bool = True):
-    """Train ``STEPS`` steps on ``world`` ranks; the CSV rows of the flushes and the slowest-rank lines
-    ``(iteration, rank, name)`` printed on rank zero."""
+def run_job(tmp_path: Path, capfd, world: int, slow: str | None, sync_bn: bool = True, *extra):
+    """Train ``STEPS`` steps on ``world`` ranks (with the ``extra`` callbacks); the CSV rows of the
+    flushes, the slowest-rank lines ``(iteration, rank, name)`` printed on rank zero and the stderr."""
     logger = CSVLogger(tmp_path, name="csv", version=0)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -69,7 +69,7 @@ def run_job(tmp_path: Path, capfd, world: int, slow: str | None, sync_bn: bool =
         strategy="ddp_spawn",
         plugins=[SyncBatchNormPlugin()] if sync_bn else None,
         max_steps=STEPS,
-        callbacks=[IterationTimer(warmup_iter=WARMUP), TrainingStats(every_n_train_steps=EVERY)],
+        callbacks=[IterationTimer(warmup_iter=WARMUP), TrainingStats(every_n_train_steps=EVERY), *extra],
         logger=logger,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -79,8 +79,8 @@ def run_job(tmp_path: Path, capfd, world: int, slow: str | None, sync_bn: bool =
     trainer.fit(_Model(slow))
     with open(Path(logger.log_dir) / "metrics.csv") as f:
         rows = [row for row in csv.DictReader(f) if row.get("Timing/data_sec/slowest_rank")]
-    lines = [(int(i), int(r), name) for i, r, name in LINE.findall(capfd.readouterr().err)]
-    return rows, lines
+    err = capfd.readouterr().err
+    return rows, [(int(i), int(r), name) for i, r, name in LINE.findall(err)], err
 
 
 @pytest.mark.slow
@@ -90,7 +90,7 @@ def run_job(tmp_path: Path, capfd, world: int, slow: str | None, sync_bn: bool =
     [(2, "step", True), (3, "step", True), (2, "data", True), (2, "step", False)],
 )
 def test_a_slow_rank_is_named_at_every_flush_after_the_first_two(tmp_path, capfd, world, slow, sync_bn):
-    rows, lines = run_job(tmp_path, capfd, world, slow, sync_bn)
+    rows, lines, _ = run_job(tmp_path, capfd, world, slow, sync_bn)
     name = {"step": "Timing/compute_sec", "data": "Timing/data_sec"}[slow]
     assert len(rows) >= 12
     assert all(float(row[name + "/slowest_rank"]) == SLOW_RANK for row in rows[1:]), rows
@@ -104,5 +104,8 @@ def test_a_slow_rank_is_named_at_every_flush_after_the_first_two(tmp_path, capfd
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_job_without_a_straggler_prints_no_line(tmp_path, capfd, world):
-    rows, lines = run_job(tmp_path, capfd, world, None)
+    misspelt = TrainingStats(every_n_train_steps=EVERY, regex="Timing/.*", stragglers="Timing/compute_secs")
+    rows, lines, err = run_job(tmp_path, capfd, world, None, True, misspelt)
     assert len(rows) >= 12 and lines == []
+    # A slowest-rank pattern that matched no reported name: said once, on rank zero.
+    assert err.count("TrainingStats: `stragglers`='Timing/compute_secs' matched none of the names") == 1
