@@ -138,7 +138,7 @@ def test_bad_warmup(bad, error, got):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for event timing")
 def test_cuda_events_reported_lazily():
-    collector = Collector(regex="Timing/step_sec")
+    collector = Collector(regex="Timing/(step|forward|compute)_sec")
     timer = IterationTimer(warmup_iter=1)
     trainer = L.Trainer(
         accelerator="cuda",
@@ -154,3 +154,5 @@ def test_cuda_events_reported_lazily():
     collector.update()
     assert collector.num("Timing/step_sec") == 4  # the rest flushed at after_train
     assert collector.min("Timing/step_sec") > 0
+    assert collector.num("Timing/compute_sec") == collector.num("Timing/forward_sec") == 4
+    assert collector.max("Timing/compute_sec") <= collector.max("Timing/forward_sec")  # no collective here
