@@ -144,19 +144,6 @@ def _combined(state: dict[str, Any]) -> Tensor:
     return sum((f.to(flags[0].device, non_blocking=True) for f in flags[1:]), flags[0])
 
 
-def _enabled_on(device: str, enabled: bool) -> bool:
-    """``enabled``, but False with a warning for ``"cuda"`` without CUDA (GradScaler's behaviour; its own
-    warning names ``torch.cuda.amp.GradScaler``)."""
-    if enabled and device == "cuda" and not torch.cuda.is_available():
-        warnings.warn(
-            "DynamicLossScaler('cuda') is enabled, but CUDA is not available: disabling it (as "
-            "torch.amp.GradScaler does). HINT: use DynamicLossScaler('cpu') to scale losses on CPU.",
-            stacklevel=3,
-        )
-        return False
-    return enabled
-
-
 class _PerOptimizerNew:
     """``DynamicLossScaler(..., per_optimizer=True)`` makes a :class:`PerOptimizerLossScaler`: the
     ``__new__`` of a base class, so that ``DynamicLossScaler``'s signature (for ``inspect`` and
@@ -276,9 +263,16 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
                 f"{owner} takes per_optimizer={self.per_optimizer}, got {per_optimizer!r}. "
                 "HINT: DynamicLossScaler(per_optimizer=True) makes a PerOptimizerLossScaler."
             )
-        enabled = _enabled_on(device, enabled)
+        # GradScaler's fallback without CUDA, with a warning naming this class (GradScaler's names its own).
+        if enabled and device == "cuda" and not torch.cuda.is_available():
+            warnings.warn(
+                "DynamicLossScaler('cuda') is enabled, but CUDA is not available: disabling it (as "
+                "torch.amp.GradScaler does). HINT: use DynamicLossScaler('cpu') to scale losses on CPU.",
+                stacklevel=2,
+            )
+            enabled = False
         # GradScaler sets its settings and state only when enabled, and the skip-only mode needs them
-        # too (scale 1): built enabled for "cpu" (no CUDA check: _enabled_on made it), then set both.
+        # too (scale 1): built enabled for "cpu" (the CUDA check is above), then given both.
         init_scale = float(init_scale) if enabled else 1.0
         super().__init__("cpu", init_scale, growth_factor, backoff_factor, growth_interval, enabled=True)
         self._device, self._enabled = device, enabled
@@ -368,18 +362,15 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
     def _grads_by_device(self, optimizer: Optimizer, allow_fp16: bool) -> dict[torch.device, list[Tensor]]:
         """The optimizer's gradients (values of sparse ones) by device, as GradScaler collects them."""
         grads: dict[torch.device, list[Tensor]] = defaultdict(list)
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                grad = param.grad
-                if grad is None:
-                    continue
-                if not allow_fp16 and grad.dtype == torch.float16:
-                    raise ValueError("Attempting to unscale FP16 gradients.")
-                if grad.is_sparse:
-                    if grad.dtype is torch.float16:  # duplicates could overflow when summed: sum them
-                        param.grad = grad = grad.coalesce()
-                    grad = sparse_values(grad)
-                grads[grad.device].append(grad)
+        for param in (p for group in optimizer.param_groups for p in group["params"] if p.grad is not None):
+            grad = param.grad
+            if not allow_fp16 and grad.dtype == torch.float16:
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            if grad.is_sparse:
+                if grad.dtype is torch.float16:  # duplicates could overflow when summed: sum them
+                    param.grad = grad = grad.coalesce()
+                grad = sparse_values(grad)
+            grads[grad.device].append(grad)
         return grads
 
     def _check_grads(
@@ -507,9 +498,8 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
         """
         if not self._checks:
             return
-        states = list(self._per_optimizer_states.values())
+        found_infs = [_combined(s) for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
         self._per_optimizer_states = defaultdict(new_optimizer_state)
-        found_infs = [_combined(s) for s in states if s["found_inf_per_device"]]
         if new_scale is None and not found_infs:
             raise AssertionError("No inf checks were recorded prior to update.")
         if self._scale is None:

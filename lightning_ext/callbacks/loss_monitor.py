@@ -145,8 +145,7 @@ class LossMonitor(HookBase):
         check_int("LossMonitor", "every_n_train_steps", every_n_train_steps, ge=1)
         check_bool("LossMonitor", "raise_on_nonfinite", raise_on_nonfinite)
         check_bool("LossMonitor", "async_write", async_write)
-        self.every_n_train_steps = every_n_train_steps
-        self.raise_on_nonfinite = raise_on_nonfinite
+        self.every_n_train_steps, self.raise_on_nonfinite = every_n_train_steps, raise_on_nonfinite
         self.async_write = async_write
         #: summary dict of the last agreement point (means, data_sec_max, bad, ...); for inspection.
         self.last_summary: dict[str, Any] | None = None
