@@ -115,6 +115,8 @@ nitpick_ignore_regex = [
 ]
 # Generic signatures: their TypeVars are private to their modules and have no entry.
 nitpick_ignore_regex.append((r"py:class", r"lightning_ext(\.\w+)*\.(T|_B)"))
+# DynamicLossScaler's private base, which only carries the __new__ of DynamicLossScaler(per_optimizer=True).
+nitpick_ignore_regex.append((r"py:class", r"lightning_ext\.amp\.dynamic_loss_scaler\._PerOptimizerNew"))
 
 # -- HTML ------------------------------------------------------------------------------------------
 html_theme = "furo"

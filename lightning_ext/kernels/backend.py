@@ -1,7 +1,7 @@
 """An op and a backend: :class:`KernelOp`, the one registration of an op, and :class:`KernelBackend`,
 which runs every op on the devices it serves.
 
-An op is defined once, by :func:`define_op` in its op family module (``batch_norm``, ``moments``,
+An op is defined once, by :func:`~lightning_ext.kernels.define_op` in its op family module (``batch_norm``, ``moments``,
 ``histogram``, ``unscale``): its ``torch.library`` schema, its fake (the outputs' shapes, dtypes and
 strides for ``torch.compile``), its reference implementation in pure torch (whose docstring is the
 op's contract), the implementations of other backends by backend name and, for an op a user can
@@ -67,7 +67,7 @@ def define_op(
         impls: the implementation of other backends by backend name, e.g. ``triton=...``.
 
     Returns:
-        The :class:`KernelOp`, also in :data:`OPS` under its name.
+        The :class:`KernelOp`, also in :data:`~lightning_ext.kernels.OPS` under its name.
 
     Raises:
         ValueError: an op of that name is already registered.

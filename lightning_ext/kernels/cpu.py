@@ -254,7 +254,7 @@ class CpuBackend(ReferenceBackend):
     kernel loses to ATen.
 
     Raises:
-        RuntimeError: the extension cannot be built or loaded (see :func:`_load`).
+        RuntimeError: the extension cannot be built or loaded (see ``_load``).
 
     Example::
 

@@ -1,4 +1,4 @@
-"""The ops, by name (:data:`OPS`): the :class:`~lightning_ext.kernels.KernelOp` each op family module
+"""The ops, by name (:data:`~lightning_ext.kernels.OPS`): the :class:`~lightning_ext.kernels.KernelOp` each op family module
 registers when this module imports it. Each is also the custom op ``torch.ops.lightning_ext.<name>``
 that ``torch.compile`` traces; its reference implementation documents its arguments
 (:func:`~lightning_ext.kernels.define_op`).

@@ -7,7 +7,7 @@ is ``[0, 0, 0, +inf, -inf]`` so that merging with it is the identity. Sources: s
 and the parallel merge (Chan, Golub & LeVeque 1979, "Updating formulae and a pairwise algorithm
 for computing sample variances"). The flush's own maths (shifted sums to moments, the payloads of
 the all-reduces) is in ``lightning_ext.kernels.moments``, behind the kernel backend's ops. None of
-these functions synchronizes host and device. :func:`merge_moments` is public (``PreciseBN`` merges
+these functions synchronizes host and device. :func:`~lightning_ext.stats.merge_moments` is public (``PreciseBN`` merges
 batch moments with it); the other helpers serve ``report()`` and ``Collector`` and are tested directly.
 """
 
