@@ -1,12 +1,13 @@
 """An op and a backend: :class:`KernelOp`, the one registration of an op, and :class:`KernelBackend`,
 which runs every op on the devices it serves.
 
-An op is defined once, by :func:`~lightning_ext.kernels.define_op` in its op family module (``batch_norm``, ``moments``,
-``histogram``, ``unscale``): its ``torch.library`` schema, its fake (the outputs' shapes, dtypes and
-strides for ``torch.compile``), its reference implementation in pure torch (whose docstring is the
-op's contract), the implementations of other backends by backend name and, for an op a user can
-reach with arguments of their own, its argument check. Every caller runs it one way,
-``backend.run("<op>", *args)``. No op is differentiable and no op synchronizes host and device.
+An op is defined once, by :func:`~lightning_ext.kernels.define_op` in its op family module
+(``batch_norm``, ``moments``, ``histogram``, ``unscale``): its ``torch.library`` schema, its fake
+(the outputs' shapes, dtypes and strides for ``torch.compile``), its reference implementation in
+pure torch (whose docstring is the op's contract), the implementations of other backends by backend
+name and, for an op a user can reach with arguments of their own, its argument check. Every caller
+runs it one way, ``backend.run("<op>", *args)``. No op is differentiable and no op synchronizes host
+and device.
 
 Tensors of the batch-norm ops: ``x``/``dy`` of shape ``(N, C, *)`` in any memory format, per-channel
 vectors ``(C,)`` on ``x``'s device; element arithmetic is float32 (float64 for float64 input), sums

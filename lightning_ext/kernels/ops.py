@@ -1,7 +1,7 @@
-"""The ops, by name (:data:`~lightning_ext.kernels.OPS`): the :class:`~lightning_ext.kernels.KernelOp` each op family module
-registers when this module imports it. Each is also the custom op ``torch.ops.lightning_ext.<name>``
-that ``torch.compile`` traces; its reference implementation documents its arguments
-(:func:`~lightning_ext.kernels.define_op`).
+"""The ops, by name (:data:`~lightning_ext.kernels.OPS`): the :class:`~lightning_ext.kernels.KernelOp`
+each op family module registers when this module imports it. Each is also the custom op
+``torch.ops.lightning_ext.<name>`` that ``torch.compile`` traces; its reference implementation
+documents its arguments (:func:`~lightning_ext.kernels.define_op`).
 
 - :mod:`~lightning_ext.kernels.batch_norm`: ``batch_norm_moments``, ``batch_norm_gather_stats``,
   ``batch_norm_elemt``, ``batch_norm_backward_reduce``, ``batch_norm_backward_elemt``;

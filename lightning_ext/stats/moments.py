@@ -1,14 +1,14 @@
-"""Pure functions on moment rows: the maths behind :mod:`lightning_ext.stats`, free of state.
-
-A *moment row* is a float64 vector ``[count, mean, m2, min, max]`` (``m2`` = sum of squared
-deviations from ``mean``); a table of them has shape ``(R, 5)``, one row per name. An empty row
-is ``[0, 0, 0, +inf, -inf]`` so that merging with it is the identity. Sources: shifted sums
-(Welford 1962; Chan, Golub & LeVeque, "Algorithms for computing the sample variance", 1983, §3)
-and the parallel merge (Chan, Golub & LeVeque 1979, "Updating formulae and a pairwise algorithm
-for computing sample variances"). The flush's own maths (shifted sums to moments, the payloads of
-the all-reduces) is in ``lightning_ext.kernels.moments``, behind the kernel backend's ops. None of
-these functions synchronizes host and device. :func:`~lightning_ext.stats.merge_moments` is public (``PreciseBN`` merges
-batch moments with it); the other helpers serve ``report()`` and ``Collector`` and are tested directly.
+"""Pure functions on moment rows: the maths behind :mod:`lightning_ext.stats`, free of state. A *moment
+row* is a float64 vector ``[count, mean, m2, min, max]`` (``m2`` = sum of squared deviations from
+``mean``); a table of them has shape ``(R, 5)``, one row per name. An empty row is ``[0, 0, 0, +inf,
+-inf]`` so that merging with it is the identity. Sources: shifted sums (Welford 1962; Chan, Golub &
+LeVeque, "Algorithms for computing the sample variance", 1983, §3) and the parallel merge (Chan,
+Golub & LeVeque 1979, "Updating formulae and a pairwise algorithm for computing sample variances").
+The flush's own maths (shifted sums to moments, the payloads of the all-reduces) is in
+``lightning_ext.kernels.moments``, behind the kernel backend's ops. None of these functions
+synchronizes host and device. :func:`~lightning_ext.stats.merge_moments` is public (``PreciseBN``
+merges batch moments with it); the other helpers serve ``report()`` and ``Collector`` and are tested
+directly.
 """
 
 from __future__ import annotations
