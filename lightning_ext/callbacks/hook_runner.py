@@ -55,9 +55,10 @@ class HookRunner:
     failure with ``self.exception`` set and the errors of those ``after_train`` noted on the original
     exception, which the caller re-raises (``with runner:`` does).
 
-    Collectives and syncs: the runner adds none; the hooks run theirs (``LossMonitor``: one all_gather
-    every ``every_n_train_steps`` iterations and at a successful ``after_train``; ``PreciseBN``: its
-    updates), so every rank must make the same calls in the same order. Checkpoints: :meth:`state_dict`.
+    Collectives and syncs: the runner adds none; the hooks run theirs (``LossMonitor``: its collector's
+    two all-reduces every ``every_n_train_steps`` iterations and at a successful ``after_train``;
+    ``PreciseBN``: its updates), so every rank must make the same calls in the same order.
+    Checkpoints: :meth:`state_dict`.
 
     Source: detectron2 ``engine/train_loop.py`` (``TrainerBase.train``: ``before_train``, then
     ``before_step``/``run_step``/``after_step`` per iteration, ``after_train`` in ``finally``).
