@@ -21,7 +21,6 @@ from lightning_ext._checks import check_bool, check_int, check_number
 from lightning_ext.callbacks.hook_base import _iterations_done
 from lightning_ext.callbacks.iteration_timer import IterationTimer
 from lightning_ext.stats import Collector, LogHistogram, init_multiprocessing, report, set_stage
-from lightning_ext.stats.collector import _compile_regex
 
 __all__ = ["TrainingStats"]
 
@@ -33,6 +32,17 @@ _CHECK_AFTER = 3  # training flushes (or the first epoch) after which unmatched 
 _WANDB_BINS = 512  # the most buckets a wandb.Histogram takes
 # Lightning's stages whose values are collected apart, and what their statistics are logged under
 STAGE_PREFIXES = {"validate": "val/", "test": "test/"}
+
+
+def _check_pattern(arg: str, pattern: Any) -> None:
+    """``TypeError``/``ValueError`` naming ``arg`` unless ``pattern`` is a regular expression."""
+    if not isinstance(pattern, str):
+        raise TypeError(f"TrainingStats: `{arg}` must be a str, got {pattern!r} ({type(pattern).__name__})")
+    try:
+        re.compile(pattern)
+    except re.error as err:
+        message = f"TrainingStats: `{arg}` must be a regular expression, got {pattern!r} ({err})"
+        raise ValueError(message) from None
 
 
 def _check_stats(stats: Any, quantiles: str | None) -> tuple[str, ...]:
@@ -172,7 +182,7 @@ class TrainingStats(Callback):
             check_bool("TrainingStats", name, flag)
         for arg, pattern in (("regex", regex), ("quantiles", quantiles), ("stragglers", stragglers)):
             if pattern is not None or arg == "regex":
-                _compile_regex("TrainingStats", pattern, arg)
+                _check_pattern(arg, pattern)
         LogHistogram(relative_accuracy, value_range)  # checks them
         self.quantiles, self.stragglers = quantiles, stragglers
         self.straggler_excess, self.straggler_min_sec = float(straggler_excess), float(straggler_min_sec)
