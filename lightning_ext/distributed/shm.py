@@ -37,6 +37,7 @@ import time
 import uuid
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -65,11 +66,12 @@ class _ShmGroup:
         self.world_size = world_size
         self.pids = pids
         header = world_size * _LINE
-        self.words = storage[:header].view(torch.int64).view(world_size, _LINE // 8)  # (W, 8) int64
+        # (W, 8) int64 header words as NumPy (a scalar store or a column read costs 0.1-0.2 us, torch's
+        # indexing 1.5-2.5 us, on the path of every reduction)
+        self.words = storage[:header].numpy().view(np.int64).reshape(world_size, _LINE // 8)
         self.counters = self.words[:, 0]  # (W,) int64, 64 bytes apart
         self.data = storage[header:].view(2, world_size, _SLOT_BYTES)  # (buffer, rank, bytes) uint8
-        self._counter = self.counters[rank]  # this rank's counter, written with one 8-byte store
-        self.seq = int(self._counter)
+        self.seq = int(self.counters[rank])
         self.lock = threading.Lock()
         self.timeout = timeout
         self._views_cache: dict[tuple[int, torch.dtype, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}
@@ -93,7 +95,7 @@ class _ShmGroup:
                 mine, rows = self._views(parity, flat)
                 mine.copy_(flat.view(torch.uint8))
             self.words[self.rank, 2 + parity] = descriptor
-            self._counter.fill_(self.seq)  # publish after the data and the descriptor
+            self.counters[self.rank] = self.seq  # publish after the data and the descriptor: one 8-byte store
             self._wait_all(self.seq)
             descriptors = self.words[:, 2 + parity].tolist()
             if not in_slot or descriptors.count(descriptor) != self.world_size:
