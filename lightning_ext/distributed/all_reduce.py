@@ -32,7 +32,7 @@ from lightning_ext.distributed.groups import collective_device
 
 __all__ = ["SHM_ENV_VAR", "all_reduce_", "close_shared_memory", "collective_seconds", "shm_available"]
 
-SHM_ENV_VAR = "LIGHTNING_EXT_SHM_COLLECTIVES"  # "0" turns the shared-memory path off (on every rank)
+SHM_ENV_VAR = "LIGHTNING_EXT_SHM_COLLECTIVES"  # "0" on any rank turns the shared-memory path off
 _X86 = platform.machine().lower() in ("x86_64", "amd64")  # total store order: see shm's docstring
 _AGREED_MAX = 4096  # descriptors a process-group route remembers as agreed (then it forgets them all)
 
