@@ -496,10 +496,9 @@ def report(name: str, value: T) -> T:
     first value there after :func:`clear_statistics`), not per call.
     No host-device sync, no collective. An empty value registers the name (NaN until it has values).
 
-    Under ``torch.compile`` (``fullgraph=True`` included) a tensor or Python number is reported by
-    one opaque graph node, the custom op ``lightning_ext::report_``, which runs this eager path when
-    the graph runs: the compiled code does not depend on this module's state, so a flush does not
-    trace the model again (lists and NumPy arrays break the graph where dynamo cannot trace NumPy).
+    Under ``torch.compile`` (``fullgraph=True`` included) a tensor or number is one opaque graph node,
+    the custom op ``lightning_ext::report_``, running this eager path: a flush does not retrace the
+    model (lists and NumPy arrays break the graph where dynamo cannot trace NumPy).
 
     Args:
         name: statistic name, conventionally ``"Group/quantity_unit"`` (e.g. ``"Loss/total"``).
