@@ -253,3 +253,12 @@ def batches_that_stepped(trainer: Any) -> int:
 # ``(batch_idx + 1) % config.frequency == 0``, reading ``frequency`` at every batch: a frequency that no
 # batch index reaches holds the scheduler for that batch, with Lightning's public objects only.
 UNREACHABLE_FREQUENCY = 2**62
+
+
+# ------------------------------------------------------------------- DDP communication hooks (timer)
+# DistributedDataParallel's list of the (hook, state) pairs registered with ``register_comm_hook``: DDP
+# takes one hook and raises on a second (after recording it), so GradientSyncTimer.install reads the list
+# to find its own hook or another before it registers one.
+def ddp_comm_hooks(model: Any) -> list[tuple[Any, Any]]:
+    """The ``(hook, state)`` pairs registered on the ``DistributedDataParallel`` ``model``."""
+    return list(model._comm_hooks)

@@ -337,3 +337,28 @@ def test_group_timeout_reads_the_timeout_a_gloo_group_was_created_with(tmp_path)
         assert _compat.group_timeout(object(), torch.device("cpu")) == 1800.0  # torch's default
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------- DDP communication hooks (timer)
+def _comm_hook(state, bucket):  # no annotations: DDP refuses them as strings (future annotations)
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    return allreduce_hook(state, bucket)
+
+
+def _registered_comm_hooks(rank: int, world_size: int) -> tuple[int, bool]:
+    model = DistributedDataParallel(nn.Linear(2, 2))
+    before = len(_compat.ddp_comm_hooks(model))
+    model.register_comm_hook(None, _comm_hook)
+    hooks = _compat.ddp_comm_hooks(model)
+    dist.barrier()
+    return before, hooks == [(_comm_hook, None)]
+
+
+def test_ddp_comm_hooks_lists_the_registered_hook():
+    (before, found) = run_distributed(_registered_comm_hooks, 1, timeout=120)[0]
+    assert (before, found) == (0, True), (
+        f"{TORCH}: DistributedDataParallel no longer lists its communication hook in `_comm_hooks` "
+        f"(before registering: {before} hooks; found after: {found}): IterationTimer cannot tell its "
+        "GradientSyncTimer from a user's hook and would register a second one (DDP raises)"
+    )
