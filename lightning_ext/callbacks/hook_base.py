@@ -52,7 +52,8 @@ class HookBase(Callback):
     this package read from it only: ``global_step``, the iteration count behind ``self.iter``,
     ``is_last_batch``, ``loggers``, ``callback_metrics``, ``callbacks``, ``global_rank``,
     ``world_size``, ``is_global_zero``, ``train_dataloader``, ``strategy.batch_to_device(batch)``,
-    ``strategy.precision_plugin.forward_context()`` and, when there is one, ``progress_bar_callback``;
+    ``strategy.precision_plugin.forward_context()`` and, when there are, ``strategy.model`` (the
+    wrapped model: ``IterationTimer`` looks for DDP in it) and ``progress_bar_callback``;
     and ``on_train_batch_end``'s ``outputs`` (the loss). A hook checks what it needs itself, with
     an error that names the fix (``PreciseBN`` a training loader at ``before_train``,
     ``LossMonitor`` the loss at every step): the driver knows no hook class.

@@ -1,4 +1,5 @@
-"""Per-iteration data/step timing and the end-of-training speed summary (detectron2's IterationTimer)."""
+"""Per-iteration timing, in parts that add up, and the end-of-training speed summary (detectron2's
+IterationTimer)."""
 
 from __future__ import annotations
 
@@ -11,36 +12,64 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_ext._checks import check_int
 from lightning_ext.callbacks.hook_base import HookBase
 from lightning_ext.distributed import collective_seconds
+from lightning_ext.distributed.gradient_sync_timer import GradientSyncTimer
 from lightning_ext.stats import report
 
 __all__ = ["IterationTimer"]
 
+_PARTS = ("forward", "backward", "optimizer", "collective")  # summed from the marks of an iteration
+
 
 class IterationTimer(HookBase):
-    """Time every iteration and log the overall training speed at the end of training.
+    """Time every iteration in parts that add up, and log the overall training speed at the end.
 
-    Every iteration it ``report()``-s ``Timing/data_sec``, the seconds waiting for data (from the end
-    of the previous micro-batch, the start of the epoch or the end of a validation run to the start
-    of the next micro-batch, summed over the iteration), and after the first ``warmup_iter``
-    iterations ``Timing/step_sec``, the seconds of the iteration itself (forward, backward, optimizer
-    step and the hooks in between, data time excluded), and per micro-batch ``Timing/forward_sec``,
-    from its start to ``on_before_backward`` (the ``training_step``), and ``Timing/compute_sec``, that
-    time less the seconds spent in the package's collectives meanwhile
-    (:func:`~lightning_ext.distributed.collective_seconds`: SyncBatchNorm's all-reduce, a statistics
-    flush). A fast rank waits for a slow one in a collective: in DDP's gradient all-reduce, after
-    ``on_before_backward``, or in SyncBatchNorm's, inside the forward and subtracted; so the slow rank's
-    ``compute_sec`` is the longest (:class:`~lightning_ext.callbacks.TrainingStats` names it) while the
-    step times are alike. Times are host wall time on CPU; on CUDA, events recorded at those hooks
-    and read once a later iteration finds them completed (``Event.query()``), so no per-step
-    synchronization but values one or more iterations late (``compute_sec`` then subtracts the host
-    seconds of the collectives, which misses an NCCL wait on the device).
-    :class:`~lightning_ext.callbacks.TrainingStats` writes them, at Lightning's step of the batch
-    that flushes (see :attr:`~HookBase.iter`).
+    After the first ``warmup_iter`` iterations it ``report()``-s, per iteration (micro-batches summed)::
+
+        Timing/iteration_sec  = data_sec + forward_sec + backward_sec + optimizer_sec
+                              = data_sec + compute_sec + collective_sec
+
+    - ``Timing/data_sec``: the wait for data (:attr:`HookBase.data_sec`: from the end of the previous
+      micro-batch to the start of the next, which holds the loading, the batch's transfer and the
+      end-of-batch work of the callbacks after this one, a statistics flush included).
+    - ``Timing/forward_sec``: from the start of a micro-batch to ``on_before_backward`` (the
+      ``training_step``), and between a backward and the next (manual optimization).
+    - ``Timing/backward_sec``: from ``on_before_backward`` to ``on_after_backward``.
+    - ``Timing/optimizer_sec``: from the last ``on_after_backward`` to the end of the micro-batch
+      (gradient clipping, the optimizer step, LR schedulers, the hooks around them).
+    - ``Timing/collective_sec``: the seconds of the last three spent waiting in collectives: the
+      package's own (:func:`~lightning_ext.distributed.collective_seconds`: SyncBatchNorm's all-reduce,
+      a loss scaler's) and DDP's gradient all-reduce
+      (:class:`~lightning_ext.distributed.GradientSyncTimer`).
+    - ``Timing/compute_sec``: forward + backward + optimizer less those waits.
+
+    So the iteration is the wall time from the end of the previous iteration to the end of this one,
+    validation runs and epoch boundaries excepted (up to the microseconds of this hook's own work).
+    A fast rank waits for a slow one inside a collective (SyncBatchNorm's in the forward and the
+    backward, DDP's gradient all-reduce at the end of the backward), which makes the phase times alike
+    on every rank; ``compute_sec`` leaves the waits out, so the slow rank's is the longest, whether it
+    is slow in its forward, its backward or its optimizer step
+    (:class:`~lightning_ext.callbacks.TrainingStats` names it; a slow loader shows in ``data_sec``).
+
+    DDP. At ``before_train``, when the trainer's ``strategy.model`` (or, under a
+    :class:`~lightning_ext.callbacks.HookRunner`, ``pl_module``) holds a ``DistributedDataParallel``,
+    the hook registers a ``GradientSyncTimer`` as its communication hook (the same all-reduce, no
+    extra collective). DDP takes one communication hook: when the model has one of its own, nothing is
+    registered and a warning says that a rank slow in its backward is not named; wrap your hook,
+    ``GradientSyncTimer(your_hook).hook``, to have it timed. Without ``on_before_backward`` (a
+    ``HookRunner``), ``forward_sec`` holds the backward too.
+
+    CUDA. The phases are timed by CUDA events recorded at those hooks and read once a later
+    iteration finds them completed (``Event.query()``), so no per-step synchronization but values one
+    or more iterations late; the waits are host seconds, which miss an NCCL wait on the device (NCCL's
+    futures complete when the all-reduce is enqueued): ``compute_sec`` then includes it.
+    Everywhere else, host wall time. :class:`~lightning_ext.callbacks.TrainingStats` writes the
+    values, at Lightning's step of the batch that flushes (see :attr:`~HookBase.iter`).
 
     At ``after_train`` (also after a failure) it logs detectron2's summary on rank zero
     (``rank_zero_info``) and keeps it in :attr:`summary`::
@@ -48,12 +77,12 @@ class IterationTimer(HookBase):
         Overall training speed: 97 iterations in 0:00:03 (0.0311 s / it)
         Total training time: 0:00:04 (0:00:00 on hooks)
 
-    The speed counts the iterations after warm-up and their data + step time; the total is the wall
-    time since warm-up, "hooks" the time outside iterations (validation, checkpoints, epoch hooks).
-    On CUDA ``after_train`` synchronizes the device once. Put this hook first in ``callbacks``.
+    The speed counts the iterations after warm-up and their host iteration time; the total is the
+    wall time since warm-up, "hooks" the time outside iterations (validation, checkpoints, epoch
+    hooks). On CUDA ``after_train`` synchronizes the device once. Put this hook first in ``callbacks``.
 
     Args:
-        warmup_iter: number of first iterations excluded from ``Timing/step_sec`` and the summary.
+        warmup_iter: number of first iterations left out of the timings and the summary.
 
     Raises:
         TypeError: ``warmup_iter`` is not an int.
@@ -79,13 +108,13 @@ class IterationTimer(HookBase):
     def _reset(self) -> None:
         self._step_start = 0.0  # perf_counter at before_step
         self._timed_start: float | None = None  # perf_counter when warm-up ended
-        self._timed_sec = 0.0  # data + step seconds of the iterations after warm-up
+        self._timed_sec = 0.0  # host seconds of the iterations after warm-up
         self._timed_iters = 0  # number of those iterations
-        self._cuda_start: torch.cuda.Event | None = None
-        self._forward_start: float | torch.cuda.Event | None = None  # of the current micro-batch
-        self._collective_start = 0.0  # collective_seconds() at the start of the current micro-batch
-        # (name, start, end, seconds to subtract) of CUDA timings not read yet
-        self._pending_events: deque[tuple[str, torch.cuda.Event, torch.cuda.Event, float]] = deque()
+        self._cuda = False  # the module is on a CUDA device: the phases are timed by events
+        self._gradient_sync: GradientSyncTimer | None = None  # the DDP model's, when it has ours
+        # (phase opened, perf_counter or CUDA event, collective seconds so far) of the timed iteration
+        self._marks: list[tuple[str, Any, float]] = []
+        self._pending: deque[tuple[float, list[tuple[str, Any, float]]]] = deque()  # (data_sec, marks)
 
     @property
     def timed_iters(self) -> int:
@@ -94,74 +123,97 @@ class IterationTimer(HookBase):
 
     @property
     def timed_seconds(self) -> float:
-        """Data + step seconds of the iterations after warm-up of the current/last run."""
+        """Host seconds of the iterations after warm-up of the current/last run (data included)."""
         return self._timed_sec
 
     @override
     def before_train(self) -> None:
         self._reset()
         self._timed_start = time.perf_counter() if self.warmup_iter == 0 else None
+        self._cuda = self.pl_module is not None and _device_type(self.pl_module) == "cuda"
+        models = (getattr(self.trainer.strategy, "model", None), self.pl_module)
+        ddp = next((m for model in models if isinstance(model, torch.nn.Module) for m in model.modules()
+                    if isinstance(m, DistributedDataParallel)), None)  # fmt: skip
+        self._gradient_sync = None if ddp is None else GradientSyncTimer.install(ddp)
+        if ddp is not None and self._gradient_sync is None:
+            self._warn(
+                "IterationTimer: the DDP model has a communication hook of its own, so the wait in the "
+                "gradient all-reduce is not timed and a rank slow in its backward is not named. HINT: "
+                "register GradientSyncTimer(your_hook).hook (lightning_ext.distributed) instead."
+            )
 
     def _timed(self) -> bool:
         return self.iter - self.start_iter >= self.warmup_iter
 
-    def _on_cuda(self) -> bool:
-        return self.pl_module is not None and _device_type(self.pl_module) == "cuda"
+    def _mark(self, phase: str) -> None:
+        """Open ``phase`` now (in a timed iteration)."""
+        if self._timed():
+            waited = collective_seconds() + (self._gradient_sync.seconds() if self._gradient_sync else 0.0)
+            self._marks.append((phase, _now_or_event(self._cuda), waited))
 
     @override
     def before_step(self) -> None:
         self._step_start = time.perf_counter()
-        self._cuda_start = _now_or_event(True) if self._on_cuda() and self._timed() else None
+        self._marks = []
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        self._forward_start = _now_or_event(self._on_cuda()) if self._timed() else None
-        self._collective_start = collective_seconds()
+        self._mark("forward")
 
     @override
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
-        start, self._forward_start = self._forward_start, None
-        waited = collective_seconds() - self._collective_start
-        if isinstance(start, float):
-            forward = report("Timing/forward_sec", time.perf_counter() - start)
-            report("Timing/compute_sec", forward - waited)
-        elif start is not None:
-            end = _now_or_event(True)
-            self._pending_events.extend([("Timing/forward_sec", start, end, 0.0),
-                                         ("Timing/compute_sec", start, end, waited)])  # fmt: skip
+        if self._marks and self._marks[-1][0] == "optimizer":  # code between two backward passes
+            self._marks[-1] = ("forward", *self._marks[-1][1:])
+        self._mark("backward")
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_after_backward(trainer, pl_module)
+        self._mark("optimizer")
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._mark("data")  # until the next micro-batch: counted by HookBase.data_sec
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     @override
     def after_step(self) -> None:
         now = time.perf_counter()
-        step_sec = now - self._step_start - self._data_sec_later  # later micro-batches' waits are data
-        report("Timing/data_sec", self.data_sec)
         iters_done = self.iter - self.start_iter + 1
         if iters_done > self.warmup_iter:
-            self._timed_sec += step_sec + self.data_sec
+            self._timed_sec += now - self._step_start - self._data_sec_later + self.data_sec
             self._timed_iters += 1
-            if self._cuda_start is not None:
-                self._pending_events.append(("Timing/step_sec", self._cuda_start, _now_or_event(True), 0.0))
-                self._report_completed_events()
-            else:
-                report("Timing/step_sec", step_sec)
+            self._pending.append((self.data_sec, self._marks))
+            self._report_completed()
         elif iters_done == self.warmup_iter:
             self._timed_start = now
 
-    def _report_completed_events(self) -> None:
-        while self._pending_events and self._pending_events[0][2].query():
-            name, start, end, waited = self._pending_events.popleft()
-            report(name, start.elapsed_time(end) / 1000.0 - waited)
+    def _report_completed(self) -> None:
+        """Report the timings of the iterations whose marks are all taken (CUDA: completed)."""
+        while self._pending and _completed(self._pending[0][1][-1][1]):
+            data, marks = self._pending.popleft()
+            parts = dict.fromkeys(_PARTS, 0.0)
+            for (phase, start, waited), (_, end, waited_end) in itertools.pairwise(marks):
+                if phase != "data":
+                    parts[phase] += _elapsed(start, end)
+                    parts["collective"] += waited_end - waited
+            busy = parts["forward"] + parts["backward"] + parts["optimizer"]
+            parts.update(data=data, compute=busy - parts["collective"], iteration=data + busy)
+            for part, seconds in parts.items():
+                report(f"Timing/{part}_sec", seconds)
 
     @override
     def after_train(self) -> None:
-        if self._pending_events:
-            torch.cuda.synchronize()  # once per run, documented
-            self._report_completed_events()
+        if self._pending:
+            torch.cuda.synchronize()  # once per run, documented (CPU: nothing pending)
+            self._report_completed()
         total = 0.0 if self._timed_start is None else time.perf_counter() - self._timed_start
         hooks = max(total - self._timed_sec, 0.0)
         lines = []
@@ -183,6 +235,15 @@ def _now_or_event(cuda: bool) -> Any:
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     return event
+
+
+def _elapsed(start: Any, end: Any) -> float:
+    """Seconds from ``start`` to ``end``: two ``perf_counter()`` readings or two completed CUDA events."""
+    return end - start if isinstance(start, float) else start.elapsed_time(end) / 1000.0
+
+
+def _completed(mark: Any) -> bool:
+    return isinstance(mark, float) or mark.query()
 
 
 def _device_type(module: torch.nn.Module) -> str:

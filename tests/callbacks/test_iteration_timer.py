@@ -1,32 +1,52 @@
+import csv
+import itertools
+import re
+import time
 import types
+import warnings
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_ext.callbacks import IterationTimer, hook_base, iteration_timer
-from lightning_ext.stats import Collector
+from lightning_ext.callbacks import HookRunner, IterationTimer, TrainingStats, hook_base, iteration_timer
+from lightning_ext.plugins import SyncBatchNormPlugin
+from lightning_ext.stats import Collector, init_multiprocessing
+from tests.helpers.distributed import run_distributed
 
-# The timer reads a fake clock that only the data set and the training step advance, by these exact
-# binary fractions: the measured times are exact, whatever the machine's load (no timing-dependent test).
+# The timer reads a fake clock that only the data set, the training step, the backward, the optimizer
+# step, a later callback and a fake collective advance, by these exact binary fractions: the measured
+# times are exact, whatever the machine's load (no timing-dependent test).
 DATA_SEC = 2.0**-5  # per batch in the data loader
-STEP_SEC = 2.0**-6  # per training_step
+STEP_SEC = 2.0**-6  # per training_step, its collective's wait excluded
+WAIT_SEC = 2.0**-10  # per training_step, in a (fake) collective of the package
+BACKWARD_SEC = 2.0**-7  # per backward, in a tensor hook
+OPTIMIZER_SEC = 2.0**-8  # per optimizer step, in on_before_optimizer_step
+HOOK_SEC = 2.0**-9  # per micro-batch, in a callback's on_train_batch_end after the timer
 
 
 class FakeClock:
-    """``time.perf_counter`` for the timer: seconds advanced by hand."""
+    """``time.perf_counter`` for the timer, and ``collective_seconds``: seconds advanced by hand."""
 
     def __init__(self) -> None:
-        self.now = 1000.0
+        self.now, self.waited = 1000.0, 0.0
 
     def perf_counter(self) -> float:
         return self.now
 
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+    def collective_seconds(self) -> float:
+        return self.waited
+
+    def advance(self, seconds: float, waited: float = 0.0) -> None:
+        self.now += seconds + waited
+        self.waited += waited
 
 
 _clock = FakeClock()
@@ -39,6 +59,7 @@ def clock(monkeypatch):
     fake = types.SimpleNamespace(perf_counter=_clock.perf_counter)
     for module in (iteration_timer, hook_base):  # step time and the hooks' one data-time clock
         monkeypatch.setattr(module, "time", fake)
+    monkeypatch.setattr(iteration_timer, "collective_seconds", _clock.collective_seconds)
     return _clock
 
 
@@ -58,23 +79,42 @@ class SlowModule(L.LightningModule):
 
     @override
     def training_step(self, batch, batch_idx):
-        _clock.advance(STEP_SEC)
-        return self.net(batch).square().mean()
+        _clock.advance(STEP_SEC, waited=WAIT_SEC)
+        loss = self.net(batch).square().mean()
+        loss.register_hook(lambda grad: _clock.advance(BACKWARD_SEC))
+        return loss
+
+    @override
+    def on_before_optimizer_step(self, optimizer):
+        _clock.advance(OPTIMIZER_SEC)
 
     @override
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
+class EndOfBatchWork(L.Callback):
+    """After the timer: works ``HOOK_SEC`` at the end of each micro-batch and records the clock at the
+    end of each iteration (a user's wall clock)."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.ends.append(_clock.now)
+        _clock.advance(HOOK_SEC)
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_timer_against_slow_loader_and_step(accumulate):
+def test_the_parts_of_an_iteration_add_up_to_its_wall_time(accumulate):
     collector = Collector(regex="Timing/.*")
-    timer = IterationTimer(warmup_iter=2)
+    timer, work = IterationTimer(warmup_iter=2), EndOfBatchWork()
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=8,
         accumulate_grad_batches=accumulate,
-        callbacks=[timer],
+        callbacks=[timer, work],
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
@@ -82,23 +122,29 @@ def test_timer_against_slow_loader_and_step(accumulate):
     )
     trainer.fit(SlowModule(), DataLoader(SlowDataset(), batch_size=2))
     collector.update()
-    assert collector.num("Timing/data_sec") == 8
-    assert collector.num("Timing/step_sec") == 6  # warm-up excluded
-    # Every micro-batch's loading counts as data time, every training_step as step time, nothing
-    # else (the clock only moves there): exact, as the times are sums of binary fractions.
-    data_per_iter = DATA_SEC * accumulate
-    step_per_iter = STEP_SEC * accumulate
-    for stat in ("mean", "min", "max"):
-        assert getattr(collector, stat)("Timing/data_sec") == data_per_iter, stat
-        assert getattr(collector, stat)("Timing/step_sec") == step_per_iter, stat
-    # Per timed micro-batch, the training_step; no collective ran in it, so nothing is subtracted.
-    assert collector.num("Timing/compute_sec") == collector.num("Timing/forward_sec") == 6 * accumulate
-    assert collector.max("Timing/compute_sec") == collector.min("Timing/forward_sec") == STEP_SEC
+    k = accumulate
+    # Per iteration (micro-batches summed), exact: the times are sums of binary fractions. The later
+    # callback's work at the end of a micro-batch is in the wait before the next one: data time.
+    expected = {
+        "data": k * (DATA_SEC + HOOK_SEC),
+        "forward": k * (STEP_SEC + WAIT_SEC),
+        "backward": k * BACKWARD_SEC,
+        "optimizer": OPTIMIZER_SEC,
+        "collective": k * WAIT_SEC,
+        "compute": k * (STEP_SEC + BACKWARD_SEC) + OPTIMIZER_SEC,
+    }
+    expected["iteration"] = sum(expected[p] for p in ("data", "forward", "backward", "optimizer"))
+    assert expected["iteration"] == expected["data"] + expected["compute"] + expected["collective"]
+    for part, seconds in expected.items():
+        name = f"Timing/{part}_sec"
+        assert collector.num(name) == 6, name  # warm-up excluded
+        assert collector.min(name) == collector.max(name) == seconds, name
+    # The iteration is the wall time between the ends of consecutive iterations.
+    assert {b - a for a, b in itertools.pairwise(work.ends)} == {expected["iteration"]}
     assert timer.timed_iters == 6
-    assert timer.timed_seconds == 6 * (data_per_iter + step_per_iter)
-    per_iter = data_per_iter + step_per_iter
+    assert timer.timed_seconds == 6 * expected["iteration"]
     lines = timer.summary.splitlines()
-    assert lines[0] == f"Overall training speed: 6 iterations in 0:00:00 ({per_iter:.4f} s / it)"
+    assert lines[0] == f"Overall training speed: 6 iterations in 0:00:00 ({expected['iteration']:.4f} s / it)"
     assert lines[1] == "Total training time: 0:00:00 (0:00:00 on hooks)"  # hooks took no (fake) time
 
 
@@ -135,10 +181,61 @@ def test_bad_warmup(bad, error, got):
         IterationTimer(warmup_iter=bad)
 
 
+class _TimedTimer(IterationTimer):
+    """An IterationTimer that measures the time spent inside its own Lightning hooks (``inside``) and
+    reads the clock as its ``on_train_batch_end`` returns (``ends``: a user's wall clock)."""
+
+    def __init__(self, warmup_iter: int) -> None:
+        super().__init__(warmup_iter)
+        self.inside, self.ends = 0.0, []
+
+    def _timed_call(self, name, *args):
+        start = time.perf_counter()
+        getattr(super(), name)(*args)
+        end = time.perf_counter()
+        self.inside += end - start
+        return end
+
+    def on_train_batch_start(self, *args):
+        self._timed_call("on_train_batch_start", *args)
+
+    def on_before_backward(self, *args):
+        self._timed_call("on_before_backward", *args)
+
+    def on_after_backward(self, *args):
+        self._timed_call("on_after_backward", *args)
+
+    def on_train_batch_end(self, *args):
+        self.ends.append(self._timed_call("on_train_batch_end", *args))
+
+
+def test_the_iterations_add_up_to_the_wall_clock(monkeypatch):
+    monkeypatch.undo()  # the real clock
+    collector = Collector(regex="Timing/iteration_sec")
+    timer = _TimedTimer(warmup_iter=3)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=30,
+        callbacks=[timer],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(SlowModule(), DataLoader(SlowDataset(), batch_size=2))
+    collector.update()
+    timed = collector.num("Timing/iteration_sec") * collector.mean("Timing/iteration_sec")
+    wall = timer.ends[-1] - timer.ends[2]  # from the end of the warm-up to the end of training
+    # What the iterations leave out of the wall time between their ends is the timer's own work
+    # between its clock readings, all inside its hooks: the difference is at most the time in them.
+    assert abs(wall - timed) <= timer.inside, (wall, timed, timer.inside)
+    print(f"wall {wall:.6f} s, iterations {timed:.6f} s, inside the timer {timer.inside:.6f} s")
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for event timing")
 def test_cuda_events_reported_lazily():
-    collector = Collector(regex="Timing/(step|forward|compute)_sec")
+    collector = Collector(regex="Timing/.*")
     timer = IterationTimer(warmup_iter=1)
     trainer = L.Trainer(
         accelerator="cuda",
@@ -152,7 +249,158 @@ def test_cuda_events_reported_lazily():
     )
     trainer.fit(SlowModule(), DataLoader(SlowDataset(), batch_size=2))
     collector.update()
-    assert collector.num("Timing/step_sec") == 4  # the rest flushed at after_train
-    assert collector.min("Timing/step_sec") > 0
-    assert collector.num("Timing/compute_sec") == collector.num("Timing/forward_sec") == 4
-    assert collector.max("Timing/compute_sec") <= collector.max("Timing/forward_sec")  # no collective here
+    parts = ("data", "forward", "backward", "optimizer", "compute", "collective", "iteration")
+    assert all(collector.num(f"Timing/{part}_sec") == 4 for part in parts)  # the rest read at after_train
+    assert collector.min("Timing/iteration_sec") > 0
+    assert collector.max("Timing/collective_sec") == 0.0  # no collective here
+
+
+# ---------------------------------------------------------------------------------------------
+# DDP: the rank slow in its backward (the fast ranks wait in DDP's gradient all-reduce) named
+# ---------------------------------------------------------------------------------------------
+SLOW_RANK, SLEEP = 1, 0.1  # HookRunner jobs: the rank sleeping in its backward, for so many seconds
+EXTRA_SEC = 0.04  # Trainer jobs: the slow rank's sleep in its backward per step (issue 46's job)
+EVERY, WARMUP, STEPS, BATCH = 5, 3, 60, 16  # 12 flushes
+LINE = re.compile(r"Straggler at iteration=(\d+): rank (\d+) \(host [^)]*\), (\S+) ")
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 1))
+
+
+def _sleep_in_backward(out: torch.Tensor, seconds: float) -> None:
+    """Sleep ``seconds`` in the backward of ``out``, before any parameter's gradient is computed."""
+    out.register_hook(lambda grad: time.sleep(seconds))
+
+
+def _foreign_hook(state, bucket):  # no annotations: DDP refuses them as strings (future annotations)
+    return allreduce_hook(state, bucket)
+
+
+def _runner_job(rank: int, world_size: int, foreign: bool) -> tuple[float, float, list[str]]:
+    """8 iterations of a DDP model under a HookRunner, rank SLOW_RANK sleeping in its backward; this
+    rank's mean compute and collective seconds, and the warnings."""
+    torch.manual_seed(rank)
+    model = DistributedDataParallel(_net())
+    if foreign:
+        model.register_comm_hook(None, _foreign_hook)
+    optimizer, collector = torch.optim.SGD(model.parameters(), lr=0.01), Collector(regex="Timing/.*")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with HookRunner([IterationTimer(warmup_iter=2)], model) as runner:
+            for _ in range(8):
+                runner.before_step()
+                out = model(torch.randn(16, 32))
+                if rank == SLOW_RANK:
+                    _sleep_in_backward(out, SLEEP)
+                loss = out.square().mean()
+                loss.backward()
+                runner.after_backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                runner.after_step(loss)
+    init_multiprocessing(rank=rank, sync_device=None)  # this rank's values: nothing reduced
+    collector.update()
+    return (
+        collector.mean("Timing/compute_sec"),
+        collector.mean("Timing/collective_sec"),
+        [str(w.message) for w in caught if "IterationTimer" in str(w.message)],
+    )
+
+
+@pytest.mark.smoke
+@pytest.mark.timeout(120)
+def test_the_wait_in_ddps_gradient_all_reduce_leaves_the_compute_time():
+    (fast_compute, fast_waits, warned), (slow_compute, slow_waits, _) = run_distributed(
+        _runner_job, 2, False, timeout=90
+    )
+    # The fast rank waits about SLEEP for the slow one at the end of its backward; the slow rank
+    # computes SLEEP longer. Margins of SLEEP / 2 absorb the scheduling of two processes.
+    assert fast_waits > SLEEP / 2 > slow_waits, (fast_waits, slow_waits)
+    assert slow_compute - fast_compute > SLEEP / 2, (slow_compute, fast_compute)
+    assert warned == []
+
+
+@pytest.mark.timeout(120)
+def test_a_users_own_comm_hook_is_left_alone_and_said():
+    (fast_compute, fast_waits, warned), (slow_compute, _, _) = run_distributed(
+        _runner_job, 2, True, timeout=90
+    )
+    assert warned == [
+        "IterationTimer: the DDP model has a communication hook of its own, so the wait in the gradient "
+        "all-reduce is not timed and a rank slow in its backward is not named. HINT: register "
+        "GradientSyncTimer(your_hook).hook (lightning_ext.distributed) instead."
+    ]
+    assert fast_waits < SLEEP / 2  # not timed: the fast rank's wait is in its compute time
+    assert abs(slow_compute - fast_compute) < SLEEP / 2, (slow_compute, fast_compute)
+
+
+class _Data(Dataset):
+    def __init__(self) -> None:
+        self.x = torch.randn(STEPS * BATCH, 32)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.x[index]
+
+
+class _Model(L.LightningModule):
+    def __init__(self, slow: bool) -> None:
+        super().__init__()
+        self.slow, self.net = slow, _net()
+
+    def training_step(self, batch, batch_idx):
+        out = self.net(batch)
+        if self.slow and self.global_rank == SLOW_RANK:
+            _sleep_in_backward(out, EXTRA_SEC)  # the others wait in SyncBatchNorm's and DDP's all-reduce
+        return out.square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(_Data(), batch_size=BATCH)
+
+
+def run_job(tmp_path: Path, capfd, world: int, slow: bool, sync_bn: bool):
+    """Train ``STEPS`` steps on ``world`` ``ddp_spawn`` ranks; the CSV rows of the flushes and the
+    straggler lines ``(iteration, rank, name)`` printed on rank zero."""
+    logger = CSVLogger(tmp_path, name="csv", version=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp_spawn",
+        plugins=[SyncBatchNormPlugin()] if sync_bn else None,
+        max_steps=STEPS,
+        callbacks=[IterationTimer(warmup_iter=WARMUP), TrainingStats(every_n_train_steps=EVERY)],
+        logger=logger,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    capfd.readouterr()
+    trainer.fit(_Model(slow))
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("Timing/compute_sec/straggler_rank")]
+    return rows, [(int(i), int(r), name) for i, r, name in LINE.findall(capfd.readouterr().err)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("world", "sync_bn"), [(2, False), (2, True), (3, False), (3, True)])
+def test_a_rank_slow_in_its_backward_is_named(tmp_path, capfd, world, sync_bn):
+    rows, lines = run_job(tmp_path, capfd, world, True, sync_bn)
+    assert len(rows) >= 12
+    assert all(float(row["Timing/compute_sec/straggler_rank"]) == SLOW_RANK for row in rows[1:]), rows
+    # Named from the second flush with timed values (patience 2), at every flush then.
+    named = [i for i, rank, name in lines if (rank, name) == (SLOW_RANK, "Timing/compute_sec")]
+    assert len(named) >= len(rows) - 3 and len(named) == len(lines), lines
+    print(f"{world} ranks, SyncBatchNorm {sync_bn}: named at {len(named)}/{len(rows)} flushes")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_quiet_plain_ddp_job_names_nobody(tmp_path, capfd, world):
+    rows, lines = run_job(tmp_path, capfd, world, False, False)
+    assert len(rows) >= 12 and lines == []
