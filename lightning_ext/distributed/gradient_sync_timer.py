@@ -29,13 +29,13 @@ class GradientSyncTimer:
     subtracts :func:`~lightning_ext.distributed.collective_seconds`.
 
     The hook wraps another (``hook``, default torch's ``allreduce_hook``: the mean of the gradients
-    over ``state``, the process group, as DDP's built-in reduction computes it) and passes its
-    result through unchanged, so it adds no collective and nothing the ranks must agree on. On gloo
+    over the process group ``state``, DDP's built-in reduction up to rounding) and passes its result
+    through unchanged, so it adds no collective and nothing the ranks must agree on. On gloo
     a future completes when the all-reduce is done, so the wait is what the host waited. On NCCL
     (CUDA) a future completes when the all-reduce is enqueued: the wait is then nearly zero and the
     device's wait is not counted. No host sync.
 
-    Register :attr:`hook` with DDP (``ddp_model.register_comm_hook(state, timer.hook)``, Lightning's
+    Register :meth:`hook` with DDP (``ddp_model.register_comm_hook(state, timer.hook)``, Lightning's
     ``DDPStrategy(ddp_comm_hook=timer.hook, ddp_comm_state=state)``), or let :meth:`install` do it.
 
     Args:
@@ -45,9 +45,7 @@ class GradientSyncTimer:
     Raises:
         TypeError: ``hook`` is neither ``None`` nor callable.
 
-    Source: torch ``DistributedDataParallel.register_comm_hook``; the wait of the fastest rank as the
-    straggler's signature as in Megatron-LM's ``StragglerDetector``, which times compute apart from
-    communication.
+    Source: torch ``DistributedDataParallel.register_comm_hook`` and ``default_hooks.allreduce_hook``.
 
     Example::
 
