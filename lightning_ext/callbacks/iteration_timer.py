@@ -44,8 +44,8 @@ class IterationTimer(HookBase):
       (gradient clipping, the optimizer step, LR schedulers, the hooks around them).
     - ``Timing/collective_sec``: the seconds of the last three spent waiting in collectives: the
       package's own (:func:`~lightning_ext.distributed.collective_seconds`: SyncBatchNorm's all-reduce,
-      a loss scaler's) and DDP's gradient all-reduce
-      (:class:`~lightning_ext.distributed.GradientSyncTimer`).
+      a loss scaler's) and DDP's gradient all-reduce, from this rank's last bucket launch
+      (:class:`~lightning_ext.distributed.GradientSyncTimer`) to the end of its backward.
     - ``Timing/compute_sec``: forward + backward + optimizer less those waits.
 
     So the iteration is the wall time from the end of the previous iteration to the end of this one,
@@ -64,10 +64,11 @@ class IterationTimer(HookBase):
     ``GradientSyncTimer(your_hook).hook``, to have it timed. Without ``on_before_backward`` (a
     ``HookRunner``), ``forward_sec`` holds the backward too.
 
-    CUDA. The phases are timed by CUDA events recorded at those hooks and read once a later
-    iteration finds them completed (``Event.query()``), so no per-step synchronization but values one
-    or more iterations late; the waits are host seconds, which miss an NCCL wait on the device (NCCL's
-    futures complete when the all-reduce is enqueued): ``compute_sec`` then includes it.
+    CUDA. The phases and DDP's wait are timed by CUDA events recorded at those hooks (and at the last
+    bucket launch) and read once a later iteration finds them completed (``Event.query()``), so no
+    per-step synchronization but values one or more iterations late. The package's collectives count
+    in host seconds, which miss their NCCL wait on the device (NCCL completes on the device): with
+    ``SyncBatchNormPlugin`` on CUDA, the waits inside SyncBatchNorm stay in ``compute_sec``.
     Everywhere else, host wall time. :class:`~lightning_ext.callbacks.TrainingStats` writes the
     values, at Lightning's step of the batch that flushes (see :attr:`~HookBase.iter`).
 
@@ -112,9 +113,11 @@ class IterationTimer(HookBase):
         self._timed_iters = 0  # number of those iterations
         self._cuda = False  # the module is on a CUDA device: the phases are timed by events
         self._gradient_sync: GradientSyncTimer | None = None  # the DDP model's, when it has ours
-        # (phase opened, perf_counter or CUDA event, collective seconds so far) of the timed iteration
-        self._marks: list[tuple[str, Any, float]] = []
-        self._pending: deque[tuple[float, list[tuple[str, Any, float]]]] = deque()  # (data_sec, marks)
+        self._launches = 0  # its backward passes seen
+        # Of the timed iteration: (phase opened, perf_counter or CUDA event, collective_seconds(), the
+        # last gradient all-reduce launch in the phase this mark closes or None)
+        self._marks: list[tuple[str, Any, float, Any]] = []
+        self._pending: deque[tuple[float, list[tuple[str, Any, float, Any]]]] = deque()  # (data, marks)
 
     @property
     def timed_iters(self) -> int:
@@ -145,11 +148,10 @@ class IterationTimer(HookBase):
     def _timed(self) -> bool:
         return self.iter - self.start_iter >= self.warmup_iter
 
-    def _mark(self, phase: str) -> None:
+    def _mark(self, phase: str, launch: Any = None) -> None:
         """Open ``phase`` now (in a timed iteration)."""
         if self._timed():
-            waited = collective_seconds() + (self._gradient_sync.seconds() if self._gradient_sync else 0.0)
-            self._marks.append((phase, _now_or_event(self._cuda), waited))
+            self._marks.append((phase, _now_or_event(self._cuda), collective_seconds(), launch))
 
     @override
     def before_step(self) -> None:
@@ -174,7 +176,10 @@ class IterationTimer(HookBase):
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_after_backward(trainer, pl_module)
-        self._mark("optimizer")
+        sync, launch = self._gradient_sync, None
+        if sync is not None and sync.launches != self._launches:  # this backward all-reduced
+            self._launches, launch = sync.launches, sync.last_launch
+        self._mark("optimizer", launch)
 
     @override
     def on_train_batch_end(
@@ -200,10 +205,11 @@ class IterationTimer(HookBase):
         while self._pending and _completed(self._pending[0][1][-1][1]):
             data, marks = self._pending.popleft()
             parts = dict.fromkeys(_PARTS, 0.0)
-            for (phase, start, waited), (_, end, waited_end) in itertools.pairwise(marks):
-                if phase != "data":
+            for (phase, start, waited, _), (_, end, waited_end, launch) in itertools.pairwise(marks):
+                if phase != "data":  # (the package's collectives in a backward run before its launch)
+                    ddp_wait = 0.0 if launch is None else _elapsed(launch, end)
                     parts[phase] += _elapsed(start, end)
-                    parts["collective"] += waited_end - waited
+                    parts["collective"] += waited_end - waited + ddp_wait
             busy = parts["forward"] + parts["backward"] + parts["optimizer"]
             parts.update(data=data, compute=busy - parts["collective"], iteration=data + busy)
             for part, seconds in parts.items():

@@ -1,4 +1,4 @@
-"""``GradientSyncTimer``: the seconds this rank waits in DDP's gradient all-reduce (pure torch)."""
+"""``GradientSyncTimer``: when this rank's backward launched its last gradient all-reduce (pure torch)."""
 
 # No ``from __future__ import annotations`` here: DDP checks a communication hook's annotations and
 # refuses them as strings.
@@ -17,29 +17,32 @@ __all__ = ["GradientSyncTimer"]
 
 
 class GradientSyncTimer:
-    """A DDP communication hook that times how long this rank waits in the gradient all-reduce.
+    """A DDP communication hook that records when this rank launched the last gradient all-reduce of
+    each backward pass, so that the wait in DDP's gradient all-reduce can be told from the backward.
 
-    DDP all-reduces the gradients bucket by bucket while the backward runs, then waits at the end of
-    the backward until every bucket is reduced, which lasts until the slowest rank has produced its
-    gradients: DDP makes every rank's backward as long as the slowest one's, and the rank slow in its
-    backward is the one that waits least. Per backward pass, the wait is the host time from the launch
-    of the last bucket (``GradBucket.is_last()``, when this rank's gradients are all computed) to the
-    completion of the last all-reduce (its future's callback). :meth:`seconds` sums them;
-    :class:`~lightning_ext.callbacks.IterationTimer` subtracts them from ``Timing/compute_sec``, as it
-    subtracts :func:`~lightning_ext.distributed.collective_seconds`.
+    DDP all-reduces the gradients bucket by bucket while the backward runs and, before the backward
+    returns, waits until every bucket is reduced, which lasts until the slowest rank has produced its
+    gradients: every rank's backward is as long as the slowest one's, and the rank slow in its
+    backward is the one that waits least. This rank's wait is the time from :attr:`last_launch` (the
+    launch of the bucket DDP reduces last, ``GradBucket.is_last()``: this rank's gradients are all
+    computed then) to the end of its backward. :class:`~lightning_ext.callbacks.IterationTimer`
+    subtracts it from ``Timing/compute_sec``, as it subtracts
+    :func:`~lightning_ext.distributed.collective_seconds`.
+
+    :attr:`last_launch` is the host's ``time.perf_counter()``, or for gradients on a CUDA device, a
+    CUDA event recorded on the stream of the backward (no host sync): with NCCL, whose all-reduces
+    complete on the device, the wait is then the device's, from that event to an event recorded on
+    the caller's stream after the backward.
 
     The hook wraps another (``hook``, default torch's ``allreduce_hook``: the mean of the gradients
-    over the process group ``state``, DDP's built-in reduction up to rounding) and passes its result
-    through unchanged, so it adds no collective and nothing the ranks must agree on. On gloo
-    a future completes when the all-reduce is done, so the wait is what the host waited. On NCCL
-    (CUDA) a future completes when the all-reduce is enqueued: the wait is then nearly zero and the
-    device's wait is not counted. No host sync.
+    over the process group ``state``, DDP's built-in reduction up to rounding) and returns its
+    future, so it adds no collective and nothing the ranks must agree on.
 
     Register :meth:`hook` with DDP (``ddp_model.register_comm_hook(state, timer.hook)``, Lightning's
     ``DDPStrategy(ddp_comm_hook=timer.hook, ddp_comm_state=state)``), or let :meth:`install` do it.
 
     Args:
-        hook: the communication hook to time, ``hook(state, bucket) -> Future[Tensor]`` (PowerSGD,
+        hook: the communication hook to wrap, ``hook(state, bucket) -> Future[Tensor]`` (PowerSGD,
             compression, ...); ``None``: ``allreduce_hook``.
 
     Raises:
@@ -50,8 +53,8 @@ class GradientSyncTimer:
     Example::
 
         >>> timer = GradientSyncTimer()
-        >>> timer.seconds()
-        0.0
+        >>> timer.launches, timer.last_launch
+        (0, None)
     """
 
     def __init__(self, hook: Callable | None = None) -> None:
@@ -61,27 +64,21 @@ class GradientSyncTimer:
                 f"(state, bucket) -> Future[Tensor], got {hook!r} ({type(hook).__name__})"
             )
         self.inner = allreduce_hook if hook is None else hook
-        self._waited = 0.0  # seconds waited in the backward passes before the current one
-        self._current = 0.0  # seconds waited in the current (or last) backward pass
-        self._last_launch: float | None = None  # perf_counter at the current pass's last bucket
+        #: backward passes whose last bucket was launched (it counts the new :attr:`last_launch`).
+        self.launches = 0
+        #: when the last of them launched its last bucket: ``perf_counter()`` or a CUDA event.
+        self.last_launch: float | torch.cuda.Event | None = None
 
     def hook(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """The communication hook DDP calls for each bucket: ``self.inner(state, bucket)``, timed."""
-        if self._last_launch is not None:  # the first bucket of a new backward pass
-            self._waited, self._current, self._last_launch = self._waited + self._current, 0.0, None
+        """The communication hook DDP calls for each bucket: ``self.inner(state, bucket)``."""
         if bucket.is_last():
-            self._last_launch = time.perf_counter()
-        return self.inner(state, bucket).then(self._done)
-
-    def _done(self, future: torch.futures.Future) -> Any:
-        if self._last_launch is not None:  # a bucket completed after this rank launched its last
-            self._current = max(self._current, time.perf_counter() - self._last_launch)
-        return future.value()
-
-    def seconds(self) -> float:
-        """Host seconds this rank has waited in the gradient all-reduce so far (monotonic; the current
-        backward pass counts once it ended)."""
-        return self._waited + self._current
+            if bucket.buffer().is_cuda:
+                self.last_launch = torch.cuda.Event(enable_timing=True)
+                self.last_launch.record()
+            else:
+                self.last_launch = time.perf_counter()
+            self.launches += 1
+        return self.inner(state, bucket)
 
     @classmethod
     def install(cls, model: DistributedDataParallel) -> "GradientSyncTimer | None":

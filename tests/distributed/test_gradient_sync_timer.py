@@ -1,5 +1,6 @@
-"""``GradientSyncTimer``: DDP's gradients unchanged, the wait in the gradient all-reduce timed (the rank
-slow in its backward waits least), a user's own hook wrapped or left alone, on spawned gloo workers."""
+"""``GradientSyncTimer``: DDP's gradients unchanged, the last gradient all-reduce launch of each backward
+recorded (the rank slow in its backward waits least from it), a user's own hook wrapped or left alone,
+on spawned gloo workers."""
 
 from __future__ import annotations
 
@@ -67,21 +68,21 @@ def test_the_timed_reduction_is_the_mean_of_the_gradients(world_size):
                 assert ((ours[i] - reference).abs() <= bound).all(), (rank, i, ours[i], reference)
 
 
-def _waits(rank: int, world_size: int, slow_rank: int) -> list[float]:
-    """The timer's seconds per backward: 3 backward passes where ``slow_rank`` sleeps ``SLEEP`` in its
-    backward before any gradient is ready, then one under ``no_sync`` (no all-reduce)."""
+def _waits(rank: int, world_size: int, slow_rank: int) -> list[tuple[int, float]]:
+    """Per backward, the timer's launches and this rank's wait (from ``last_launch`` to the end of the
+    backward): 3 backward passes where ``slow_rank`` sleeps ``SLEEP`` in its backward before any
+    gradient is ready, then one under ``no_sync`` (no all-reduce)."""
     model = DistributedDataParallel(_model())
     timer = GradientSyncTimer.install(model)
     waits = []
     for step in range(4):
         dist.barrier()
-        before = timer.seconds()
         with model.no_sync() if step == 3 else contextlib.nullcontext():
             out = model(_shard(0))
             if rank == slow_rank:
                 out.register_hook(lambda grad: time.sleep(SLEEP))
             out.sum().backward()
-        waits.append(timer.seconds() - before)
+        waits.append((timer.launches, time.perf_counter() - timer.last_launch))
     return waits
 
 
@@ -90,16 +91,16 @@ def _waits(rank: int, world_size: int, slow_rank: int) -> list[float]:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_fast_ranks_wait_for_the_rank_slow_in_its_backward(world_size):
     slow = world_size - 1
-    waits = run_distributed(_waits, world_size, slow, timeout=90)
-    # The fast ranks' last bucket is launched about SLEEP before the slow rank's, whose all-reduce then
-    # completes at once: the margins of SLEEP / 2 on either side absorb the scheduling of two processes.
-    for rank, per_step in enumerate(waits):
-        reduced, unsynced = per_step[:3], per_step[3]
+    results = run_distributed(_waits, world_size, slow, timeout=90)
+    # The fast ranks launch their last bucket about SLEEP before the slow rank, whose all-reduce then
+    # completes at once: the margins of SLEEP / 2 on either side absorb the scheduling of processes.
+    for rank, per_step in enumerate(results):
+        launches, waits = zip(*per_step, strict=True)
+        assert launches == (1, 2, 3, 3), (rank, per_step)  # no_sync: no all-reduce, no launch
         if rank == slow:
-            assert all(0 <= w < SLEEP / 2 for w in reduced), (rank, per_step)
+            assert all(0 <= w < SLEEP / 2 for w in waits[:3]), (rank, per_step)
         else:
-            assert all(w > SLEEP / 2 for w in reduced), (rank, per_step)
-        assert unsynced == 0.0, (rank, per_step)  # no_sync: no all-reduce, no wait
+            assert all(w > SLEEP / 2 for w in waits[:3]), (rank, per_step)
 
 
 def _counting_hook(state, bucket):  # no annotations: DDP refuses them as strings (future annotations)
