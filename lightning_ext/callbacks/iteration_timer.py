@@ -138,6 +138,7 @@ class IterationTimer(HookBase):
         ddp = next((m for model in models if isinstance(model, torch.nn.Module) for m in model.modules()
                     if isinstance(m, DistributedDataParallel)), None)  # fmt: skip
         self._gradient_sync = None if ddp is None else GradientSyncTimer.install(ddp)
+        self._launches = 0 if self._gradient_sync is None else self._gradient_sync.launches
         if ddp is not None and self._gradient_sync is None:
             self._warn(
                 "IterationTimer: the DDP model has a communication hook of its own, so the wait in the "
