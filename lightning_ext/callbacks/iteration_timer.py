@@ -34,7 +34,7 @@ class IterationTimer(HookBase):
         Timing/iteration_sec  = data_sec + forward_sec + backward_sec + optimizer_sec
                               = data_sec + compute_sec + collective_sec
 
-    - ``Timing/data_sec``: the wait for data (:attr:`HookBase.data_sec`: from the end of the previous
+    - ``Timing/data_sec``: the wait for data (``HookBase.data_sec``: from the end of the previous
       micro-batch to the start of the next, which holds the loading, the batch's transfer and the
       end-of-batch work of the callbacks after this one, a statistics flush included).
     - ``Timing/forward_sec``: from the start of a micro-batch to ``on_before_backward`` (the

@@ -64,9 +64,9 @@ class GradientSyncTimer:
                 f"(state, bucket) -> Future[Tensor], got {hook!r} ({type(hook).__name__})"
             )
         self.inner = allreduce_hook if hook is None else hook
-        #: backward passes whose last bucket was launched (it counts the new :attr:`last_launch`).
+        #: The number of backward passes that launched their last bucket (each sets :attr:`last_launch`).
         self.launches = 0
-        #: when the last of them launched its last bucket: ``perf_counter()`` or a CUDA event.
+        #: When the latest of them launched its last bucket, as ``perf_counter()`` or a CUDA event.
         self.last_launch: float | torch.cuda.Event | None = None
 
     def hook(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
