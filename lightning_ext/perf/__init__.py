@@ -11,15 +11,6 @@ from lightning_ext.perf.peaks import (
 )
 
 __all__ = [
-    "DEVICE_PEAKS",
-    "LOST_TIME_CAUSES",
-    "DevicePeak",
-    "FlopCount",
-    "FlopCounter",
-    "GoodputLedger",
-    "clear_peak_cache",
-    "count_flops",
-    "measure_peak_flops",
-    "mfu",
-    "peak_flops",
-]
+    "DEVICE_PEAKS", "LOST_TIME_CAUSES", "DevicePeak", "FlopCount", "FlopCounter", "GoodputLedger",
+    "clear_peak_cache", "count_flops", "measure_peak_flops", "mfu", "peak_flops",
+]  # fmt: skip

@@ -41,10 +41,6 @@ class DevicePeak:
     flops: Mapping[str, float]
     source: str
 
-    def __post_init__(self) -> None:
-        unknown = set(self.flops) - set(_DTYPE_KEYS)
-        assert not unknown and all(v > 0 for v in self.flops.values()), (self.name, unknown)
-
 
 def _tflops(fp32: float, tf32: float | None, bf16: float, fp16: float, fp8: float | None) -> dict[str, float]:
     values = {"fp32": fp32, "tf32": tf32, "bf16": bf16, "fp16": fp16, "fp8": fp8}
