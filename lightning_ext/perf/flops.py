@@ -179,7 +179,7 @@ def mfu(flops: float, seconds: float, peak_flops: float, world_size: int = 1) ->
     Example::
 
         >>> round(mfu(flops=3.0e15, seconds=2.0, peak_flops=989.4e12, world_size=4), 4)  # 375 TFLOP/s each
-        0.3790
+        0.379
     """
     check_number("mfu", "flops", flops, ge=0.0)
     check_number("mfu", "seconds", seconds, gt=0.0)
