@@ -390,8 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     run_dir = start_run(args)
     datamodule = DigitsDataModule(batch_size=args.batch_size, seed=args.seed)
-    model = DigitsModule(lr=args.lr, width=args.width, float32_features=args.accelerator == "cpu")
     trainer, features = build_trainer(args, run_dir)
+    on_cpu = trainer.strategy.root_device.type == "cpu"  # --accelerator auto included
+    model = DigitsModule(lr=args.lr, width=args.width, float32_features=on_cpu)
     trainer.fit(model, datamodule=datamodule, ckpt_path=args.resume)
     # The last validation ran after PreciseBN's last update (it runs after an epoch's last batch):
     # its accuracy is the final model's. A resumed run that trained nothing validates once.
