@@ -59,12 +59,12 @@ class FlopCount:
 
     @property
     def model(self) -> int:
-        """The model FLOPs, MFU's numerator: ``forward + backward``."""
+        """The model FLOPs ``forward + backward``, MFU's numerator."""
         return self.forward + self.backward
 
     @property
     def hardware(self) -> int:
-        """What the device executed, HFU's numerator: ``model + recomputed``."""
+        """What the device executed, ``model + recomputed``, HFU's numerator."""
         return self.model + self.recomputed
 
 
@@ -125,7 +125,7 @@ def count_flops(fn: Callable[..., Any], *inputs: Any, backward: bool = True) -> 
     real), then, with ``backward``, one backward pass from the sum of its floating-point outputs that
     require gradients (a tensor, or a tuple/list of them): the gradients accumulate in ``.grad`` as in
     a training step, so count before training or zero them after. Conventions: the module docstring;
-    activation checkpointing inside ``fn`` shows up as :attr:`FlopCount.recomputed`.
+    activation checkpointing inside ``fn`` shows up as ``FlopCount.recomputed``.
 
     Args:
         fn: the model or the step's forward (e.g. ``lambda x, y: F.cross_entropy(net(x), y)``).
