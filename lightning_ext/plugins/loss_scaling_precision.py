@@ -90,15 +90,15 @@ class LossScalingPrecision(Precision):
 
     Gradient health, per optimizer step that was taken (``report()``-ed on the device, no host sync;
     ``Grad/<name>/...`` with several optimizers): ``Grad/norm``, the total L2 norm of the gradients
-    UNSCALED and before clipping (what ``on_before_optimizer_step`` would see without clipping:
-    a callback's norm under a fused optimizer, which unscales inside its step, is still scaled), at the
-    cost of one read of the gradients; with ``update_ratio``, ``Grad/update_ratio`` = ‖Δw‖ / ‖w‖ over
-    the optimizer's parameters with gradients (w before the step), at the cost of a copy of those
-    parameters during the step and two more reads of them. A skipped step reports neither (its norm is
-    inf or NaN; ``AMP/skipped_steps`` counts it); a fused optimizer decides on the device, so its
-    skipped steps report too (norm inf/NaN, ratio 0). ``LossScalingFSDPPrecision`` sums the squares
-    over the ranks' shards first (one ``all_reduce`` per step); under DDP every rank has the whole
-    gradient. Without a scaler (``skip_nonfinite=False`` in bf16/fp32) nothing is reported.
+    UNSCALED and before clipping (a fused optimizer unscales inside its step, so callbacks see its
+    gradients scaled; the plugin divides by the scale), at the cost of one read of the gradients;
+    with ``update_ratio``, ``Grad/update_ratio`` = ‖Δw‖ / ‖w‖ over the optimizer's parameters with
+    gradients (w before the step), at the cost of a copy of those parameters during the step and two
+    more reads of them. A skipped step reports neither (its norm is inf or NaN; ``AMP/skipped_steps``
+    counts it); a fused optimizer decides on the device, so its skipped steps report too (norm inf or
+    NaN, ratio 0). ``LossScalingFSDPPrecision`` sums the squares over the ranks' shards first (one
+    ``all_reduce`` per step); under DDP every rank has the whole gradient. Without a scaler
+    (``skip_nonfinite=False`` in bf16/fp32) nothing is reported.
 
     Host syncs: the skip decision reads ``found_inf`` once per optimizer step, except for fused
     optimizers (``Adam(fused=True)``), which skip on the device; for those, holding step-interval LR
@@ -124,8 +124,8 @@ class LossScalingPrecision(Precision):
     Raises:
         ValueError: unknown ``precision``, or a scaler whose enabled state does not fit it.
         TypeError: ``precision`` not a str, ``skip_nonfinite``, ``grad_norm`` or ``update_ratio`` not
-            a bool, ``scaler`` not a
-            ``DynamicLossScaler``, or ``optimizer_names`` not a sequence of distinct non-empty strings.
+            a bool, ``scaler`` not a ``DynamicLossScaler``, or ``optimizer_names`` not a sequence of
+            distinct non-empty strings.
 
     Example::
 
