@@ -134,6 +134,7 @@ def _launch(script: Path, checkpoint: Path, last_step: int) -> subprocess.Popen:
 
 
 @pytest.mark.slow  # two training processes, one killed
+@pytest.mark.smoke  # the cheapest (and only) multi-process test of the goodput ledger
 @pytest.mark.timeout(180)
 def test_ledger_survives_sigkill_and_resume(tmp_path):
     script, checkpoint = tmp_path / "train.py", tmp_path / "last.ckpt"
