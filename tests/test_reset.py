@@ -30,6 +30,7 @@ from lightning_ext.kernels import (
     registry,
     unscale,
 )
+from lightning_ext.perf import peaks
 from lightning_ext.stats import Collector, init_multiprocessing, report, reporting
 
 PACKAGE = Path(lightning_ext.__file__).parent
@@ -47,6 +48,7 @@ CLEARED = {
     ("lightning_ext.kernels._triton", "_SM_COUNT"),
     ("lightning_ext.kernels.cpu", "_announced"),
     ("lightning_ext.distributed.all_reduce", "_routes"),
+    ("lightning_ext.perf.peaks", "_measured"),
 }
 # (module, name) -> why it outlives lightning_ext.reset().
 KEPT = {
@@ -172,6 +174,8 @@ def test_reset_empties_every_cache(plugin_path, monkeypatch, caplog, tmp_path) -
     # distributed: a group's route (a real one sets a segment up: tests/distributed/test_all_reduce.py)
     group = _Group()
     all_reduce_module._routes[group] = all_reduce_module._Route(torch.device("cpu"), None)
+    # perf: a measured matmul rate
+    peaks.measure_peak_flops(torch.float32, "cpu", size=16)
 
     filled = {
         "_state": reporting._state != reporting._State(),
@@ -185,6 +189,7 @@ def test_reset_empties_every_cache(plugin_path, monkeypatch, caplog, tmp_path) -
         "_SM_COUNT": bool(_triton._SM_COUNT),
         "_announced": cpu._announced,
         "_routes": group in all_reduce_module._routes,
+        "_measured": bool(peaks._measured),
     }
     assert {name for _, name in CLEARED} == set(filled)
     assert all(filled.values()), filled
@@ -198,6 +203,7 @@ def test_reset_empties_every_cache(plugin_path, monkeypatch, caplog, tmp_path) -
     assert "reset_plugin" not in registry._entries  # read again from the group at the next lookup
     assert {"reference", "cpu", "triton"} <= set(registry._entries)  # registrations stay
     assert not backend._LIVE and not unscale._META_CACHE and not _triton._SM_COUNT
+    assert not peaks._measured
     assert not cpu._announced
     assert cpu._module is extension  # kept: see KEPT
     assert group not in all_reduce_module._routes
