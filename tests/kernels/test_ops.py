@@ -86,6 +86,18 @@ def test_eager_use_imports_no_dynamo():
     assert result.stdout.split()[-1] == "False", result.stdout
 
 
+def test_a_custom_op_of_a_backend_this_process_never_built_names_the_fix():
+    """A graph traced in another process may name a backend this one never built (the ops find the
+    live instance by name): the op says which and how to build it, rather than a KeyError."""
+    with pytest.raises(
+        RuntimeError,
+        match=r"^torch.ops.lightning_ext.check_finite runs kernel backend 'never_built', which this process "
+        r"has not built \(a graph traced in another process\)\. HINT: call "
+        r"lightning_ext.kernels.get_backend\('never_built', device\) before running it$",
+    ):
+        torch.ops.lightning_ext.check_finite([torch.ones(2)], torch.device("cpu"), "never_built")
+
+
 def test_opcheck_custom_ops(backend: KernelBackend):
     """Schemas, fake (meta) implementations and dispatch of each op, checked by torch itself."""
     key, device = backend.name, backend_device(backend)
