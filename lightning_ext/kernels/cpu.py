@@ -60,9 +60,7 @@ import shutil
 import stat
 import sys
 import sysconfig
-import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -147,16 +145,24 @@ def _announce(build_directory: Path, waiting: bool = False) -> None:
         if _announced:
             return
         _announced = True
-    if waiting:
-        what = "waiting for another process to build the compiled CPU kernels"
-    else:
-        what = "building the compiled CPU kernels"
     log.warning(
-        "lightning_ext: %s in %s, about 30 s once per environment. "
+        "lightning_ext: %s the compiled CPU kernels in %s, about 30 s once per environment. "
         "`python -m lightning_ext.kernels` builds them ahead of time.",
-        what,
+        "waiting for another process to build" if waiting else "building",
         build_directory,
     )
+
+
+@contextlib.contextmanager
+def _announced_if_slow(build_directory: Path, waiting: bool = False) -> Iterator[None]:
+    """Run the block; :func:`_announce` if it lasts longer than ``_ANNOUNCE_AFTER_SECONDS``."""
+    timer = threading.Timer(_ANNOUNCE_AFTER_SECONDS, _announce, args=(build_directory, waiting))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def _forget_announcement() -> None:
@@ -241,15 +247,8 @@ def _build_lock(directory: Path) -> Iterator[None]:
     ``_ANNOUNCE_AFTER_SECONDS``). An advisory lock: the kernel releases it when its holder dies."""
     fd = os.open(directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        start = time.monotonic()
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() - start >= _ANNOUNCE_AFTER_SECONDS:
-                    _announce(directory, waiting=True)
-                time.sleep(0.2)
+        with _announced_if_slow(directory, waiting=True):
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # releases the lock
@@ -270,31 +269,26 @@ def _build(name: str, library: Path, verbose: bool) -> ModuleType:
     directory = library.parent
     for stale in (library.with_name(_MANIFEST), library, directory / BUILD_LOCK_FILE):
         stale.unlink(missing_ok=True)  # ninja would keep a truncated library; torch waits on its lock
-    announce = threading.Timer(_ANNOUNCE_AFTER_SECONDS, _announce, args=(directory,))
-    announce.daemon = True
-    announce.start()
     try:
-        module = build(
-            name=name,
-            sources=[str(_SOURCE)],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            verbose=verbose,
-        )
+        with _announced_if_slow(directory):
+            module = build(
+                name=name,
+                sources=[str(_SOURCE)],
+                extra_cflags=_CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                verbose=verbose,
+            )
     except (RuntimeError, OSError) as error:
         log.debug("lightning_ext: building the cpu kernels in %s failed:\n%s", directory, error)
         raise RuntimeError(f"building the cpu kernels failed: {_short_cause(str(error))}") from None
-    finally:
-        announce.cancel()
     library.chmod(library.stat().st_mode & ~0o022)  # the linker applied the umask
     data = library.read_bytes()
     record = {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    fd, temporary = tempfile.mkstemp(dir=directory, prefix=".manifest-")
-    with os.fdopen(fd, "w") as file:
-        json.dump(record, file)
-    os.chmod(temporary, 0o644)
-    os.replace(temporary, library.with_name(_MANIFEST))
+    temporary = directory / f".{_MANIFEST}.{os.getpid()}"  # renamed into place: never half written
+    temporary.write_text(json.dumps(record))
+    temporary.chmod(0o644)
+    temporary.replace(library.with_name(_MANIFEST))
     return module
 
 
