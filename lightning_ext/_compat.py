@@ -108,15 +108,6 @@ def extension_build_directory(name: str) -> Path:
         os.umask(umask)
 
 
-def assume_constant_result(fn: Any) -> Any:
-    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` (about 2 s, which an
-    eager process never needs): the decorator only sets the private marker ``_dynamo_marked_constant``
-    that dynamo reads when it traces a call of ``fn`` (it then calls ``fn`` outside the graph and keeps
-    the value)."""
-    fn._dynamo_marked_constant = True
-    return fn
-
-
 def group_timeout(group: Any, device: torch.device) -> float:
     """Seconds the collectives of process group ``group`` wait (the ``timeout`` it was created with):
     its backend's private options on ``device``; torch's default when a backend has none."""
@@ -144,6 +135,15 @@ def triton_interpreter_limit() -> str | None:
 
 
 # ------------------------------------------------------------------------------------- torch internals
+def assume_constant_result(fn: Any) -> Any:
+    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` (about 2 s, which an
+    eager process never needs): the decorator only sets the private marker ``_dynamo_marked_constant``
+    that dynamo reads when it traces a call of ``fn`` (it then calls ``fn`` outside the graph and keeps
+    the value)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 # The base class of BatchNorm1d/2d/3d, torch.nn.SyncBatchNorm and users' own batch norms (no public name);
 # its forward checks the input with the hook ``_check_input_dim`` that each subclass defines.
 BatchNormBase = _BatchNorm
