@@ -2,6 +2,7 @@
 
 from lightning_ext.distributed import create_process_groups
 from lightning_ext.nn.convert import convert_sync_batchnorm, revert_sync_batchnorm
+from lightning_ext.nn.precise_bn import update_bn_stats
 from lightning_ext.nn.sync_batch_norm import SyncBatchNorm, sync_batch_norm_stats
 
 __all__ = [
@@ -10,4 +11,5 @@ __all__ = [
     "create_process_groups",
     "revert_sync_batchnorm",
     "sync_batch_norm_stats",
+    "update_bn_stats",
 ]
