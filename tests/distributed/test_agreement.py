@@ -26,6 +26,7 @@ from lightning_ext.distributed import (
     close_shared_memory,
     shm_available,
 )
+from lightning_ext.distributed.agreement import _describe, _descriptor
 from lightning_ext.nn import SyncBatchNorm
 from tests.helpers.distributed import run_distributed
 
@@ -401,3 +402,27 @@ def test_the_steady_state_costs_one_collective_per_reduction(world_size: int) ->
 def test_the_debug_mode_checks_every_reduction_on_every_rank_when_any_rank_asks(check: tuple) -> None:
     for per_reduction in run_distributed(_collectives_per_reduction, 2, check, timeout=150):
         assert per_reduction == [["all_reduce"] * 2] * 200
+
+
+# ------------------------------------------------------------------ descriptors (one process)
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental", "ignore:torch.quantize_per_tensor")
+def test_every_dtype_of_torch_has_its_own_code_and_is_named() -> None:
+    dtypes = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+    assert {"uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2", "complex32", "bits8"} <= set(dtypes)
+    descriptors = set()
+    for name, dtype in dtypes.items():
+        descriptor = _descriptor(torch.empty(3, dtype=dtype, device="meta"), dist.ReduceOp.SUM)
+        assert _describe(descriptor) == f"SUM of 3 {name}"
+        descriptors.add(descriptor)
+    assert len(descriptors) == len(dtypes)  # no two dtypes share a code
+
+
+def test_a_descriptor_names_op_count_and_layout_and_fits_a_max_pair() -> None:
+    for op in ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG", "PREMUL_SUM"):
+        assert _describe(_descriptor(torch.ones(2), getattr(dist.ReduceOp, op))) == f"{op} of 2 float32"
+    sparse = torch.ones(5).to_sparse()
+    assert _describe(_descriptor(sparse, dist.ReduceOp.SUM)) == "SUM of 5 float32 (not strided)"
+    largest = torch.empty(2**47 - 1, dtype=torch.uint8, device="meta")  # 140 TB
+    assert 0 <= _descriptor(largest, dist.ReduceOp.PREMUL_SUM) < 2**62  # [d, -d] rides in an int64 MAX
