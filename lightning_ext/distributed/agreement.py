@@ -71,20 +71,16 @@ def _dtype_code(name: str) -> int:
 
 _DTYPE_CODES = {dtype: _dtype_code(name) for name, dtype in _TORCH_DTYPES.items()}
 _CODE_NAMES = {_dtype_code(name): name for name in _TORCH_DTYPES}
-_KINDS = {  # dtype name -> what the flag of the fast path may ride in (see _FLAGS)
-    **dict.fromkeys(("float64", "float32", "float16", "bfloat16"), "float"),
-    **dict.fromkeys(("complex128", "complex64", "complex32"), "complex"),
-    **dict.fromkeys(("int64", "int32", "uint64", "uint32"), "wide"),
-    **dict.fromkeys(("int16", "int8", "uint16", "uint8", "bool"), "narrow"),
-}
-_FLAGS = {  # op -> (the flag of a rank that holds the predicted tensor, dtype kinds it may ride in)
-    _R.SUM: (0, ("float", "complex", "wide")),  # a SUM of W flags in 8 or 16 bits could wrap to 0
-    _R.AVG: (0, ("float", "complex")),  # an integer mean would round 1/W to 0
-    _R.MAX: (0, ("float", "wide", "narrow")),
-    _R.BOR: (0, ("wide", "narrow")),
-    _R.MIN: (1, ("float", "wide", "narrow")),
-    _R.PRODUCT: (1, ("float", "complex", "wide", "narrow")),
-    _R.BAND: (1, ("wide", "narrow")),
+_FLOAT, _COMPLEX = ("float64", "float32", "float16", "bfloat16"), ("complex128", "complex64", "complex32")
+_WIDE, _NARROW = ("int64", "int32", "uint64", "uint32"), ("int16", "int8", "uint16", "uint8", "bool")
+_FLAGS = {  # op -> (the flag of a rank that holds the predicted tensor, the dtypes the flag rides in)
+    _R.SUM: (0, _FLOAT + _COMPLEX + _WIDE),  # a SUM of W flags in 8 or 16 bits could wrap to 0
+    _R.AVG: (0, _FLOAT + _COMPLEX),  # an integer mean would round 1/W to 0
+    _R.MAX: (0, _FLOAT + _WIDE + _NARROW),
+    _R.BOR: (0, _WIDE + _NARROW),
+    _R.MIN: (1, _FLOAT + _WIDE + _NARROW),
+    _R.PRODUCT: (1, _FLOAT + _COMPLEX + _WIDE + _NARROW),
+    _R.BAND: (1, _WIDE + _NARROW),
 }
 _Wire = tuple[Any, torch.dtype, int, int]  # (op, dtype, element count, the flag of a rank holding it)
 
@@ -108,8 +104,8 @@ def _wire(descriptor: int) -> _Wire | None:
     """How the fast path sends a reduction of ``descriptor``, or ``None``: always the slow path (a
     layout that is not strided, an op without a flag, a dtype the op's flags could wrap in)."""
     op, name = _CODE_OPS.get(descriptor & 0xF), _CODE_NAMES.get(descriptor >> 5 & 0x3FF)
-    normal, kinds = _FLAGS.get(op, (0, ()))
-    if descriptor >> 4 & 1 or _KINDS.get(name) not in kinds:
+    normal, dtypes = _FLAGS.get(op, (0, ()))
+    if descriptor >> 4 & 1 or name not in dtypes:
         return None
     return op, _TORCH_DTYPES[name], descriptor >> 15, normal
 
@@ -152,10 +148,9 @@ class _Agreement:
             self.context = (*context[1 - _CONTEXT :], predicted)
             return
         self._check(descriptor, group)
-        if self.predictions.get(context, (None,))[0] != descriptor:
-            if len(self.predictions) >= _PREDICTIONS_MAX:
-                self.predictions.clear()
-            self.predictions[context] = (descriptor, _wire(descriptor))
+        if len(self.predictions) >= _PREDICTIONS_MAX:
+            self.predictions.clear()
+        self.predictions[context] = (descriptor, _wire(descriptor))
         self.context = (*context[1 - _CONTEXT :], descriptor)
         dist.all_reduce(tensor, op=op, group=group)
 

@@ -40,10 +40,7 @@ __all__ = [
 
 SHM_ENV_VAR = "LIGHTNING_EXT_SHM_COLLECTIVES"  # off on any rank: every rank takes the process group
 CHECK_ENV_VAR = "LIGHTNING_EXT_CHECK_COLLECTIVES"  # on on any rank: the process group checks every reduction
-_SWITCH = {  # an environment variable's value (stripped, lower case) -> on or off
-    **dict.fromkeys(("1", "true", "on", "yes"), True),
-    **dict.fromkeys(("0", "false", "off", "no"), False),
-}
+_ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")  # a switch's words (stripped, any case)
 _X86 = platform.machine().lower() in ("x86_64", "amd64")  # total store order: see shm's docstring
 
 _waited = [0.0]  # host seconds spent inside all_reduce_ by this process (see collective_seconds)
@@ -65,13 +62,13 @@ class _Done:
 class _Route:
     device: torch.device  # the group's collective device
     segment: shm._ShmGroup | None  # its shared-memory segment, or None: the group's own all_reduce
-    agreement: _Agreement | None  # the process-group path's check (None: a segment, or a group of one)
+    agreement: _Agreement | None = None  # the process-group path's check (None: a segment, a group of one)
 
 
 def _switch(value: str | None, default: bool) -> bool | None:
     """An environment variable's value as a switch: unset or empty is ``default``; ``None``: not allowed."""
     value = (value or "").strip().lower()
-    return _SWITCH.get(value) if value else default
+    return default if not value else True if value in _ON else False if value in _OFF else None
 
 
 def _settings(group: Any, device: torch.device) -> tuple[bool, bool]:
@@ -83,8 +80,7 @@ def _settings(group: Any, device: torch.device) -> tuple[bool, bool]:
     capable = _X86 and bool(shm_on) and "gloo" in str(dist.get_backend(group)).lower()
     valid = None not in (shm_on, check)
     votes = torch.tensor([capable, check is not True, valid], dtype=torch.int32, device=device)
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
     capable, unchecked, valid = votes.tolist()
     if not valid:
         _raise_invalid_switches(group)
@@ -95,8 +91,7 @@ def _raise_invalid_switches(group: Any) -> None:
     """Every rank: gather every rank's switches (one all_gather_object) and raise naming the bad ones."""
     mine = [os.environ.get(SHM_ENV_VAR), os.environ.get(CHECK_ENV_VAR)]
     values = [mine] * dist.get_world_size(group)
-    if len(values) > 1:
-        dist.all_gather_object(values, mine, group=group)
+    dist.all_gather_object(values, mine, group=group)
     bad = [
         f"rank {dist.get_global_rank(group, r)}: {name}={value!r}"
         for r, pair in enumerate(values)
