@@ -82,7 +82,8 @@ _FLAGS = {  # op -> (the flag of a rank that holds the predicted tensor, the dty
     _R.PRODUCT: (1, _FLOAT + _COMPLEX + _WIDE + _NARROW),
     _R.BAND: (1, _WIDE + _NARROW),
 }
-_Wire = tuple[Any, torch.dtype, int, int]  # (op, dtype, element count, the flag of a rank holding it)
+# (op, element count, the flag of a rank that holds the predicted tensor: as a number, as a (1,) tensor)
+_Wire = tuple[Any, int, int, torch.Tensor]
 
 
 def _descriptor(tensor: torch.Tensor, op: Any) -> int:
@@ -100,14 +101,14 @@ def _describe(descriptor: int) -> str:
     return f"{op} of {descriptor >> 15} {_CODE_NAMES.get(code, f'dtype #{code}')}{layout}"
 
 
-def _wire(descriptor: int) -> _Wire | None:
+def _wire(descriptor: int, device: torch.device) -> _Wire | None:
     """How the fast path sends a reduction of ``descriptor``, or ``None``: always the slow path (a
     layout that is not strided, an op without a flag, a dtype the op's flags could wrap in)."""
     op, name = _CODE_OPS.get(descriptor & 0xF), _CODE_NAMES.get(descriptor >> 5 & 0x3FF)
     normal, dtypes = _FLAGS.get(op, (0, ()))
     if descriptor >> 4 & 1 or name not in dtypes:
         return None
-    return op, _TORCH_DTYPES[name], descriptor >> 15, normal
+    return op, descriptor >> 15, normal, torch.full((1,), normal, dtype=_TORCH_DTYPES[name], device=device)
 
 
 def _check_agreement(descriptors: list[int], group: Any, transport: str) -> None:
@@ -150,25 +151,24 @@ class _Agreement:
         self._check(descriptor, group)
         if len(self.predictions) >= _PREDICTIONS_MAX:
             self.predictions.clear()
-        self.predictions[context] = (descriptor, _wire(descriptor))
+        self.predictions[context] = (descriptor, _wire(descriptor, self.device))
         self.context = (*context[1 - _CONTEXT :], descriptor)
         dist.all_reduce(tensor, op=op, group=group)
 
     def _send(self, tensor: torch.Tensor, hit: bool, wire: _Wire, group: Any) -> bool:
         """Fast path: one all_reduce of the predicted wire; whether no rank flagged (then ``tensor``
         holds the result). A rank that flagged always sees its own flag: every rank returns alike."""
-        op, dtype, numel, normal = wire
-        with torch.no_grad():
-            if hit:
-                buffer = torch.empty(numel + 1, dtype=dtype, device=self.device)
-                buffer[:numel].view(tensor.shape).copy_(tensor)
-            else:
-                buffer = torch.zeros(numel + 1, dtype=dtype, device=self.device)
-            buffer[numel:].fill_(normal if hit else 1 - normal)
-            dist.all_reduce(buffer, op=op, group=group)
-            if buffer[numel].item() != normal:  # a host read (a device sync on CUDA)
-                return False
-            tensor.copy_(buffer[:numel].view(tensor.shape))
+        op, numel, normal, flag = wire
+        if hit:
+            buffer = torch.cat((tensor.detach().reshape(-1), flag))  # the staging copy
+        else:
+            buffer = torch.zeros(numel + 1, dtype=flag.dtype, device=self.device)
+            buffer[numel] = 1 - normal
+        dist.all_reduce(buffer, op=op, group=group)
+        payload, reduced = buffer.split((numel, 1))
+        if reduced.item() != normal:  # a host read (a device sync on CUDA)
+            return False
+        tensor.detach().copy_(payload.view(tensor.shape))
         return True
 
     def _check(self, descriptor: int, group: Any) -> None:
