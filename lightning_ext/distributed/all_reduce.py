@@ -215,7 +215,7 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool) -> An
 def shm_available(group: dist.ProcessGroup | None = None) -> bool:
     """Whether :func:`all_reduce_` of a small float tensor over ``group`` takes the shared-memory path
     (``False`` when not distributed). Like :func:`all_reduce_`, the first call on a group is a
-    collective. No host sync."""
+    collective, which raises its ``ValueError`` for a switch's value. No host sync."""
     if not (dist.is_available() and dist.is_initialized()):
         return False
     group = group if group is not None else dist.group.WORLD
