@@ -285,28 +285,36 @@ def _issue_d(odd: bool, group: Any) -> Callable[[], None]:
     return diverge
 
 
-def _issue_e(dtype: torch.dtype, warm: bool) -> Callable[[bool, Any], Callable[[], None]]:
-    """The odd rank reduces ``dtype`` x4 where the others reduce float32 x4 (after ten float32 x4 when
-    ``warm``: on the predicted wire)."""
+def _odd_one(n: int, dtype: torch.dtype, op: Any, warm: bool) -> Callable[[bool, Any], Callable[[], None]]:
+    """The odd rank reduces ``n`` ``dtype`` by ``op`` where the others reduce SUM of 4 float32: at the
+    first reduction, or after ten float32 x4 when ``warm`` (on the predicted wire)."""
 
     def scenario(odd: bool, group: Any) -> Callable[[], None]:
         for _ in range(10 if warm else 0):
             _reduce(group, 4)
-        return lambda: _reduce(group, 4, dtype if odd else torch.float32)
+        return lambda: _reduce(group, *((n, dtype, op) if odd else (4,)))
 
     return scenario
 
 
+SUM, MAX = dist.ReduceOp.SUM, dist.ReduceOp.MAX
 SCENARIOS: dict[str, tuple[Callable[[bool, Any], Callable[[], None]], str, str, int]] = {
     # name: (scenario, rank 0's reduction, the odd rank's, collectives on the process-group path)
+    "numel": (_odd_one(5, torch.float32, SUM, False), "SUM of 4 float32", "SUM of 5 float32", 2),
+    "op": (_odd_one(4, torch.float32, MAX, False), "SUM of 4 float32", "MAX of 4 float32", 2),
     "a": (_issue_a, "SUM of 4 float32", "SUM of 8 float32", 2),
     "a predicted": (_issue_a_predicted, "SUM of 4 float32", "SUM of 8 float32", 3),
     "b": (_issue_b, "SUM of 8 float32", "SUM of 4 float32", 3),
     "c": (_issue_c, "SUM of 8 float32", "MAX of 3 float64", 3),
     "d": (_issue_d, "SUM of 9 float32", "MAX of 5 float64", 3),
-    "e uint16": (_issue_e(torch.uint16, False), "SUM of 4 float32", "SUM of 4 uint16", 2),
-    "e uint16 predicted": (_issue_e(torch.uint16, True), "SUM of 4 float32", "SUM of 4 uint16", 3),
-    "e float8": (_issue_e(torch.float8_e4m3fn, False), "SUM of 4 float32", "SUM of 4 float8_e4m3fn", 2),
+    "e uint16": (_odd_one(4, torch.uint16, SUM, False), "SUM of 4 float32", "SUM of 4 uint16", 2),
+    "e uint16 predicted": (_odd_one(4, torch.uint16, SUM, True), "SUM of 4 float32", "SUM of 4 uint16", 3),
+    "e float8": (
+        _odd_one(4, torch.float8_e4m3fn, SUM, False),
+        "SUM of 4 float32",
+        "SUM of 4 float8_e4m3fn",
+        2,
+    ),
 }
 
 
