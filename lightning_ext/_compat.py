@@ -256,7 +256,7 @@ UNREACHABLE_FREQUENCY = 2**62
 
 # ------------------------------------------------------------------- DDP communication hooks (timer)
 # DistributedDataParallel's list of the (hook, state) pairs registered with ``register_comm_hook``: DDP
-# takes one hook and raises on a second (after recording it), so GradientSyncTimer.install reads the list
+# takes one hook and raises on a second (after recording it), so DDPSyncTimer.install reads the list
 # to find its own hook or another before it registers one.
 def ddp_comm_hooks(model: Any) -> list[tuple[Any, Any]]:
     """The ``(hook, state)`` pairs registered on the ``DistributedDataParallel`` ``model``."""

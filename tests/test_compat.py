@@ -377,5 +377,5 @@ def test_ddp_comm_hooks_lists_the_registered_hook():
     assert (before, found) == (0, True), (
         f"{TORCH}: DistributedDataParallel no longer lists its communication hook in `_comm_hooks` "
         f"(before registering: {before} hooks; found after: {found}): IterationTimer cannot tell its "
-        "GradientSyncTimer from a user's hook and would register a second one (DDP raises)"
+        "DDPSyncTimer from a user's hook and would register a second one (DDP raises)"
     )

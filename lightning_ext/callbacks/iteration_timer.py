@@ -18,7 +18,7 @@ from typing_extensions import override
 from lightning_ext._checks import check_int
 from lightning_ext.callbacks.hook_base import HookBase
 from lightning_ext.distributed import collective_seconds
-from lightning_ext.distributed.gradient_sync_timer import GradientSyncTimer
+from lightning_ext.distributed.ddp_sync_timer import DDPSyncTimer
 from lightning_ext.stats import report
 
 __all__ = ["IterationTimer"]
@@ -44,8 +44,9 @@ class IterationTimer(HookBase):
       (gradient clipping, the optimizer step, LR schedulers, the hooks around them).
     - ``Timing/collective_sec``: the seconds of the last three spent waiting in collectives: the
       package's own (:func:`~lightning_ext.distributed.collective_seconds`: SyncBatchNorm's all-reduce,
-      a loss scaler's) and DDP's gradient all-reduce, from this rank's last bucket launch
-      (:class:`~lightning_ext.distributed.GradientSyncTimer`) to the end of its backward.
+      a loss scaler's) and DDP's (:class:`~lightning_ext.distributed.DDPSyncTimer`): its buffer
+      broadcast before the forward and its gradient all-reduce, from this rank's last bucket launch to
+      the end of its backward.
     - ``Timing/compute_sec``: forward + backward + optimizer less those waits.
 
     So the iteration is the wall time from the end of the previous iteration to the end of this one,
@@ -58,14 +59,14 @@ class IterationTimer(HookBase):
 
     DDP. At ``before_train``, when the trainer's ``strategy.model`` (or, under a
     :class:`~lightning_ext.callbacks.HookRunner`, ``pl_module``) holds a ``DistributedDataParallel``,
-    the hook registers a ``GradientSyncTimer`` as its communication hook (the same all-reduce, no
-    extra collective). DDP takes one communication hook: when the model has one of its own, nothing is
-    registered and a warning says that a rank slow in its backward is not named; wrap your hook,
-    ``GradientSyncTimer(your_hook).hook``, to have it timed. Without ``on_before_backward`` (a
-    ``HookRunner``), ``forward_sec`` holds the backward too.
+    the hook installs a ``DDPSyncTimer`` on it (a communication hook doing the same all-reduce and two
+    forward pre-hooks: no extra collective). DDP takes one communication hook: when the model has one
+    of its own, nothing is installed and a warning says that a rank slow in its backward is not named;
+    wrap your hook, ``DDPSyncTimer(your_hook).hook``, to have it timed. Without
+    ``on_before_backward`` (a ``HookRunner``), ``forward_sec`` holds the backward too.
 
-    CUDA. The phases and DDP's wait are timed by CUDA events recorded at those hooks (and at the last
-    bucket launch) and read once a later iteration finds them completed (``Event.query()``), so no
+    CUDA. The phases and DDP's waits are timed by CUDA events recorded at those hooks (and in DDP's)
+    and read once a later iteration finds them completed (``Event.query()``), so no
     per-step synchronization but values one or more iterations late. The package's collectives count
     in host seconds, which miss their NCCL wait on the device (NCCL completes on the device): with
     ``SyncBatchNormPlugin`` on CUDA, the waits inside SyncBatchNorm stay in ``compute_sec``.
@@ -112,12 +113,12 @@ class IterationTimer(HookBase):
         self._timed_sec = 0.0  # host seconds of the iterations after warm-up
         self._timed_iters = 0  # number of those iterations
         self._cuda = False  # the module is on a CUDA device: the phases are timed by events
-        self._gradient_sync: GradientSyncTimer | None = None  # the DDP model's, when it has ours
+        self._ddp_sync: DDPSyncTimer | None = None  # the DDP model's, when it has ours
         self._launches = 0  # its backward passes seen
-        # Of the timed iteration: (phase opened, perf_counter or CUDA event, collective_seconds(), the
-        # last gradient all-reduce launch in the phase this mark closes or None)
-        self._marks: list[tuple[str, Any, float, Any]] = []
-        self._pending: deque[tuple[float, list[tuple[str, Any, float, Any]]]] = deque()  # (data, marks)
+        # Of the timed iteration: (phase opened, perf_counter or CUDA event, collective_seconds(), DDP's
+        # waits (start, end or None: this mark) in the phase this mark closes)
+        self._marks: list[tuple[str, Any, float, list]] = []
+        self._pending: deque[tuple[float, list[tuple[str, Any, float, list]]]] = deque()  # (data, marks)
 
     @property
     def timed_iters(self) -> int:
@@ -137,22 +138,28 @@ class IterationTimer(HookBase):
         models = (getattr(self.trainer.strategy, "model", None), self.pl_module)
         ddp = next((m for model in models if isinstance(model, torch.nn.Module) for m in model.modules()
                     if isinstance(m, DistributedDataParallel)), None)  # fmt: skip
-        self._gradient_sync = None if ddp is None else GradientSyncTimer.install(ddp)
-        self._launches = 0 if self._gradient_sync is None else self._gradient_sync.launches
-        if ddp is not None and self._gradient_sync is None:
+        self._ddp_sync = None if ddp is None else DDPSyncTimer.install(ddp)
+        self._launches = 0 if self._ddp_sync is None else self._ddp_sync.launches
+        if ddp is not None and self._ddp_sync is None:
             self._warn(
-                "IterationTimer: the DDP model has a communication hook of its own, so the wait in the "
-                "gradient all-reduce is not timed and a rank slow in its backward is not named. HINT: "
-                "register GradientSyncTimer(your_hook).hook (lightning_ext.distributed) instead."
+                "IterationTimer: the DDP model has a communication hook of its own, so the waits in DDP's "
+                "synchronizations are not timed and a rank slow in its backward is not named. HINT: "
+                "register DDPSyncTimer(your_hook).hook (lightning_ext.distributed) instead."
             )
 
     def _timed(self) -> bool:
         return self.iter - self.start_iter >= self.warmup_iter
 
-    def _mark(self, phase: str, launch: Any = None) -> None:
-        """Open ``phase`` now (in a timed iteration)."""
+    def _mark(self, phase: str) -> None:
+        """Open ``phase`` now (in a timed iteration); the mark keeps DDP's waits in the phase it closes."""
+        sync, waits = self._ddp_sync, []
+        if sync is not None:
+            waits, sync.forward_waits = sync.forward_waits, []
+            if sync.launches != self._launches:  # a backward all-reduced: its wait lasts until now
+                self._launches = sync.launches
+                waits.append((sync.last_launch, None))
         if self._timed():
-            self._marks.append((phase, _now_or_event(self._cuda), collective_seconds(), launch))
+            self._marks.append((phase, _now_or_event(self._cuda), collective_seconds(), waits))
 
     @override
     def before_step(self) -> None:
@@ -177,10 +184,7 @@ class IterationTimer(HookBase):
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_after_backward(trainer, pl_module)
-        sync, launch = self._gradient_sync, None
-        if sync is not None and sync.launches != self._launches:  # this backward all-reduced
-            self._launches, launch = sync.launches, sync.last_launch
-        self._mark("optimizer", launch)
+        self._mark("optimizer")
 
     @override
     def on_train_batch_end(
@@ -206,11 +210,11 @@ class IterationTimer(HookBase):
         while self._pending and _completed(self._pending[0][1][-1][1]):
             data, marks = self._pending.popleft()
             parts = dict.fromkeys(_PARTS, 0.0)
-            for (phase, start, waited, _), (_, end, waited_end, launch) in itertools.pairwise(marks):
-                if phase != "data":  # (the package's collectives in a backward run before its launch)
-                    ddp_wait = 0.0 if launch is None else _elapsed(launch, end)
+            for (phase, start, waited, _), (_, end, waited_end, waits) in itertools.pairwise(marks):
+                if phase != "data":  # (no overlap: the package's collectives in a backward end before DDP's)
+                    ddp = sum(_elapsed(a, end if b is None else b) for a, b in waits)
                     parts[phase] += _elapsed(start, end)
-                    parts["collective"] += waited_end - waited + ddp_wait
+                    parts["collective"] += waited_end - waited + ddp
             busy = parts["forward"] + parts["backward"] + parts["optimizer"]
             parts.update(data=data, compute=busy - parts["collective"], iteration=data + busy)
             for part, seconds in parts.items():

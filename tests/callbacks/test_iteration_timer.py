@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_ext.callbacks import HookRunner, IterationTimer, TrainingStats, hook_base, iteration_timer
-from lightning_ext.distributed.gradient_sync_timer import GradientSyncTimer
+from lightning_ext.distributed.ddp_sync_timer import DDPSyncTimer
 from lightning_ext.plugins import SyncBatchNormPlugin
 from lightning_ext.stats import Collector, init_multiprocessing
 from tests.helpers.distributed import run_distributed
@@ -283,28 +283,32 @@ def _foreign_hook(state, bucket):  # no annotations: DDP refuses them as strings
     return allreduce_hook(state, bucket)
 
 
-def _runner_job(rank: int, world_size: int, hook: str) -> tuple[float, float, list[str]]:
-    """8 iterations of a DDP model under a HookRunner, rank SLOW_RANK sleeping in its backward, with
-    the timer's hook (``"timer"``), the user's own (``"own"``) or the user's wrapped in a timer
-    (``"wrapped"``); this rank's mean compute and collective seconds, and the warnings."""
+def _runner_job(rank: int, world_size: int, hook: str, slow_in: str) -> tuple[float, float, list[str]]:
+    """8 iterations of a DDP model (with BatchNorm buffers, which DDP broadcasts before each forward)
+    under a HookRunner, rank SLOW_RANK sleeping ``SLEEP`` in its data, its backward or before its
+    optimizer step (``slow_in``), with the timer's hook (``"timer"``), the user's own (``"own"``) or
+    the user's wrapped in a timer (``"wrapped"``); this rank's mean compute and collective seconds,
+    and the warnings."""
     torch.manual_seed(rank)
     model = DistributedDataParallel(_net())
     if hook != "timer":
-        model.register_comm_hook(
-            None, _foreign_hook if hook == "own" else GradientSyncTimer(_foreign_hook).hook
-        )
+        model.register_comm_hook(None, _foreign_hook if hook == "own" else DDPSyncTimer(_foreign_hook).hook)
     optimizer, collector = torch.optim.SGD(model.parameters(), lr=0.01), Collector(regex="Timing/.*")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with HookRunner([IterationTimer(warmup_iter=2)], model) as runner:
             for _ in range(8):
+                if rank == SLOW_RANK and slow_in == "data":
+                    time.sleep(SLEEP)
                 runner.before_step()
                 out = model(torch.randn(16, 32))
-                if rank == SLOW_RANK:
+                if rank == SLOW_RANK and slow_in == "backward":
                     _sleep_in_backward(out, SLEEP)
                 loss = out.square().mean()
                 loss.backward()
                 runner.after_backward()
+                if rank == SLOW_RANK and slow_in == "optimizer":
+                    time.sleep(SLEEP)  # the others wait in the next backward's all-reduce
                 optimizer.step()
                 optimizer.zero_grad()
                 runner.after_step(loss)
@@ -319,27 +323,35 @@ def _runner_job(rank: int, world_size: int, hook: str) -> tuple[float, float, li
 
 @pytest.mark.smoke
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("hook", ["timer", "wrapped"])
-def test_the_wait_in_ddps_gradient_all_reduce_leaves_the_compute_time(hook):
+@pytest.mark.parametrize(
+    ("hook", "slow_in"),
+    [("timer", "backward"), ("wrapped", "backward"), ("timer", "optimizer"), ("timer", "data")],
+)
+def test_the_waits_in_ddps_synchronizations_leave_the_compute_time(hook, slow_in):
     (fast_compute, fast_waits, warned), (slow_compute, slow_waits, _) = run_distributed(
-        _runner_job, 2, hook, timeout=90
+        _runner_job, 2, hook, slow_in, timeout=90
     )
-    # The fast rank waits about SLEEP for the slow one at the end of its backward; the slow rank
-    # computes SLEEP longer. Margins of SLEEP / 2 absorb the scheduling of two processes.
+    # The fast rank waits about SLEEP for the slow one: at the end of its backward (slow in its
+    # backward), or in DDP's buffer broadcast at the start of its next forward (slow in its data or
+    # optimizer step: 5 of the 6 timed iterations for the latter). Margins of SLEEP / 2 absorb the
+    # scheduling of two processes.
     assert fast_waits > SLEEP / 2 > slow_waits, (fast_waits, slow_waits)
-    assert slow_compute - fast_compute > SLEEP / 2, (slow_compute, fast_compute)
+    if slow_in == "data":  # neither rank computes longer
+        assert abs(slow_compute - fast_compute) < SLEEP / 2, (slow_compute, fast_compute)
+    else:
+        assert slow_compute - fast_compute > SLEEP / 2, (slow_compute, fast_compute)
     assert warned == []
 
 
 @pytest.mark.timeout(120)
 def test_a_users_own_comm_hook_is_left_alone_and_said():
     (fast_compute, fast_waits, warned), (slow_compute, _, _) = run_distributed(
-        _runner_job, 2, "own", timeout=90
+        _runner_job, 2, "own", "backward", timeout=90
     )
     assert warned == [
-        "IterationTimer: the DDP model has a communication hook of its own, so the wait in the gradient "
-        "all-reduce is not timed and a rank slow in its backward is not named. HINT: register "
-        "GradientSyncTimer(your_hook).hook (lightning_ext.distributed) instead."
+        "IterationTimer: the DDP model has a communication hook of its own, so the waits in DDP's "
+        "synchronizations are not timed and a rank slow in its backward is not named. HINT: register "
+        "DDPSyncTimer(your_hook).hook (lightning_ext.distributed) instead."
     ]
     assert fast_waits < SLEEP / 2  # not timed: the fast rank's wait is in its compute time
     assert abs(slow_compute - fast_compute) < SLEEP / 2, (slow_compute, fast_compute)

@@ -1,6 +1,7 @@
-"""``GradientSyncTimer``: DDP's gradients unchanged, the last gradient all-reduce launch of each backward
-recorded (the rank slow in its backward waits least from it), a user's own hook wrapped or left alone,
-on spawned gloo workers."""
+"""``DDPSyncTimer``: DDP's gradients unchanged; the last gradient all-reduce launch of each backward
+recorded (the rank slow in its backward waits least from it) and DDP's buffer broadcast before each
+forward timed (a rank late to its forward makes the others wait there); a user's own hook wrapped or
+left alone; on spawned gloo workers."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ext import _compat
-from lightning_ext.distributed.gradient_sync_timer import GradientSyncTimer
+from lightning_ext.distributed.ddp_sync_timer import DDPSyncTimer
 from tests.helpers.distributed import run_distributed
 
 SHARDS = (5, 0, 3)  # samples per rank: uneven, one rank empty
@@ -35,12 +36,12 @@ def _shard(rank: int) -> torch.Tensor:
 
 def _gradients(rank: int, world_size: int) -> list[list[torch.Tensor]]:
     """Each parameter's gradient after one backward of DDP with its built-in reduction, and with a
-    ``GradientSyncTimer`` installed (torch's ``allreduce_hook``: the same mean, rounded otherwise)."""
+    ``DDPSyncTimer`` installed (torch's ``allreduce_hook``: the same mean, rounded otherwise)."""
     grads = []
     for timed in (False, True):
         model = DistributedDataParallel(_model())
         if timed:
-            assert GradientSyncTimer.install(model) is not None
+            assert DDPSyncTimer.install(model) is not None
         model(_shard(rank)).square().sum().backward()
         grads.append([p.grad for p in model.parameters()])
     return grads
@@ -73,7 +74,7 @@ def _waits(rank: int, world_size: int, slow_rank: int) -> list[tuple[int, float]
     backward): 3 backward passes where ``slow_rank`` sleeps ``SLEEP`` in its backward before any
     gradient is ready, then one under ``no_sync`` (no all-reduce)."""
     model = DistributedDataParallel(_model())
-    timer = GradientSyncTimer.install(model)
+    timer = DDPSyncTimer.install(model)
     waits = []
     for step in range(4):
         dist.barrier()
@@ -103,6 +104,41 @@ def test_the_fast_ranks_wait_for_the_rank_slow_in_its_backward(world_size):
             assert all(w > SLEEP / 2 for w in waits[:3]), (rank, per_step)
 
 
+def _forward_waits(rank: int, world_size: int, slow_rank: int) -> list[tuple[float, float]]:
+    """Per step, this rank's wait in DDP's forward (the buffer broadcast of a model with BatchNorm
+    buffers) and in its gradient all-reduce, ``slow_rank`` sleeping ``SLEEP`` before its forward."""
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)))
+    timer = DDPSyncTimer.install(model)
+    waits = []
+    for _ in range(3):
+        dist.barrier()
+        if rank == slow_rank:
+            time.sleep(SLEEP)
+        model(torch.randn(5, 4)).sum().backward()
+        end = time.perf_counter()
+        (start, forward_end), *more = timer.forward_waits
+        timer.forward_waits.clear()
+        assert more == [], more  # one DDP forward, one interval
+        waits.append((forward_end - start, end - timer.last_launch))
+    return waits
+
+
+@pytest.mark.timeout(120)
+def test_the_fast_ranks_wait_for_a_rank_late_to_its_forward_where_ddp_makes_them():
+    results = run_distributed(_forward_waits, 3, 2, timeout=90)
+    # A fast rank waits about SLEEP in the buffer broadcast (a receiver waits for the root only, the
+    # root for the receivers) or else at the gradient all-reduce: timed in one of the two. Margins of
+    # SLEEP / 2 absorb the scheduling of the processes.
+    for rank, per_step in enumerate(results):
+        for forward, gradients in per_step:
+            if rank == 2:
+                assert forward < SLEEP / 2 and gradients < SLEEP / 2, (rank, per_step)
+            else:
+                assert forward + gradients > SLEEP / 2, (rank, per_step)
+    assert any(forward > SLEEP / 2 for per_step in results[:2] for forward, _ in per_step), results
+
+
 def _counting_hook(state, bucket):  # no annotations: DDP refuses them as strings (future annotations)
     state["calls"] += 1
     return allreduce_hook(None, bucket)
@@ -110,18 +146,20 @@ def _counting_hook(state, bucket):  # no annotations: DDP refuses them as string
 
 def _hooks_of_users(rank: int, world_size: int) -> tuple[int, bool, bool, bool]:
     """A user's hook wrapped in a timer (found by ``install``, called with its state); a user's hook
-    alone (``install`` leaves it); ``install`` twice (the same timer)."""
+    alone (``install`` leaves it); ``install`` twice (the same timer, its forward hooks once)."""
     wrapped, state = DistributedDataParallel(_model()), {"calls": 0}
-    timer = GradientSyncTimer(_counting_hook)
+    timer = DDPSyncTimer(_counting_hook)
     wrapped.register_comm_hook(state, timer.hook)
-    found = GradientSyncTimer.install(wrapped) is timer
+    found = DDPSyncTimer.install(wrapped) is timer
     wrapped(_shard(0)).sum().backward()
     foreign = DistributedDataParallel(_model())
     foreign.register_comm_hook({"calls": 0}, _counting_hook)
-    left_alone = GradientSyncTimer.install(foreign) is None and len(_compat.ddp_comm_hooks(foreign)) == 1
+    left_alone = DDPSyncTimer.install(foreign) is None and len(_compat.ddp_comm_hooks(foreign)) == 1
     plain = DistributedDataParallel(_model())
-    again = GradientSyncTimer.install(plain) is GradientSyncTimer.install(plain)
-    return state["calls"], found, left_alone, again
+    timer = DDPSyncTimer.install(plain)
+    again = DDPSyncTimer.install(plain) is timer
+    plain(_shard(0)).sum().backward()
+    return state["calls"], found, left_alone, again and len(timer.forward_waits) == 1  # hooks once
 
 
 @pytest.mark.timeout(120)
@@ -132,8 +170,8 @@ def test_a_users_hook_is_timed_when_wrapped_and_left_alone_otherwise():
 
 def test_bad_arguments_are_named():
     hook = r"None or a DDP communication hook, a callable \(state, bucket\) -> Future\[Tensor\]"
-    with pytest.raises(TypeError, match=rf"^GradientSyncTimer: `hook` must be {hook}, got 42 \(int\)$"):
-        GradientSyncTimer(42)
+    with pytest.raises(TypeError, match=rf"^DDPSyncTimer: `hook` must be {hook}, got 42 \(int\)$"):
+        DDPSyncTimer(42)
     model = r"`model` must be a DistributedDataParallel, got Linear"
-    with pytest.raises(TypeError, match=rf"^GradientSyncTimer.install: {model}$"):
-        GradientSyncTimer.install(nn.Linear(1, 1))
+    with pytest.raises(TypeError, match=rf"^DDPSyncTimer.install: {model}$"):
+        DDPSyncTimer.install(nn.Linear(1, 1))
