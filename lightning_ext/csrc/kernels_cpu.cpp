@@ -965,11 +965,11 @@ double max_nan(double a, double b) {  // torch.maximum: NaN if either is NaN
 
 double clamp_min_zero(double v) { return v < 0.0 ? 0.0 : v; }  // clamp_min(0): NaN stays NaN
 
-// max_payload (H + 4R + S,) = [head | max | -min | mean | -mean | packed rank means];
+// max_payload (H + 5R,) = [head | max | -min | mean | -mean | mean with the rank in its low bits];
 // sum_payload (R, 5) = [n, m2, n d, n d^2, nonfinite]; rows (R, 6) = [n, S1, S2, min, max, nonfinite].
 void moments_payload_(Tensor& max_payload, Tensor& sum_payload, const Tensor& rows, const Tensor& shifts,
-                      const Tensor& center, const std::vector<double>& head, const Tensor& straggled,
-                      int64_t rank, int64_t rank_bits) {
+                      const Tensor& center, const std::vector<double>& head, int64_t rank,
+                      int64_t rank_bits) {
   const int64_t r = rows.size(0), h = static_cast<int64_t>(head.size());
   const double* s = rows.const_data_ptr<double>();
   const double* a = shifts.const_data_ptr<double>();
@@ -979,6 +979,8 @@ void moments_payload_(Tensor& max_payload, Tensor& sum_payload, const Tensor& ro
   const double ninf = -std::numeric_limits<double>::infinity();
   std::copy(head.begin(), head.end(), mx);
   double *hi = mx + h, *neg_lo = hi + r, *mean_max = neg_lo + r, *neg_mean_min = mean_max + r;
+  double* packed = neg_mean_min + r;
+  const uint64_t mask = (uint64_t{1} << rank_bits) - 1;
   for (int64_t i = 0; i < r; ++i) {
     const double* row = s + 6 * i;
     const double n = row[0];
@@ -997,14 +999,8 @@ void moments_payload_(Tensor& max_payload, Tensor& sum_payload, const Tensor& ro
     neg_lo[i] = -row[3];
     mean_max[i] = has ? mean : ninf;
     neg_mean_min[i] = has ? -mean : ninf;
-  }
-  const Tensor index = straggled.contiguous();
-  const int64_t* k = index.const_data_ptr<int64_t>();
-  const uint64_t mask = (uint64_t{1} << rank_bits) - 1;
-  for (int64_t j = 0; j < index.numel(); ++j) {
-    const double mean = mean_max[k[j]];
     const uint64_t bits = (__builtin_bit_cast(uint64_t, mean) & ~mask) | static_cast<uint64_t>(rank);
-    mx[h + 4 * r + j] = mean == ninf ? ninf : __builtin_bit_cast(double, bits);
+    packed[i] = has ? __builtin_bit_cast(double, bits) : ninf;
   }
 }
 

@@ -98,7 +98,7 @@ def moments_from_shifted(acc: Tensor, shift: Tensor) -> Tensor:
 
 def _moments_payload_reference(
     max_payload: Tensor, sum_payload: Tensor, rows: Tensor, shifts: Tensor, center: Tensor,
-    head: list[float], straggled: Tensor, rank: int, rank_bits: int,
+    head: list[float], rank: int, rank_bits: int,
 ) -> None:  # fmt: skip
     """Write one rank's accumulator rows of ``R`` statistics as the two payloads of a flush, in place.
 
@@ -106,9 +106,9 @@ def _moments_payload_reference(
     S1^2 / n, 0)``; then, with ``d = mean - center`` (0 where ``n = 0``; a non-finite center counts as 0):
 
     * ``max_payload`` (MAX all-reduce) ``= [head | max_1..R | -min_1..R | mean_1..R | -mean_1..R |
-      packed_1..S]``, the means ``-inf`` where ``n = 0``; ``packed_s``: the mean of row ``straggled[s]``
-      with its low ``rank_bits`` mantissa bits replaced by ``rank`` (``-inf`` where ``n = 0``), so that
-      the MAX names the rank with the largest mean;
+      packed_1..R]``, the means ``-inf`` where ``n = 0``; ``packed_i``: the mean with its low
+      ``rank_bits`` mantissa bits replaced by ``rank`` (``-inf`` where ``n = 0``), so that the MAX names
+      the rank with the largest mean (its size depends on ``R`` alone);
     * ``sum_payload`` (SUM all-reduce) ``= [n, m2, n d, n d^2, nonfinite]`` per row.
 
     Summed over ranks around a ``center`` shared by all, ``moments_finish_`` turns them into the
@@ -116,14 +116,13 @@ def _moments_payload_reference(
     between-rank term is exact when the center is near the rank means.
 
     Args:
-        max_payload: float64 ``(H + 4R + S,)``, written.
+        max_payload: float64 ``(H + 5R,)``, written.
         sum_payload: float64 ``(R, 5)``, written.
         rows: float64 ``(R, 6)`` accumulator rows (module docstring; a moment row is the case
             ``S1 = 0``, ``shift = mean``).
         shifts: float64 ``(R,)``, each row's shift.
         center: float64 ``(R,)``, the same on every rank.
         head: ``H`` floats written first, as given (the flush's fingerprints).
-        straggled: int64 ``(S,)``, row indices.
         rank, rank_bits: this rank, and the low mantissa bits that hold it (``rank < 2**rank_bits``).
     """
     h, r = len(head), rows.shape[0]
@@ -137,8 +136,8 @@ def _moments_payload_reference(
     ninf = torch.full_like(mean, -math.inf)
     extremes = (hi, -lo, torch.where(has, mean, ninf), torch.where(has, -mean, ninf))
     torch.stack(extremes, out=max_payload[h : h + 4 * r].view(4, r))
-    bits = mean[straggled].view(torch.int64) & ~((1 << rank_bits) - 1) | rank
-    max_payload[h + 4 * r :] = torch.where(has[straggled], bits.view(torch.float64), -math.inf)
+    bits = mean.view(torch.int64) & ~((1 << rank_bits) - 1) | rank
+    max_payload[h + 4 * r :] = torch.where(has, bits.view(torch.float64), -math.inf)
     torch.stack([n, m2, n * d, n * d * d, nonfinite], 1, out=sum_payload)
 
 
@@ -162,7 +161,7 @@ def _moments_finish_reference(
         published: float64 ``(R, 6)``, updated.
         next_shift: float64 ``(R,)``, updated (the center of the next flush).
         idle: float64 ``(R,)``, updated: flushes in a row without values.
-        extremes: float64 ``(4R + S,)``: the reduced ``max_payload`` after its head.
+        extremes: float64 ``(5R,)``: the reduced ``max_payload`` after its head.
         sum_payload: float64 ``(R, 5)``, reduced.
         center: float64 ``(R,)``, the center the payloads were made around.
         keep_previous: what a row without values keeps (above).
@@ -265,7 +264,7 @@ accumulate_moments_ = define_op(
 )
 moments_payload_ = define_op(
     "moments_payload_(Tensor(a0!) max_payload, Tensor(a1!) sum_payload, Tensor rows, Tensor shifts, "
-    "Tensor center, float[] head, Tensor straggled, int rank, int rank_bits) -> ()",
+    "Tensor center, float[] head, int rank, int rank_bits) -> ()",
     _moments_payload_reference,
     fake=lambda *_: None,
 )

@@ -79,10 +79,8 @@ def _published(backend, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     acc = _fresh().to(x.device)
     backend.run("accumulate_moments_", acc, x, shift)
     center = shift.reshape(1)
-    max_payload, sum_payload = torch.zeros(6, **f64), torch.zeros(1, 5, **f64)
-    none = torch.zeros(0, dtype=torch.int64, device=x.device)
-    backend.run("moments_payload_", max_payload, sum_payload, acc.view(1, 6), center, center, [1.0, -1.0],
-                none, 0, 1)  # fmt: skip
+    max_payload, sum_payload = torch.zeros(7, **f64), torch.zeros(1, 5, **f64)
+    backend.run("moments_payload_", max_payload, sum_payload, acc.view(1, 6), center, center, [1.0, -1.0], 0, 1)
     published, next_shift, idle = torch.zeros(1, 6, **f64), torch.zeros(1, **f64), torch.zeros(1, **f64)
     backend.run("moments_finish_", published, next_shift, idle, max_payload[2:], sum_payload, center, False,
                 0)  # fmt: skip
@@ -214,18 +212,16 @@ def _flush_inputs(r: int, seed: int) -> dict[str, torch.Tensor]:
     center[: min(r, 1)] = math.nan  # a non-finite center counts as 0
     published, next_shift = torch.randn(r, 6, **f64), torch.randn(r, **f64)
     idle = torch.randint(0, 4, (r,), generator=gen).double()
-    straggled = torch.randperm(r, generator=gen)[: r // 2]
     return dict(rows=rows, shifts=shifts, center=center, published=published, next_shift=next_shift,
-                idle=idle, straggled=straggled)  # fmt: skip
+                idle=idle)  # fmt: skip
 
 
 def _flush(backend, i: dict[str, torch.Tensor], keep_previous: bool, device) -> list[torch.Tensor]:
     i = {k: v.to(device, copy=True) for k, v in i.items()}  # the state is updated in place
-    r, s = i["rows"].shape[0], i["straggled"].numel()
-    head = [7.0, -7.0, 2.0**52, -(2.0**52)]
-    max_payload = torch.empty(len(head) + 4 * r + s, dtype=torch.float64, device=device)
+    r, head = i["rows"].shape[0], [7.0, -7.0, 2.0**52, -(2.0**52)]
+    max_payload = torch.empty(len(head) + 5 * r, dtype=torch.float64, device=device)
     sum_payload = torch.empty(r, 5, dtype=torch.float64, device=device)
-    args = (i["rows"], i["shifts"], i["center"], head, i["straggled"], 5, 3)
+    args = (i["rows"], i["shifts"], i["center"], head, 5, 3)
     backend.run("moments_payload_", max_payload, sum_payload, *args)
     payloads = (max_payload.clone(), sum_payload.clone())
     state = (i["published"], i["next_shift"], i["idle"])
@@ -258,12 +254,11 @@ def test_flush_ops_publish_non_finite_counts_forget_idle_rows_and_pack_ranks(bac
     inf = math.inf
     rows = torch.tensor([[2, 0, 2, 1, 3, 0], [0, 0, 0, inf, -inf, 4], [0, 0, 0, inf, -inf, 0]], **f64)
     shifts, center = torch.tensor([2.0, 0.0, 0.0], **f64), torch.zeros(3, **f64)
-    max_payload, sum_payload = torch.empty(2 + 12 + 2, **f64), torch.empty(3, 5, **f64)
-    straggled = torch.tensor([0, 2], device=device)
-    args = (rows, shifts, center, [1.0, -1.0], straggled, 3, 2)
+    max_payload, sum_payload = torch.empty(2 + 15, **f64), torch.empty(3, 5, **f64)
+    args = (rows, shifts, center, [1.0, -1.0], 3, 2)
     backend.run("moments_payload_", max_payload, sum_payload, *args)
-    packed = max_payload[-2:].cpu()
-    assert packed[1].item() == -inf and packed[0].view(torch.int64).item() & 3 == 3
+    packed = max_payload[-3:].cpu()
+    assert packed[1:].tolist() == [-inf, -inf] and packed[0].view(torch.int64).item() & 3 == 3
     assert abs(packed[0].item() - 2.0) <= 4 * 2.0**-52 * 2.0
     published = torch.full((3, 6), 9.0, **f64)
     next_shift, idle = torch.zeros(3, **f64), torch.tensor([5.0, 5.0, 1.0], **f64)
@@ -284,8 +279,7 @@ def test_flush_ops_give_the_moments_of_one_rank(backend):
     d = x - shifts[:, None]
     three, zero = torch.full((2,), 3.0, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
     rows = torch.stack([three, d.sum(1), (d * d).sum(1), x[:, 0], x[:, 2], zero], 1)
-    none, published = torch.zeros(0, dtype=torch.int64), torch.zeros(2, 6, dtype=torch.float64)
-    inputs = {"rows": rows, "shifts": shifts, "center": zero, "straggled": none, "published": published,
+    inputs = {"rows": rows, "shifts": shifts, "center": zero, "published": torch.zeros(2, 6, dtype=torch.float64),
               "next_shift": zero, "idle": zero}  # fmt: skip
     _, _, published, next_shift, _, out = _flush(backend, inputs, True, device)
     mean = x.mean(1)
