@@ -31,9 +31,9 @@ _TIMER_NAMES = ("Timing/data_sec", "Timing/step_sec", "Timing/forward_sec", "Tim
 _SUFFIXES = ("nonfinite", "straggler_rank", "straggler_ratio")  # keys a flush derives beside `stats`
 _CHECK_AFTER = 3  # training flushes (or the first epoch) after which unmatched patterns are warned about
 _WANDB_BINS = 512  # the most buckets a wandb.Histogram takes
-_ARGUMENTS = (  # the attributes that hold the arguments (the ranks must agree on them)
-    "every_n_train_steps", "regex", "stats", "prefix", "on_step", "on_epoch", "keep_previous", "quantiles",
-    "stragglers", "straggler_excess", "straggler_min_sec", "straggler_patience", "_collector_args",
+_ARGUMENTS = (  # the arguments that are no collector's (the ranks must agree on them all)
+    "every_n_train_steps", "stats", "prefix", "on_step", "on_epoch", "stragglers", "straggler_excess",
+    "straggler_min_sec", "straggler_patience",
 )  # fmt: skip
 # Lightning's stages whose values are collected apart, and what their statistics are logged under
 STAGE_PREFIXES = {"validate": "val/", "test": "test/"}
@@ -275,19 +275,22 @@ class TrainingStats(Callback):
 
     def _agree(self, trainer: pl.Trainer) -> None:
         """Gather every rank's host name and arguments; raise on every rank unless the arguments agree."""
-        mine = repr({k: v for k, v in vars(self).items() if k in _ARGUMENTS})
+        mine = {**self._collector_args, **{arg: getattr(self, arg) for arg in _ARGUMENTS}}
         rows: list[Any] = [None] * trainer.world_size
         torch.distributed.all_gather_object(rows, (socket.gethostname(), mine))
         self._hosts = [host for host, _ in rows]
-        groups: dict[str, list[int]] = {}
-        for rank, (_, arguments) in enumerate(rows):
-            groups.setdefault(arguments, []).append(rank)
-        if len(groups) > 1:
-            said = "; ".join(
-                f"ranks {ranks[:16]}: TrainingStats({arguments})" for arguments, ranks in groups.items()
-            )
+        said = []
+        for arg in mine:
+            ranks: dict[Any, list[int]] = {}
+            for rank, (_, arguments) in enumerate(rows):
+                ranks.setdefault(arguments[arg], []).append(rank)
+            if len(ranks) > 1:
+                said.append(
+                    f"{arg}=" + ", ".join(f"{value!r} on ranks {r[:16]}" for value, r in ranks.items())
+                )
+        if said:
             raise ValueError(
-                f"TrainingStats: the ranks' arguments differ ({said}); their flushes would not meet. "
+                f"TrainingStats: the ranks' arguments differ: {'; '.join(said)}; their flushes would not meet. "
                 "HINT: give every rank the same TrainingStats arguments"
             )
 

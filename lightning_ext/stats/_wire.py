@@ -34,6 +34,8 @@ import torch
 from lightning_ext.kernels import KernelBackend, get_backend, moments_from_shifted
 from lightning_ext.stats.sketch import LogHistogram
 
+__all__ = ["merge_moments"]  # the one public name here, re-exported by lightning_ext.stats
+
 EMPTY_ROW = (0.0, 0.0, 0.0, math.inf, -math.inf, 0.0)  # an accumulator row without values
 WORDS = 640  # float64 words of one name's sketch window in the SUM at most: 5 KiB
 _MIN_ROWS = 64  # rows of a slab at least (it doubles when full)
@@ -117,9 +119,9 @@ class Accumulator:
         if self.stamp != slab.resets:  # the first value since the last reset sets the shift
             self.stamp = slab.resets
             self.shift.copy_(x.reshape(-1)[0]).nan_to_num_(0.0, 0.0, 0.0)
-        slab.backend.run("accumulate_moments_", self.row, x, self.shift)
+        slab.moments(self.row, x, self.shift)
         if self.hist is not None:
-            slab.backend.run("accumulate_histogram_", self.hist, x, slab.edges)
+            slab.histogram(self.hist, x, slab.edges)
 
 
 class Slab:
@@ -132,6 +134,10 @@ class Slab:
     def __init__(self, device: torch.device, sketch: LogHistogram | None) -> None:
         self.device, self.sketch, self.resets = device, sketch, 0
         self.backend: KernelBackend = get_backend(device=device)
+        # The ops' eager kernels, called without run()'s checks (report() is never traced: it checked)
+        self.moments, self.histogram = map(
+            self.backend.kernel, ("accumulate_moments_", "accumulate_histogram_")
+        )
         self.edges = sketch.edges(device) if sketch is not None else None
         self.names: list[str] = []
         self.sketched: list[str] = []

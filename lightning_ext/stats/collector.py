@@ -113,7 +113,6 @@ class _Flush:
         self.slowest = np.full(s, -math.inf)
         self.values: dict[str, list[float]] | None = None  # published, read from the device once per update
 
-
     def keep(self, previous: _Flush) -> None:
         """What ``previous`` published for the names that stay."""
         pairs = [(i, previous.index[n]) for i, n in enumerate(self.names) if n in previous.index]
@@ -395,7 +394,9 @@ class Collector:
     def _finish(self, flush: _Flush, center: torch.Tensor) -> tuple[bool, int]:
         flush.values = None
         args = (flush.extremes, flush.moments, center, self.keep_previous, self.forget_after or 0)
-        out = self._store.backend(flush.device).run("moments_finish_", flush.published, flush.next_shift, flush.idle, *args)
+        out = self._store.backend(flush.device).run(
+            "moments_finish_", flush.published, flush.next_shift, flush.idle, *args
+        )
         again, forgettable = out.tolist()
         return bool(again), int(forgettable)
 

@@ -75,18 +75,6 @@ class _State:
     def __post_init__(self) -> None:
         self.routes[self.stage] = self.current
 
-    def sync_settings(self) -> _SyncSettings:
-        """The settings in effect: :func:`init_multiprocessing`'s, else those of ``torch.distributed``
-        (resolved once per default group): its rank, the collective device (``None`` single-process)."""
-        if self.settings is not None:
-            return self.settings
-        world = torch.distributed.group.WORLD if distributed.is_distributed() else None
-        if self.followed is None or self.followed[0] is not world:
-            single = world is None
-            rank, device = (0, None) if single else (distributed.get_rank(), distributed.collective_device())
-            self.followed = (world, _SyncSettings(rank, device, None))
-        return self.followed[1]
-
     def forget_routes(self) -> None:
         for routes in self.routes.values():
             routes.clear()
@@ -100,12 +88,26 @@ class _State:
 _state = _State()
 
 
+def _sync_settings() -> _SyncSettings:
+    """The settings in effect: :func:`init_multiprocessing`'s, else those of ``torch.distributed``
+    (resolved once per default group): its rank, the collective device (``None`` single-process)."""
+    state = _state
+    if state.settings is not None:
+        return state.settings
+    world = torch.distributed.group.WORLD if distributed.is_distributed() else None
+    if state.followed is None or state.followed[0] is not world:
+        single = world is None
+        rank, device = (0, None) if single else (distributed.get_rank(), distributed.collective_device())
+        state.followed = (world, _SyncSettings(rank, device, None))
+    return state.followed[1]
+
+
 def _attach(collector: Any, store: Store) -> None:
     """Make ``report()`` add the values of the names ``store`` takes into it while ``collector`` lives
     (the one call of the collector's side into this module; ``store`` gets ``settings`` and
     ``forget_routes``). A collector sees the values reported while it exists."""
     state = _state
-    store.settings, store.forget_routes = state.sync_settings, state.forget_routes
+    store.settings, store.forget_routes = _sync_settings, state.forget_routes
     state.stores.append((weakref.ref(collector, state.forget), store))
     state.forget_routes()
 
@@ -360,7 +362,7 @@ def report0(name: str, value: T) -> T:
     Raises:
         TypeError, ValueError, OverflowError: as :func:`report`.
     """
-    if _state.sync_settings().rank == 0:
+    if _sync_settings().rank == 0:
         return report(name, value)
     check_label("report(name, value)", "name", name)
     _check_value(name, value)

@@ -205,4 +205,3 @@ class LogHistogram:
         ``p`` between limits ``p`` and ``p + 1``; the zero bucket between ``-e_0`` and ``e_0``)."""
         edges = self._edges[np.minimum(np.arange(self._groups(level) + 1) << level, self.buckets)]
         return np.concatenate(([-np.inf], -edges[::-1], edges, [np.inf]))
-

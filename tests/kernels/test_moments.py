@@ -80,7 +80,9 @@ def _published(backend, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     backend.run("accumulate_moments_", acc, x, shift)
     center = shift.reshape(1)
     max_payload, sum_payload = torch.zeros(7, **f64), torch.zeros(1, 5, **f64)
-    backend.run("moments_payload_", max_payload, sum_payload, acc.view(1, 6), center, center, [1.0, -1.0], 0, 1)
+    backend.run(
+        "moments_payload_", max_payload, sum_payload, acc.view(1, 6), center, center, [1.0, -1.0], 0, 1
+    )
     published, next_shift, idle = torch.zeros(1, 6, **f64), torch.zeros(1, **f64), torch.zeros(1, **f64)
     backend.run("moments_finish_", published, next_shift, idle, max_payload[2:], sum_payload, center, False,
                 0)  # fmt: skip

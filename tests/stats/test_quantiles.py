@@ -157,7 +157,9 @@ def test_windows_fit_5_kib_per_name_and_quantiles_keep_their_accuracy(per_rank: 
         exact = np.quantile(union, QS, method="inverted_cdf")
         (level,), _, _ = sketch.windows(np.array([union.min()]), np.array([union.max()]), WORDS * k)
         errors = _relative_errors(out["q"][name], exact)
-        print(f"{name}: {per_rank} values per rank, counts {k} per word, level {level}: worst {errors.max():.5f}")
+        print(
+            f"{name}: {per_rank} values per rank, counts {k} per word, level {level}: worst {errors.max():.5f}"
+        )
         assert level == LEVELS[per_rank][name]
         assert np.all(errors <= sketch.accuracy(level) * (1 + 1e-9)), (name, level, errors.max())
 
@@ -205,8 +207,12 @@ def test_overflow_reads_as_the_exact_extreme() -> None:
         ({"value_range": (0.0, 1.0)}, ValueError, r"0 < low < high < inf, got \(0.0, 1.0\)"),
         ({"value_range": (1.0, math.inf)}, ValueError, r"0 < low < high < inf"),
         ({"value_range": 5.0}, TypeError, r"`value_range` must be a pair \(low, high\), got 5.0"),
-        ({"relative_accuracy": 1e-9}, ValueError, r"relative_accuracy=1e-09 over value_range=\(1e-06, "
-         r"1000000.0\) needs 27631018863 counts \(2.108e\+05 MiB per name and device\); at most 1048576"),
+        (
+            {"relative_accuracy": 1e-9},
+            ValueError,
+            r"relative_accuracy=1e-09 over value_range=\(1e-06, "
+            r"1000000.0\) needs 27631018863 counts \(2.108e\+05 MiB per name and device\); at most 1048576",
+        ),
     ],
 )
 def test_bad_sketch_arguments_name_the_argument(kwargs, error, match) -> None:

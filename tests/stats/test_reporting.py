@@ -86,7 +86,8 @@ def test_every_value_kind_accumulates_to_the_float64_moments_of_its_numbers() ->
 
 @pytest.mark.parametrize("order", ["bad first", "bad last"])
 @pytest.mark.parametrize(
-    "bad", [[math.inf], [-math.inf], [math.inf, -math.inf], [math.nan], [math.nan, math.inf, -math.inf]],
+    "bad",
+    [[math.inf], [-math.inf], [math.inf, -math.inf], [math.nan], [math.nan, math.inf, -math.inf]],
     ids=["inf", "-inf", "both", "nan", "all"],
 )
 def test_non_finite_values_are_counted_apart_whatever_their_position(bad, order) -> None:
@@ -252,7 +253,9 @@ def test_a_python_int_beyond_float_range_names_the_statistic() -> None:
         if wanted:
             Collector()
         for fn in (report, report0):
-            with pytest.raises(OverflowError, match=r"^report\('Big', value\): 1000000.* beyond float64's range"):
+            with pytest.raises(
+                OverflowError, match=r"^report\('Big', value\): 1000000.* beyond float64's range"
+            ):
                 fn("Big", 10**400)
     report("Big", 10**300)  # a large int within range: a float
     with pytest.raises(TypeError, match=r"report\('Big', value\): value must be a number"):

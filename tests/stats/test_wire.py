@@ -88,7 +88,9 @@ def test_rows_of_another_device_than_the_collectives_merge_about_each_mean() -> 
     report("x", x[:50])
     report("x", [float(v) for v in x[50:]] + [math.inf])
     c.update()
-    assert_moments_close({k: getattr(c, k)("x") for k in ("num", "mean", "std", "min", "max")}, x, "x", merges=1)
+    assert_moments_close(
+        {k: getattr(c, k)("x") for k in ("num", "mean", "std", "min", "max")}, x, "x", merges=1
+    )
     assert c.nonfinite("x") == 1 and c.histogram("x")[0].sum() == 101
     assert c.quantile("x", 0.5) == pytest.approx(float(x.median()), rel=0.01)
     clear_statistics()
