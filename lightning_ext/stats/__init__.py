@@ -10,13 +10,6 @@ from lightning_ext.stats.reporting import clear_statistics, init_multiprocessing
 from lightning_ext.stats.sketch import LogHistogram
 
 __all__ = [
-    "Collector",
-    "LogHistogram",
-    "Straggler",
-    "clear_statistics",
-    "init_multiprocessing",
-    "merge_moments",
-    "report",
-    "report0",
-    "set_stage",
-]
+    "Collector", "LogHistogram", "Straggler", "clear_statistics", "init_multiprocessing", "merge_moments",
+    "report", "report0", "set_stage",
+]  # fmt: skip

@@ -68,49 +68,40 @@ def _rank_bits(world_size: int) -> int:
 
 class _Flush:
     """The agreed names and what a flush keeps of them from one update to the next, on the sync device,
-    with the buffers of its two all-reduces. Over ``R`` names, ``Q`` of them sketched, ``S`` with the
-    straggler tracked (``N = Q + S`` sketch rows: the names' values, then the ranks' means)::
+    with the buffers of its two all-reduces. Over ``R`` names, of which ``N`` have a sketch row (those
+    ``quantiles`` matches, then those ``stragglers`` matches: the ranks' means)::
 
-        max_buffer (7 + 5R,)      [configuration, -c, names, -n, step, -s, bound | max | -min | mean | -mean |
-                                   mean with the rank in its low bits]
-        sum_buffer (5R + N W,)    [n, m2, n d, n d^2, nonfinite] per name | the N sketch windows, packed
+        max_buffer (7 + 5R,)   [configuration, -c, names, -n, step, -s, bound | max | -min | mean | -mean |
+                                mean with the rank in its low bits]
+        sum_buffer (5R + N W,) [n, m2, n d, n d^2, nonfinite] per name | the N sketch windows, packed
 
-    (the kernel ops ``moments_payload_``/``moments_finish_`` write and read the moments, the windows
-    are :class:`~lightning_ext.stats.LogHistogram`'s, ``W <= 640`` words each). Kept: ``published``,
-    float64 ``(R, 6)`` ``[n, mean, std, min, max, nonfinite]``; ``next_shift`` ``(R,)``, the center of
-    the next SUM (each name's last mean); ``idle`` ``(R,)``, updates in a row without values; and on the
-    host the published windows (``levels``, ``starts`` ``(N,)``, ``windows`` ``(N, L)``) and ``slowest``
-    ``(S,)``, the reduced packed rank means. The MAX's size depends on ``R`` alone (the configuration is
-    checked in it), the SUM's on the configuration too. The buffers are scratch: a failed update leaves what was
-    published. Normal tensors, not inference tensors: an update in inference mode may make the flush
-    that training updates.
+    (the kernel ops ``moments_payload_``/``moments_finish_`` write and read the moments, ``W <= 640``
+    words per window). The MAX's size depends on ``R`` alone (the configuration is checked in it), the
+    SUM's on the configuration too. Kept: ``published``, float64 ``(R, 6)`` ``[n, mean, std, min, max,
+    nonfinite]``; ``next_shift`` ``(R,)``, the center of the next SUM (each name's last mean); ``idle``
+    ``(R,)``, updates in a row without values; on the host each sketch row's ``(level, start, counts)``
+    window (:class:`~lightning_ext.stats.LogHistogram`) or ``None``, and the reduced packed rank means.
+    The buffers are scratch: a failed update leaves what was published. Normal tensors, not inference
+    tensors: an update in inference mode may make the flush that training updates.
     """
 
     @torch.inference_mode(False)
-    def __init__(self, names: list[str], device: torch.device, world_size: int, quantiled: list[int],
-                 straggled: list[int]) -> None:  # fmt: skip
-        r, s, n = len(names), len(straggled), len(quantiled) + len(straggled)
-        f64 = {"dtype": torch.float64, "device": device}
-        self.names, self.index, self.device, self.world_size = (
-            names,
-            {n: i for i, n in enumerate(names)},
-            device,
-            world_size,
-        )
+    def __init__(self, names: list[str], device: torch.device, world_size: int, rows: list[tuple[str, int]]):
+        r, f64 = len(names), {"dtype": torch.float64, "device": device}
+        self.names, self.device, self.world_size = names, device, world_size
+        self.index = {n: i for i, n in enumerate(names)}
         self.fingerprint = _fingerprint(f"{r}\x00" + "\x00".join(names))
-        self.quantiled, self.straggled = quantiled, straggled
+        self.rows, self.row = rows, {key: j for j, key in enumerate(rows)}  # sketch rows: (arg, name index)
+        self.quantiled = [i for arg, i in rows if arg == "quantiles"]
+        self.straggled = [i for arg, i in rows if arg == "stragglers"]
         self.published = torch.tensor(_UNPUBLISHED, **f64).repeat(r, 1)
         self.next_shift, self.idle = torch.zeros(r, **f64), torch.zeros(r, **f64)
         self.max_buffer = torch.full((_HEAD + 5 * r,), -math.inf, **f64)
         self.head, self.extremes = self.max_buffer[:_HEAD], self.max_buffer[_HEAD:]
-        self.sum_buffer = torch.zeros(5 * r + n * WORDS, **f64)
+        self.sum_buffer = torch.zeros(5 * r + len(rows) * WORDS, **f64)
         self.moments = self.sum_buffer[: 5 * r].view(r, 5)
-        self.levels, self.starts, self.windows = (
-            np.zeros(n, np.int64),
-            np.zeros(n, np.int64),
-            np.zeros((n, 1)),
-        )
-        self.slowest = np.full(s, -math.inf)
+        self.sketches: list[tuple[int, int, np.ndarray] | None] = [None] * len(rows)
+        self.slowest = np.full(len(self.straggled), -math.inf)
         self.values: dict[str, list[float]] | None = None  # published, read from the device once per update
 
     def keep(self, previous: _Flush) -> None:
@@ -120,14 +111,8 @@ class _Flush:
             dst, src = (torch.tensor(ix, device=self.device) for ix in zip(*pairs))
             for name in ("published", "next_shift", "idle"):
                 getattr(self, name)[dst] = getattr(previous, name).to(self.device)[src]
-        old = {previous.names[i]: j for j, i in enumerate(previous.quantiled)}
-        pairs = [(j, old[self.names[i]]) for j, i in enumerate(self.quantiled) if self.names[i] in old]
-        if pairs:
-            dst, src = (np.array(ix) for ix in zip(*pairs))
-            self.windows = np.zeros((len(self.levels), previous.windows.shape[1]))
-            self.levels[dst], self.starts[dst], self.windows[dst] = (
-                previous.levels[src], previous.starts[src], previous.windows[src],
-            )  # fmt: skip
+        old = {(arg, previous.names[i]): previous.sketches[j] for j, (arg, i) in enumerate(previous.rows)}
+        self.sketches = [old.get((arg, self.names[i])) for arg, i in self.rows]
 
     def read(self) -> dict[str, list[float]]:
         """``{name: [n, mean, std, min, max, nonfinite]}``, read from the device once per update."""
@@ -220,16 +205,10 @@ class Collector:
     """
 
     def __init__(
-        self,
-        regex: str = ".*",
-        keep_previous: bool = True,
-        stage: str | None = None,
-        quantiles: str | None = None,
-        relative_accuracy: float = 0.01,
-        value_range: tuple[float, float] = (1e-6, 1e6),
-        stragglers: str | None = None,
-        forget_after: int | None = 100,
-    ) -> None:
+        self, regex: str = ".*", keep_previous: bool = True, stage: str | None = None, quantiles: str | None = None,
+        relative_accuracy: float = 0.01, value_range: tuple[float, float] = (1e-6, 1e6),
+        stragglers: str | None = None, forget_after: int | None = 100,
+    ) -> None:  # fmt: skip
         self._pattern = _compile_regex("Collector", regex)
         check_bool("Collector", "keep_previous", keep_previous)
         if stage is not None:
@@ -242,7 +221,7 @@ class Collector:
         check_int("Collector", "forget_after", forget_after, ge=1, optional=True)
         self.regex, self.keep_previous, self.stage = regex, keep_previous, stage
         self.quantiles, self.stragglers, self.forget_after = quantiles, stragglers, forget_after
-        self._flush = _Flush([], _CPU, 1, [], [])
+        self._flush = _Flush([], _CPU, 1, [])
         self._agreed_in: Any = None  # the settings in which the ranks agreed on the configuration
         self._attach()
 
@@ -271,10 +250,13 @@ class Collector:
 
     def _new_flush(self, names: list[str], device: torch.device, world_size: int) -> _Flush:
         """A flush of ``names`` that keeps what the current one published for the names that stay."""
-        tracked = [
-            [i for i, n in enumerate(names) if self._tracks(arg, n)] for arg in ("quantiles", "stragglers")
+        rows = [
+            (arg, i)
+            for arg in ("quantiles", "stragglers")
+            for i, n in enumerate(names)
+            if self._tracks(arg, n)
         ]
-        flush = _Flush(names, device, world_size, *tracked)
+        flush = _Flush(names, device, world_size, rows)
         flush.keep(self._flush)
         return flush
 
@@ -410,7 +392,7 @@ class Collector:
         hi = np.concatenate([extremes[:r][q], extremes[2 * r : 3 * r][s]])
         bits, k = packing(flush.head[6].item() * flush.world_size)
         level, start, width = sketch.windows(lo, hi, WORDS * k)
-        words = min(WORDS, 1 << int(-(-width.max() // k) - 1).bit_length()) if width.any() else 0
+        words = min(WORDS, 1 << int(-(-width.max() // k) - 1).bit_length()) if width.any() else 1
         counts = np.zeros((len(level), words * k))
         local = _host(hist)
         for c in np.unique(level[: len(q)][width[: len(q)] > 0]):
@@ -422,26 +404,21 @@ class Collector:
         means = np.where(np.isfinite(shifts), shifts, 0.0)[mine] + rows[mine, 1] / rows[mine, 0]
         at = len(q) + mine
         counts[at, np.clip(sketch.positions(means, level[at]) - start[at], 0, words * k - 1)] = 1.0
-        if words:
-            segment = torch.from_numpy(pack(counts, bits, k)).reshape(-1)
-            flush.sum_buffer[5 * r : 5 * r + segment.numel()].copy_(segment)
+        segment = torch.from_numpy(pack(counts, bits, k)).reshape(-1)
+        flush.sum_buffer[5 * r : 5 * r + segment.numel()].copy_(segment)
         return level, start, width, words, bits, k
 
     def _publish_sketches(self, flush: _Flush, level: np.ndarray, start: np.ndarray, width: np.ndarray,
                           words: int, bits: int, k: int) -> None:  # fmt: skip
         """Keep the reduced windows of the names with values (the others keep theirs with
-        ``keep_previous``, but a straggler name's rank means are of its last interval only)."""
+        ``keep_previous``; a straggler name's rank means are of its last interval only)."""
         r, n = len(flush.names), len(level)
-        counts = np.zeros((n, 0))
-        if words:
-            counts = unpack(_host(flush.sum_buffer[5 * r : 5 * r + n * words]).reshape(n, words), bits, k)
-        size = max(counts.shape[1], flush.windows.shape[1])
-        counts = np.pad(counts, ((0, 0), (0, size - counts.shape[1])))
-        kept = np.pad(flush.windows, ((0, 0), (0, size - flush.windows.shape[1])))
-        has = width > 0
-        keep = np.arange(n) < len(flush.quantiled) if self.keep_previous else np.zeros(n, bool)
-        flush.windows = np.where(has[:, None], counts, np.where(keep[:, None], kept, 0.0))
-        flush.levels, flush.starts = np.where(has, level, flush.levels), np.where(has, start, flush.starts)
+        counts = unpack(_host(flush.sum_buffer[5 * r : 5 * r + n * words]).reshape(n, words), bits, k)
+        kept = [
+            s if arg == "quantiles" and self.keep_previous else None
+            for s, (arg, _) in zip(flush.sketches, flush.rows)
+        ]
+        flush.sketches = [(level[j], start[j], counts[j]) if width[j] else kept[j] for j in range(n)]
         flush.slowest = _host(flush.extremes[4 * r :])[flush.straggled]  # -inf where no rank had values
 
     def _disagree(self, group: Any, world: int, step: float) -> None:
@@ -454,9 +431,7 @@ class Collector:
         groups: dict[Any, list[int]] = {}
         for rank, value in enumerate(gathered):
             groups.setdefault(value, []).append(rank)
-        said = "; ".join(
-            f"{_ranks(ranks)}: {config} at step={step}" for (config, step), ranks in groups.items()
-        )
+        said = "; ".join(f"ranks {r[:16]}: {config} at step={step}" for (config, step), r in groups.items())
         raise RuntimeError(
             f"Collector.update: the ranks disagree ({said}); nothing was published, the values stay for "
             "the next update. HINT: create the Collector (or TrainingStats) with the same arguments on "
@@ -482,14 +457,13 @@ class Collector:
         if not isinstance(name, str):
             raise TypeError(f"statistic name must be a str, got {type(name).__name__} {name!r}")
         close = difflib.get_close_matches(name, self.names(), n=5, cutoff=0.5)
-        why, hint = (
-            (
-                "was never reported to (or was forgotten by)",
-                "check the spelling, or update() after reporting it",
-            )
+        hint = "check the spelling, or update() after reporting it"
+        why = (
+            "was never reported to (or was forgotten by)"
             if self._pattern.fullmatch(name)
-            else ("is not collected by", "widen the regex or create another Collector for it")
+            else "is not collected by"
         )
+        hint = hint if why[0] == "w" else "widen the regex or create another Collector for it"
         raise KeyError(f"{name!r} {why} Collector(regex={self.regex!r}); close names: {close}. HINT: {hint}.")
 
     def num(self, name: str) -> int:
@@ -520,19 +494,13 @@ class Collector:
     def __getitem__(self, name: str) -> float:
         return self.mean(name)
 
-    def _sketch_row(self, arg: str, name: str) -> int:
-        """Row of ``name``'s published window for ``arg`` (``"quantiles"``: its values, ``"stragglers"``:
-        its rank means)."""
+    def _sketch(self, arg: str, name: str) -> tuple[int, int, np.ndarray] | None:
+        """``name``'s published window ``(level, start, counts)`` for ``arg`` (``"quantiles"``: its
+        values, ``"stragglers"``: its ranks' means), or ``None`` without values."""
         self._get(name)  # raises for names regex excludes
         if not self._tracks(arg, name):
             raise KeyError(f"{name!r} is not matched by Collector({arg}={getattr(self, arg)!r})")
-        flush = self._flush
-        i = flush.index[name]
-        return (
-            flush.quantiled.index(i)
-            if arg == "quantiles"
-            else len(flush.quantiled) + flush.straggled.index(i)
-        )
+        return self._flush.sketches[self._flush.row[arg, self._flush.index[name]]]
 
     def quantile(self, name: str, q: float) -> float:
         """The ``q``-quantile of ``name``'s finite values in the last interval over all ranks (NumPy's
@@ -550,8 +518,8 @@ class Collector:
             )
         if not 0.0 < q < 1.0:
             raise ValueError(f"Collector.quantile: the quantile `q` must be in (0, 1), got {q!r}")
-        row, flush, values = self._sketch_row("quantiles", name), self._flush, self._get(name)
-        return self.sketch.quantile(flush.windows[row], flush.starts[row], flush.levels[row], q, *values[3:5])
+        sketch = self._sketch("quantiles", name)
+        return math.nan if sketch is None else self.sketch.quantile(*sketch, q, *self._get(name)[3:5])
 
     def histogram(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """``name``'s sketch of the last update, merged over all ranks, as :func:`numpy.histogram`
@@ -563,17 +531,12 @@ class Collector:
         Raises:
             KeyError: ``quantiles`` does not match ``name`` (or it was never reported).
         """
-        row, flush = self._sketch_row("quantiles", name), self._flush
-        counts = flush.windows[row]
+        level, start, counts = self._sketch("quantiles", name) or (0, 0, np.zeros(0))
         used = np.flatnonzero(counts)
         if not used.size:
             return np.zeros(0), np.zeros(0)
-        first, last = used[0], used[-1]
-        limits = self.sketch.limits(flush.levels[row])[
-            flush.starts[row] + first : flush.starts[row] + last + 2
-        ]
-        _, _, _, lo, hi, _ = self._get(name)
-        return counts[first : last + 1].copy(), np.fmin(np.fmax(limits, lo), hi)
+        limits = self.sketch.limits(level)[start + used[0] : start + used[-1] + 2]
+        return counts[used[0] : used[-1] + 1].copy(), np.clip(limits, *self._get(name)[3:5])
 
     def straggler(self, name: str) -> Straggler | None:
         """The rank whose mean of ``name`` was the largest in the last interval, its mean, the
@@ -583,16 +546,14 @@ class Collector:
         Raises:
             KeyError: ``stragglers`` does not match ``name`` (or ``regex`` excludes it).
         """
-        row, flush = self._sketch_row("stragglers", name), self._flush
-        packed = flush.slowest[row - len(flush.quantiled)]
-        if not math.isfinite(packed):
+        sketch, flush = self._sketch("stragglers", name), self._flush
+        if sketch is None:
             return None
+        packed = float(flush.slowest[flush.straggled.index(flush.index[name])])
         rank = int(np.float64(packed).view(np.int64)) & ((1 << _rank_bits(flush.world_size)) - 1)
-        lo, hi = self._get(name)[3:5]
-        window, start, level = flush.windows[row], flush.starts[row], flush.levels[row]
-        upper = 0.5 + 0.5 / window.sum()  # the upper middle rank: the two middle ones' mean
-        median = sum(self.sketch.quantile(window, start, level, q, lo, hi) for q in (0.5, upper)) / 2
-        return Straggler(rank, float(packed), median, float(packed) / median if median else math.inf)
+        upper = 0.5 + 0.5 / sketch[2].sum()  # the upper middle rank: the two middle ones' mean
+        median = sum(self.sketch.quantile(*sketch, q, *self._get(name)[3:5]) for q in (0.5, upper)) / 2
+        return Straggler(rank, packed, median, packed / median if median else math.inf)
 
     def unmatched(self) -> dict[str, list[str]]:
         """``{argument: names}`` for each pattern (``regex``, ``quantiles``, ``stragglers``) that matched
@@ -617,11 +578,8 @@ class Collector:
         """The published statistics and agreed names, and the quantile sketches (what
         ``keep_previous`` needs after a resume)."""
         flush = self._flush
-        sketches = {
-            flush.names[i]: {"level": int(flush.levels[j]), "start": int(flush.starts[j]),
-                             "counts": torch.from_numpy(flush.windows[j].copy())}
-            for j, i in enumerate(flush.quantiled)
-        }  # fmt: skip
+        rows = zip(flush.rows, flush.sketches)
+        sketches = {flush.names[i]: (int(s[0]), int(s[1]), torch.from_numpy(s[2])) for (_, i), s in rows if s}
         return {"names": self.names(), "values": dict(flush.read()), "sketches": sketches}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -630,27 +588,16 @@ class Collector:
         restored."""
         names, values, flush = sorted(state["names"]), state["values"], self._flush
         rows = [[*values[n], 0.0][:6] if n in values else _UNPUBLISHED for n in names]
-        self._flush = _Flush([], flush.device, flush.world_size, [], [])
+        self._flush = _Flush([], flush.device, flush.world_size, [])
         self._flush = flush = self._new_flush(names, flush.device, flush.world_size)
         self._store.layout(names)
         self._agreed_in = None  # the SUM's size depends on the configuration again
         flush.published.copy_(torch.tensor(rows, dtype=torch.float64).reshape(-1, 6))
-        has = flush.published[:, 0] > 0
-        flush.next_shift.copy_(torch.where(has, flush.published[:, 1], 0.0))
+        flush.next_shift.copy_(torch.where(flush.published[:, 0] > 0, flush.published[:, 1], 0.0))
         flush.idle.fill_(1.0)  # no update yet: nothing updated
-        sketches = state.get("sketches", {})
-        for j, i in enumerate(flush.quantiled):
-            saved = sketches.get(names[i])
-            if isinstance(saved, dict):
-                counts = saved["counts"].numpy()
-                flush.windows = np.pad(
-                    flush.windows, ((0, 0), (0, max(0, counts.size - flush.windows.shape[1])))
-                )
-                flush.levels[j], flush.starts[j], flush.windows[j, : counts.size] = (
-                    saved["level"],
-                    saved["start"],
-                    counts,
-                )
+        saved = {n: s for n, s in state.get("sketches", {}).items() if isinstance(s, tuple)}
+        flush.sketches = [(*saved[names[i]][:2], saved[names[i]][2].numpy()) if arg == "quantiles" and names[i] in saved
+                          else None for arg, i in flush.rows]  # fmt: skip
 
     def __repr__(self) -> str:
         extras = "" if self.stage is None else f", stage={self.stage!r}"
@@ -662,8 +609,3 @@ class Collector:
 def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, world: int, async_op: bool = False) -> Any:
     """:func:`~lightning_ext.distributed.all_reduce_` over several ranks; nothing for one."""
     return all_reduce_(tensor, op=op, group=group, async_op=async_op) if world > 1 else None
-
-
-def _ranks(ranks: list[int]) -> str:
-    """``"ranks [0, 2]"``, the first 16 of many."""
-    return f"rank{'s' if len(ranks) > 1 else ''} {ranks[:16]}{' and more' if len(ranks) > 16 else ''}"

@@ -51,14 +51,9 @@ class _SyncSettings(NamedTuple):
     process_group: Any  # None: the default group
 
 
-class _Route:
-    """A name's stores in one stage, and their accumulators per device (made at the first value there)."""
-
-    __slots__ = ("accumulators", "stores")
-
-    def __init__(self, stores: list[Store]) -> None:
-        self.stores = stores
-        self.accumulators: dict[torch.device, list[Accumulator]] = {}
+# A name's route in one stage: the stores that take it, and their accumulators per device (made at its
+# first value there)
+_Route = tuple[list[Store], dict[torch.device, list[Accumulator]]]
 
 
 @dataclasses.dataclass(slots=True)
@@ -66,7 +61,6 @@ class _State:
     """All process-wide state of ``report()`` and the collectors' registry."""
 
     settings: _SyncSettings | None = None  # init_multiprocessing()'s; None: follow torch.distributed
-    followed: tuple[Any, _SyncSettings] | None = None  # (WORLD, its settings), resolved once per group
     stage: str | None = None  # set_stage()'s: the stage report() files values under
     stores: list[tuple[weakref.ref, Store]] = dataclasses.field(default_factory=list)  # (collector, its)
     routes: dict[str | None, dict[str, _Route]] = dataclasses.field(default_factory=dict)  # stage => name =>
@@ -89,17 +83,12 @@ _state = _State()
 
 
 def _sync_settings() -> _SyncSettings:
-    """The settings in effect: :func:`init_multiprocessing`'s, else those of ``torch.distributed``
-    (resolved once per default group): its rank, the collective device (``None`` single-process)."""
-    state = _state
-    if state.settings is not None:
-        return state.settings
-    world = torch.distributed.group.WORLD if distributed.is_distributed() else None
-    if state.followed is None or state.followed[0] is not world:
-        single = world is None
-        rank, device = (0, None) if single else (distributed.get_rank(), distributed.collective_device())
-        state.followed = (world, _SyncSettings(rank, device, None))
-    return state.followed[1]
+    """The settings in effect: :func:`init_multiprocessing`'s, else those of ``torch.distributed``:
+    its rank and the collective device (``None`` single-process)."""
+    if _state.settings is not None:
+        return _state.settings
+    several = distributed.is_distributed()
+    return _SyncSettings(distributed.get_rank(), distributed.collective_device() if several else None, None)
 
 
 def _attach(collector: Any, store: Store) -> None:
@@ -202,10 +191,8 @@ def _check_value(name: str, value: Any) -> None:
     """TypeError naming ``name`` unless ``value`` can be counted (checked without converting a tensor)."""
     if isinstance(value, torch.Tensor):
         _check_tensor(name, value)
-    elif _is_number(value):
-        _as_float(name, value)
     else:
-        _as_array(name, value)
+        _as_float(name, value) if _is_number(value) else _as_array(name, value)
 
 
 def _as_array(name: str, value: Any) -> np.ndarray:
@@ -262,7 +249,7 @@ def _route(name: Any) -> _Route:
     check_label("report(name, value)", "name", name)
     state = _state
     stores = [store for _, store in state.stores if store.stage == state.stage and store.wants(name)]
-    route = state.current[name] = _Route(stores)
+    route = state.current[name] = (stores, {})
     return route
 
 
@@ -310,9 +297,8 @@ def report(name: str, value: T) -> T:
     if torch.compiler.is_compiling():
         return _report_traced(name, value)
     route = _state.current.get(name) if type(name) is str else None
-    if route is None:
-        route = _route(name)
-    if not route.stores:
+    stores, per_device = route if route is not None else _route(name)
+    if not stores:
         _check_value(name, value)
         return value
     if type(value) is float or _is_number(value):
@@ -320,13 +306,13 @@ def report(name: str, value: T) -> T:
     else:
         x = _as_tensor(name, value)
         if not x.numel():
-            for store in route.stores:
+            for store in stores:
                 store.register(name)
             return value
         device = x.device
-    accumulators = route.accumulators.get(device)
+    accumulators = per_device.get(device)
     if accumulators is None:
-        accumulators = route.accumulators[device] = [s.accumulator(name, device) for s in route.stores]
+        accumulators = per_device[device] = [store.accumulator(name, device) for store in stores]
     for accumulator in accumulators:
         accumulator.add(x)
     return value
@@ -362,7 +348,7 @@ def report0(name: str, value: T) -> T:
     Raises:
         TypeError, ValueError, OverflowError: as :func:`report`.
     """
-    if _sync_settings().rank == 0:
+    if (_state.settings.rank if _state.settings is not None else distributed.get_rank()) == 0:
         return report(name, value)
     check_label("report(name, value)", "name", name)
     _check_value(name, value)

@@ -7,20 +7,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
-from typing import Any
 
 import numpy as np
 import torch
 
+from lightning_ext._checks import check_number
+
 __all__ = ["LogHistogram"]
 
 _MAX_SIZE = 1 << 20  # counts of one sketch at most (8 MiB of float64)
-
-
-def _check_real(owner: str, arg: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{owner}: `{arg}` must be a float, got {value!r} ({type(value).__name__})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +55,9 @@ class LogHistogram:
         value_range: ``(low, high)``, ``0 < low < high < inf``.
 
     Raises:
-        TypeError: a parameter is not a real number (or ``value_range`` not a pair).
-        ValueError: ``relative_accuracy`` not in ``(0, 0.5)``, or not ``0 < low < high < inf``, or the
-            sketch would hold more than ``2**20`` counts (8 MiB per name and device).
+        TypeError: a parameter is not a finite number (or ``value_range`` not a pair).
+        ValueError: ``relative_accuracy`` not in ``(0, 0.5)``, or not ``0 < low < high``, or the sketch
+            would hold more than ``2**20`` counts (8 MiB per name and device).
 
     Example::
 
@@ -76,19 +71,11 @@ class LogHistogram:
 
     def __post_init__(self) -> None:
         owner, pair = "LogHistogram", self.value_range
-        _check_real(owner, "relative_accuracy", self.relative_accuracy)
-        if not 0.0 < self.relative_accuracy < 0.5:
-            raise ValueError(
-                f"{owner}: `relative_accuracy` must be in (0, 0.5), got {self.relative_accuracy!r}"
-            )
+        check_number(owner, "relative_accuracy", self.relative_accuracy, gt=0.0, lt=0.5)
         if not isinstance(pair, tuple | list) or len(pair) != 2:
             raise TypeError(f"{owner}: `value_range` must be a pair (low, high), got {pair!r}")
-        for value in pair:
-            _check_real(owner, "value_range", value)
-        if not 0.0 < pair[0] < pair[1] < math.inf:
-            raise ValueError(
-                f"{owner}: `value_range` must be (low, high) with 0 < low < high < inf, got {pair!r}"
-            )
+        check_number(owner, "value_range[0]", pair[0], gt=0.0)
+        check_number(owner, "value_range[1]", pair[1], gt=pair[0])
         object.__setattr__(self, "relative_accuracy", float(self.relative_accuracy))
         object.__setattr__(self, "value_range", (float(pair[0]), float(pair[1])))
         if self.size > _MAX_SIZE:
@@ -175,13 +162,13 @@ class LogHistogram:
         return np.concatenate([counts[:, :1], sides[0][:, ::-1], counts[:, m + 1 : m + 2], sides[1],
                                counts[:, -1:]], axis=1)  # fmt: skip
 
-    def quantile(self, window: np.ndarray, start: int, level: int, q: float, lo: float, hi: float) -> float:
+    def quantile(self, level: int, start: int, window: np.ndarray, q: float, lo: float, hi: float) -> float:
         """The ``q``-quantile (inverted CDF) of the counts ``window`` of the buckets from position
         ``start`` at collapse level ``level``; NaN when they are all 0.
 
         Args:
+            level, start: the window's collapse level and first bucket (:meth:`windows`).
             window: float64 ``(L,)`` (NumPy), merged counts.
-            start, level: the window's first bucket and collapse level (:meth:`windows`).
             q: in ``(0, 1)``.
             lo, hi: the exact min and max of the values (the estimate is clipped to them).
         """

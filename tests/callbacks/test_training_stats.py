@@ -234,9 +234,9 @@ def test_bad_arguments_and_state_keys() -> None:
         TrainingStats(quantiles="(")
     with pytest.raises(TypeError, match=r"TrainingStats: `stragglers` must be a str, got 3"):
         TrainingStats(stragglers=3)
-    with pytest.raises(ValueError, match=r"`relative_accuracy` must be in \(0, 0.5\), got 0.5"):
+    with pytest.raises(ValueError, match=r"`relative_accuracy` must be a finite number in \(0.0, 0.5\), got 0.5"):
         TrainingStats(relative_accuracy=0.5)
-    with pytest.raises(ValueError, match=r"`value_range` must be .* 0 < low < high < inf, got \(1.0, 1.0\)"):
+    with pytest.raises(ValueError, match=r"`value_range\[1\]` must be a finite number > 1.0, got 1.0"):
         TrainingStats(value_range=(1.0, 1.0))
     with pytest.raises(ValueError, match=r"Stats: `straggler_excess` must be a finite number >= 0.0, got -1"):
         TrainingStats(straggler_excess=-1)

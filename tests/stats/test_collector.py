@@ -330,7 +330,7 @@ def _differing(rank: int, world_size: int, shared_memory: bool) -> list:
 
 
 def _ranks(ranks: list[int]) -> str:
-    return re.escape(f"rank{'s' if len(ranks) > 1 else ''} {ranks}")
+    return re.escape(f"ranks {ranks}")
 
 
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "gloo"])
