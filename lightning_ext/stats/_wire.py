@@ -193,10 +193,14 @@ class Slab:
                 self._point(accumulator, len(self.names) - 1, len(self.sketched) - 1 if sketched else None)
         return accumulator
 
-    def reset(self) -> None:
-        """Every row empty; the next value of each name sets its shift."""
+    def reset(self, cleared: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """Every row empty (on the CPU, of the sketch counts those at ``cleared``'s rows and columns,
+        where the only values were); the next value of each name sets its shift."""
         self.rows.copy_(self.template)
-        self.hist.zero_()
+        if cleared is not None and self.device.type == "cpu":
+            self.hist.numpy()[cleared] = 0.0
+        elif self.hist.numel():
+            self.hist.zero_()
         self.resets += 1
 
 
@@ -248,6 +252,8 @@ class Store:
     def extra(self) -> list[str]:
         """The names with values (or registered) here that are not agreed yet, sorted."""
         r = len(self.names)
+        if not self.registered and all(len(slab.names) == r for slab in self.slabs.values()):
+            return []  # the steady state
         new = {n for slab in self.slabs.values() for n in slab.names[r:]}
         return sorted(new | (self.registered - set(self.names)) if self.registered else new)
 
@@ -277,10 +283,11 @@ class Store:
         n, mean, m2, lo, hi = moments.unbind(1)
         return torch.stack([n, torch.zeros_like(n), m2, lo, hi, nonfinite], 1), mean, hist
 
-    def reset(self) -> None:
-        """After a publication: every row empty, nothing registered."""
+    def reset(self, cleared: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """After a publication: every row empty, nothing registered (``cleared``: the sketch rows and
+        columns that held values, ``(P, 1)`` and ``(P, L)``; ``None``: every count)."""
         for slab in self.slabs.values():
-            slab.reset()
+            slab.reset(cleared if len(self.slabs) == 1 else None)
         self.registered.clear()
 
     def detach(self) -> None:

@@ -94,13 +94,16 @@ class _Flush:
         self.rows, self.row = rows, {key: j for j, key in enumerate(rows)}  # sketch rows: (arg, name index)
         self.quantiled = [i for arg, i in rows if arg == "quantiles"]
         self.straggled = [i for arg, i in rows if arg == "stragglers"]
+        at, ranks = np.array([i for _, i in rows], np.int64), np.array([a == "stragglers" for a, _ in rows])
+        self.lo_at, self.hi_at = at + r + 2 * r * ranks, at + 2 * r * ranks  # in extremes: -min, max
         self.published = torch.tensor(_UNPUBLISHED, **f64).repeat(r, 1)
         self.next_shift, self.idle = torch.zeros(r, **f64), torch.zeros(r, **f64)
         self.max_buffer = torch.full((_HEAD + 5 * r,), -math.inf, **f64)
         self.head, self.extremes = self.max_buffer[:_HEAD], self.max_buffer[_HEAD:]
         self.sum_buffer = torch.zeros(5 * r + len(rows) * WORDS, **f64)
         self.moments = self.sum_buffer[: 5 * r].view(r, 5)
-        self.sketches: list[tuple[int, int, np.ndarray] | None] = [None] * len(rows)
+        self.levels, self.starts = np.zeros((2, len(rows)), np.int64)  # the windows kept, their counts:
+        self.counts = np.zeros((len(rows), 1))
         self.slowest = np.full(len(self.straggled), -math.inf)
         self.values: dict[str, list[float]] | None = None  # published, read from the device once per update
 
@@ -111,8 +114,11 @@ class _Flush:
             dst, src = (torch.tensor(ix, device=self.device) for ix in zip(*pairs))
             for name in ("published", "next_shift", "idle"):
                 getattr(self, name)[dst] = getattr(previous, name).to(self.device)[src]
-        old = {(arg, previous.names[i]): previous.sketches[j] for j, (arg, i) in enumerate(previous.rows)}
-        self.sketches = [old.get((arg, self.names[i])) for arg, i in self.rows]
+        pairs = [(j, previous.row[a, previous.index[self.names[i]]]) for j, (a, i) in enumerate(self.rows)
+                 if (a, previous.index.get(self.names[i])) in previous.row]  # fmt: skip
+        self.counts = np.zeros((len(self.rows), previous.counts.shape[1]))
+        for name in ("levels", "starts", "counts") if pairs else ():
+            getattr(self, name)[[j for j, _ in pairs]] = getattr(previous, name)[[k for _, k in pairs]]
 
     def read(self) -> dict[str, list[float]]:
         """``{name: [n, mean, std, min, max, nonfinite]}``, read from the device once per update."""
@@ -223,6 +229,7 @@ class Collector:
         self.quantiles, self.stragglers, self.forget_after = quantiles, stragglers, forget_after
         self._flush = _Flush([], _CPU, 1, [])
         self._agreed_in: Any = None  # the settings in which the ranks agreed on the configuration
+        self._fingerprint = _fingerprint(self._configuration())
         self._attach()
 
     def _attach(self) -> None:
@@ -293,7 +300,8 @@ class Collector:
                 received stay for the next update.
             TypeError, ValueError: ``step`` is not an int ``>= 0`` or ``None``.
         """
-        check_int("Collector.update", "step", step, ge=0, optional=True)
+        if step is not None:
+            check_int("Collector.update", "step", step, ge=0)
         settings = self._store.settings()
         rank, device, group = settings
         world = dist.get_world_size(group=group) if device is not None and is_distributed() else 1
@@ -301,8 +309,9 @@ class Collector:
         device = device if device is not None else slabs[0] if len(slabs) == 1 else _CPU
         if self._flush.device != device or self._flush.world_size != world:
             self._flush = self._new_flush(self._flush.names, device, world)
+        self._cleared = None
         forgettable = self._reduce(float(-1 if step is None else step), rank, world, settings)
-        self._store.reset()
+        self._store.reset(self._cleared)
         if forgettable:  # the same on every rank: the idle counts come from the reduced counts
             idle = _host(self._flush.idle)
             self._forget([n for n, i in zip(self._flush.names, idle) if i < self.forget_after], world)
@@ -359,7 +368,7 @@ class Collector:
         largest count of a sketched name here."""
         rows, shifts, _ = self._store.local(flush.device)
         bound = float(_host(rows[:, 0])[flush.quantiled].max(initial=1.0)) if flush.quantiled else 1.0
-        config = _fingerprint(self._configuration())
+        config = self._fingerprint
         head = [config, -config, values[0], -values[0], values[1], -values[1], bound]
         args = (rows, shifts, center, head, rank, _rank_bits(flush.world_size))
         self._store.backend(flush.device).run("moments_payload_", flush.max_buffer, flush.moments, *args)
@@ -385,24 +394,25 @@ class Collector:
     def _windows(self, flush: _Flush, rank: int) -> tuple[np.ndarray, ...]:
         """Write this rank's sketch windows after the moments in the SUM buffer, cut where the reduced
         MAX says the values (and the ranks' means) of each sketched name lie; their layout."""
-        r, q, sketch = len(flush.names), flush.quantiled, self.sketch
+        r, q, s, sketch = len(flush.names), len(flush.quantiled), flush.straggled, self.sketch
         extremes, (rows, shifts, hist) = _host(flush.extremes), self._store.local(flush.device)
-        s = flush.straggled
-        lo = np.concatenate([-extremes[r : 2 * r][q], -extremes[3 * r : 4 * r][s]])
-        hi = np.concatenate([extremes[:r][q], extremes[2 * r : 3 * r][s]])
         bits, k = packing(flush.head[6].item() * flush.world_size)
-        level, start, width = sketch.windows(lo, hi, WORDS * k)
+        level, start, width = sketch.windows(-extremes[flush.lo_at], extremes[flush.hi_at], WORDS * k)
         words = min(WORDS, 1 << int(-(-width.max() // k) - 1).bit_length()) if width.any() else 1
-        counts = np.zeros((len(level), words * k))
-        local = _host(hist)
-        for c in np.unique(level[: len(q)][width[: len(q)] > 0]):
-            at = np.flatnonzero((level[: len(q)] == c) & (width[: len(q)] > 0))
+        counts, local, span = np.zeros((len(level), words * k)), _host(hist), np.arange(words * k)
+        plain = np.flatnonzero((level[:q] == 0) & (width[:q] > 0))  # the usual rows: no collapse
+        cols = np.minimum(start[plain, None] + span, sketch.size - 1)
+        counts[plain] = np.where(span < width[plain, None], local[plain[:, None], cols], 0.0)
+        for c in set(level[:q][width[:q] > 0].tolist()) - {0}:  # the collapsed rows, by level
+            at = np.flatnonzero((level[:q] == c) & (width[:q] > 0))
             collapsed = np.pad(sketch.collapse(local[at], c), ((0, 0), (0, words * k)))
-            counts[at] = np.take_along_axis(collapsed, start[at, None] + np.arange(words * k), 1)
+            counts[at] = np.take_along_axis(collapsed, start[at, None] + span, 1)
+        # what the store's reset clears: the buckets read, or every count (a collapsed row)
+        self._cleared = (plain[:, None], cols) if plain.size == np.count_nonzero(width[:q]) else None
         rows, shifts = _host(rows)[s], _host(shifts)[s]
         mine = np.flatnonzero(rows[:, 0] > 0)  # this rank's mean of each straggler name: counted once
         means = np.where(np.isfinite(shifts), shifts, 0.0)[mine] + rows[mine, 1] / rows[mine, 0]
-        at = len(q) + mine
+        at = q + mine
         counts[at, np.clip(sketch.positions(means, level[at]) - start[at], 0, words * k - 1)] = 1.0
         segment = torch.from_numpy(pack(counts, bits, k)).reshape(-1)
         flush.sum_buffer[5 * r : 5 * r + segment.numel()].copy_(segment)
@@ -414,11 +424,11 @@ class Collector:
         ``keep_previous``; a straggler name's rank means are of its last interval only)."""
         r, n = len(flush.names), len(level)
         counts = unpack(_host(flush.sum_buffer[5 * r : 5 * r + n * words]).reshape(n, words), bits, k)
-        kept = [
-            s if arg == "quantiles" and self.keep_previous else None
-            for s, (arg, _) in zip(flush.sketches, flush.rows)
-        ]
-        flush.sketches = [(level[j], start[j], counts[j]) if width[j] else kept[j] for j in range(n)]
+        size = max(counts.shape[1], flush.counts.shape[1])
+        counts, kept = (np.pad(a, ((0, 0), (0, size - a.shape[1]))) for a in (counts, flush.counts))
+        keep = (np.arange(n) < len(flush.quantiled)) & self.keep_previous
+        flush.counts = np.where((width > 0)[:, None], counts, np.where(keep[:, None], kept, 0.0))
+        flush.levels, flush.starts = np.where(width > 0, level, flush.levels), np.where(width > 0, start, flush.starts)
         flush.slowest = _host(flush.extremes[4 * r :])[flush.straggled]  # -inf where no rank had values
 
     def _disagree(self, group: Any, world: int, step: float) -> None:
@@ -500,7 +510,9 @@ class Collector:
         self._get(name)  # raises for names regex excludes
         if not self._tracks(arg, name):
             raise KeyError(f"{name!r} is not matched by Collector({arg}={getattr(self, arg)!r})")
-        return self._flush.sketches[self._flush.row[arg, self._flush.index[name]]]
+        flush = self._flush
+        j = flush.row[arg, flush.index[name]]
+        return (flush.levels[j], flush.starts[j], flush.counts[j]) if flush.counts[j].any() else None
 
     def quantile(self, name: str, q: float) -> float:
         """The ``q``-quantile of ``name``'s finite values in the last interval over all ranks (NumPy's
@@ -578,8 +590,8 @@ class Collector:
         """The published statistics and agreed names, and the quantile sketches (what
         ``keep_previous`` needs after a resume)."""
         flush = self._flush
-        rows = zip(flush.rows, flush.sketches)
-        sketches = {flush.names[i]: (int(s[0]), int(s[1]), torch.from_numpy(s[2])) for (_, i), s in rows if s}
+        sketches = {flush.names[i]: (int(flush.levels[j]), int(flush.starts[j]), torch.from_numpy(flush.counts[j]))
+                    for j, (arg, i) in enumerate(flush.rows) if arg == "quantiles" and flush.counts[j].any()}  # fmt: skip
         return {"names": self.names(), "values": dict(flush.read()), "sketches": sketches}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -596,8 +608,11 @@ class Collector:
         flush.next_shift.copy_(torch.where(flush.published[:, 0] > 0, flush.published[:, 1], 0.0))
         flush.idle.fill_(1.0)  # no update yet: nothing updated
         saved = {n: s for n, s in state.get("sketches", {}).items() if isinstance(s, tuple)}
-        flush.sketches = [(*saved[names[i]][:2], saved[names[i]][2].numpy()) if arg == "quantiles" and names[i] in saved
-                          else None for arg, i in flush.rows]  # fmt: skip
+        flush.counts = np.zeros((len(flush.rows), max([1, *(s[2].numel() for s in saved.values())])))
+        for j, (arg, i) in enumerate(flush.rows):
+            if arg == "quantiles" and names[i] in saved:
+                level, start, counts = saved[names[i]]
+                flush.levels[j], flush.starts[j], flush.counts[j, : counts.numel()] = level, start, counts.numpy()
 
     def __repr__(self) -> str:
         extras = "" if self.stage is None else f", stage={self.stage!r}"

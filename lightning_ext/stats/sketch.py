@@ -85,22 +85,22 @@ class LogHistogram:
                 f"{_MAX_SIZE} are allowed. HINT: a larger relative_accuracy or a narrower value_range"
             )
 
-    @property
+    @functools.cached_property
     def gamma(self) -> float:
         """The ratio of consecutive bucket edges, ``(1 + alpha) / (1 - alpha)``."""
         return (1.0 + self.relative_accuracy) / (1.0 - self.relative_accuracy)
 
-    @property
+    @functools.cached_property
     def first(self) -> int:
         """Index ``k`` of the first bucket, ``ceil(log_gamma(low))``."""
         return math.ceil(math.log(self.value_range[0]) / math.log(self.gamma))
 
-    @property
+    @functools.cached_property
     def buckets(self) -> int:
         """``m``, the buckets per sign."""
         return math.ceil(math.log(self.value_range[1]) / math.log(self.gamma)) - self.first + 1
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         """``2m + 3``, the float64 counts of one histogram."""
         return 2 * self.buckets + 3
@@ -137,15 +137,16 @@ class LogHistogram:
         g = np.where(j > m, groups + 1, -(-j // (1 << np.asarray(level))))
         return groups + 1 + np.sign(values).astype(np.int64) * g
 
-    def windows(
-        self, lo: np.ndarray, hi: np.ndarray, slots: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def windows(self, lo: np.ndarray, hi: np.ndarray, slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per name with values in ``[lo, hi]`` (float64 ``(N,)``), the smallest collapse level whose
         window of buckets from ``lo``'s to ``hi``'s holds at most ``slots``: ``(level, start, width)``
         int64 ``(N,)`` (width 0 where ``lo > hi``, no values)."""
-        levels = np.arange(max(1, self.buckets.bit_length() + 1))  # the last: one bucket per sign
         has = lo <= hi
         lo, hi = np.where(has, lo, 0.0)[:, None], np.where(has, hi, 0.0)[:, None]
+        start, stop = self.positions(lo, 0), self.positions(hi, 0)
+        if (stop - start < slots).all():  # the usual case: no collapse
+            return np.zeros(len(has), np.int64), start[:, 0], np.where(has, stop[:, 0] - start[:, 0] + 1, 0)
+        levels = np.arange(max(1, self.buckets.bit_length() + 1))  # the last: one bucket per sign
         start, stop = self.positions(lo, levels), self.positions(hi, levels)
         level = np.argmax(stop - start < slots, axis=1)
         rows = np.arange(len(level))
