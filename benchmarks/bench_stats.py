@@ -537,7 +537,9 @@ def run_flush_floor(
         init_file, out_file = os.path.join(tmp, "store"), os.path.join(tmp, "out.pt")
         config = {"cases": tuple(cases), "rounds": rounds, "tmp": tmp, "transport": transport}
         with environ(OMP_NUM_THREADS="1"):
-            mp.spawn(_flush_worker, args=(world_size, init_file, config, out_file), nprocs=world_size, join=True)
+            mp.spawn(
+                _flush_worker, args=(world_size, init_file, config, out_file), nprocs=world_size, join=True
+            )
         return torch.load(out_file)
 
 
@@ -586,7 +588,8 @@ def format_flush_floor(floors: dict[str, dict], calls: dict[str, float], rounds:
         f"| flush / floor, worst case | {worst:.1f}× | ≤ 2× | {'yes' if worst <= 2 else 'NO'} |",
     ]
     slowest = max(calls.values())
-    lines.append(f"| `report()` per call, slowest value | {slowest:.2f} µs | ≤ 3 µs | {'yes' if slowest <= 3 else 'NO'} |")
+    met = "yes" if slowest <= 3 else "NO"
+    lines.append(f"| `report()` per call, slowest value | {slowest:.2f} µs | ≤ 3 µs | {met} |")
     return "\n".join(lines)
 
 
@@ -611,7 +614,8 @@ def format_world_sizes(curve: dict[int, dict], rounds: int) -> str:
 
 # The cost model: NCCL's own tuning model (src/graph/tuning.cc of NVIDIA/nccl, 2.19-2.21), all-reduce by
 # double binary tree, 8 GPUs per node on NVLink, the nodes on a network: latency in µs
-# baseLat + 2 ((ppn - 1) hwLat[NVLink] + log2(nodes) hwLat[NET]) per protocol, plus bytes / algorithm bandwidth.
+# baseLat + 2 ((ppn - 1) hwLat[NVLink] + log2(nodes) hwLat[NET]) per protocol, plus bytes / algorithm
+# bandwidth.
 # The bandwidths are assumptions of this model (one 400 Gb/s NIC per GPU: 50 GB/s), named in the table.
 _NCCL_TREE = {  # protocol: (baseLat, hwLat NVLink, hwLat NET) µs, algorithm bandwidth GB/s
     "LL": (6.8, 0.6, 5.0, 10.2),  # LL: the bus bandwidth capped by llMaxBw (20.4 GB/s), halved (tree)

@@ -108,7 +108,8 @@ class LossMonitor(HookBase):
       collective;
     - rank zero writes to every logger, and every rank to ``trainer.callback_metrics`` (so
       ``ModelCheckpoint`` can monitor them): ``LossMonitor/<key>``, the mean of each loss over ranks
-      and micro-batches (of the finite ones), and ``Timing/data_sec_max``, the max over ranks of the mean data time per
+      and micro-batches (of the finite ones), and ``Timing/data_sec_max``, the max over ranks of the mean
+      data time per
       iteration. The step is :attr:`~HookBase.iter`, Lightning's own for the batch: ``i`` after
       iteration ``i``, the number of iterations at the end of training.
 

@@ -290,7 +290,8 @@ class TrainingStats(Callback):
                 )
         if said:
             raise ValueError(
-                f"TrainingStats: the ranks' arguments differ: {'; '.join(said)}; their flushes would not meet. "
+                f"TrainingStats: the ranks' arguments differ: {'; '.join(said)}; their flushes would not "
+                "meet. "
                 "HINT: give every rank the same TrainingStats arguments"
             )
 
@@ -463,9 +464,11 @@ class TrainingStats(Callback):
                 if name not in self._warned:
                     self._warned.add(name)
                     rank_zero_warn(
-                        f"TrainingStats: {name!r} had {bad} non-finite values (NaN or ±inf) at iteration={step} "
+                        f"TrainingStats: {name!r} had {bad} non-finite values (NaN or ±inf) at "
+                        f"iteration={step} "
                         f"beside {values[name]['num']} finite ones: its statistics are those of the finite "
-                        f"values, and '{prefix}{name}/nonfinite' counts the others at every flush that has any "
+                        f"values, and '{prefix}{name}/nonfinite' counts the others at every flush that has "
+                        "any "
                         "(said once per name)."
                     )
         return metrics

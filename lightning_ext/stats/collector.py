@@ -202,8 +202,10 @@ class Collector:
         >>> from lightning_ext.stats import Collector, clear_statistics, report
         >>> clear_statistics(); c = Collector(regex="Loss/.*", quantiles="Loss/total")
         >>> _ = report("Loss/total", [1.0, 2.0, 3.0, float("nan")]); _ = report("Other", 5.0)
-        >>> c.update(); c.names(), c.mean("Loss/total"), round(c.std("Loss/total"), 4), c.nonfinite("Loss/total")
-        (['Loss/total'], 2.0, 0.8165, 1)
+        >>> c.update(); c.names(), c.mean("Loss/total"), round(c.std("Loss/total"), 4)
+        (['Loss/total'], 2.0, 0.8165)
+        >>> c.num("Loss/total"), c.nonfinite("Loss/total")  # the NaN counts apart
+        (3, 1)
         >>> round(c.quantile("Loss/total", 0.5), 2)  # 2.0 within 1 %
         1.99
         >>> c.update(); c["Loss/total"]  # keep_previous=True: nothing new, previous values kept
@@ -211,17 +213,18 @@ class Collector:
     """
 
     def __init__(
-        self, regex: str = ".*", keep_previous: bool = True, stage: str | None = None, quantiles: str | None = None,
-        relative_accuracy: float = 0.01, value_range: tuple[float, float] = (1e-6, 1e6),
-        stragglers: str | None = None, forget_after: int | None = 100,
+        self, regex: str = ".*", keep_previous: bool = True, stage: str | None = None,
+        quantiles: str | None = None, relative_accuracy: float = 0.01,
+        value_range: tuple[float, float] = (1e-6, 1e6), stragglers: str | None = None,
+        forget_after: int | None = 100,
     ) -> None:  # fmt: skip
         self._pattern = _compile_regex("Collector", regex)
         check_bool("Collector", "keep_previous", keep_previous)
         if stage is not None:
             check_label("Collector", "stage", stage)
+        tracked = (("quantiles", quantiles), ("stragglers", stragglers))  # None: a pattern matching nothing
         self._tracked = {
-            arg: None if p is None else _compile_regex("Collector", p, arg)
-            for arg, p in (("quantiles", quantiles), ("stragglers", stragglers))
+            arg: _compile_regex("Collector", "(?!)" if p is None else p, arg) for arg, p in tracked
         }
         self.sketch = LogHistogram(relative_accuracy, value_range)  # checks them
         check_int("Collector", "forget_after", forget_after, ge=1, optional=True)
@@ -233,11 +236,8 @@ class Collector:
         self._attach()
 
     def _attach(self) -> None:
-        quantiles = self._tracked["quantiles"]
-        sketch = self.sketch if quantiles is not None else None
-        self._store = Store(
-            self.stage, self._pattern.fullmatch, quantiles.fullmatch if sketch else bool, sketch
-        )
+        sketch = self.sketch if self.quantiles is not None else None
+        self._store = Store(self.stage, self._pattern.fullmatch, self._tracked["quantiles"].fullmatch, sketch)
         self._store.layout(self._flush.names)
         reporting._attach(self, self._store)
 
@@ -252,17 +252,11 @@ class Collector:
 
     def _tracks(self, arg: str, name: str) -> bool:
         """Whether the pattern ``arg`` (``"quantiles"`` or ``"stragglers"``) tracks ``name``."""
-        pattern = self._tracked[arg]
-        return pattern is not None and pattern.fullmatch(name) is not None
+        return self._tracked[arg].fullmatch(name) is not None
 
     def _new_flush(self, names: list[str], device: torch.device, world_size: int) -> _Flush:
         """A flush of ``names`` that keeps what the current one published for the names that stay."""
-        rows = [
-            (arg, i)
-            for arg in ("quantiles", "stragglers")
-            for i, n in enumerate(names)
-            if self._tracks(arg, n)
-        ]
+        rows = [(arg, i) for arg in self._tracked for i, n in enumerate(names) if self._tracks(arg, n)]
         flush = _Flush(names, device, world_size, rows)
         flush.keep(self._flush)
         return flush
@@ -428,7 +422,10 @@ class Collector:
         counts, kept = (np.pad(a, ((0, 0), (0, size - a.shape[1]))) for a in (counts, flush.counts))
         keep = (np.arange(n) < len(flush.quantiled)) & self.keep_previous
         flush.counts = np.where((width > 0)[:, None], counts, np.where(keep[:, None], kept, 0.0))
-        flush.levels, flush.starts = np.where(width > 0, level, flush.levels), np.where(width > 0, start, flush.starts)
+        flush.levels, flush.starts = (
+            np.where(width > 0, level, flush.levels),
+            np.where(width > 0, start, flush.starts),
+        )
         flush.slowest = _host(flush.extremes[4 * r :])[flush.straggled]  # -inf where no rank had values
 
     def _disagree(self, group: Any, world: int, step: float) -> None:
@@ -467,13 +464,12 @@ class Collector:
         if not isinstance(name, str):
             raise TypeError(f"statistic name must be a str, got {type(name).__name__} {name!r}")
         close = difflib.get_close_matches(name, self.names(), n=5, cutoff=0.5)
-        hint = "check the spelling, or update() after reporting it"
-        why = (
-            "was never reported to (or was forgotten by)"
-            if self._pattern.fullmatch(name)
-            else "is not collected by"
-        )
-        hint = hint if why[0] == "w" else "widen the regex or create another Collector for it"
+        why, hint = ("is not collected by", "widen the regex or create another Collector for it")
+        if self._pattern.fullmatch(name):
+            why, hint = (
+                "was never reported to (or was forgotten by)",
+                "check the spelling, or update() after it",
+            )
         raise KeyError(f"{name!r} {why} Collector(regex={self.regex!r}); close names: {close}. HINT: {hint}.")
 
     def num(self, name: str) -> int:
@@ -575,11 +571,8 @@ class Collector:
         names = self.names()
         if not names:
             return {"regex": sorted(self._store.refused)}
-        return {
-            arg: names
-            for arg, pattern in self._tracked.items()
-            if pattern is not None and not any(self._tracks(arg, n) for n in names)
-        }
+        asked = [arg for arg in self._tracked if getattr(self, arg) is not None]
+        return {arg: names for arg in asked if not any(self._tracks(arg, n) for n in names)}
 
     def as_dict(self) -> dict[str, dict[str, float]]:
         """``{name: {"num", "mean", "std", "min", "max"}}`` for every name of :meth:`names`."""
@@ -590,8 +583,13 @@ class Collector:
         """The published statistics and agreed names, and the quantile sketches (what
         ``keep_previous`` needs after a resume)."""
         flush = self._flush
-        sketches = {flush.names[i]: (int(flush.levels[j]), int(flush.starts[j]), torch.from_numpy(flush.counts[j]))
-                    for j, (arg, i) in enumerate(flush.rows) if arg == "quantiles" and flush.counts[j].any()}  # fmt: skip
+        rows = [
+            (j, i) for j, (arg, i) in enumerate(flush.rows) if arg == "quantiles" and flush.counts[j].any()
+        ]
+        sketches = {
+            flush.names[i]: (int(flush.levels[j]), int(flush.starts[j]), torch.from_numpy(flush.counts[j]))
+            for j, i in rows
+        }
         return {"names": self.names(), "values": dict(flush.read()), "sketches": sketches}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -612,7 +610,11 @@ class Collector:
         for j, (arg, i) in enumerate(flush.rows):
             if arg == "quantiles" and names[i] in saved:
                 level, start, counts = saved[names[i]]
-                flush.levels[j], flush.starts[j], flush.counts[j, : counts.numel()] = level, start, counts.numpy()
+                flush.levels[j], flush.starts[j], flush.counts[j, : counts.numel()] = (
+                    level,
+                    start,
+                    counts.numpy(),
+                )
 
     def __repr__(self) -> str:
         extras = "" if self.stage is None else f", stage={self.stage!r}"

@@ -80,7 +80,8 @@ class LogHistogram:
         object.__setattr__(self, "value_range", (float(pair[0]), float(pair[1])))
         if self.size > _MAX_SIZE:
             raise ValueError(
-                f"{owner}: relative_accuracy={self.relative_accuracy!r} over value_range={self.value_range!r} "
+                f"{owner}: relative_accuracy={self.relative_accuracy!r} over "
+                f"value_range={self.value_range!r} "
                 f"needs {self.size} counts ({self.size * 8 / 2**20:.4g} MiB per name and device); at most "
                 f"{_MAX_SIZE} are allowed. HINT: a larger relative_accuracy or a narrower value_range"
             )
@@ -137,7 +138,9 @@ class LogHistogram:
         g = np.where(j > m, groups + 1, -(-j // (1 << np.asarray(level))))
         return groups + 1 + np.sign(values).astype(np.int64) * g
 
-    def windows(self, lo: np.ndarray, hi: np.ndarray, slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def windows(
+        self, lo: np.ndarray, hi: np.ndarray, slots: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per name with values in ``[lo, hi]`` (float64 ``(N,)``), the smallest collapse level whose
         window of buckets from ``lo``'s to ``hi``'s holds at most ``slots``: ``(level, start, width)``
         int64 ``(N,)`` (width 0 where ``lo > hi``, no values)."""

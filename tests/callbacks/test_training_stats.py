@@ -234,7 +234,9 @@ def test_bad_arguments_and_state_keys() -> None:
         TrainingStats(quantiles="(")
     with pytest.raises(TypeError, match=r"TrainingStats: `stragglers` must be a str, got 3"):
         TrainingStats(stragglers=3)
-    with pytest.raises(ValueError, match=r"`relative_accuracy` must be a finite number in \(0.0, 0.5\), got 0.5"):
+    with pytest.raises(
+        ValueError, match=r"`relative_accuracy` must be a finite number in \(0.0, 0.5\), got 0.5"
+    ):
         TrainingStats(relative_accuracy=0.5)
     with pytest.raises(ValueError, match=r"`value_range\[1\]` must be a finite number > 1.0, got 1.0"):
         TrainingStats(value_range=(1.0, 1.0))
@@ -573,8 +575,8 @@ def test_non_finite_values_are_counted_beside_the_statistics_of_the_finite_ones(
     logger = _Steps()
     stats = TrainingStats(every_n_train_steps=2, regex="(Grad|Loss)/.*", stats=("mean", "max", "num"))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=6, logger=logger, callbacks=[stats], enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", devices=1, max_steps=6, logger=logger, callbacks=[stats],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     with pytest.warns(UserWarning, match="non-finite") as caught:
         trainer.fit(_NonFinite())
@@ -617,8 +619,8 @@ def test_a_reported_name_equal_to_a_derived_key_raises(name: str) -> None:
     clear_statistics()
     stats = TrainingStats(every_n_train_steps=2, stats=("mean", "std"))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=4, logger=False, callbacks=[stats], enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", devices=1, max_steps=4, logger=False, callbacks=[stats],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     with pytest.raises(
         ValueError, match=rf"TrainingStats: the keys '{name}' \(reported, and derived from 'Loss'\)"
@@ -653,8 +655,9 @@ class _FailingValidation(pl.LightningModule):
 def test_a_failing_validation_leaves_no_stage_behind() -> None:
     clear_statistics()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=2, logger=False, callbacks=[TrainingStats(every_n_train_steps=1)],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", devices=1, max_steps=2, logger=False,
+        callbacks=[TrainingStats(every_n_train_steps=1)], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     with pytest.raises(RuntimeError, match="validation failed"):
         trainer.fit(_FailingValidation())

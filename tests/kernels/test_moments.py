@@ -281,8 +281,9 @@ def test_flush_ops_give_the_moments_of_one_rank(backend):
     d = x - shifts[:, None]
     three, zero = torch.full((2,), 3.0, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
     rows = torch.stack([three, d.sum(1), (d * d).sum(1), x[:, 0], x[:, 2], zero], 1)
-    inputs = {"rows": rows, "shifts": shifts, "center": zero, "published": torch.zeros(2, 6, dtype=torch.float64),
-              "next_shift": zero, "idle": zero}  # fmt: skip
+    published = torch.zeros(2, 6, dtype=torch.float64)
+    inputs = {"rows": rows, "shifts": shifts, "center": zero, "published": published, "next_shift": zero,
+              "idle": zero}  # fmt: skip
     _, _, published, next_shift, _, out = _flush(backend, inputs, True, device)
     mean = x.mean(1)
     std = (x - mean[:, None]).square().mean(1).sqrt()

@@ -158,7 +158,8 @@ def test_windows_fit_5_kib_per_name_and_quantiles_keep_their_accuracy(per_rank: 
         (level,), _, _ = sketch.windows(np.array([union.min()]), np.array([union.max()]), WORDS * k)
         errors = _relative_errors(out["q"][name], exact)
         print(
-            f"{name}: {per_rank} values per rank, counts {k} per word, level {level}: worst {errors.max():.5f}"
+            f"{name}: {per_rank} values per rank, counts {k} per word, level {level}: "
+            f"worst {errors.max():.5f}"
         )
         assert level == LEVELS[per_rank][name]
         assert np.all(errors <= sketch.accuracy(level) * (1 + 1e-9)), (name, level, errors.max())
@@ -200,12 +201,36 @@ def test_overflow_reads_as_the_exact_extreme() -> None:
         ({"quantiles": "("}, ValueError, r"Collector: `quantiles` must be a regular expression, got '\('"),
         ({"quantiles": 3}, TypeError, r"Collector: `quantiles` must be a str, got 3"),
         ({"stragglers": "["}, ValueError, r"Collector: `stragglers` must be a regular expression"),
-        ({"relative_accuracy": 0.0}, ValueError, r"`relative_accuracy` must be a finite number in \(0.0, 0.5\), got 0.0"),
-        ({"relative_accuracy": 0.5}, ValueError, r"`relative_accuracy` must be a finite number in \(0.0, 0.5\), got 0.5"),
-        ({"relative_accuracy": "1%"}, TypeError, r"`relative_accuracy` must be a finite number in \(0.0, 0.5\), got '1%'"),
-        ({"value_range": (1.0, 1.0)}, ValueError, r"`value_range\[1\]` must be a finite number > 1.0, got 1.0"),
-        ({"value_range": (0.0, 1.0)}, ValueError, r"`value_range\[0\]` must be a finite number > 0.0, got 0.0"),
-        ({"value_range": (1.0, math.inf)}, TypeError, r"`value_range\[1\]` must be a finite number > 1.0, got inf"),
+        (
+            {"relative_accuracy": 0.0},
+            ValueError,
+            r"`relative_accuracy` must be a finite number in \(0.0, 0.5\), got 0.0",
+        ),
+        (
+            {"relative_accuracy": 0.5},
+            ValueError,
+            r"`relative_accuracy` must be a finite number in \(0.0, 0.5\), got 0.5",
+        ),
+        (
+            {"relative_accuracy": "1%"},
+            TypeError,
+            r"`relative_accuracy` must be a finite number in \(0.0, 0.5\), got '1%'",
+        ),
+        (
+            {"value_range": (1.0, 1.0)},
+            ValueError,
+            r"`value_range\[1\]` must be a finite number > 1.0, got 1.0",
+        ),
+        (
+            {"value_range": (0.0, 1.0)},
+            ValueError,
+            r"`value_range\[0\]` must be a finite number > 0.0, got 0.0",
+        ),
+        (
+            {"value_range": (1.0, math.inf)},
+            TypeError,
+            r"`value_range\[1\]` must be a finite number > 1.0, got inf",
+        ),
         ({"value_range": 5.0}, TypeError, r"`value_range` must be a pair \(low, high\), got 5.0"),
         (
             {"relative_accuracy": 1e-9},
