@@ -333,6 +333,15 @@ def _ranks(ranks: list[int]) -> str:
     return re.escape(f"ranks {ranks}")
 
 
+def _shm_files() -> set[str]:
+    """The shared-memory segments of ``all_reduce_`` in ``/dev/shm`` (unlinked once mapped: none stay)."""
+    return (
+        {f for f in os.listdir("/dev/shm") if f.startswith("lightning_ext_shm_")}
+        if os.path.isdir("/dev/shm")
+        else set()
+    )
+
+
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "gloo"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ranks_whose_collectors_differ_all_raise_naming_the_ranks(
@@ -341,7 +350,9 @@ def test_ranks_whose_collectors_differ_all_raise_naming_the_ranks(
     """One argument differs on the odd ranks: the MAX's configuration pair says so on every rank, which
     then run ONE gather of each rank's configuration and step and raise naming both groups, before
     anything is published, fresh or restored (the SUM then has a size), on both transports."""
+    before = _shm_files()
     outputs = run_distributed(_differing, world_size, shared_memory, timeout=120)
+    assert _shm_files() <= before  # nothing left behind
     even, odd = [r for r in range(world_size) if r % 2 == 0], [r for r in range(world_size) if r % 2]
     for rank, out in enumerate(outputs):
         assert len(out) == 2 * len(DIFFERENCES)
@@ -392,7 +403,9 @@ def test_a_skipped_update_raises_on_every_rank_naming_the_steps(world_size: int,
     """Issue 44's case: rank 1 skips one of four updates. With the step, its next update (interval 2)
     meets the others' of interval 1: every rank raises, naming each rank's step, and publishes nothing;
     the values stay (rank 1: intervals 1 and 2)."""
+    before = _shm_files()
     outputs = run_distributed(_skipping, world_size, shared_memory, True, timeout=120)
+    assert _shm_files() <= before
     others = [r for r in range(world_size) if r != 1]
     for rank, out in enumerate(outputs):
         [(interval, message, elapsed, num, mean)] = out[-1:]
@@ -483,9 +496,11 @@ def test_a_name_without_values_is_forgotten_alike_on_every_rank_and_comes_back_n
     ]
 
 
-def _nonfinite(rank: int, world_size: int) -> dict:
+def _nonfinite(rank: int, world_size: int, shared_memory: bool) -> dict:
+    if not shared_memory:
+        os.environ[SHM_ENV_VAR] = "0"
     c = Collector(quantiles="x")
-    report("x", [1.0, math.nan, 2.0] if rank == 0 else [math.inf, 3.0, -math.inf])
+    report("x", [1.0, math.nan, 2.0] if rank == 0 else [math.inf, 3.0, -math.inf] if rank == 1 else [])
     report("only", [math.nan] if rank == 0 else [])
     c.update()
     return {"x": [c.num("x"), c.nonfinite("x"), c.mean("x"), c.min("x"), c.max("x")],
@@ -493,9 +508,12 @@ def _nonfinite(rank: int, world_size: int) -> dict:
             "q": c.quantile("x", 1.0 - 1e-9), "updated": c.updated()}  # fmt: skip
 
 
-def test_non_finite_values_are_counted_over_ranks_and_hide_nothing() -> None:
-    outputs = run_distributed(_nonfinite, 2, timeout=120)
-    assert outputs[0] == outputs[1]
+@pytest.mark.parametrize(("world_size", "shared_memory"), [(2, True), (3, False)], ids=["2-shm", "3-gloo"])
+def test_non_finite_values_are_counted_over_ranks_and_hide_nothing(
+    world_size: int, shared_memory: bool
+) -> None:
+    outputs = run_distributed(_nonfinite, world_size, shared_memory, timeout=120)
+    assert all(out == outputs[0] for out in outputs)
     out = outputs[0]
     assert out["x"] == [3, 3, 2.0, 1.0, 3.0] and out["hist"] == 3 and out["only"] == [0, 1]
     assert out["q"] == pytest.approx(3.0, rel=0.01) and out["updated"] == ["only", "x"]  # finite ones only
