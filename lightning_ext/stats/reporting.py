@@ -61,6 +61,7 @@ class _State:
     """All process-wide state of ``report()`` and the collectors' registry."""
 
     settings: _SyncSettings | None = None  # init_multiprocessing()'s; None: follow torch.distributed
+    followed: tuple[Any, _SyncSettings] | None = None  # (WORLD, its settings), resolved once per group
     stage: str | None = None  # set_stage()'s: the stage report() files values under
     stores: list[tuple[weakref.ref, Store]] = dataclasses.field(default_factory=list)  # (collector, its)
     routes: dict[str | None, dict[str, _Route]] = dataclasses.field(default_factory=dict)  # stage => name =>
@@ -83,12 +84,16 @@ _state = _State()
 
 
 def _sync_settings() -> _SyncSettings:
-    """The settings in effect: :func:`init_multiprocessing`'s, else those of ``torch.distributed``:
-    its rank and the collective device (``None`` single-process)."""
-    if _state.settings is not None:
-        return _state.settings
-    several = distributed.is_distributed()
-    return _SyncSettings(distributed.get_rank(), distributed.collective_device() if several else None, None)
+    """The settings in effect: :func:`init_multiprocessing`'s, else those of ``torch.distributed``
+    (resolved once per default group): its rank, the collective device (``None`` single-process)."""
+    state = _state
+    if state.settings is not None:
+        return state.settings
+    world = torch.distributed.group.WORLD if distributed.is_distributed() else None
+    if state.followed is None or state.followed[0] is not world:
+        device = distributed.collective_device() if world is not None else None
+        state.followed = (world, _SyncSettings(distributed.get_rank(), device, None))
+    return state.followed[1]
 
 
 def _attach(collector: Any, store: Store) -> None:
