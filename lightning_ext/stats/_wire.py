@@ -8,7 +8,7 @@ what layout, and who may touch what.
   extremes, and the count of NaN and ``±inf``.
 - :class:`Store`: one collector's rows, one :class:`Slab` per device its names' values lived on.
   ``report()``'s side asks ``wants(name)`` once per name and stage, then adds values through
-  ``accumulator(name, device).add(x)``, and ``register(name)`` for an empty value. The collector's
+  ``accumulator(name, device).add(x)`` (an empty value only makes the row). The collector's
   side lays the rows out in the order of its agreed names (``layout``), reads them (``extra``,
   ``local``) and empties them after a publication (``reset``). At ``reporting._attach`` (the one call
   of the collector's side into ``report()``'s), ``report()``'s side gives the store two functions:
@@ -222,7 +222,6 @@ class Store:
         self.slabs: dict[torch.device, Slab] = {}
         self.names: list[str] = []  # the agreed names: the first rows of every slab
         self.sketched: list[str] = []  # those with a sketch, in order
-        self.registered: set[str] = set()  # names reported empty since the last reset
         self.refused: list[str] = []  # the first names of this stage the collector did not take
         self.settings: Callable[[], Any] = lambda: None  # set by reporting._attach
         self.forget_routes: Callable[[], None] = lambda: None  # set by reporting._attach
@@ -246,16 +245,10 @@ class Store:
         slab = self.slabs.get(device)
         return slab.backend if slab is not None else get_backend(device=device)
 
-    def register(self, name: str) -> None:
-        self.registered.add(name)
-
     def extra(self) -> list[str]:
-        """The names with values (or registered) here that are not agreed yet, sorted."""
+        """The names reported here (with values or empty) that are not agreed yet, sorted."""
         r = len(self.names)
-        if not self.registered and all(len(slab.names) == r for slab in self.slabs.values()):
-            return []  # the steady state
-        new = {n for slab in self.slabs.values() for n in slab.names[r:]}
-        return sorted(new | (self.registered - set(self.names)) if self.registered else new)
+        return sorted({n for slab in self.slabs.values() for n in slab.names[r:]})
 
     def layout(self, names: list[str]) -> None:
         """Lay every slab out for the agreed ``names`` (sorted), dropping the rows of other names."""
@@ -284,13 +277,11 @@ class Store:
         return torch.stack([n, torch.zeros_like(n), m2, lo, hi, nonfinite], 1), mean, hist
 
     def reset(self, cleared: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-        """After a publication: every row empty, nothing registered (``cleared``: the sketch rows and
-        columns that held values, ``(P, 1)`` and ``(P, L)``; ``None``: every count)."""
+        """After a publication: every row empty (``cleared``: the sketch rows and columns that held
+        values, ``(P, 1)`` and ``(P, L)``; ``None``: every count)."""
         for slab in self.slabs.values():
             slab.reset(cleared if len(self.slabs) == 1 else None)
-        self.registered.clear()
 
     def detach(self) -> None:
         """Forget every value (``clear_statistics``): the collector receives nothing more."""
         self.slabs.clear()
-        self.registered.clear()

@@ -310,16 +310,13 @@ def report(name: str, value: T) -> T:
         x, device = _SCRATCH.fill_(value if type(value) is float else _as_float(name, value)), _CPU
     else:
         x = _as_tensor(name, value)
-        if not x.numel():
-            for store in stores:
-                store.register(name)
-            return value
         device = x.device
     accumulators = per_device.get(device)
-    if accumulators is None:
+    if accumulators is None:  # (an empty value makes the rows: it registers the name)
         accumulators = per_device[device] = [store.accumulator(name, device) for store in stores]
-    for accumulator in accumulators:
-        accumulator.add(x)
+    if x.numel():
+        for accumulator in accumulators:
+            accumulator.add(x)
     return value
 
 
