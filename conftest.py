@@ -5,8 +5,9 @@ Without a GPU, Triton's kernels run on CPU tensors in Triton's interpreter, whic
 
 Test tiers (CONTRIBUTING.md): a test that starts processes through ``run_distributed``
 (tests/helpers/distributed.py) or a Trainer strategy that starts them (``"ddp_spawn"``,
-``"ddp_notebook"``, ...), itself or through a function of its module, is marked ``slow`` here; other
-tests that start processes (whole jobs, builds) carry ``@pytest.mark.slow`` themselves.
+``"ddp_notebook"``, ...) or directly (``subprocess``, ``multiprocessing``'s ``spawn``), itself or through a
+function of its module, is marked ``slow`` here; other tests that start processes (a whole job through a
+helper of another module) carry ``@pytest.mark.slow`` themselves.
 ``make test-fast`` runs ``-m "not slow or smoke"``.
 """
 
@@ -22,7 +23,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-_STARTS_PROCESSES = re.compile(r"run_distributed|ddp_(spawn|fork|notebook)\w*")
+# run_distributed, a spawning strategy, or a process started directly (subprocess, multiprocessing)
+_STARTS_PROCESSES = re.compile(
+    r"run_distributed|ddp_(spawn|fork|notebook)\w*|subprocess|Popen|spawn|start_processes"
+)
 
 
 def _names(code: types.CodeType) -> set[str]:

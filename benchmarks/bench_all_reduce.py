@@ -1,11 +1,14 @@
-"""Latency of a small all_reduce between CPU ranks of one host: gloo's own vs ours through shared memory.
+"""Latency of a small all_reduce between CPU ranks of one host: gloo's own vs ours through shared memory
+and ours through the process group.
 
 Two spawned gloo ranks (1 thread each) all-reduce (SUM) float64 tensors of the sizes SyncBatchNorm
 and the Collector send (2C + 1 for C = 64 and 256, a K = 100 collector's payload, one scalar) with
-``torch.distributed.all_reduce`` (the anchor) and with ``lightning_ext.distributed.all_reduce_``
-(which takes its shared-memory path for these tensors), back to back, in alternating blocks of 100
-calls per transport (the first 5 of a block untimed). Median and 90th percentile of the per-call
-time on rank 0; ratio = gloo / shared memory (> 1: ours is faster).
+``torch.distributed.all_reduce`` (the anchor), with ``lightning_ext.distributed.all_reduce_`` over
+the default group (which takes its shared-memory path for these tensors), and with ``all_reduce_``
+over a second group of the same ranks created with ``LIGHTNING_EXT_SHM_COLLECTIVES=0`` (the
+process-group path, with its agreement check: what a group spanning hosts pays), back to back, in
+alternating blocks of 100 calls per transport (the first 5 of a block untimed). Median and 90th
+percentile of the per-call time on rank 0; ratios = gloo / ours (> 1: ours is faster).
 
 Usage: ``python benchmarks/bench_all_reduce.py [--quick] [--iters 2000]``.
 """
@@ -13,6 +16,8 @@ Usage: ``python benchmarks/bench_all_reduce.py [--quick] [--iters 2000]``.
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import statistics
 import sys
 import time
@@ -29,7 +34,7 @@ if str(HERE) not in sys.path:
 
 from _common import write_result  # noqa: E402
 
-from lightning_ext.distributed import all_reduce_, shm_available  # noqa: E402
+from lightning_ext.distributed import SHM_ENV_VAR, all_reduce_, shm_available  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
 SIZES = {
@@ -45,12 +50,21 @@ BLOCK = 100  # calls per transport before switching: a call right after the othe
 def _worker(rank: int, world_size: int, iters: int) -> dict[str, dict[str, float]]:
     if not shm_available():
         raise RuntimeError("the shared-memory path of all_reduce_ is not available on this machine")
+    os.environ[SHM_ENV_VAR] = "0"  # read at a group's first reduction: this group takes the process group
+    process_group = dist.new_group(list(range(world_size)))
+    if shm_available(process_group):
+        raise RuntimeError(f"{SHM_ENV_VAR}=0 did not turn the shared-memory path off")
+    transports = {
+        "gloo": dist.all_reduce,
+        "shm": all_reduce_,
+        "pg": functools.partial(all_reduce_, group=process_group),
+    }
     out = {}
     for label, n in SIZES.items():
         x = torch.randn(n, dtype=torch.float64)
-        times: dict[str, list[float]] = {"gloo": [], "shm": []}
+        times: dict[str, list[float]] = {name: [] for name in transports}
         for _ in range(max(1, iters // BLOCK)):
-            for name, fn in (("gloo", dist.all_reduce), ("shm", all_reduce_)):
+            for name, fn in transports.items():
                 for i in range(BLOCK + 5):
                     start = time.perf_counter()
                     fn(x)
@@ -63,6 +77,7 @@ def _worker(rank: int, world_size: int, iters: int) -> dict[str, dict[str, float
             for name, v in times.items()
             for stat, fn in (("median", statistics.median), ("p90", lambda v: sorted(v)[int(0.9 * len(v))]))
         }
+    del transports, process_group  # the harness destroys the group: nothing may hold it
     return out
 
 
@@ -78,16 +93,20 @@ def main() -> None:
         "## Small all_reduce latency between 2 CPU ranks of one host (`bench_all_reduce.py`)",
         "",
         f"float64 SUM, {args.iters} calls per transport in alternating blocks of {BLOCK}, µs per call on "
-        "rank 0: `torch.distributed.all_reduce` (gloo) vs `lightning_ext.distributed.all_reduce_` (shared "
-        "memory). What one SyncBatchNorm layer pays per step and direction, and a Collector per flush.",
+        "rank 0: `torch.distributed.all_reduce` (gloo) vs `lightning_ext.distributed.all_reduce_` through "
+        "shared memory, and through the process group (a group made with `LIGHTNING_EXT_SHM_COLLECTIVES=0`: "
+        "gloo plus the agreement check, what a group spanning hosts pays). What one SyncBatchNorm layer pays "
+        "per step and direction, and a Collector per flush.",
         "",
-        "| payload | gloo median | gloo p90 | shared memory median | shared memory p90 | median ratio |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| payload | gloo median | gloo p90 | shared memory median | shared memory p90 | process group "
+        "median | process group p90 | gloo / shared memory | gloo / process group |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, r in result.items():
         lines.append(
             f"| {label} | {r['gloo_median']:.0f} | {r['gloo_p90']:.0f} | {r['shm_median']:.0f} | "
-            f"{r['shm_p90']:.0f} | {r['gloo_median'] / r['shm_median']:.1f}x |"
+            f"{r['shm_p90']:.0f} | {r['pg_median']:.0f} | {r['pg_p90']:.0f} | "
+            f"{r['gloo_median'] / r['shm_median']:.1f}x | {r['gloo_median'] / r['pg_median']:.2f}x |"
         )
     markdown = "\n".join(lines)
     print(markdown)

@@ -8,15 +8,20 @@ no download) with ``Trainer(accelerator="cpu", devices=2, strategy="ddp")`` and:
   the two CPU processes (Lightning's own ``sync_batchnorm=True`` fails on CPU);
 - :class:`~lightning_ext.plugins.LossScalingPrecision` ``("16-mixed")`` with the log2 schedule —
   real fp16 autocast with dynamic loss scaling on CPU (Lightning's ``16-mixed`` becomes
-  ``bf16-mixed`` on CPU, with a warning); slow on CPU (fp16 convolutions), where it tests loss
-  scaling: ``--precision bf16-mixed`` is the CPU choice for speed;
+  ``bf16-mixed`` on CPU, with a warning), and the gradient health it reports (the gradient norm
+  unscaled and before clipping, the update-to-weight ratio). On CPU the conv blocks run in float32
+  outside autocast and the MLP head in fp16: a CPU without native half-precision arithmetic (AVX2)
+  runs fp16 and bf16 convolutions many times slower than float32, while an fp16 Linear layer stays
+  cheap and its gradients still overflow at a high scale, which is what loss scaling is about. On a
+  GPU the whole model runs under fp16 autocast;
 - :class:`~lightning_ext.callbacks.TrainingStats` — losses, accuracy, an activation statistic,
   timing and AMP telemetry ``report()``-ed from anywhere and reduced across ranks every N steps;
 - :class:`~lightning_ext.callbacks.IterationTimer`, :class:`~lightning_ext.callbacks.LossMonitor`
   and :class:`~lightning_ext.callbacks.PreciseBN` (detectron2-style hooks).
 
 It writes CSV (and TensorBoard) logs and checkpoints under ``runs/<name>/``, draws
-``runs/<name>/summary.png`` (loss, accuracy, loss scale and overflow events over steps), prints a
+``runs/<name>/summary.png`` (loss, accuracy, loss scale, overflow events and the gradient norm
+over steps), prints a
 table of the collected statistics, and exits with status 1 when the validation accuracy is below
 ``--min-accuracy`` (0.95).
 """
@@ -27,6 +32,7 @@ import argparse
 import math
 import sys
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -123,9 +129,16 @@ class ConvNet(nn.Module):
     """A small CNN with BatchNorm for ``(N, 1, 8, 8)`` images and 10 classes.
 
     Three 3×3 conv–BatchNorm–ReLU blocks (``width``, ``2·width``, ``2·width`` channels, a 2×2 max
-    pool after the second), global average pooling and a linear classifier. ``forward`` reports
+    pool after the second), global average pooling and a two-layer MLP head. ``forward`` reports
     the root-mean-square of the pooled features per sample as ``Activation/features_rms`` — an
     example of ``report()`` called from inside an ``nn.Module``.
+
+    Args:
+        width: channels of the first conv block.
+        num_classes: outputs of the head.
+        float32_features: run the conv blocks in float32 with autocast off (the head stays under the
+            caller's autocast): CPUs without native half-precision arithmetic run fp16 and bf16
+            convolutions many times slower than float32, while half-precision Linear layers stay cheap.
 
     Example::
 
@@ -134,7 +147,7 @@ class ConvNet(nn.Module):
         (4, 10)
     """
 
-    def __init__(self, width: int = 32, num_classes: int = 10) -> None:
+    def __init__(self, width: int = 32, num_classes: int = 10, float32_features: bool = False) -> None:
         super().__init__()
 
         def block(c_in: int, c_out: int) -> nn.Sequential:
@@ -142,16 +155,20 @@ class ConvNet(nn.Module):
                 nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU()
             )
 
+        self.float32_features = float32_features
         self.features = nn.Sequential(
             block(1, width), block(width, 2 * width), nn.MaxPool2d(2), block(2 * width, 2 * width)
         )
-        self.classifier = nn.Linear(2 * width, num_classes)
+        self.head = nn.Sequential(
+            nn.Linear(2 * width, 2 * width), nn.ReLU(), nn.Linear(2 * width, num_classes)
+        )
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        features = self.features(x).mean(dim=(2, 3))
+        with torch.autocast(x.device.type, enabled=False) if self.float32_features else nullcontext():
+            features = self.features(x.float() if self.float32_features else x).mean(dim=(2, 3))
         report("Activation/features_rms", features.detach().float().pow(2).mean(dim=1).sqrt())
-        return self.classifier(features)
+        return self.head(features)
 
 
 class DigitsModule(L.LightningModule):
@@ -166,12 +183,15 @@ class DigitsModule(L.LightningModule):
         lr: peak learning rate of the schedule.
         width: channel width of the first conv block.
         weight_decay: AdamW weight decay.
+        float32_features: :class:`ConvNet`'s conv blocks in float32 outside autocast.
     """
 
-    def __init__(self, lr: float = 1e-2, width: int = 32, weight_decay: float = 1e-4) -> None:
+    def __init__(
+        self, lr: float = 1e-2, width: int = 32, weight_decay: float = 1e-4, float32_features: bool = False
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = ConvNet(width=width)
+        self.net = ConvNet(width=width, float32_features=float32_features)
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -233,7 +253,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--precision",
         default="16-mixed",
         choices=["16-mixed", "bf16-mixed", "32-true"],
-        help="LossScalingPrecision mode (default: 16-mixed, real fp16 with loss scaling)",
+        help="LossScalingPrecision mode (default: 16-mixed, real fp16 with loss scaling); on CPU "
+        "the conv blocks run in float32 whatever the mode, the MLP head in it",
     )
     parser.add_argument("--batch-size", type=int, default=32, help="images per batch per rank")
     parser.add_argument("--lr", type=float, default=1e-2)
@@ -254,7 +275,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def plot_summary(metrics_csv: str | Path, out_png: str | Path) -> Path:
-    """Draw loss, accuracy, loss scale and overflow events over optimizer steps into ``out_png``.
+    """Draw loss, accuracy, gradient health, loss scale and overflows over optimizer steps into ``out_png``.
 
     Reads the CSV written by Lightning's ``CSVLogger`` (``metrics.csv``). Uses matplotlib's
     non-interactive Agg backend.
@@ -265,7 +286,7 @@ def plot_summary(metrics_csv: str | Path, out_png: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     series = read_metrics_csv(metrics_csv)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7), constrained_layout=True)
 
     def draw(ax: Any, keys: Sequence[str], title: str, **kwargs: Any) -> None:
         for key in keys:
@@ -282,6 +303,10 @@ def plot_summary(metrics_csv: str | Path, out_png: str | Path) -> Path:
     draw(axes[0, 1], ["Accuracy/train", "val/Accuracy"], "Accuracy", marker=".")
     draw(axes[1, 0], ["AMP/loss_scale_log2"], "Loss scale (log2)")
     draw(axes[1, 1], ["AMP/overflow"], "Overflow frequency per flush", drawstyle="steps-post")
+    draw(axes[0, 2], ["Grad/norm"], "Gradient norm (unscaled, before clipping)")
+    draw(axes[1, 2], ["Grad/update_ratio"], "Update-to-weight ratio")
+    for ax in axes[:, 2]:
+        ax.set_yscale("log")
     overflow = [(s, v) for s, v in series.get("AMP/overflow", []) if v > 0]
     if overflow:
         for ax in (axes[1, 0], axes[1, 1]):
@@ -322,7 +347,7 @@ def build_trainer(args: argparse.Namespace, run_dir: Path) -> tuple[L.Trainer, d
         features["precise_bn"] = PreciseBN(num_iter=args.precise_bn_iters)
     checkpoint = ModelCheckpoint(run_dir / "checkpoints", monitor="val/Accuracy", mode="max", save_last=True)
     callbacks = [*features.values(), checkpoint, ProgressBar()]
-    features["precision"] = LossScalingPrecision(args.precision, scaler=scaler)
+    features["precision"] = LossScalingPrecision(args.precision, scaler=scaler, update_ratio=True)
     plugins: list[Any] = [features["precision"]]
     several = args.devices * args.num_nodes > 1
     if not args.no_sync_batchnorm and several:
@@ -365,8 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     run_dir = start_run(args)
     datamodule = DigitsDataModule(batch_size=args.batch_size, seed=args.seed)
-    model = DigitsModule(lr=args.lr, width=args.width)
     trainer, features = build_trainer(args, run_dir)
+    on_cpu = trainer.strategy.root_device.type == "cpu"  # --accelerator auto included
+    model = DigitsModule(lr=args.lr, width=args.width, float32_features=on_cpu)
     trainer.fit(model, datamodule=datamodule, ckpt_path=args.resume)
     # The last validation ran after PreciseBN's last update (it runs after an epoch's last batch):
     # its accuracy is the final model's. A resumed run that trained nothing validates once.

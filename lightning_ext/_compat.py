@@ -13,7 +13,6 @@ Lightning is never imported here: the core below the adapters (``stats``, ``amp`
 
 from __future__ import annotations
 
-import fcntl
 import importlib.metadata
 import os
 from collections.abc import Collection
@@ -84,38 +83,29 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state  # noqa
 from torch.nn.modules.batchnorm import _BatchNorm  # noqa: E402
 
 # -------------------------------------------------------------------------------------- differing APIs
-# torch.utils.cpp_extension.load's build lock (the ``lock`` file in the build directory): up to torch
-# 2.13 a FileBaton, whose file exists exactly while a process builds (a killed build leaves it behind,
-# and every later load waits for it forever); from torch 2.14 filelock's advisory lock on a file that
-# stays after the build (the kernel releases the lock when its holder dies, so it never goes stale).
-BUILD_LOCK_IS_ADVISORY = at_least(torch.__version__, "2.14")
-
-
-def build_lock_held(lock: Path) -> bool:
-    """Whether a process now builds in the directory of ``lock`` (torch's build lock file, see
-    ``BUILD_LOCK_IS_ADVISORY``): the file exists (FileBaton), or another process holds an advisory lock
-    on it (filelock). Never blocks."""
-    if not BUILD_LOCK_IS_ADVISORY:
-        return lock.exists()
-    try:
-        fd = os.open(lock, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # closing the descriptor drops a lock taken above
-    return False
+# torch.utils.cpp_extension.load's build lock, this file in the build directory: up to torch 2.13 a FileBaton,
+# which exists exactly while a process builds (a killed build leaves it behind, and every later load waits
+# for it forever); from torch 2.14 filelock's advisory lock on a file that stays. The cpu backend removes it
+# while it holds its own lock (kernels/cpu.py).
+BUILD_LOCK_FILE = "lock"
 
 
 def extension_build_directory(name: str) -> Path:
-    """Where ``torch.utils.cpp_extension.load`` builds and caches the extension ``name`` (created when
-    missing): torch's private ``_get_build_directory`` (``$TORCH_EXTENSIONS_DIR`` or its default)."""
+    """Where ``torch.utils.cpp_extension.load`` builds and caches the extension ``name``: torch's private
+    ``_get_build_directory`` (``$TORCH_EXTENSIONS_DIR/<name>`` or its default), which creates the
+    directories that are missing, here writable by their owner only (umask 022 added for the call).
+
+    Raises:
+        OSError: a missing directory cannot be created (e.g. a read-only file system).
+    """
     from torch.utils.cpp_extension import _get_build_directory
 
-    return Path(_get_build_directory(name, verbose=False))
+    umask = os.umask(0o022)
+    os.umask(umask | 0o022)
+    try:
+        return Path(_get_build_directory(name, verbose=False))
+    finally:
+        os.umask(umask)
 
 
 def group_timeout(group: Any, device: torch.device) -> float:
@@ -145,6 +135,15 @@ def triton_interpreter_limit() -> str | None:
 
 
 # ------------------------------------------------------------------------------------- torch internals
+def assume_constant_result(fn: Any) -> Any:
+    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` (about 2 s, which an
+    eager process never needs): the decorator only sets the private marker ``_dynamo_marked_constant``
+    that dynamo reads when it traces a call of ``fn`` (it then calls ``fn`` outside the graph and keeps
+    the value)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 # The base class of BatchNorm1d/2d/3d, torch.nn.SyncBatchNorm and users' own batch norms (no public name);
 # its forward checks the input with the hook ``_check_input_dim`` that each subclass defines.
 BatchNormBase = _BatchNorm

@@ -7,7 +7,9 @@ breaks, so a new torch or Lightning release that moves one says what to update a
 from __future__ import annotations
 
 import inspect
+import os
 import re
+import stat
 import subprocess
 import sys
 import tomllib
@@ -107,28 +109,13 @@ def test_importing_with_an_old_release_installed_raises_importerror(patch, messa
 
 
 # -------------------------------------------------------------------------------------- differing APIs
-def test_build_lock_held_reads_the_lock_cpp_extension_takes(tmp_path):
+def test_the_build_lock_file_is_the_one_cpp_extension_takes():
     source = inspect.getsource(cpp_extension._jit_compile)
-    spelling = "FileLock(" if _compat.BUILD_LOCK_IS_ADVISORY else "FileBaton("
-    assert spelling in source, (
-        f"{TORCH}: torch.utils.cpp_extension.load no longer builds under a {spelling[:-1]}: update "
-        "_compat.BUILD_LOCK_IS_ADVISORY and build_lock_held (the cpu backend waits on that lock)"
+    assert re.search(rf"join\(build_directory, ['\"]{_compat.BUILD_LOCK_FILE}['\"]\)", source), (
+        f"{TORCH}: torch.utils.cpp_extension.load no longer locks <build directory>/"
+        f"{_compat.BUILD_LOCK_FILE}: update _compat.BUILD_LOCK_FILE (the cpu backend removes the lock a "
+        "killed build left, or torch waits for it forever)"
     )
-    lock = tmp_path / "lock"
-    assert not _compat.build_lock_held(lock)
-    if _compat.BUILD_LOCK_IS_ADVISORY:
-        from torch.utils._filelock import FileLock
-
-        with FileLock(str(lock)):
-            assert _compat.build_lock_held(lock)
-        assert lock.exists() and not _compat.build_lock_held(lock)  # the file stays, unlocked
-    else:
-        from torch.utils.file_baton import FileBaton
-
-        baton = FileBaton(str(lock))
-        assert baton.try_acquire() and _compat.build_lock_held(lock)
-        baton.release()
-        assert not _compat.build_lock_held(lock)
 
 
 @pytest.mark.parametrize(
@@ -315,10 +302,37 @@ def test_an_unreachable_frequency_holds_a_step_scheduler():
 
 def test_extension_build_directory_is_where_cpp_extension_builds(tmp_path, monkeypatch):
     """torch's private ``_get_build_directory`` (``torch.utils.cpp_extension``) names, and creates, the
-    directory ``load`` builds in: ``$TORCH_EXTENSIONS_DIR/<name>``."""
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    directory = _compat.extension_build_directory("lightning_ext_probe")
-    assert directory == tmp_path / "lightning_ext_probe" and directory.is_dir()
+    directory ``load`` builds in: ``$TORCH_EXTENSIONS_DIR/<name>``; created writable by their owner
+    only whatever the umask, which is restored."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    umask = os.umask(0o002)  # group-writable by default, as on many distributions
+    try:
+        directory = _compat.extension_build_directory("lightning_ext_probe")
+        assert os.umask(0o002) == 0o002
+    finally:
+        os.umask(umask)
+    assert directory == tmp_path / "cache" / "lightning_ext_probe" and directory.is_dir(), (
+        f"{TORCH}: torch.utils.cpp_extension._get_build_directory moved or changed: update "
+        "_compat.extension_build_directory (where the cpu backend looks for its build)"
+    )
+    for path in (directory, directory.parent):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o755, oct(path.stat().st_mode)
+
+
+def test_assume_constant_result_marks_a_function_as_torch_compiler_does():
+    def mine():
+        return "cpu"
+
+    def torchs():
+        return "cpu"
+
+    assert _compat.assume_constant_result(mine) is mine
+    torch.compiler.assume_constant_result(torchs)
+    marks = dict(vars(torchs))
+    assert marks == vars(mine) == {"_dynamo_marked_constant": True}, (
+        f"{TORCH}: torch.compiler.assume_constant_result now sets {marks}: update "
+        "_compat.assume_constant_result (get_backend's selection under torch.compile)"
+    )
 
 
 def test_group_timeout_reads_the_timeout_a_gloo_group_was_created_with(tmp_path):
@@ -329,7 +343,10 @@ def test_group_timeout_reads_the_timeout_a_gloo_group_was_created_with(tmp_path)
     import torch.distributed as dist
 
     dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+        "gloo",
+        init_method=f"file://{tmp_path / 'store'}",
+        rank=0,
+        world_size=1,
         timeout=datetime.timedelta(seconds=7),
     )
     try:

@@ -2,6 +2,7 @@
 or tests/; the library needs none of the examples' packages."""
 
 import ast
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -11,10 +12,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES_ONLY = {"torchmetrics", "sklearn", "matplotlib", "tensorboard", "rich", "examples"}
+# What a build must not see or write: environments, outputs and caches of the checkout
+NOT_SOURCES = (
+    ".git", ".venv*", "runs", "build", "dist", "*.egg-info", "__pycache__", "lightning_logs", "_build"
+)
 
 
 @pytest.mark.timeout(300)
 def test_wheel_ships_the_package_source_and_marker_only(tmp_path: Path):
+    # Built from a copy of the sources: setuptools writes build/ and *.egg-info next to what it builds,
+    # which must not land in the checkout (nor a stale one there leak into the wheel).
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*NOT_SOURCES))
     subprocess.run(
         [
             sys.executable,
@@ -26,7 +35,7 @@ def test_wheel_ships_the_package_source_and_marker_only(tmp_path: Path):
             "-q",
             "-w",
             str(tmp_path),
-            str(ROOT),
+            str(source),
         ],
         check=True,
         capture_output=True,

@@ -96,3 +96,12 @@ def test_packages_reexport_only_public_names_of_their_modules() -> None:
             assert name in importlib.import_module(home).__all__, (
                 f"{package.__name__} re-exports {name} from {home}, whose __all__ does not list it"
             )
+
+
+def test_no_name_is_exported_by_two_packages() -> None:
+    # One place per name: a re-export by another package is a second spelling of the same API.
+    owners: dict[str, list[str]] = {}
+    for package in (m for m in MODULES if hasattr(m, "__path__")):
+        for name in package.__all__:
+            owners.setdefault(name, []).append(package.__name__)
+    assert {name: where for name, where in owners.items() if len(where) > 1} == {}

@@ -30,6 +30,7 @@ from lightning_ext.kernels import (
     registry,
     unscale,
 )
+from lightning_ext.perf import peaks
 from lightning_ext.stats import Collector, init_multiprocessing, report, reporting
 
 PACKAGE = Path(lightning_ext.__file__).parent
@@ -42,11 +43,11 @@ CLEARED = {
     ("lightning_ext.kernels.registry", "_entry_points_loaded"),
     ("lightning_ext.kernels.registry", "_from_entry_points"),
     ("lightning_ext.kernels.registry", "_fallback_warned"),
-    ("lightning_ext.kernels.backend", "_LIVE"),
     ("lightning_ext.kernels.unscale", "_META_CACHE"),
     ("lightning_ext.kernels._triton", "_SM_COUNT"),
     ("lightning_ext.kernels.cpu", "_announced"),
     ("lightning_ext.distributed.all_reduce", "_routes"),
+    ("lightning_ext.perf.peaks", "_measured"),
 }
 # (module, name) -> why it outlives lightning_ext.reset().
 KEPT = {
@@ -54,6 +55,8 @@ KEPT = {
     ("lightning_ext.kernels.cpu", "_module"): "a compiled extension module cannot be unloaded",
     ("lightning_ext.kernels.backend", "OPS"): "op registrations (define_op, at import) stay, as torch's "
     "custom ops do",
+    ("lightning_ext.kernels.backend", "_LIVE"): "the latest instance of each backend, which the custom ops "
+    "run: a graph traced before a reset still runs; a backend built again replaces it",
     ("lightning_ext.callbacks.hook_base", "_instance_ids"): "hooks alive across a reset keep distinct ids",
     ("lightning_ext.nn.sync_batch_norm", "_untraced_warned"): "weak: holds no backend a reset dropped; a "
     "backend built after a reset warns again",
@@ -172,6 +175,8 @@ def test_reset_empties_every_cache(plugin_path, monkeypatch, caplog, tmp_path) -
     # distributed: a group's route (a real one sets a segment up: tests/distributed/test_all_reduce.py)
     group = _Group()
     all_reduce_module._routes[group] = all_reduce_module._Route(torch.device("cpu"), None)
+    # perf: a measured matmul rate
+    peaks.measure_peak_flops(torch.float32, "cpu", size=16)
 
     filled = {
         "_state": reporting._state != reporting._State(),
@@ -180,11 +185,11 @@ def test_reset_empties_every_cache(plugin_path, monkeypatch, caplog, tmp_path) -
         "_entry_points_loaded": registry._entry_points_loaded,
         "_from_entry_points": "reset_plugin" in registry._from_entry_points,
         "_fallback_warned": registry._fallback_warned,
-        "_LIVE": "reference" in backend._LIVE,
         "_META_CACHE": bool(unscale._META_CACHE),
         "_SM_COUNT": bool(_triton._SM_COUNT),
         "_announced": cpu._announced,
         "_routes": group in all_reduce_module._routes,
+        "_measured": bool(peaks._measured),
     }
     assert {name for _, name in CLEARED} == set(filled)
     assert all(filled.values()), filled
@@ -197,7 +202,9 @@ def test_reset_empties_every_cache(plugin_path, monkeypatch, caplog, tmp_path) -
     assert not registry._entry_points_loaded and not registry._from_entry_points
     assert "reset_plugin" not in registry._entries  # read again from the group at the next lookup
     assert {"reference", "cpu", "triton"} <= set(registry._entries)  # registrations stay
-    assert not backend._LIVE and not unscale._META_CACHE and not _triton._SM_COUNT
+    assert not unscale._META_CACHE and not _triton._SM_COUNT
+    assert "reference" in backend._LIVE  # kept: see KEPT
+    assert not peaks._measured
     assert not cpu._announced
     assert cpu._module is extension  # kept: see KEPT
     assert group not in all_reduce_module._routes

@@ -4,7 +4,7 @@ from lightning_ext.callbacks.hook_base import HookBase
 from lightning_ext.callbacks.hook_runner import HookRunner
 from lightning_ext.callbacks.iteration_timer import IterationTimer
 from lightning_ext.callbacks.loss_monitor import LossMonitor
-from lightning_ext.callbacks.precise_bn import PreciseBN, update_bn_stats
+from lightning_ext.callbacks.precise_bn import PreciseBN
 from lightning_ext.callbacks.resource_stats import ResourceStats
 from lightning_ext.callbacks.training_stats import TrainingStats
 
@@ -16,5 +16,4 @@ __all__ = [
     "PreciseBN",
     "ResourceStats",
     "TrainingStats",
-    "update_bn_stats",
 ]

@@ -2,6 +2,7 @@
 torch, no Lightning."""
 
 from lightning_ext.distributed.all_reduce import (
+    CHECK_ENV_VAR,
     SHM_ENV_VAR,
     all_reduce_,
     close_shared_memory,
@@ -19,8 +20,7 @@ from lightning_ext.distributed.groups import (
 )
 
 __all__ = [
-    "SHM_ENV_VAR", "all_reduce_", "check_process_group", "close_shared_memory", "collective_device",
-    "collective_seconds",
-    "create_process_groups", "get_process_group", "get_rank", "get_world_size", "is_distributed",
-    "shm_available",
+    "CHECK_ENV_VAR", "SHM_ENV_VAR", "all_reduce_", "check_process_group", "close_shared_memory",
+    "collective_device", "collective_seconds", "create_process_groups", "get_process_group", "get_rank",
+    "get_world_size", "is_distributed", "shm_available",
 ]  # fmt: skip

@@ -3,14 +3,16 @@
 The pack reduces a few hundred numbers at a time (SyncBatchNorm, ``Collector``, the loss scaler),
 where a collective's latency is the cost: between CPU ranks of one host they go through a
 shared-memory segment (:mod:`lightning_ext.distributed.shm`), everything else through the process
-group's own ``all_reduce``.
+group's own ``all_reduce``. Both check that the ranks reduce alike (``shm``: a header; the process
+group: :mod:`lightning_ext.distributed.agreement`).
 
 Under ``torch.compile`` a reduction always takes the process group's ``all_reduce``, which dynamo
 traces as a functional collective (a graph node that inductor schedules, ``fullgraph=True``
 included). The shared-memory path cannot be traced: it is host code that spins on flags in a mapped
 file, and hidden in an opaque custom op it would give the compiler a reduction without collective
-semantics, free to reorder against other collectives. Eager and compiled reductions over one group
-may alternate: each collective is matched on one transport, as every rank runs the same program.
+semantics, free to reorder against other collectives. Neither check runs there (it is host code
+too). Eager and compiled reductions over one group may alternate: each collective is matched on one
+transport, as every rank runs the same program.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import platform
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,25 +30,22 @@ import torch.distributed as dist
 
 from lightning_ext._compat import group_timeout
 from lightning_ext.distributed import shm
+from lightning_ext.distributed.agreement import _Agreement, _check_agreement, _descriptor
 from lightning_ext.distributed.groups import collective_device
 
-__all__ = ["SHM_ENV_VAR", "all_reduce_", "close_shared_memory", "collective_seconds", "shm_available"]
+__all__ = [
+    "CHECK_ENV_VAR", "SHM_ENV_VAR", "all_reduce_", "close_shared_memory", "collective_seconds",
+    "shm_available",
+]  # fmt: skip
 
-SHM_ENV_VAR = "LIGHTNING_EXT_SHM_COLLECTIVES"  # "0" on any rank turns the shared-memory path off
+SHM_ENV_VAR = "LIGHTNING_EXT_SHM_COLLECTIVES"  # off on any rank: every rank takes the process group
+CHECK_ENV_VAR = "LIGHTNING_EXT_CHECK_COLLECTIVES"  # on on any rank: the process group checks every reduction
+_ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")  # a switch's words (stripped, any case)
 _X86 = platform.machine().lower() in ("x86_64", "amd64")  # total store order: see shm's docstring
-_AGREED_MAX = 4096  # descriptors a process-group route remembers as agreed (then it forgets them all)
 
 _waited = [0.0]  # host seconds spent inside all_reduce_ by this process (see collective_seconds)
 _routes: weakref.WeakKeyDictionary[Any, _Route] = weakref.WeakKeyDictionary()
 _routes_lock = threading.Lock()  # process group -> how its reductions travel, decided once
-
-_R = dist.ReduceOp
-_OP_NAMES = {_R.SUM: "SUM", _R.PRODUCT: "PRODUCT", _R.MIN: "MIN", _R.MAX: "MAX", _R.BAND: "BAND",
-             _R.BOR: "BOR", _R.BXOR: "BXOR", _R.AVG: "AVG"}  # fmt: skip
-_OP_CODES = {op: code for code, op in enumerate(_OP_NAMES, 1)}  # 0: any other op
-_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)  # fmt: skip
-_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES, 1)}  # 0: any other dtype
 
 
 class _Done:
@@ -63,56 +62,46 @@ class _Done:
 class _Route:
     device: torch.device  # the group's collective device
     segment: shm._ShmGroup | None  # its shared-memory segment, or None: the group's own all_reduce
-    agreed: set[int] = field(default_factory=set)  # descriptors the ranks agreed on (process-group path)
+    agreement: _Agreement | None = None  # the process-group path's check (None: a segment, a group of one)
 
 
-def _descriptor(tensor: torch.Tensor, op: Any) -> int:
-    """What every rank must agree on for one reduction, as one int64 word: element count, layout,
-    dtype and op (bits 17 and up, bit 16, bits 8-15, bits 0-7)."""
-    sparse = tensor.layout != torch.strided
-    return tensor.numel() << 17 | sparse << 16 | _DTYPE_CODES.get(tensor.dtype, 0) << 8 | _OP_CODES.get(op, 0)
+def _switch(value: str | None, default: bool) -> bool | None:
+    """An environment variable's value as a switch: unset or empty is ``default``; ``None``: not allowed."""
+    value = (value or "").strip().lower()
+    return default if not value else True if value in _ON else False if value in _OFF else None
 
 
-def _describe(descriptor: int) -> str:
-    """``"SUM of 9 float32"``: a descriptor in words."""
-    op = next((name for o, name in _OP_NAMES.items() if _OP_CODES[o] == descriptor & 0xFF), "another op")
-    code = descriptor >> 8 & 0xFF
-    dtype = str(_DTYPES[code - 1]).removeprefix("torch.") if code else "another dtype"
-    layout = " (not strided)" if descriptor >> 16 & 1 else ""
-    return f"{op} of {descriptor >> 17} {dtype}{layout}"
+def _settings(group: Any, device: torch.device) -> tuple[bool, bool]:
+    """Collective (one MIN all_reduce): whether every rank can take shared memory, and whether any rank
+    asks for every process-group reduction to be checked. Raises ``ValueError`` on every rank when a
+    switch has a value that is not allowed on any rank (after the collective: every rank joins it)."""
+    shm_on = _switch(os.environ.get(SHM_ENV_VAR), True)
+    check = _switch(os.environ.get(CHECK_ENV_VAR), False)
+    capable = _X86 and bool(shm_on) and "gloo" in str(dist.get_backend(group)).lower()
+    valid = None not in (shm_on, check)
+    votes = torch.tensor([capable, check is not True, valid], dtype=torch.int32, device=device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
+    capable, unchecked, valid = votes.tolist()
+    if not valid:
+        _raise_invalid_switches(group)
+    return bool(capable), not unchecked
 
 
-def _check_agreement(descriptors: list[int], group: Any, transport: str) -> None:
-    """Raise on every rank (each holds every rank's descriptor) unless the ranks reduce alike."""
-    if len(set(descriptors)) == 1:
-        return
-    ranks = "; ".join(
-        f"rank {dist.get_global_rank(group, r)}: {_describe(d)}" for r, d in enumerate(descriptors)
+def _raise_invalid_switches(group: Any) -> None:
+    """Every rank: gather every rank's switches (one all_gather_object) and raise naming the bad ones."""
+    mine = [os.environ.get(SHM_ENV_VAR), os.environ.get(CHECK_ENV_VAR)]
+    values = [mine] * dist.get_world_size(group)
+    dist.all_gather_object(values, mine, group=group)
+    bad = [
+        f"rank {dist.get_global_rank(group, r)}: {name}={value!r}"
+        for r, pair in enumerate(values)
+        for name, value in zip((SHM_ENV_VAR, CHECK_ENV_VAR), pair)
+        if _switch(value, False) is None
+    ]
+    raise ValueError(
+        f"all_reduce_: environment variables with values not allowed ({'; '.join(bad)}): {SHM_ENV_VAR} and "
+        f"{CHECK_ENV_VAR} must be unset, empty, or one of 1, true, on, yes, 0, false, off, no (any case)."
     )
-    raise RuntimeError(
-        f"all_reduce_ ({transport}): the {len(descriptors)} ranks of the group disagree on what they reduce "
-        f"({ranks}). Every rank must run the same reductions in the same order, with tensors of the same "
-        "dtype and element count. HINT: is a layer (its channel count) or a statistics collector "
-        "configured differently on one rank?"
-    )
-
-
-def _agree(route: _Route, descriptor: int, group: Any) -> None:
-    """Process-group path: the ranks agree on ``descriptor`` before its first reduction over ``group``.
-
-    Each new descriptor costs one ``all_gather`` of one int64 per rank (and a host read of it); a
-    descriptor agreed once is not checked again, so two descriptors that were each agreed before and
-    then meet each other are not caught on this path (the shared-memory path checks every reduction).
-    """
-    if descriptor in route.agreed:
-        return
-    mine = torch.tensor([descriptor], dtype=torch.int64, device=route.device)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
-    _check_agreement([int(d) for d in gathered], group, "process group")
-    if len(route.agreed) >= _AGREED_MAX:
-        route.agreed.clear()  # on every rank alike: they agreed on the same descriptors in the same order
-    route.agreed.add(descriptor)
 
 
 def _route(group: Any) -> _Route:
@@ -120,22 +109,17 @@ def _route(group: Any) -> _Route:
 
     A shared-memory segment exactly for a gloo group of several ranks all on this host (the set-up
     maps one ``/dev/shm`` file on every rank or gives up on all), on x86-64, unless
-    ``LIGHTNING_EXT_SHM_COLLECTIVES=0`` on any rank: every rank decides alike (one MIN all_reduce of
-    whether it could). Its waits end with the group's timeout.
+    ``LIGHTNING_EXT_SHM_COLLECTIVES`` turns it off on any rank: every rank decides alike (one MIN
+    all_reduce, which also agrees on ``LIGHTNING_EXT_CHECK_COLLECTIVES``). Its waits end with the
+    group's timeout.
     """
     route = _routes.get(group)
     if route is None:
         device, world_size = collective_device(group), dist.get_world_size(group)
-        capable = (
-            _X86
-            and os.environ.get(SHM_ENV_VAR, "1") != "0"
-            and "gloo" in str(dist.get_backend(group)).lower()
-        )
-        if world_size > 1 and shm._all_ranks_agree(capable, group, device):
-            segment = shm._create(group, group_timeout(group, device))
-        else:
-            segment = None
-        route = _Route(device, segment)
+        capable, check_every = _settings(group, device)
+        segment = shm._create(group, group_timeout(group, device)) if world_size > 1 and capable else None
+        agreement = _Agreement(device, check_every) if world_size > 1 and segment is None else None
+        route = _Route(device, segment, agreement)
         with _routes_lock:
             _routes[group] = route
     return route
@@ -161,9 +145,15 @@ def all_reduce_(
       exchanges a descriptor (op, dtype, layout, element count) in the segment's header and checks it;
       a strided tensor of at most 128 KiB reduced by SUM, MAX, MIN or PRODUCT is then reduced in the
       segment, in rank order (the result is bitwise identical on every rank; it may differ from
-      gloo's in the last bits), anything else by the process group.
-    - the process group's ``all_reduce``: the first reduction of each descriptor over a group is
-      preceded by an ``all_gather`` of one int64 per rank that checks it; later ones are not checked.
+      gloo's in the last bits), anything else by the process group once the header agreed.
+    - the process group's ``all_reduce``, checked by predicting each reduction's descriptor from the
+      group's agreed history (:mod:`lightning_ext.distributed.agreement`): in the steady state one
+      ``all_reduce`` of the tensor staged with one flag element (a copy in and out); a reduction not
+      predicted (the first ones, a new sequence), or every one in the debug mode
+      (``LIGHTNING_EXT_CHECK_COLLECTIVES=1`` on any rank), is preceded by a MAX ``all_reduce`` of two
+      int64 that checks it; a disagreement costs an ``all_gather`` of one int64 per rank, to name
+      the ranks. It is reduced before the call returns, ``async_op`` included (a completed handle):
+      a check left for ``wait()`` would meet, on a rank whose program differs, its next collective.
 
     The first call on a group decides its route (one collective; setting a segment up: four more,
     once). While ``torch.compile`` traces, it is the process group's ``all_reduce``, unchecked (see the
@@ -174,7 +164,8 @@ def all_reduce_(
         tensor: any shape and dtype; reduced in place.
         op: ``torch.distributed.ReduceOp``.
         group: process group (default: WORLD).
-        async_op: return a handle with ``wait()`` (already completed on the shared-memory path).
+        async_op: return a handle with ``wait()`` (already completed, except for a tensor too large
+            for a shared-memory slot).
 
     Returns:
         ``None``, or the work handle when ``async_op``.
@@ -183,9 +174,13 @@ def all_reduce_(
         RuntimeError: on every rank, when the ranks disagree on the op, dtype, layout or element count,
             naming each rank's; a rank did not join within the group's timeout, or its process exited
             (shared memory), naming the ranks; or what ``torch.distributed.all_reduce`` raises.
+        ValueError: on every rank, at a group's first reduction, when ``LIGHTNING_EXT_SHM_COLLECTIVES``
+            or ``LIGHTNING_EXT_CHECK_COLLECTIVES`` has a value other than unset, empty, 1, true, on,
+            yes, 0, false, off or no on any rank, naming the ranks and values.
 
     Synchronizes host and device when ``tensor`` must move to the collective device, and on the
-    process-group path at the first reduction of each descriptor (reading the gathered descriptors).
+    process-group path at every reduction (a host read of the flag, or of the check: on CUDA the
+    host waits for the reduction).
     """
     group = group if group is not None else dist.group.WORLD
     if torch.compiler.is_compiling():
@@ -206,20 +201,21 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool) -> An
         _all_reduce(moved, op, group, False)
         tensor.copy_(moved)
         return _Done() if async_op else None
-    descriptor = _descriptor(tensor, op)
     if route.segment is not None:
-        _check_agreement(route.segment.all_reduce_(tensor, op, descriptor), group, "shared memory")
+        descriptors = route.segment.all_reduce_(tensor, op, _descriptor(tensor, op))
+        _check_agreement(descriptors, group, "shared memory")
         if shm._fits(tensor, op):
             return _Done() if async_op else None
-    elif dist.get_world_size(group) > 1:
-        _agree(route, descriptor, group)
+    elif route.agreement is not None:
+        route.agreement.all_reduce_(tensor, op, _descriptor(tensor, op), group)
+        return _Done() if async_op else None
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def shm_available(group: dist.ProcessGroup | None = None) -> bool:
     """Whether :func:`all_reduce_` of a small float tensor over ``group`` takes the shared-memory path
     (``False`` when not distributed). Like :func:`all_reduce_`, the first call on a group is a
-    collective. No host sync."""
+    collective, which raises its ``ValueError`` for a switch's value. No host sync."""
     if not (dist.is_available() and dist.is_initialized()):
         return False
     group = group if group is not None else dist.group.WORLD

@@ -18,7 +18,7 @@ the group keeps its own ``all_reduce``. Layout::
     data:   2 (double buffer by sequence parity) x W slots x _SLOT_BYTES
 
 Every reduction writes its descriptor (what the ranks must agree on: op, dtype, layout, element count;
-see ``all_reduce._descriptor``) into its header line, and its data into its slot when it fits, then
+see ``agreement._descriptor``) into its header line, and its data into its slot when it fits, then
 publishes its counter; each rank reads every descriptor before it reduces, so a disagreement raises on
 every rank and a tensor too large for a slot goes to the process group on every rank alike. A rank
 writes buffer ``s % 2`` (data and descriptor) for sequence ``s`` only after every counter reached

@@ -1,10 +1,11 @@
 """``python -m lightning_ext.kernels``: build the ``cpu`` kernel backend ahead of time.
 
-Builds the compiled extension of :mod:`lightning_ext.kernels.cpu` for this environment unless torch's
-cache holds it, then prints where it lives and how long it took; exits 1 with the reason when it
-cannot be built (no C++ compiler, no ``ninja``, a failed compilation: the cause in one line). Without
-it the first process that needs the backend builds it (about 30 s), and the others on the machine
-wait for that one.
+Builds the compiled extension of :mod:`lightning_ext.kernels.cpu` for this environment unless the
+cache holds a verified build of it, then prints where it lives and how long it took; exits 1 with the
+reason in one line when it cannot be built or loaded (no C++ compiler, no ``ninja``, a failed
+compilation, an untrusted cache, a damaged build in a read-only one). Without it the first process
+that needs the backend builds it (about 30 s), and the others on the machine wait for that one. Run
+by the owner of a cache that others share read-only, it builds what they load.
 
 Example (a shell; the build key ending the directory's name depends on the environment, see
 :mod:`lightning_ext.kernels.cpu`; ``TORCH_EXTENSIONS_DIR`` defaults to
@@ -45,12 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     from lightning_ext.kernels import cpu
 
     name = cpu._extension_name()
-    library = extension_build_directory(name) / f"{name}.so"
-    cached = library.stat().st_mtime_ns if library.exists() else None
     start = time.perf_counter()
     try:
+        library = extension_build_directory(name) / f"{name}.so"
+        cached = library.stat().st_mtime_ns if library.exists() else None
         module = cpu._load(verbose=args.verbose)
-    except RuntimeError as error:
+    except (RuntimeError, OSError) as error:
         print(
             f"lightning_ext: cannot build the cpu kernels: {error}. Until then automatic selection uses "
             "the `reference` backend for CPU tensors (same results, slower).",

@@ -21,7 +21,7 @@ except ImportError:  # pragma: no cover - exercised only without triton
     triton = None
     tl = None
 
-__all__ = ["HAS_TRITON", "TritonBackend", "grid_stride", "sm_count", "tl", "triton"]
+__all__ = ["HAS_TRITON", "TritonBackend", "forget_sm_counts", "grid_stride", "sm_count", "tl", "triton"]
 
 HAS_TRITON = triton is not None  # whether `import triton` works in this environment
 _SM_COUNT: dict[int, int] = {}  # CUDA device index -> multiprocessors
@@ -33,6 +33,11 @@ def sm_count(device: Any) -> int:
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]
+
+
+def forget_sm_counts() -> None:
+    """Empty the cache of :func:`sm_count` (:func:`~lightning_ext.kernels.clear_backend_cache`)."""
+    _SM_COUNT.clear()
 
 
 def grid_stride(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:

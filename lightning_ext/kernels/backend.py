@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from torch import Tensor
 
 __all__ = ["OPS", "KernelBackend", "KernelOp", "ReferenceBackend", "define_op"]
 
 OPS: dict[str, KernelOp] = {}  # op name -> its registration (by define_op; kept, as torch's custom ops)
-_LIVE: dict[str, KernelBackend] = {}  # backend name -> live instance: how the custom ops find theirs
+# backend name -> its latest instance: how the custom ops find theirs. Kept by resets: a graph traced
+# before one still runs (an instance built again replaces its entry).
+_LIVE: dict[str, KernelBackend] = {}
 
 
 @dataclass(frozen=True)
@@ -81,11 +82,12 @@ def define_op(
     def run(*args: Any) -> Any:
         *args, key = args
         backend = _LIVE.get(key)
-        if backend is None:  # e.g. a graph deserialized in a fresh process
-            from lightning_ext.kernels.registry import get_backend
-
-            where = next(a for a in args if isinstance(a, Tensor | torch.device))
-            backend = get_backend(key, where if isinstance(where, torch.device) else where.device)
+        if backend is None:
+            raise RuntimeError(
+                f"torch.ops.lightning_ext.{name} runs kernel backend {key!r}, which this process has not "
+                f"built (a graph traced in another process). HINT: call lightning_ext.kernels.get_backend"
+                f"({key!r}, device) before running it"
+            )
         out = backend._kernel(name)(*args)
         if clone:
             return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()

@@ -5,10 +5,12 @@ element (float64 for float64 and integer input), partial sums of a few dozen to 
 elements added into float64 totals; compiled for x86-64-v3 (AVX2, FMA) and the baseline, picked at
 load time. ``unscale_and_check_`` is ATen's one-pass op, as in ``reference``.
 
-:func:`torch.utils.cpp_extension.load` (a C++ compiler and ``ninja``) builds the extension when a
-process first builds this backend, cached in ``TORCH_EXTENSIONS_DIR`` (default
+The build. :func:`torch.utils.cpp_extension.load` (a C++ compiler and ``ninja``) builds the extension
+the first time a process of an environment needs it, in ``TORCH_EXTENSIONS_DIR`` (default
 ``~/.cache/torch_extensions/py<version>_<cpu|cuXY>``); ``python -m lightning_ext.kernels`` builds it
-ahead of time and prints where.
+ahead of time and prints where. A build that cannot run or fails raises ONE short line with the cause
+(no compiler on ``PATH``: torch is not even asked; else the compiler's first error line); the
+compiler's whole output goes to this module's logger at ``DEBUG``.
 
 The build key. torch keeps ONE build per extension name and rebuilds it when the environment that
 loads it differs from the one that built it last, so environments sharing the cache (a project venv
@@ -24,34 +26,49 @@ rebuild in turn), the compiler flags and the bytes of the source. Each environme
 build directory, ``$TORCH_EXTENSIONS_DIR/lightning_ext_kernels_cpu_<key>``, side by side with the
 others; a changed source gets a new directory (remove old ones freely: they are rebuilt on demand).
 
-A build that cannot run or fails raises ONE short line with the cause (no compiler on ``PATH``: torch
-is not even asked; else the compiler's first error line); the compiler's whole output goes to this
-module's logger at ``DEBUG``.
+What is verified. A build ends by writing ``manifest.json`` beside the library (a temporary file
+renamed into place): the extension's name, the library's size and its SHA-256. A later process loads
+the library itself (``importlib``: no compiler, no ``ninja``, no lock, nothing written, so a prebuilt
+cache loads from a read-only directory and whichever ``ninja`` is on ``PATH``) only when the manifest
+is this build's and the library's bytes match it. A library that does not (missing, truncated,
+damaged, replaced, or without a manifest) never reaches the dynamic loader, where a truncated one
+kills the process with ``SIGBUS``: it is rebuilt where the directory can be written and a compiler
+runs, else refused with one line that names the file and why. Trust, as ssh's for ``~/.ssh``: before
+anything is read, the cache directory, the build directory and the files read must belong to the
+current user or root and be writable by their owner only; else one line names the path, its owner and
+mode, with a HINT. Directories created here and the files of a build are made so (``go-w``).
 
-A process that blocks on a build, its own or another process's (the ranks of one machine wait for
-the one that builds), says so ONCE, on every rank, through this module's logger: a ``WARNING`` naming
-the build directory, after ``_ANNOUNCE_AFTER_SECONDS`` (a cached load is silent).
+Builds take turns: a process builds under an advisory lock on ``lightning_ext.lock`` in the build
+directory, which the kernel releases when its holder dies (a killed build leaves no stale lock; torch's
+own lock file, which a killed build leaves behind in torch 2.13 and older, is removed under it). A
+process that blocks on a build, its own or another process's (the ranks of one machine wait for the
+one that builds), says so ONCE, on every rank, through this module's logger: a ``WARNING`` naming the
+build directory, after ``_ANNOUNCE_AFTER_SECONDS`` (a verified load is silent).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import importlib.util
+import json
 import logging
 import os
 import re
 import shutil
+import stat
 import sys
 import sysconfig
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
 
-from lightning_ext._compat import BUILD_LOCK_IS_ADVISORY, build_lock_held, extension_build_directory
+from lightning_ext._compat import BUILD_LOCK_FILE, extension_build_directory
 from lightning_ext.kernels.backend import ReferenceBackend
 
 __all__ = ["CpuBackend"]
@@ -64,8 +81,9 @@ _NAME = "lightning_ext_kernels_cpu"  # + "_<build key>" (see the module docstrin
 # runtime (libgomp.so.1) is the one torch already loaded. No -march: the build must run on any CPU
 # that shares the extension cache (target_clones picks AVX2 at load time).
 _CFLAGS = ["-O3", "-fopenmp"]
+_MANIFEST = "manifest.json"  # beside the library: {"name", "bytes", "sha256"} of the build
+_LOCK = "lightning_ext.lock"  # in the build directory: flock-ed by the process that builds there
 _ANNOUNCE_AFTER_SECONDS = 3.0  # a load taking longer than this is a build: say so
-_STALE_LOCK_SECONDS = 600.0  # a build takes ~30 s; a lock file this old was left by a killed build
 
 _lock = threading.Lock()
 _module: ModuleType | None = None  # the loaded extension; kept by resets: a process cannot unload it
@@ -120,55 +138,120 @@ def _announce(build_directory: Path, waiting: bool = False) -> None:
 
     Args:
         build_directory: the extension's build directory.
-        waiting: another process holds the build lock (else this process builds, or waits inside
-            torch for another one that started at the same moment: torch does not tell which).
+        waiting: another process builds there (else this process builds).
     """
     global _announced
     with _announce_lock:
         if _announced:
             return
         _announced = True
-    if waiting:
-        what = "waiting for another process to build the compiled CPU kernels"
-    else:
-        what = "building the compiled CPU kernels (or waiting for the process that builds them)"
     log.warning(
-        "lightning_ext: %s in %s, about 30 s once per environment. "
+        "lightning_ext: %s the compiled CPU kernels in %s, about 30 s once per environment. "
         "`python -m lightning_ext.kernels` builds them ahead of time.",
-        what,
+        "waiting for another process to build" if waiting else "building",
         build_directory,
     )
 
 
+@contextlib.contextmanager
+def _announced_if_slow(build_directory: Path, waiting: bool = False) -> Iterator[None]:
+    """Run the block; :func:`_announce` if it lasts longer than ``_ANNOUNCE_AFTER_SECONDS``."""
+    timer = threading.Timer(_ANNOUNCE_AFTER_SECONDS, _announce, args=(build_directory, waiting))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 def _forget_announcement() -> None:
-    """Let the next build that blocks this process say so again (:func:`lightning_ext.reset`)."""
+    """Let the next build that blocks this process say so again (the cache's reset, called by
+    :func:`~lightning_ext.kernels.clear_backend_cache`)."""
     global _announced
     with _announce_lock:
         _announced = False
 
 
-def _clear_stale_lock(directory: Path) -> None:
-    """Wait while another process builds in ``directory`` (announced after ``_ANNOUNCE_AFTER_SECONDS``);
-    remove a lock file older than ``_STALE_LOCK_SECONDS`` (torch waits for it without a time limit,
-    so a killed build would make every later process hang)."""
-    lock = directory / "lock"
-    start = time.monotonic()
-    while True:
-        try:
-            if not build_lock_held(lock):
-                return
-            age = time.time() - lock.stat().st_mtime
-        except FileNotFoundError:
-            return
-        if BUILD_LOCK_IS_ADVISORY:
-            age = 0.0  # its holder is alive: the kernel drops an advisory lock with its process
-        if age > _STALE_LOCK_SECONDS:
-            log.warning("lightning_ext: removing the stale build lock %s (%.0f s old)", lock, age)
-            lock.unlink(missing_ok=True)
-            return
-        if time.monotonic() - start >= _ANNOUNCE_AFTER_SECONDS:
-            _announce(directory, waiting=True)
-        time.sleep(0.5)
+def _check_trusted(path: Path) -> None:
+    """Raise unless ``path`` (a directory or file of the cache) belongs to this user or root and only
+    its owner can write it, as ssh requires of ``~/.ssh``: else another user could plant code that
+    this process would run."""
+    info, me = path.stat(), os.geteuid()
+    if info.st_uid not in (me, 0):
+        why = f"owned by uid {info.st_uid}"
+        hint = (
+            f"set TORCH_EXTENSIONS_DIR to a directory of your own, or `chown -R {me} {path}` if it is yours"
+        )
+    elif info.st_mode & 0o022:
+        why, hint = "writable by group or others", f"`chmod go-w {path}`"
+    else:
+        return
+    raise RuntimeError(
+        f"refusing the kernel cache {path}: {why} ({stat.filemode(info.st_mode)}); it must belong to you "
+        f"(uid {me}) or root and be writable by its owner only. HINT: {hint}"
+    )
+
+
+def _unverified(library: Path, name: str) -> str | None:
+    """Why ``library`` (``<build directory>/<name>.so``) must not be loaded, or ``None`` when its
+    manifest vouches for it (a build of ``name`` of that size and SHA-256). Checks that the manifest
+    and the library are trusted (:func:`_check_trusted`) before reading them."""
+    manifest = library.with_name(_MANIFEST)
+    if not library.exists():
+        return "is not built"
+    if not manifest.exists():
+        return f"has no {_MANIFEST} (a build of another release, or an interrupted build or copy)"
+    _check_trusted(manifest)
+    _check_trusted(library)
+    try:
+        record = json.loads(manifest.read_text())
+        built, size, sha256 = record["name"], record["bytes"], record["sha256"]
+    except (ValueError, KeyError, TypeError) as error:
+        return f"has an unreadable {_MANIFEST} ({type(error).__name__})"
+    data = library.read_bytes()
+    if built != name:
+        return f"has the {_MANIFEST} of another build ({built!r})"
+    if len(data) != size:
+        return f"is {len(data)} bytes, {size} when built (truncated or incomplete)"
+    if hashlib.sha256(data).hexdigest() != sha256:
+        return "does not match the SHA-256 of its build (damaged or replaced)"
+    return None
+
+
+def _import(name: str, library: Path) -> ModuleType:
+    """The extension module ``name`` from the verified file ``library``."""
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cannot_build(directory: Path) -> str | None:
+    """Why no build can run in ``directory`` (read-only, no compiler, no ``ninja``), or ``None``."""
+    if not os.access(directory, os.W_OK):
+        return f"{directory} is read-only (its owner builds there: `python -m lightning_ext.kernels`)"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"C++ compiler {compiler!r} not found (install g++, or set CXX)"
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    return None
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """Hold the build lock of ``directory``, waiting while another process holds it (announced after
+    ``_ANNOUNCE_AFTER_SECONDS``). An advisory lock: the kernel releases it when its holder dies."""
+    fd = os.open(directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        with _announced_if_slow(directory, waiting=True):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _short_cause(output: str) -> str:
@@ -178,48 +261,78 @@ def _short_cause(output: str) -> str:
     return (errors or lines or ["no output"])[0][:160]
 
 
+def _build(name: str, library: Path, verbose: bool) -> ModuleType:
+    """Build ``name`` into ``library``'s directory with torch (holding the build lock), make the
+    library writable by its owner only and write its manifest; the loaded module."""
+    from torch.utils.cpp_extension import load as build
+
+    directory = library.parent
+    for stale in (library.with_name(_MANIFEST), library, directory / BUILD_LOCK_FILE):
+        stale.unlink(missing_ok=True)  # ninja would keep a truncated library; torch waits on its lock
+    try:
+        with _announced_if_slow(directory):
+            module = build(
+                name=name,
+                sources=[str(_SOURCE)],
+                extra_cflags=_CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                verbose=verbose,
+            )
+    except (RuntimeError, OSError) as error:
+        log.debug("lightning_ext: building the cpu kernels in %s failed:\n%s", directory, error)
+        raise RuntimeError(f"building the cpu kernels failed: {_short_cause(str(error))}") from None
+    library.chmod(library.stat().st_mode & ~0o022)  # the linker applied the umask
+    data = library.read_bytes()
+    record = {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    temporary = directory / f".{_MANIFEST}.{os.getpid()}"  # renamed into place: never half written
+    temporary.write_text(json.dumps(record))
+    temporary.chmod(0o644)
+    temporary.replace(library.with_name(_MANIFEST))
+    return module
+
+
+def _load_or_build(name: str, verbose: bool) -> ModuleType:
+    """The extension ``name``: loaded when the cache holds a verified build, else built (see the
+    module docstring)."""
+    directory = extension_build_directory(name)
+    library = directory / f"{name}.so"
+    _check_trusted(directory.parent)
+    _check_trusted(directory)
+    problem = _unverified(library, name)
+    if problem is not None:
+        cannot = _cannot_build(directory)
+        if cannot is not None:
+            raise RuntimeError(
+                cannot if not library.exists() else f"{library} {problem}; cannot rebuild: {cannot}"
+            )
+        with _build_lock(directory):
+            problem = _unverified(library, name)  # another process may have built it meanwhile
+            if problem is not None:
+                return _build(name, library, verbose)
+    return _import(name, library)
+
+
 def _load(verbose: bool = False) -> ModuleType:
-    """The compiled extension, built first when torch's cache holds no build for this environment and
-    source (see the module docstring). Thread-safe; processes building at once wait for each other
-    (torch's file lock), and every process that blocks longer than a few seconds says so once.
+    """The compiled extension, built first when the cache holds no verified build for this environment
+    and source (see the module docstring). Thread-safe; processes building at once take turns, and
+    every process that blocks longer than a few seconds says so once.
 
     Args:
         verbose: print the compiler's output.
 
     Raises:
-        RuntimeError: the build cannot run or failed (no compiler or ``ninja``, a compiler error, a
-            read-only cache): one short line with the cause, the compiler's output logged at DEBUG.
+        RuntimeError: one line: an untrusted cache (owner or mode), a library that fails verification
+            and cannot be rebuilt (read-only, no compiler), a build that cannot run or failed (the
+            compiler's output logged at DEBUG), or a verified library that does not load.
     """
     global _module
     with _lock:
         if _module is None:
-            from torch.utils.cpp_extension import is_ninja_available
-            from torch.utils.cpp_extension import load as build
-
-            compiler = os.environ.get("CXX", "c++")
-            if shutil.which(compiler) is None:
-                raise RuntimeError(f"C++ compiler {compiler!r} not found (install g++, or set CXX)")
-            if not is_ninja_available():
-                raise RuntimeError("ninja is not installed (pip install ninja)")
-            name = _extension_name()
-            directory = extension_build_directory(name)
-            _clear_stale_lock(directory)
-            announce = threading.Timer(_ANNOUNCE_AFTER_SECONDS, _announce, args=(directory,))
-            announce.daemon = True
-            announce.start()
             try:
-                _module = build(
-                    name=name,
-                    sources=[str(_SOURCE)],
-                    extra_cflags=_CFLAGS,
-                    extra_ldflags=["-fopenmp"],
-                    verbose=verbose,
-                )
-            except (RuntimeError, OSError) as error:
-                log.debug("lightning_ext: building the cpu kernels in %s failed:\n%s", directory, error)
-                raise RuntimeError(f"building the cpu kernels failed: {_short_cause(str(error))}") from None
-            finally:
-                announce.cancel()
+                _module = _load_or_build(_extension_name(), verbose)
+            except (OSError, ImportError) as error:
+                raise RuntimeError(f"loading the cpu kernels failed: {error}") from None
         return _module
 
 
@@ -279,9 +392,3 @@ class CpuBackend(ReferenceBackend):
 
     def supports(self, device_type: str) -> bool:
         return device_type == "cpu"
-
-
-if __name__ == "__main__":  # the former entry point: runpy warns (the package imports this module first)
-    sys.exit(
-        "lightning_ext: `python -m lightning_ext.kernels.cpu` moved: run `python -m lightning_ext.kernels`"
-    )

@@ -1,7 +1,8 @@
 """Registry of kernel backends (its public names are re-exported by :mod:`lightning_ext.kernels`):
 registration, entry points, selection and the per-process cache, after Liger-Kernel's
 ``ops/backends/registry.py``. :func:`clear_backend_cache` clears the process-wide state of the
-kernels (this module's, and the caches of the backends and ops), not registrations.
+kernels: this module's, and through their own resets the caches of the backends and ops; not
+registrations.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from importlib import metadata
 import torch
 
 from lightning_ext._checks import check_int
-from lightning_ext.kernels import cpu as _cpu
-from lightning_ext.kernels._triton import _SM_COUNT, TritonBackend
-from lightning_ext.kernels.backend import _LIVE, KernelBackend, ReferenceBackend
-from lightning_ext.kernels.cpu import CpuBackend
-from lightning_ext.kernels.unscale import _META_CACHE
+from lightning_ext._compat import assume_constant_result
+from lightning_ext.kernels._triton import TritonBackend, forget_sm_counts
+from lightning_ext.kernels.backend import KernelBackend, ReferenceBackend
+from lightning_ext.kernels.cpu import CpuBackend, _forget_announcement
+from lightning_ext.kernels.unscale import _forget_launch_metadata
 
 __all__ = [
     "BACKEND_ENV_VAR", "ENTRY_POINT_GROUP", "BackendEntry", "available_backends", "clear_backend_cache",
@@ -203,7 +204,7 @@ def _automatic(device: torch.device) -> KernelBackend:
             backend = _instantiate(entry)
             break
         except Exception as exc:
-            failed.append(f"kernel backend {entry.name!r} failed to load ({exc!s:.150})")
+            failed.append(f"kernel backend {entry.name!r} failed to load ({exc!s:.300})")
     else:  # no preferred backend loads: `reference`, which always does
         backend = _instantiate(_entries["reference"])
     if failed and not _fallback_warned:
@@ -252,38 +253,53 @@ def get_backend(name: str | None = None, device: torch.device | str | None = Non
     if device is not None and not isinstance(device, (torch.device, str, int)):
         raise TypeError(f"`device` must be a torch.device, str or None, got {device!r}")
     device = torch.get_default_device() if device is None else torch.device(device)
-    if torch.compiler.is_compiling():  # torch._dynamo is loaded: so may the module that needs it be
-        from lightning_ext.kernels._tracing import backend_name
-
-        return _LIVE[backend_name(name, device.type)]
+    if torch.compiler.is_compiling():
+        return _cache[_selection(name, device.type), device.type]
     return _lookup(name, device)
+
+
+def _requested(name: str | None) -> tuple[str | None, str]:
+    """The backend asked for (``None``: automatic selection) and by what: ``name``, else the
+    environment variable."""
+    if name is not None:
+        return name, "argument `name`"
+    env = os.environ.get(BACKEND_ENV_VAR, "").strip()
+    return (None if env in ("", "auto") else env), f"environment variable {BACKEND_ENV_VAR}"
 
 
 def _lookup(name: str | None, device: torch.device) -> KernelBackend:
     """:func:`get_backend` on checked arguments: from the cache, else selected, built and cached."""
-    source = "argument `name`"
-    if name is None:
-        env = os.environ.get(BACKEND_ENV_VAR, "").strip()
-        name = None if env in ("", "auto") else env
-        source = f"environment variable {BACKEND_ENV_VAR}"
-    backend = _cache.get((name, device.type))
+    requested, source = _requested(name)
+    backend = _cache.get((requested, device.type))
     if backend is None:
         _load_entry_points()
         with _lock:
-            backend = _automatic(device) if name is None else _explicit(name, device, source)
-            _cache[name, device.type] = backend
+            backend = _automatic(device) if requested is None else _explicit(requested, device, source)
+            _cache[requested, device.type] = backend
     return backend
+
+
+@assume_constant_result
+def _selection(name: str | None, device_type: str) -> str | None:
+    """The backend asked for (:func:`_requested`), selected (and built) now for ``device_type``: what
+    :func:`get_backend` caches it under. ``torch.compile`` calls it outside the graph and keeps the
+    value, as dynamo cannot trace loading (a first lookup in a fresh worker process, after a reset, on
+    a new device); the graph then takes the cached backend, guarded: a reset makes it trace again."""
+    _lookup(name, torch.device(device_type))
+    return _requested(name)[0]
 
 
 def clear_backend_cache() -> None:
     """Forget every process-wide cache of the kernels: the built backends and failed builds, the
-    selection cache, the fallback warning, the live instances the ``torch.library`` ops look up, the
-    backends entry points registered (the group is read again at the next lookup), the Triton
-    kernels' launch metadata and multiprocessor counts, and whether a ``cpu`` build was announced.
+    selection cache, the fallback warning, the backends entry points registered (the group is read
+    again at the next lookup) and, through each cache's own reset, the Triton kernels' launch metadata
+    and multiprocessor counts and whether a ``cpu`` build was announced.
 
-    Registrations made with :func:`register_backend` stay, and so does the loaded ``cpu`` extension
-    (a compiled module cannot be unloaded from a process): the next :func:`get_backend` builds the
-    backend from it again without compiling. Local, no collective; :func:`lightning_ext.reset` calls it.
+    Registrations made with :func:`register_backend` stay, and so do the loaded ``cpu`` extension (a
+    compiled module cannot be unloaded from a process; the next :func:`get_backend` builds the backend
+    from it again without compiling) and the latest instance of each backend, which the
+    ``torch.library`` ops run (a graph traced before the reset still runs; a backend built again
+    replaces it). Local, no collective; :func:`lightning_ext.reset` calls it.
 
     Example::
 
@@ -297,10 +313,12 @@ def clear_backend_cache() -> None:
         for name, entry in _from_entry_points.items():
             if _entries.get(name) is entry:  # not replaced by a register_backend() call since
                 del _entries[name]
-        for cache in (_built, _cache, _from_entry_points, _LIVE, _META_CACHE, _SM_COUNT):
+        for cache in (_built, _cache, _from_entry_points):
             cache.clear()
         _fallback_warned = _entry_points_loaded = False
-        _cpu._forget_announcement()
+    forget_sm_counts()
+    _forget_launch_metadata()
+    _forget_announcement()
 
 
 register_backend("reference", ReferenceBackend, ReferenceBackend.devices, priority=0)

@@ -120,6 +120,11 @@ _META_CACHE: dict[tuple, _Meta] = {}  # bucket signature -> metadata
 _META_CACHE_SIZE = 64
 
 
+def _forget_launch_metadata() -> None:
+    """Empty ``_META_CACHE`` (:func:`~lightning_ext.kernels.clear_backend_cache`)."""
+    _META_CACHE.clear()
+
+
 def _is_dense(t: Tensor) -> bool:
     """Whether ``t``'s elements fill a gap-free block of ``t.numel()`` storage elements (any order)."""
     expected = 1

@@ -304,7 +304,9 @@ class SyncBatchNorm(_BatchNorm):
         traceable."""
         backend = _backend(self.backend, input.device)
         if torch.compiler.is_compiling() and not backend.supports_compile:
-            return self._untraced_function(input, update, group, backend)  # supports_compile is False
+            from lightning_ext.nn._untraced import _untraced_function  # imports torch._dynamo: only now
+
+            return _untraced_function(self._eager_function, input, update, group, backend)
         running = (self.running_mean, self.running_var) if self.track_running_stats else (None, None)
         args = (input, self.weight, self.bias, *running, self.num_batches_tracked, self.momentum, self.eps,
                 update, group, backend)  # fmt: skip
@@ -313,13 +315,12 @@ class SyncBatchNorm(_BatchNorm):
         with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
             return _SyncBatchNormFunction.apply(*args)
 
-    @torch.compiler.disable
-    def _untraced_function(
+    def _eager_function(
         self, input: Tensor, update: bool, group: dist.ProcessGroup | None, backend: Any
     ) -> Tensor:
-        """:meth:`_function` outside the graph (``torch.compile`` breaks it here; with ``fullgraph=True``
-        it raises instead), for a backend whose ``supports_compile`` is false. Warns once per backend
-        instance (one per process; again after :func:`lightning_ext.reset`)."""
+        """:meth:`_function`, which ``torch.compile`` runs outside the graph (a graph break; with
+        ``fullgraph=True`` it raises instead) for a backend whose ``supports_compile`` is false. Warns
+        once per backend instance (one per process; again after :func:`lightning_ext.reset`)."""
         if backend not in _untraced_warned:
             _untraced_warned.add(backend)
             warnings.warn(

@@ -7,9 +7,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_ext.distributed import all_reduce_
 from lightning_ext.plugins.loss_scaling_precision import LossScalingPrecision
 
 __all__ = ["LossScalingFSDPPrecision"]
@@ -23,7 +25,8 @@ class LossScalingFSDPPrecision(LossScalingPrecision, FSDPPrecision):
     gradients, so an inf/NaN may be on one rank only: when the scaler has no ``process_group``,
     ``connect()`` (run after the process group exists) gives it the default group, and
     ``found_inf`` is then agreed with one ``all_reduce`` (MAX) per optimizer step, as
-    ``ShardedGradScaler`` does. Everything else is :class:`LossScalingPrecision`'s (skipped steps
+    ``ShardedGradScaler`` does, and the gradient health's sums of squares with one more (SUM) when it
+    is on. Everything else is :class:`LossScalingPrecision`'s (skipped steps
     hold step-interval LR schedulers, per-optimizer scales, several steps per ``training_step``);
     FSDP's parts are ``FSDPPrecision``'s (``mixed_precision_config``: parameters, gradient
     reduction and buffers in float16/bfloat16 for the mixed precisions; gradient clipping by norm
@@ -53,3 +56,11 @@ class LossScalingFSDPPrecision(LossScalingPrecision, FSDPPrecision):
         if self.scaler is not None and self.scaler.process_group is None and dist.is_initialized():
             self.scaler.process_group = dist.group.WORLD
         return super().connect(model, optimizers, lr_schedulers)
+
+    @override
+    def _reduce_squares(self, squares: Tensor) -> Tensor:
+        """Each rank holds a shard: the squares of the whole model are the SUM over the ranks."""
+        if dist.is_initialized():
+            group = self.scaler.process_group if self.scaler is not None else None
+            all_reduce_(squares, op=dist.ReduceOp.SUM, group=group or dist.group.WORLD)
+        return squares

@@ -37,8 +37,9 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_ext._checks import check_bool, check_choice
-from lightning_ext._compat import UNREACHABLE_FREQUENCY, optimizer_handles_unscaling
+from lightning_ext._compat import UNREACHABLE_FREQUENCY, optimizer_handles_unscaling, sparse_values
 from lightning_ext.amp import DynamicLossScaler
+from lightning_ext.stats import report
 
 __all__ = ["LossScalingPrecision"]
 
@@ -87,6 +88,18 @@ class LossScalingPrecision(Precision):
     ``self.toggle_optimizer(opt)``), else ``ValueError``. Scales are named by ``optimizer_names`` or
     their position in ``configure_optimizers`` (telemetry ``AMP/<name>/...``).
 
+    Gradient health, per optimizer step that was taken (``report()``-ed on the device, no host sync;
+    ``Grad/<name>/...`` with several optimizers): ``Grad/norm``, the total L2 norm of the gradients
+    UNSCALED and before clipping (a fused optimizer unscales inside its step, so callbacks see its
+    gradients scaled; the plugin divides by the scale), at the cost of one read of the gradients;
+    with ``update_ratio``, ``Grad/update_ratio`` = ‖Δw‖ / ‖w‖ over the optimizer's parameters with
+    gradients (w before the step), at the cost of a copy of those parameters during the step and two
+    more reads of them. A skipped step reports neither (its norm is inf or NaN; ``AMP/skipped_steps``
+    counts it); a fused optimizer decides on the device, so its skipped steps report too (norm inf or
+    NaN, ratio 0). ``LossScalingFSDPPrecision`` sums the squares over the ranks' shards first (one
+    ``all_reduce`` per step); under DDP every rank has the whole gradient. Without a scaler
+    (``skip_nonfinite=False`` in bf16/fp32) nothing is reported.
+
     Host syncs: the skip decision reads ``found_inf`` once per optimizer step, except for fused
     optimizers (``Adam(fused=True)``), which skip on the device; for those, holding step-interval LR
     schedulers reads the flag once per step (only when such a scheduler exists).
@@ -102,13 +115,17 @@ class LossScalingPrecision(Precision):
             Default ``True``, unlike :class:`~lightning_ext.amp.DynamicLossScaler`'s ``False`` (kept
             for GradScaler compatibility): the plugin replaces Lightning's precision, not a
             GradScaler, so it guards every precision against a non-finite step by default.
-        optimizer_names: names of the optimizers' scales with a ``per_optimizer`` scaler, in the
-            order of ``configure_optimizers``; default ``"0"``, ``"1"``, ...
+        optimizer_names: names of the optimizers' scales with a ``per_optimizer`` scaler (and of their
+            gradient health with several optimizers), in the order of ``configure_optimizers``;
+            default ``"0"``, ``"1"``, ...
+        grad_norm: report ``Grad/norm`` (above).
+        update_ratio: report ``Grad/update_ratio`` (above; off by default for its memory).
 
     Raises:
         ValueError: unknown ``precision``, or a scaler whose enabled state does not fit it.
-        TypeError: ``precision`` not a str, ``skip_nonfinite`` not a bool, ``scaler`` not a
-            ``DynamicLossScaler``, or ``optimizer_names`` not a sequence of distinct non-empty strings.
+        TypeError: ``precision`` not a str, ``skip_nonfinite``, ``grad_norm`` or ``update_ratio`` not
+            a bool, ``scaler`` not a ``DynamicLossScaler``, or ``optimizer_names`` not a sequence of
+            distinct non-empty strings.
 
     Example::
 
@@ -124,9 +141,13 @@ class LossScalingPrecision(Precision):
         device: str | None = None,
         skip_nonfinite: bool = True,
         optimizer_names: Sequence[str] | None = None,
+        grad_norm: bool = True,
+        update_ratio: bool = False,
     ) -> None:
         check_choice(type(self).__name__, "precision", precision, _PRECISIONS)
-        check_bool(type(self).__name__, "skip_nonfinite", skip_nonfinite)
+        for name, value in (("skip_nonfinite", skip_nonfinite), ("grad_norm", grad_norm),
+                            ("update_ratio", update_ratio)):  # fmt: skip
+            check_bool(type(self).__name__, name, value)
         if scaler is not None and not isinstance(scaler, DynamicLossScaler):
             raise TypeError(
                 f"`scaler` must be a lightning_ext.amp.DynamicLossScaler, got {type(scaler).__name__}. "
@@ -142,6 +163,8 @@ class LossScalingPrecision(Precision):
         self.scaler = _default_scaler(precision, scaler, device, skip_nonfinite)
         self.device = device
         self.optimizer_names = list(optimizer_names) if optimizer_names is not None else None
+        self.grad_norm = grad_norm
+        self.update_ratio = update_ratio
         self._optimizers: list[Optimizer] = []  # the trainer's, from connect()
         self._backward_optimizer: Optimizer | None = None  # set while a step's closure or backward_for runs
         # Whether this batch's optimizer step was skipped: False after training_step starts, None =
@@ -277,14 +300,70 @@ class LossScalingPrecision(Precision):
         skip_everything = closure_result is None and model.automatic_optimization
         if not optimizer_handles_unscaling(optimizer) and not skip_everything:
             self.scaler.unscale_(optimizer)  # type: ignore[arg-type]
+        health = None if skip_everything else self._health_before_step(optimizer)
         self._after_closure(model, optimizer)
         if skip_everything:
             return closure_result
-        step_output = self.scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
+        stepped: list[bool] = []  # optimizer.step ran: the step was taken (or a fused one decided)
+        hook = optimizer.register_step_post_hook(lambda *_: stepped.append(True))
+        try:
+            step_output = self.scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
+        finally:
+            hook.remove()
+        if health is not None:
+            self._report_health(optimizer, *health, taken=bool(stepped))
         self._update_pending = True
         if self.scaler.per_optimizer or model.automatic_optimization:
             self._update(optimizer)
         return step_output
+
+    # ----------------------------------------------------------------------------------- gradient health
+    def _health_before_step(self, optimizer: Optimizer) -> tuple[Tensor, list[Tensor] | None] | None:
+        """The squared norm of ``optimizer``'s unscaled gradients (float32 0-dim, on their device; a
+        fused optimizer's are still scaled: divided here) and, with ``update_ratio``, a copy of its
+        parameters that have gradients. No host sync."""
+        if not (self.grad_norm or self.update_ratio):
+            return None
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = [sparse_values(p.grad) if p.grad.is_sparse else p.grad for p in params]
+        squares = _sum_of_squares(grads)
+        scale = self._scale_of(optimizer)
+        if scale is not None and optimizer_handles_unscaling(optimizer):
+            squares = squares / scale.to(squares.device).double().square().float()
+        return squares, [p.detach().clone() for p in params] if self.update_ratio else None
+
+    def _scale_of(self, optimizer: Optimizer) -> Tensor | None:
+        """The scale of ``optimizer``'s gradients (``None``: not scaled)."""
+        if self.scaler is None or not self.scaler.is_enabled():
+            return None
+        scaler = self.scaler.optimizer_scaler(optimizer) if self.scaler.per_optimizer else self.scaler
+        return scaler.scale_tensor
+
+    def _report_health(
+        self, optimizer: Optimizer, grad_squares: Tensor, before: list[Tensor] | None, taken: bool
+    ) -> None:
+        """``report()`` the gradient norm and the update-to-weight ratio of a taken step (no host sync)."""
+        values = [grad_squares]
+        if before is not None:
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            values.append(_sum_of_squares(before).to(grad_squares.device))  # ||w||^2 before the step
+            for old, new in zip(before, params):
+                old.sub_(new.detach())  # -Δw, in the copy's memory
+            values.append(_sum_of_squares(before).to(grad_squares.device))
+        norms = self._reduce_squares(torch.stack(values)).sqrt()
+        if not taken:
+            return  # the scaler counts it (AMP/skipped_steps); its norm is inf or NaN
+        several = len(self._optimizers) > 1
+        prefix = f"Grad/{self._names()[self._optimizers.index(optimizer)]}/" if several else "Grad/"
+        if self.grad_norm:
+            report(prefix + "norm", norms[0])
+        if before is not None:
+            report(prefix + "update_ratio", norms[2] / norms[1])
+
+    def _reduce_squares(self, squares: Tensor) -> Tensor:
+        """Sums of squares of this rank's gradients and parameters -> those of the whole model (the
+        same on every rank: DDP replicates both)."""
+        return squares
 
     def _update(self, optimizer: Optimizer | None = None) -> None:
         """Move the scale for the steps since the last update (only ``optimizer``'s own, if given)."""
@@ -343,3 +422,12 @@ def _default_scaler(
             "NaN/Inf step skipping."
         )
     return scaler
+
+
+def _sum_of_squares(tensors: list[Tensor]) -> Tensor:
+    """``sum(||t||^2)`` in float32 (a 0-dim tensor on the first tensor's device, 0 without tensors)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32)
+    device = tensors[0].device
+    norms = [torch.linalg.vector_norm(t.detach(), dtype=torch.float32).to(device) for t in tensors]
+    return torch.stack(norms).square().sum()

@@ -13,14 +13,15 @@ from typing_extensions import override
 
 from lightning_ext._checks import check_bool, check_int
 from lightning_ext._compat import ddp_ignored, set_ddp_ignored
-from lightning_ext.distributed import check_process_group, collective_device, get_world_size, is_distributed
-from lightning_ext.kernels import available_backends
-from lightning_ext.nn import (
-    SyncBatchNorm,
-    convert_sync_batchnorm,
+from lightning_ext.distributed import (
+    check_process_group,
+    collective_device,
     create_process_groups,
-    revert_sync_batchnorm,
+    get_world_size,
+    is_distributed,
 )
+from lightning_ext.kernels import available_backends
+from lightning_ext.nn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 
 __all__ = ["SyncBatchNormPlugin"]
 
@@ -52,7 +53,7 @@ class SyncBatchNormPlugin(LayerSync):
         process_group: group whose ranks share statistics (default: WORLD). Exclusive with ``group_size``.
         group_size: synchronize within consecutive blocks of this many ranks (e.g. the devices of a node),
             created in :meth:`apply` on every rank (a collective) with
-            :func:`lightning_ext.nn.create_process_groups`.
+            :func:`lightning_ext.distributed.create_process_groups`.
         backend: kernel backend name for the layers, one of
             :func:`lightning_ext.kernels.available_backends`; ``None`` (default): automatic
             (``LIGHTNING_EXT_KERNELS``, else the best backend for the layers' device).

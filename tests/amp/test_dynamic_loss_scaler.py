@@ -1073,6 +1073,7 @@ def _sharded_worker(rank, world_size):
     return results
 
 
+@pytest.mark.smoke
 @pytest.mark.timeout(180)
 def test_process_group_makes_every_rank_skip_when_one_shard_overflows():
     results = run_distributed(_sharded_worker, 2, timeout=120)

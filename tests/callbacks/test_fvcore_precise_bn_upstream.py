@@ -41,7 +41,7 @@ variance of all elements (fvcore: biased), ``num_batches_tracked`` is restored (
 
 Not ported: nothing (the upstream file has these two tests). fvcore's tests are single-process; the
 union-of-ranks statistic of ``SyncBatchNorm`` layers over uneven ranks is
-``tests/callbacks/test_precise_bn.py::test_sync_batchnorm_population_over_two_ranks``.
+``tests/nn/test_precise_bn.py::test_sync_batchnorm_population_over_two_ranks``.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 from lightning_ext.callbacks import HookRunner, PreciseBN
-from lightning_ext.callbacks.precise_bn import update_bn_stats
+from lightning_ext.nn import update_bn_stats
 from tests.helpers.hooks import one_iteration
 
 # ADAPTED: upstream's loop over these three lists -> one parametrized case per BatchNorm type.

@@ -251,6 +251,7 @@ def test_bad_arguments(kwargs, error, match):
 # ------------------------------------------------------------------------------------------ 2 processes
 
 
+@pytest.mark.smoke
 @pytest.mark.timeout(180)
 def test_nan_on_rank1_reaches_the_ddp_spawn_parent():
     trainer = L.Trainer(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ext.distributed import (
+    CHECK_ENV_VAR,
     SHM_ENV_VAR,
     all_reduce_,
     close_shared_memory,
@@ -22,6 +24,7 @@ from lightning_ext.distributed import (
     shm_available,
 )
 from lightning_ext.distributed import all_reduce as all_reduce_module
+from tests.distributed.test_agreement import _counting
 from tests.helpers.distributed import run_distributed
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -304,3 +307,165 @@ def test_collective_seconds_counts_the_time_a_rank_waits_for_the_others(shm_env:
     finally:
         os.environ.pop(SHM_ENV_VAR)
     assert waited >= 0.9 and computed < 0.5, (waited, computed)
+
+
+# ------------------------------------------------------------------ the process-group path's results
+
+_CASES = [
+    (dtype, op)
+    for dtype in (torch.float32, torch.float64, torch.int64)
+    for op in (
+        dist.ReduceOp.SUM,
+        dist.ReduceOp.MAX,
+        dist.ReduceOp.MIN,
+        dist.ReduceOp.PRODUCT,
+        dist.ReduceOp.AVG,
+    )
+    if not (dtype == torch.int64 and op == dist.ReduceOp.AVG)  # gloo has no integer AVG
+]
+_SHAPES = [(), (1,), (7,), (3, 5), (0,), (1023,), (6, 4)]
+
+
+def _assert_matches_torch(
+    ours: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, op, world_size: int
+) -> None:
+    """As ``_assert_matches_gloo``; AVG: the SUM's bound over ``world_size`` plus both divisions' rounding."""
+    if op != dist.ReduceOp.AVG:
+        _assert_matches_gloo(ours, ref, x, op, world_size)
+        return
+    eps = torch.finfo(x.dtype).eps
+    scale = x.abs().double().contiguous()
+    dist.all_reduce(scale)
+    bound = (world_size - 1) * eps * scale / world_size + eps * ref.abs().double()
+    assert bool(((ours.double() - ref.double()).abs() <= bound).all()), (x.dtype, tuple(x.shape), ours, ref)
+
+
+def _matches_torch_over_the_process_group(rank: int, world_size: int) -> list[list[int]]:
+    """Three passes over float32/float64/int64 x SUM/MAX/MIN/PRODUCT/AVG on random data (a transposed
+    tensor among them), each against ``torch.distributed.all_reduce`` of the same data; per pass, the
+    collectives each reduction took (2: checked, then reduced; 1: the predicted wire)."""
+    os.environ[SHM_ENV_VAR] = "0"
+    assert not shm_available()  # the route set up outside the count
+    generator = torch.Generator().manual_seed(100 + rank)
+    passes = []
+    for _ in range(3):
+        counts = []
+        for (dtype, op), shape in zip(_CASES, _SHAPES * 3):
+            x = _random(shape, dtype, generator)
+            if len(shape) == 2:
+                x = x.t()  # not contiguous: staged in the caller's element order, written back in place
+            ours, ref = x.clone(memory_format=torch.preserve_format), x.clone()
+            with _counting() as calls:
+                assert all_reduce_(ours, op) is None
+            dist.all_reduce(ref, op=op)
+            _assert_matches_torch(ours, ref, x, op, world_size)
+            assert ours.stride() == x.stride()
+            counts.append(len(calls))
+        passes.append(counts)
+    return passes
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_process_group_path_matches_torch_checked_and_predicted(world_size: int) -> None:
+    for first, _, third in run_distributed(_matches_torch_over_the_process_group, world_size, timeout=150):
+        assert first == [2] * len(_CASES)  # nothing predicted yet: the slow path
+        assert third == [1] * len(_CASES)  # every context seen: the predicted wire
+
+
+def _special_tensors(rank: int, world_size: int) -> tuple[list[int], list[int]]:
+    """Over the process group: a NaN on rank 0 in a predicted SUM stays in its element only (the flag
+    is an element of its own); a sparse tensor always takes the slow path."""
+    os.environ[SHM_ENV_VAR] = "0"
+    assert not shm_available()
+    dense_counts, sparse_counts = [], []
+    for _ in range(12):  # the first 9 checked: contexts of 0 to 8 agreed reductions, each new
+        x = torch.arange(4.0) + rank
+        if rank == 0:
+            x[1] = float("nan")
+        with _counting() as calls:
+            all_reduce_(x)
+        expected = torch.arange(4.0) * world_size + sum(range(world_size))
+        expected[1] = float("nan")
+        torch.testing.assert_close(x, expected, rtol=0, atol=0, equal_nan=True)
+        dense_counts.append(len(calls))
+    for _ in range(12):
+        sparse = torch.sparse_coo_tensor([[rank]], [1.0], (world_size,), check_invariants=True)
+        with _counting() as calls:
+            all_reduce_(sparse)
+        assert torch.equal(sparse.to_dense(), torch.ones(world_size))
+        sparse_counts.append(len(calls))
+    return dense_counts, sparse_counts
+
+
+@pytest.mark.timeout(120)
+def test_a_nan_stays_in_its_element_and_sparse_tensors_are_always_checked() -> None:
+    for dense_counts, sparse_counts in run_distributed(_special_tensors, 2, timeout=90):
+        assert dense_counts == [2] * 9 + [1] * 3
+        # The first sparse one meets the dense prediction (wire, flag, check, reduce); then, however
+        # often it is seen, checked before it is reduced.
+        assert sparse_counts == [3] + [2] * 11
+
+
+# ------------------------------------------------------------------ the environment switches
+
+
+def _set(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def _shm_switch(rank: int, world_size: int, values: tuple[str | None, ...]) -> tuple[bool, float]:
+    _set(SHM_ENV_VAR, values[rank])
+    x = torch.ones(2)
+    all_reduce_(x)
+    return shm_available(), float(x[0])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("values", "on"),
+    [
+        (("false", "false"), False),
+        (("OFF", "off"), False),
+        (("No", "no"), False),
+        (("off", None), False),  # off on one rank: off on every rank
+        (("yes", "0"), False),
+        ((" True ", "ON"), True),
+        (("1", None), True),
+        (("", None), True),  # empty: unset
+    ],
+)
+def test_the_shared_memory_switch_reads_the_usual_words_and_every_rank_takes_one_path(values, on) -> None:
+    assert run_distributed(_shm_switch, 2, values, timeout=90) == [(on and X86, 2.0)] * 2
+
+
+def _bad_switch(rank: int, world_size: int, name: str, values: tuple[str | None, ...]) -> tuple[str, float]:
+    """``name`` = ``values[rank]``; then, set right on every rank, a reduction works."""
+    _set(name, values[rank])
+    try:
+        all_reduce_(torch.ones(2))
+        message = "no error"
+    except ValueError as err:
+        message = str(err)
+    _set(name, None)
+    x = torch.ones(2)
+    all_reduce_(x)
+    return message, float(x[0])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", [SHM_ENV_VAR, CHECK_ENV_VAR])
+@pytest.mark.parametrize("values", [("maybe", "maybe"), (None, "2")])
+def test_a_switch_value_not_allowed_raises_on_every_rank_naming_the_ranks(name: str, values: tuple) -> None:
+    for message, total in run_distributed(_bad_switch, 2, name, values, timeout=90):
+        named = [f"rank {rank}: {name}={value!r}" for rank, value in enumerate(values) if value is not None]
+        assert re.match(
+            rf"all_reduce_: environment variables with values not allowed \({re.escape('; '.join(named))}\): "
+            rf"{SHM_ENV_VAR} and {CHECK_ENV_VAR} must be unset, empty, or one of 1, true, on, yes, 0, false, "
+            r"off, no \(any case\)\.$",
+            message,
+        ), message
+        assert total == 2.0

@@ -1,5 +1,7 @@
-"""The ``cpu`` backend's build: both code paths in the binary, the build key, stale locks, the build
-notice, the ahead-of-time entry point, fallback.
+"""The ``cpu`` backend's build and its cache: both code paths in the binary, the build key, what is
+verified before a load (truncated, garbage, foreign-owned and loose files; a prebuilt cache without a
+compiler, read-only, and with another ``ninja``), the build lock, the build notice, the ahead-of-time
+entry point, fallback.
 
 Its ops are checked against ``reference`` with every other backend in ``test_batch_norm.py``,
 ``test_unscale.py`` and ``test_moments.py``.
@@ -7,16 +9,23 @@ Its ops are checked against ``reference`` with every other backend in ``test_bat
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
 import logging
 import os
 import platform
 import re
 import shutil
+import signal
+import stat
 import subprocess
 import sys
 import threading
 import time
 import warnings
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -120,88 +129,337 @@ def test_two_environments_share_the_cache_without_rebuilding_each_other(tmp_path
     assert cpu._extension_name() + "\n" in names
 
 
-def _file_baton(monkeypatch) -> None:
-    """The lock of torch before 2.14 (a file that exists while a build runs), whatever torch runs."""
-    monkeypatch.setattr(cpu, "BUILD_LOCK_IS_ADVISORY", False)
-    monkeypatch.setattr(cpu, "build_lock_held", lambda lock: lock.exists())
+# ---------------------------------------------------------------------------------- what is verified
+_LOAD = (
+    "import torch\n"
+    "from lightning_ext.kernels import get_backend\n"
+    "x = torch.tensor([[1.0], [3.0]])\n"
+    "print(get_backend('cpu', device='cpu').run('batch_norm_moments', x, torch.zeros(1)).tolist())\n"
+)
+_LOADED = "[2.0, 4.0, 10.0]\n"  # what _LOAD prints
+_AUTO = (  # the automatic selection, and its warnings, one per line
+    "import warnings\n"
+    "from lightning_ext.kernels import get_backend\n"
+    "with warnings.catch_warnings(record=True) as caught:\n"
+    "    warnings.simplefilter('always')\n"
+    "    print(get_backend(device='cpu').name)\n"
+    "print(*(str(w.message) for w in caught), sep='\\n')\n"
+)
+_NO_CXX = "lightning-ext-no-such-c++"
 
 
-def test_stale_build_lock_is_removed_and_a_fresh_one_waited_for(monkeypatch, tmp_path, caplog):
-    """torch's build lock has no time limit: a lock left by a killed build must not hang later runs."""
-    _file_baton(monkeypatch)
-    lock = tmp_path / "lock"
-    cpu._clear_stale_lock(tmp_path)  # no lock: returns at once
-    lock.write_text("")
-    old = time.time() - cpu._STALE_LOCK_SECONDS - 5
-    os.utime(lock, (old, old))
-    with caplog.at_level(logging.WARNING, logger=cpu.__name__):
-        cpu._clear_stale_lock(tmp_path)
-    assert "stale build lock" in caplog.text and not lock.exists()
-    lock.write_text("")  # a build in progress: waited for until its lock goes
-    threading.Timer(1.0, lock.unlink).start()
-    start = time.perf_counter()
-    cpu._clear_stale_lock(tmp_path)
-    assert 0.9 < time.perf_counter() - start < 30
+def _cache_copy(tmp_path: Path) -> Path:
+    """A copy of this environment's verified build in a cache of its own, ``tmp_path/cache`` (mode
+    755, files as the original's): its build directory."""
+    require_cpu_backend()
+    source = Path(cpu._load().__file__).parent
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o755)
+    return Path(shutil.copytree(source, root / source.name, ignore=shutil.ignore_patterns("*.lock", "lock")))
 
 
-def test_an_advisory_build_lock_is_waited_for_while_held_and_never_removed(monkeypatch, tmp_path):
-    """torch 2.14's lock (filelock): the file stays after the build; only a held lock means a build."""
-    import fcntl
-
-    monkeypatch.setattr(_compat, "BUILD_LOCK_IS_ADVISORY", True)
-    monkeypatch.setattr(cpu, "BUILD_LOCK_IS_ADVISORY", True)
-    monkeypatch.setattr(cpu, "build_lock_held", _compat.build_lock_held)
-    lock = tmp_path / "lock"
-    lock.write_text("")
-    old = time.time() - cpu._STALE_LOCK_SECONDS - 5
-    os.utime(lock, (old, old))
-    start = time.perf_counter()
-    cpu._clear_stale_lock(tmp_path)  # a file nobody holds: no build, returns at once, kept
-    assert time.perf_counter() - start < 0.4 and lock.exists()
-    holder = os.open(lock, os.O_RDONLY)
-    fcntl.flock(holder, fcntl.LOCK_EX)  # a build in progress (an old file: still not stale)
-    threading.Timer(1.0, os.close, (holder,)).start()
-    start = time.perf_counter()
-    cpu._clear_stale_lock(tmp_path)
-    assert 0.9 < time.perf_counter() - start < 30 and lock.exists()
+def _library(directory: Path) -> Path:
+    return directory / f"{directory.name}.so"
 
 
-def _mock_build(monkeypatch, delay: float) -> list[dict]:
-    """Replace torch's build by one that takes ``delay`` seconds; the list collects its arguments."""
+def _run(command: list[str], directory: Path, **env: str) -> subprocess.CompletedProcess:
+    """``command`` with the cache of the build directory ``directory``, the environment plus ``env``."""
+    environ = {**os.environ, "TORCH_EXTENSIONS_DIR": str(directory.parent), **env}
+    environ.pop(registry.BACKEND_ENV_VAR, None)
+    return subprocess.run(command, capture_output=True, text=True, env=environ, timeout=600)
+
+
+def _ninja(directory: Path, log: Path, real: bool = True) -> str:
+    """``directory`` holding a ``ninja`` that appends its arguments to ``log``, then runs the real one
+    (else fails): ``PATH`` with it first."""
+    directory.mkdir()
+    then = f'exec {shutil.which("ninja")} "$@"' if real else "exit 1"
+    (directory / "ninja").write_text(f'#!/bin/sh\necho "$@" >> {log}\n{then}\n')
+    (directory / "ninja").chmod(0o755)
+    return f"{directory}{os.pathsep}{os.environ['PATH']}" if real else str(directory)
+
+
+def test_a_prebuilt_cache_loads_without_a_compiler_or_ninja(tmp_path):
+    """A verified build loads with neither a compiler nor ``ninja`` on ``PATH`` (only a ``ninja``
+    that fails, and logs that it was asked)."""
+    directory = _cache_copy(tmp_path)
+    log = tmp_path / "ninja.log"
+    result = _run([sys.executable, "-c", _LOAD], directory, PATH=_ninja(tmp_path / "bin", log, real=False))
+    assert (result.returncode, result.stdout) == (0, _LOADED), result.stderr
+    assert not log.exists() and shutil.which("c++", path=str(tmp_path / "bin")) is None
+
+
+@pytest.mark.slow
+def test_a_truncated_build_is_rebuilt_then_loads_whichever_ninja_is_on_path(tmp_path):
+    """A truncated library (an interrupted copy) where a build can run is rebuilt, through the first
+    ``ninja`` on ``PATH``, not loaded; the rebuilt cache then loads with ANOTHER ``ninja`` first on
+    ``PATH`` without calling it (torch's own load rebuilds at each switch of ``ninja``). Under umask 002
+    (the default of many distributions) the build's files are still writable by their owner only, so
+    the next process trusts them."""
+    directory = _cache_copy(tmp_path)
+    library = _library(directory)
+    library.write_bytes(library.read_bytes()[:200_000])
+    first, second = tmp_path / "first.log", tmp_path / "second.log"
+    script = "import os; os.umask(0o002)\n" + _LOAD
+    result = _run([sys.executable, "-c", script], directory, PATH=_ninja(tmp_path / "1", first))
+    assert (result.returncode, result.stdout) == (0, _LOADED), result.stderr
+    assert first.read_text().strip(), "rebuilt without calling the ninja first on PATH"
+    data, manifest = library.read_bytes(), directory / "manifest.json"
+    assert json.loads(manifest.read_text()) == {
+        "name": directory.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()
+    }  # fmt: skip
+    assert not (library.stat().st_mode | manifest.stat().st_mode) & 0o022
+    built = library.stat().st_mtime_ns
+    result = _run([sys.executable, "-c", _LOAD], directory, PATH=_ninja(tmp_path / "2", second))
+    assert (result.returncode, result.stdout) == (0, _LOADED), result.stderr
+    assert not second.exists() and library.stat().st_mtime_ns == built
+
+
+def _read_only(root: Path) -> list[str]:
+    """The command prefix of a process that sees ``root`` read-only: as root (who writes through any
+    mode) a read-only bind mount in a mount namespace of its own; else ``root`` made read-only."""
+    if os.geteuid() != 0:
+        for path in (root, *root.rglob("*")):
+            path.chmod(path.stat().st_mode & ~0o222)
+        return []
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"]).returncode:
+        pytest.skip("running as root without `unshare -m`: no read-only mount to test with")
+    mount = 'mount --bind "$0" "$0" && mount -o remount,ro,bind "$0" "$0" && exec "$@"'
+    return ["unshare", "-m", "sh", "-c", mount, str(root)]
+
+
+@pytest.mark.parametrize("truncated", [False, True], ids=["complete", "truncated"])
+def test_a_read_only_cache_loads_a_complete_build_and_refuses_a_truncated_one(tmp_path, truncated):
+    """A shared cache is usually read-only: a verified build loads from it (no lock, nothing written);
+    a truncated one cannot be rebuilt there, and ``python -m lightning_ext.kernels`` says so in one line
+    naming the file and why, exit status 1 (never SIGBUS)."""
+    directory = _cache_copy(tmp_path)
+    library = _library(directory)
+    size = library.stat().st_size
+    if truncated:
+        library.write_bytes(library.read_bytes()[:200_000])
+    command = [*_read_only(directory.parent), sys.executable, "-m", "lightning_ext.kernels"]
+    result = _run(command, directory)
+    if not truncated:
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("lightning_ext: cpu kernels cached, loaded in "), result.stdout
+        assert (
+            result.stdout.endswith(f" s from {directory}\n")
+            and not (directory / "lightning_ext.lock").exists()
+        )
+        return
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result
+    assert result.stderr.startswith(
+        f"lightning_ext: cannot build the cpu kernels: {library} is 200000 bytes, {size} when built "
+        f"(truncated or incomplete); cannot rebuild: {directory} is read-only (its owner builds there: "
+        "`python -m lightning_ext.kernels`). "
+    ), result.stderr
+
+
+def _damage(directory: Path, damage: str) -> str:
+    """Damage the build in ``directory``; the reason the load gives."""
+    library, manifest = _library(directory), directory / "manifest.json"
+    data = library.read_bytes()
+    if damage == "truncated":
+        library.write_bytes(data[:200_000])
+        return rf"is 200000 bytes, {len(data)} when built \(truncated or incomplete\)"
+    if damage == "garbage":
+        library.write_bytes(os.urandom(len(data)))
+        return r"does not match the SHA-256 of its build \(damaged or replaced\)"
+    if damage == "no manifest":
+        manifest.unlink()
+        return r"has no manifest.json \(a build of another release, or an interrupted build or copy\)"
+    if damage == "garbage manifest":
+        manifest.write_text('{"name": ')
+        return r"has an unreadable manifest.json \(JSONDecodeError\)"
+    record = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**record, "name": "lightning_ext_kernels_cpu_000000000000"}))
+    return r"has the manifest.json of another build \('lightning_ext_kernels_cpu_000000000000'\)"
+
+
+@pytest.mark.parametrize(
+    "damage", ["truncated", "garbage", "no manifest", "garbage manifest", "foreign manifest"]
+)
+def test_a_damaged_build_never_reaches_the_loader_and_is_refused_in_one_line(tmp_path, damage):
+    """Where no build can run (no compiler), a damaged build is refused: automatic selection takes
+    ``reference`` with ONE warning naming the file and why; nothing is loaded (the truncated library
+    itself, loaded, kills the process with SIGBUS)."""
+    directory = _cache_copy(tmp_path)
+    library = _library(directory)
+    reason = _damage(directory, damage)
+    result = _run([sys.executable, "-c", _AUTO], directory, CXX=_NO_CXX)
+    assert result.returncode == 0, result.stderr
+    name, *lines = result.stdout.splitlines()
+    assert name == "reference" and len(lines) == 1, result.stdout
+    assert re.match(
+        rf"lightning_ext: kernel backend 'cpu' failed to load \({re.escape(str(library))} {reason}; cannot "
+        rf"rebuild: C\+\+ compiler '{re.escape(_NO_CXX)}' not found",
+        lines[0],
+    ), lines[0]
+    if damage == "truncated":  # what the verification prevents
+        spec = f"u.spec_from_file_location('m', {str(library)!r})"
+        load = f"import torch, importlib.util as u; u.module_from_spec({spec})"
+        assert _run([sys.executable, "-c", load], directory).returncode == -signal.SIGBUS
+
+
+def _refusing_to_read(read, root: Path):
+    """``Path.read_bytes``/``read_text`` that fails the test for a file under ``root``."""
+
+    def guarded(self, *args, **kwargs):
+        assert root not in self.parents, f"read {self}"
+        return read(self, *args, **kwargs)
+
+    return guarded
+
+
+@pytest.mark.parametrize("target", ["cache directory", "build directory", "library", "manifest"])
+@pytest.mark.parametrize("problem", ["another owner", "group-writable", "world-writable"])
+def test_an_untrusted_cache_is_refused_before_anything_is_read(tmp_path, monkeypatch, target, problem):
+    """Like ssh with ``~/.ssh``: a cache directory, build directory or file that belongs to another user
+    (not root), or that others may write, is refused with one line naming the path, its owner and mode
+    and a HINT, before anything is read, loaded or built."""
+    directory = _cache_copy(tmp_path)
+    path = {"cache directory": directory.parent, "build directory": directory}.get(target)
+    path = path or (_library(directory) if target == "library" else directory / "manifest.json")
+    me = os.geteuid()
+    if problem == "another owner" and me == 0:
+        os.chown(path, 65534, -1)  # nobody: a real foreign owner
+        why, hint = (
+            "owned by uid 65534",
+            f"set TORCH_EXTENSIONS_DIR to a directory of your own, or `chown -R 0 {path}`",
+        )
+    elif problem == "another owner":  # without root no file can be given away: this user looks foreign
+        if target != "cache directory":
+            pytest.skip("giving a file to another user needs root")
+        monkeypatch.setattr(cpu.os, "geteuid", lambda: me + 1)
+        why, hint = f"owned by uid {me}", "set TORCH_EXTENSIONS_DIR to a directory of your own"
+        me += 1
+    else:
+        path.chmod(path.stat().st_mode | (0o020 if problem == "group-writable" else 0o002))
+        why, hint = "writable by group or others", f"`chmod go-w {path}`"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(directory.parent))
+    monkeypatch.setattr(cpu, "_module", None)
+    monkeypatch.setattr(cpu, "_import", lambda name, library: pytest.fail("loaded"))
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kwargs: pytest.fail("built"))
+    for read in ("read_bytes", "read_text"):  # nothing of the cache is read
+        monkeypatch.setattr(Path, read, _refusing_to_read(getattr(Path, read), directory.parent))
+    with pytest.raises(RuntimeError) as info:
+        cpu.CpuBackend()
+    mode = re.escape(stat.filemode(path.stat().st_mode))
+    assert re.fullmatch(
+        rf"refusing the kernel cache {re.escape(str(path))}: {why} \({mode}\); it must belong to you "
+        rf"\(uid {me}\) or root and be writable by its owner only\. HINT: {re.escape(hint)}.*",
+        str(info.value),
+    ), str(info.value)
+
+
+# ---------------------------------------------------------------------------------- builds
+def _mock_build(monkeypatch, delay: float = 0.0) -> list[dict]:
+    """Replace torch's build by one that takes ``delay`` seconds and writes a library readable by
+    all (as under umask 000), and the import of a library by a stand-in; the list collects the
+    build's arguments."""
     import torch.utils.cpp_extension
 
     calls = []
-    monkeypatch.setattr(
-        torch.utils.cpp_extension, "load", lambda **kw: calls.append(kw) or time.sleep(delay) or object()
-    )
+
+    def build(**kwargs):
+        calls.append(kwargs)
+        time.sleep(delay)
+        library = Path(kwargs["build_directory"]) / f"{kwargs['name']}.so"
+        library.write_bytes(b"\x7fELF built")
+        library.chmod(0o777)
+        return SimpleNamespace(__file__=str(library))
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", build)
+    monkeypatch.setattr(cpu, "_import", lambda name, library: SimpleNamespace(__file__=str(library)))
+    monkeypatch.setattr(cpu, "_cannot_build", lambda directory: None)
     return calls
 
 
-def test_the_build_uses_the_keyed_name_and_its_lock(monkeypatch, tmp_path):
-    """torch builds under the keyed name, and the stale-lock check looks in that name's directory."""
+def test_a_build_takes_the_lock_and_leaves_a_manifest_that_the_next_load_trusts(monkeypatch, tmp_path):
+    """torch builds under the keyed name in its build directory while this process holds the build
+    lock, after removing the lock file a killed torch build left; the library is made writable by its
+    owner only and the manifest records it, so the next load reads it without building."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(cpu, "_module", None)
-    checked = []
-    monkeypatch.setattr(cpu, "_clear_stale_lock", checked.append)
-    calls = _mock_build(monkeypatch, 0.0)
+    name = cpu._extension_name()
+    directory = tmp_path / name
+    directory.mkdir(mode=0o755)
+    (directory / _compat.BUILD_LOCK_FILE).write_text("")  # torch's, left by a killed build
+    calls, held = _mock_build(monkeypatch), []
+
+    def build(load=torch.utils.cpp_extension.load, **kwargs):
+        fd = os.open(directory / "lightning_ext.lock", os.O_RDWR)
+        with pytest.raises(BlockingIOError):  # held by the builder
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(fd)
+        held.append(not (directory / _compat.BUILD_LOCK_FILE).exists())
+        return load(**kwargs)
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", build)
     cpu._load()
-    assert [call["name"] for call in calls] == [cpu._extension_name()]
-    assert checked == [tmp_path / cpu._extension_name()] and checked[0].is_dir()
+    assert [(c["name"], c["build_directory"]) for c in calls] == [(name, str(directory))] and held == [True]
+    library = directory / f"{name}.so"
+    assert stat.S_IMODE(library.stat().st_mode) == 0o755
+    assert json.loads((directory / "manifest.json").read_text()) == {
+        "name": name, "bytes": 10, "sha256": hashlib.sha256(b"\x7fELF built").hexdigest()
+    }  # fmt: skip
+    monkeypatch.setattr(cpu, "_module", None)
+    assert cpu._load().__file__ == str(library) and len(calls) == 1  # verified: not built again
+
+
+def test_a_build_in_another_process_is_waited_for_and_announced_once(monkeypatch, tmp_path, caplog):
+    """A process that finds another one building (its lock held) waits, says so once, where."""
+    monkeypatch.setenv("RANK", "1")  # not rank zero: it speaks too
+    monkeypatch.setattr(cpu, "_ANNOUNCE_AFTER_SECONDS", 0.2)
+    monkeypatch.setattr(cpu, "_announced", False)
+    holder = os.open(tmp_path / "lightning_ext.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    threading.Timer(1.5, os.close, (holder,)).start()
+    start = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger=cpu.__name__):
+        with cpu._build_lock(tmp_path):
+            assert time.perf_counter() - start > 1.4
+        cpu._announce(tmp_path)  # a later build of the same process: silent
+    assert [r.getMessage() for r in caplog.records] == [
+        f"lightning_ext: waiting for another process to build the compiled CPU kernels in {tmp_path}, "
+        "about 30 s once per environment. `python -m lightning_ext.kernels` builds them ahead of time."
+    ]
+
+
+def test_a_killed_build_leaves_no_lock(tmp_path):
+    """The build lock is advisory: the kernel releases it when its holder dies, so the next build
+    starts at once (torch 2.13's lock file would make it wait forever)."""
+    take = (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(tmp_path / 'lightning_ext.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(120)\n"
+    )
+    builder = subprocess.Popen([sys.executable, "-c", take], stdout=subprocess.PIPE, text=True)
+    try:
+        assert builder.stdout.readline() == "locked\n"
+    finally:
+        builder.kill()  # SIGKILL: no clean-up of its own
+        builder.wait(timeout=60)
+    start = time.perf_counter()
+    with cpu._build_lock(tmp_path):
+        assert time.perf_counter() - start < 1.0
 
 
 def test_a_blocking_build_is_announced_once_on_every_rank(monkeypatch, tmp_path, caplog):
     """A load that blocks longer than a few seconds (a first build, ~30 s) says why and where, once per
-    process, on any rank (the ranks that wait for rank 0's build stall as long); a cached load says
+    process, on any rank (the ranks that wait for rank 0's build stall as long); a verified load says
     nothing."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setenv("RANK", "1")  # not rank zero: it speaks too
+    monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(cpu, "_ANNOUNCE_AFTER_SECONDS", 0.2)
-    monkeypatch.setattr(cpu, "_clear_stale_lock", lambda directory: None)
     monkeypatch.setattr(cpu, "_announced", False)
     directory = tmp_path / cpu._extension_name()
-    for delay, announced in ((0.0, 0), (1.0, 1), (1.0, 1)):  # cached, a build, a second build: once
+    for delay, announced in ((0.0, 0), (1.0, 1), (0.0, 1), (1.0, 1)):  # built, rebuilt, verified, rebuilt
         monkeypatch.setattr(cpu, "_module", None)
+        if delay:
+            (directory / "manifest.json").unlink(missing_ok=True)  # a build that fails verification
         _mock_build(monkeypatch, delay)
         with caplog.at_level(logging.WARNING, logger=cpu.__name__):
             cpu._load()
@@ -209,27 +467,8 @@ def test_a_blocking_build_is_announced_once_on_every_rank(monkeypatch, tmp_path,
         messages = [r.getMessage() for r in caplog.records if "compiled CPU kernels" in r.getMessage()]
         assert len(messages) == announced, messages
     assert messages == [
-        f"lightning_ext: building the compiled CPU kernels (or waiting for the process that builds them) "
-        f"in {directory}, about 30 s once per environment. `python -m lightning_ext.kernels` builds them "
-        "ahead of time."
-    ]
-
-
-def test_waiting_for_another_process_build_is_announced_once(monkeypatch, tmp_path, caplog):
-    """A process that finds another one's build lock says it waits, where, once."""
-    _file_baton(monkeypatch)
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setattr(cpu, "_ANNOUNCE_AFTER_SECONDS", 0.2)
-    monkeypatch.setattr(cpu, "_announced", False)
-    lock = tmp_path / "lock"
-    lock.write_text("")
-    threading.Timer(1.5, lock.unlink).start()
-    with caplog.at_level(logging.WARNING, logger=cpu.__name__):
-        cpu._clear_stale_lock(tmp_path)
-        cpu._announce(tmp_path)  # a later build of the same process: silent
-    assert [r.getMessage() for r in caplog.records] == [
-        f"lightning_ext: waiting for another process to build the compiled CPU kernels in {tmp_path}, "
-        "about 30 s once per environment. `python -m lightning_ext.kernels` builds them ahead of time."
+        f"lightning_ext: building the compiled CPU kernels in {directory}, about 30 s once per environment. "
+        "`python -m lightning_ext.kernels` builds them ahead of time."
     ]
 
 
@@ -251,12 +490,14 @@ def test_the_ahead_of_time_build_runs_cleanly():
     assert re.fullmatch(printed, result.stdout), result.stdout
 
 
-def test_the_ahead_of_time_build_without_a_compiler_says_so(monkeypatch, capsys):
-    """Without a C++ compiler the entry point exits 1 naming what is missing, and builds nothing."""
+def test_the_ahead_of_time_build_without_a_compiler_says_so(monkeypatch, tmp_path, capsys):
+    """Without a C++ compiler (and no build in the cache) the entry point exits 1 naming what is
+    missing, and builds nothing."""
     import torch.utils.cpp_extension
 
     from lightning_ext.kernels.__main__ import main
 
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "lightning-ext-no-such-compiler")
     monkeypatch.setattr(cpu, "_module", None)
     monkeypatch.setattr(
@@ -271,31 +512,19 @@ def test_the_ahead_of_time_build_without_a_compiler_says_so(monkeypatch, capsys)
 
 
 def test_a_missing_compiler_is_one_short_warning_with_the_cause_first(tmp_path):
-    """A fresh process whose compiler is missing selects ``reference`` with ONE line of at most 300
-    characters that names the cause early, without torch's banner (torch is not asked to build)."""
-    env = {**os.environ, "CXX": "lightning-ext-no-such-c++", "TORCH_EXTENSIONS_DIR": str(tmp_path)}
-    env.pop(registry.BACKEND_ENV_VAR, None)
-    script = (
-        "import warnings, torch\n"
-        "from lightning_ext.kernels import get_backend\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        "    warnings.simplefilter('always')\n"
-        "    print(get_backend(device='cpu').name)\n"
-        "print(*(str(w.message) for w in caught), sep='\\n')\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
-    )
+    """A fresh process whose compiler is missing (and whose cache holds no build) selects ``reference``
+    with ONE line of at most 300 characters that names the cause early, without torch's banner (torch
+    is not asked to build)."""
+    directory = tmp_path / cpu._extension_name()
+    result = _run([sys.executable, "-c", _AUTO], directory, CXX=_NO_CXX)
     assert result.returncode == 0, result.stderr
     name, *lines = result.stdout.splitlines()
     assert name == "reference" and len(lines) == 1, result.stdout
-    assert (
-        len(lines[0]) <= 300 and lines[0].index("C++ compiler 'lightning-ext-no-such-c++' not found") < 80
-    ), lines[0]
-    assert "!! WARNING !!" not in result.stderr and not list(tmp_path.glob("lightning_ext_kernels_cpu_*"))
+    assert len(lines[0]) <= 300 and lines[0].index(f"C++ compiler '{_NO_CXX}' not found") < 80, lines[0]
+    assert "!! WARNING !!" not in result.stderr and not list(tmp_path.glob("*/*.so"))
 
 
-def test_a_failed_compilation_is_one_line_and_the_output_is_logged_at_debug(monkeypatch, caplog):
+def test_a_failed_compilation_is_one_line_and_the_output_is_logged_at_debug(monkeypatch, tmp_path, caplog):
     """A compiler error: the error line in the exception, the whole output at DEBUG."""
     import torch.utils.cpp_extension
 
@@ -306,8 +535,9 @@ def test_a_failed_compilation_is_one_line_and_the_output_is_logged_at_debug(monk
     def failing(**kwargs):
         raise RuntimeError(f"Error building extension '{kwargs['name']}': {output}ninja: build stopped")
 
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(cpu, "_module", None)
-    monkeypatch.setattr(cpu, "_clear_stale_lock", lambda directory: None)
+    monkeypatch.setattr(cpu, "_cannot_build", lambda directory: None)
     monkeypatch.setattr(torch.utils.cpp_extension, "load", failing)
     with caplog.at_level(logging.DEBUG, logger=cpu.__name__), pytest.raises(RuntimeError) as info:
         cpu._load()
@@ -315,17 +545,7 @@ def test_a_failed_compilation_is_one_line_and_the_output_is_logged_at_debug(monk
     assert output.strip() in caplog.text
 
 
-def test_the_former_entry_point_names_the_new_one():
-    """`python -m lightning_ext.kernels.cpu` (runpy warns: the package imports the module) fails and
-    names the new command, rather than doing nothing."""
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_ext.kernels.cpu"], capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 1
-    assert "moved: run `python -m lightning_ext.kernels`" in result.stderr
-
-
-def test_a_failed_build_falls_back_to_reference_with_one_warning(monkeypatch):
+def test_a_failed_build_falls_back_to_reference_with_one_warning(monkeypatch, tmp_path):
     """Automatic selection on CPU takes ``reference`` when the build fails (one warning, not retried);
     asking for ``cpu`` by name raises."""
     import torch.utils.cpp_extension
@@ -336,9 +556,9 @@ def test_a_failed_build_falls_back_to_reference_with_one_warning(monkeypatch):
         attempts.append(kwargs["name"])
         raise RuntimeError("no compiler here")
 
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(cpu, "_module", None)
-    monkeypatch.setattr(cpu, "_clear_stale_lock", lambda directory: None)
-    monkeypatch.setattr(cpu.shutil, "which", lambda compiler: compiler)
+    monkeypatch.setattr(cpu, "_cannot_build", lambda directory: None)
     monkeypatch.setattr(torch.utils.cpp_extension, "load", broken)
     monkeypatch.delenv(registry.BACKEND_ENV_VAR, raising=False)
     registry.clear_backend_cache()

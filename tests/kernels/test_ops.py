@@ -66,9 +66,10 @@ def test_every_op_is_registered():
 
 
 def test_eager_use_imports_no_dynamo():
-    """A process that runs the ops eagerly never imports ``torch._dynamo`` (only tracing needs it)."""
+    """A process that imports the package (``lightning_ext.nn`` included) and runs the ops and a
+    SyncBatchNorm forward and backward eagerly never imports ``torch._dynamo`` (only tracing needs it)."""
     script = (
-        "import sys, torch, lightning_ext\n"
+        "import sys, torch, lightning_ext, lightning_ext.nn\n"
         "from lightning_ext.kernels import get_backend\n"
         "for backend in (get_backend(device='cpu'), get_backend('reference', device='cpu')):\n"
         "    x = torch.randn(4, 3)\n"
@@ -76,11 +77,25 @@ def test_eager_use_imports_no_dynamo():
         "    backend.run('check_finite', [x], x.device)\n"
         "    acc = torch.tensor([0.0, 0.0, 0.0, float('inf'), -float('inf')], dtype=torch.float64)\n"
         "    backend.run('accumulate_moments_', acc, x, torch.tensor(0.0, dtype=torch.float64))\n"
+        "    layer = lightning_ext.nn.SyncBatchNorm(3, momentum=None, backend=backend.name)\n"
+        "    layer(torch.randn(5, 3, 2, requires_grad=True)).sum().backward()  # through the kernels\n"
         "print(backend.name, 'torch._dynamo' in sys.modules)\n"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[-1] == "False", result.stdout
+
+
+def test_a_custom_op_of_a_backend_this_process_never_built_names_the_fix():
+    """A graph traced in another process may name a backend this one never built (the ops find the
+    live instance by name): the op says which and how to build it, rather than a KeyError."""
+    with pytest.raises(
+        RuntimeError,
+        match=r"^torch.ops.lightning_ext.check_finite runs kernel backend 'never_built', which this process "
+        r"has not built \(a graph traced in another process\)\. HINT: call "
+        r"lightning_ext.kernels.get_backend\('never_built', device\) before running it$",
+    ):
+        torch.ops.lightning_ext.check_finite([torch.ones(2)], torch.device("cpu"), "never_built")
 
 
 def test_opcheck_custom_ops(backend: KernelBackend):

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -276,3 +278,45 @@ def test_triton_without_gpu_raises_unless_interpreting(monkeypatch):
     ):
         get_backend("triton", "meta")  # but no device it does not support
     assert get_backend(device="cpu").name != "triton"  # automatic selection never picks the interpreter
+
+
+def _imports(path, package: str, modules: set[str]) -> set[str]:
+    """The modules of ``modules`` that the module at ``path`` imports, at its top or in a function (not
+    under ``if TYPE_CHECKING``); ``from a import b`` imports ``a.b`` when that is a module, else ``a``."""
+    name = ".".join(path.relative_to(path.parents[len(package.split("."))]).with_suffix("").parts)
+    base = name.removesuffix(".__init__") if path.name == "__init__.py" else name.rpartition(".")[0]
+    found, stack = set(), [ast.parse(path.read_text())]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            parent = base.rsplit(".", node.level - 1)[0] if node.level else ""
+            origin = ".".join(p for p in (parent, node.module) if p)
+            found |= {f"{origin}.{a.name}" if f"{origin}.{a.name}" in modules else origin for a in node.names}
+        stack.extend(ast.iter_child_nodes(node))
+    return found & modules
+
+
+def test_the_kernels_package_has_no_import_cycle():
+    """No module of ``lightning_ext.kernels`` imports, through any chain of imports at module top or
+    in functions, a module that imports it back (each cache owns its reset; the registry reaches into
+    no other module's state)."""
+    import lightning_ext.kernels as package
+
+    root = Path(package.__file__).parent
+    paths = {
+        ".".join((package.__name__, *p.relative_to(root).with_suffix("").parts)).removesuffix(".__init__"): p
+        for p in root.rglob("*.py")
+    }
+    graph = {name: _imports(path, package.__name__, set(paths)) - {name} for name, path in paths.items()}
+    for start in graph:
+        seen, frontier = set(), set(graph[start])
+        while frontier:
+            module = frontier.pop()
+            assert module != start, f"{start} imports itself back through {sorted(seen)}"
+            if module not in seen:
+                seen.add(module)
+                frontier |= graph[module]

@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_ext.distributed import create_process_groups
 from lightning_ext.kernels import BACKEND_ENV_VAR, get_backend, payload_moments, registry
-from lightning_ext.nn import SyncBatchNorm, create_process_groups, sync_batch_norm_stats
+from lightning_ext.nn import SyncBatchNorm, sync_batch_norm_stats
 from tests.helpers.cpu_extension import require_cpu_backend
 from tests.helpers.distributed import run_distributed
 

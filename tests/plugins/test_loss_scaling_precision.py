@@ -359,7 +359,6 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path: Path):
     assert resumed_plugin.scaler.skipped_steps == 2
 
 
-
 @pytest.mark.parametrize("schedule", ["exponential", "log2"])
 def test_checkpoint_of_a_diverged_run_at_scale_0_saves_and_resumes(tmp_path: Path, schedule):
     """Gradients NaN at every step with no min_scale (GradScaler's default): the scale underflows to 0
@@ -386,6 +385,7 @@ def test_checkpoint_of_a_diverged_run_at_scale_0_saves_and_resumes(tmp_path: Pat
     assert resumed_plugin.scaler.skipped_steps == 6
     for p, q in zip(resumed.parameters(), full.parameters()):
         assert torch.equal(p, q) and torch.isfinite(p).all()
+
 
 def test_bf16_and_fp32_skip_nonfinite_steps_without_scaling():
     for precision, dtype in (("bf16-mixed", torch.bfloat16), ("32-true", torch.float32)):
@@ -506,3 +506,88 @@ def test_scaler_drops_into_lightnings_own_mixed_precision_plugin():
     skipped = recorder.rows[1]
     assert skipped["skipped"] and skipped["params_same"]
     assert skipped["lr_after"] < skipped["lr_before"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Gradient health: the norm unscaled and before clipping, the update-to-weight ratio
+# ------------------------------------------------------------------------------------------------
+
+
+class _HealthRecorder(Callback):
+    """Per batch: the float64 norm of the gradients Lightning's hook sees (before clipping), the
+    update-to-weight ratio of the step, and what the plugin reported for it."""
+
+    def __init__(self, scaled_by: float = 1.0):
+        self.scaled_by = scaled_by  # a fused optimizer's hook sees scaled gradients
+        self.collector = Collector(regex="Grad/.*", keep_previous=False)
+        self.rows: list[dict] = []
+
+    @override
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._before = [p.detach().double().clone() for p in pl_module.parameters()]
+
+    @override
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        grads = torch.cat([p.grad.double().flatten() for p in pl_module.parameters()])
+        self._norm = float(torch.linalg.vector_norm(grads)) / self.scaled_by
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        after = torch.cat([p.detach().double().flatten() for p in pl_module.parameters()])
+        before = torch.cat([p.flatten() for p in self._before])
+        self.collector.update()
+        self.rows.append(
+            {
+                "skipped": trainer.precision_plugin.scaler.last_step_skipped,
+                "norm": self._norm,
+                "ratio": float(torch.linalg.vector_norm(after - before) / torch.linalg.vector_norm(before)),
+                "reported": (self.collector.num("Grad/norm"), self.collector.mean("Grad/norm")),
+                "reported_ratio": self.collector.as_dict().get("Grad/update_ratio", {}).get("mean"),
+            }
+        )
+
+
+def test_gradient_norm_is_unscaled_before_clipping_and_skipped_steps_report_nothing():
+    # fp16 at a scale of 2**12 with poisoned steps, and clipping far below the true norm: the reported
+    # norm is the true one (not 2**12 times it, not the clipped one), the ratio is that of the step.
+    poison = {2: float("inf"), 5: float("nan")}
+    recorder = _HealthRecorder()
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**12, growth_interval=100)
+    plugin = LossScalingPrecision("16-mixed", scaler=scaler, update_ratio=True)
+    _trainer(plugin, [recorder], max_steps=8, gradient_clip_val=1e-3).fit(_Regression(poison=poison), _data())
+    for step, row in enumerate(recorder.rows):
+        assert row["skipped"] == (step in poison), step
+        if step in poison:
+            assert row["reported"][0] == 0 and math.isnan(row["reported_ratio"]), step  # no values
+            continue
+        num, norm = row["reported"]
+        assert num == 1 and row["norm"] > 10 * 1e-3  # clipping was active
+        # float32 norms of float32 gradients: relative error ~ sqrt(n) * 2**-24.
+        assert norm == pytest.approx(row["norm"], rel=1e-5), step
+        assert row["reported_ratio"] == pytest.approx(row["ratio"], rel=1e-4), step
+
+
+def test_fused_optimizers_report_the_unscaled_norm():
+    scale = 2.0**10
+    recorder = _HealthRecorder(scaled_by=scale)  # the hook sees the fused optimizer's scaled gradients
+    scaler = DynamicLossScaler("cpu", init_scale=scale, growth_interval=100, telemetry=False)
+    model = _Regression(optimizer_fn=lambda params, lr: torch.optim.Adam(params, lr=lr / 10, fused=True))
+    _trainer(LossScalingPrecision("16-mixed", scaler=scaler), [recorder], max_steps=3).fit(model, _data())
+    for row in recorder.rows:
+        assert row["reported"][0] == 1 and row["reported"][1] == pytest.approx(row["norm"], rel=1e-5)
+        assert row["reported_ratio"] is None  # update_ratio is off by default
+
+
+def test_two_optimizers_report_under_their_names():
+    collector = Collector(regex="Grad/.*", keep_previous=False)
+    plugin = LossScalingPrecision("16-mixed", scaler=DynamicLossScaler("cpu", 4.0, telemetry=False))
+    _trainer(plugin, max_steps=4).fit(_TwoOptimizers(), _data())
+    collector.update()
+    assert collector.names() == ["Grad/0/norm", "Grad/1/norm"]
+    assert collector.num("Grad/0/norm") == 2  # two training steps, each steps both optimizers
+    no_health = LossScalingPrecision("16-mixed", scaler=DynamicLossScaler("cpu", 4.0), grad_norm=False)
+    _trainer(no_health, max_steps=2).fit(_Regression(), _data())
+    collector.update()
+    assert collector.num("Grad/0/norm") == 0 and "Grad/norm" not in collector.names()
+    with pytest.raises(TypeError, match=r"LossScalingPrecision: `update_ratio` must be a bool, got 'yes'"):
+        LossScalingPrecision("16-mixed", update_ratio="yes")
