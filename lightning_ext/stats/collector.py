@@ -416,16 +416,15 @@ class Collector:
                           words: int, bits: int, k: int) -> None:  # fmt: skip
         """Keep the reduced windows of the names with values (the others keep theirs with
         ``keep_previous``; a straggler name's rank means are of its last interval only)."""
-        r, n = len(flush.names), len(level)
+        r, n, has = len(flush.names), len(level), width > 0
         counts = unpack(_host(flush.sum_buffer[5 * r : 5 * r + n * words]).reshape(n, words), bits, k)
-        size = max(counts.shape[1], flush.counts.shape[1])
-        counts, kept = (np.pad(a, ((0, 0), (0, size - a.shape[1]))) for a in (counts, flush.counts))
-        keep = (np.arange(n) < len(flush.quantiled)) & self.keep_previous
-        flush.counts = np.where((width > 0)[:, None], counts, np.where(keep[:, None], kept, 0.0))
-        flush.levels, flush.starts = (
-            np.where(width > 0, level, flush.levels),
-            np.where(width > 0, start, flush.starts),
-        )
+        if not has.all():  # the names without values keep their window (keep_previous) or none
+            keep = ~has & (np.arange(n) < len(flush.quantiled)) & self.keep_previous
+            kept, old = np.zeros((n, max(counts.shape[1], flush.counts.shape[1]))), flush.counts
+            kept[has, : counts.shape[1]], kept[keep, : old.shape[1]] = counts[has], old[keep]
+            level, start = np.where(has, level, flush.levels), np.where(has, start, flush.starts)
+            counts = kept
+        flush.counts, flush.levels, flush.starts = counts, level, start
         flush.slowest = _host(flush.extremes[4 * r :])[flush.straggled]  # -inf where no rank had values
 
     def _disagree(self, group: Any, world: int, step: float) -> None:
