@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import statistics
 import sys
@@ -408,29 +409,50 @@ def measure_report_calls(number: int = 20_000, repeat: int = 5) -> dict[str, flo
     return result
 
 
-def _floor_flush(k: int, group=None, sketched: int = 0, straggled: int = 0):
-    """One flush's collectives alone: the MAX and SUM all_reduces of ``Collector.update()`` for K names,
-    ``sketched`` of them with a quantile sketch (its counts in the SUM), ``straggled`` with the slowest
-    rank tracked (a rank mean per name in the MAX, a rank-mean sketch in the SUM)."""
-    from lightning_ext.distributed import all_reduce_
-    from lightning_ext.stats import LogHistogram
+class _Recorder:
+    """Records the all-reduces ``Collector.update()`` issues (benchmark only): ``(op, numel, async)`` each,
+    through the name the collector module calls (shared memory or the process group alike)."""
 
-    payload = torch.zeros(2 + (5 if straggled else 4) * k, dtype=torch.float64)  # + a rank mean per name
-    sums = torch.zeros(4 * k + (sketched + straggled) * LogHistogram().size, dtype=torch.float64)
+    def __init__(self) -> None:
+        from lightning_ext.stats import collector as module
+
+        self.module, self.real, self.calls = module, module.all_reduce_, []
+
+    def __enter__(self) -> _Recorder:
+        def recorded(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            self.calls.append((op, tensor.numel(), async_op))
+            return self.real(tensor, op=op, group=group, async_op=async_op)
+
+        self.module.all_reduce_ = recorded
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.module.all_reduce_ = self.real
+
+
+def _floor(calls: list[tuple]) -> tuple:
+    """The flush's collectives alone: float64 buffers of the recorded sizes, reduced by
+    ``lightning_ext.distributed.all_reduce_`` with the recorded ops, the asynchronous ones together
+    (as the flush issues them), the others one after another."""
+    from lightning_ext.distributed import all_reduce_
+
+    buffers = [(op, torch.zeros(numel, dtype=torch.float64), async_op) for op, numel, async_op in calls]
 
     def floor() -> None:
-        works = [
-            all_reduce_(payload, op=dist.ReduceOp.MAX, group=group, async_op=True),
-            all_reduce_(sums, op=dist.ReduceOp.SUM, group=group, async_op=True),
-        ]
+        works = []
+        for op, buffer, async_op in buffers:
+            work = all_reduce_(buffer, op=op, async_op=async_op)
+            works += [work] if async_op else []
         for work in works:
             work.wait()
 
-    return floor
+    return floor, 8 * sum(b.numel() for _, b, _ in buffers)
 
 
 def _flush_worker(rank: int, world_size: int, init_file: str, config: dict, out_file: str) -> None:
     torch.set_num_threads(1)
+    if config["transport"] == "gloo":
+        os.environ[distributed.SHM_ENV_VAR] = "0"  # before the first reduction, which decides it
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         from lightning_ext.stats import Collector, clear_statistics, report
@@ -445,12 +467,13 @@ def _flush_worker(rank: int, world_size: int, init_file: str, config: dict, out_
             names += [f"Straggled/{i}" for i in range(straggled)]
             gen = torch.Generator().manual_seed(rank)
             values = [torch.rand((), generator=gen) for _ in range(k)]
-            floor = _floor_flush(k, sketched=sketched, straggled=straggled)
             flush = _signal_flush(collector, names, config["tmp"], rank) if straggled else collector.update
-
-            for name, value in zip(names, values):  # warm-up: the first update agrees on the names
-                report(name, value)
-            collector.update()
+            for _ in range(2):  # the first update agrees on the names; the second is the steady state
+                for name, value in zip(names, values):
+                    report(name, value)
+                with _Recorder() as recorder:
+                    collector.update()
+            floor, nbytes = _floor(recorder.calls)
             floor()
             times: dict[str, list[float]] = {"flush": [], "floor": []}
             for _ in range(config["rounds"]):
@@ -465,7 +488,8 @@ def _flush_worker(rank: int, world_size: int, init_file: str, config: dict, out_
                 [statistics.median(times["flush"]), statistics.median(times["floor"])], dtype=torch.float64
             )
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            results[case] = {"flush_ms": 1e3 * t[0].item(), "floor_ms": 1e3 * t[1].item()}
+            results[case] = {"flush_ms": 1e3 * t[0].item(), "floor_ms": 1e3 * t[1].item(), "bytes": nbytes,
+                             "collectives": len(recorder.calls)}  # fmt: skip
         clear_statistics()
         if rank == 0:
             torch.save(results, out_file)
@@ -473,11 +497,12 @@ def _flush_worker(rank: int, world_size: int, init_file: str, config: dict, out_
         dist.destroy_process_group()
 
 
-_SIGNAL_CASE = (100, 10, 2)  # K names, sketched (histograms written), with the slowest rank tracked
+_SIGNAL_CASE = (100, 10, 2)  # K names, sketched (histograms written), with the straggler tracked
+_FLUSH_CASES = ((10, 0), (100, 0), (1000, 0), (100, 100), _SIGNAL_CASE)
 
 
 def _signal_flush(collector, names: list[str], tmp: str, rank: int):
-    """What ``TrainingStats.flush`` adds to ``collector.update()`` for the slowest rank and the
+    """What ``TrainingStats.flush`` adds to ``collector.update()`` for the straggler and the
     histograms: every straggler name's :meth:`straggler`, and on rank zero every sketched name's
     histogram written to a real ``TensorBoardLogger`` (its event file in ``tmp``)."""
     from lightning.pytorch.loggers import TensorBoardLogger
@@ -501,37 +526,54 @@ def _signal_flush(collector, names: list[str], tmp: str, rank: int):
 
 
 def run_flush_floor(
-    cases: tuple[tuple[int, ...], ...] = ((10, 0), (100, 0), (1000, 0)), rounds: int = 200
-) -> dict[tuple[int, ...], dict[str, float]]:
-    """Spawn 2 gloo ranks; per (K names, of which sketched[, of which with the slowest rank]) the median
-    ms of ``Collector.update()`` (with the straggler reads and histogram writes of ``TrainingStats``
-    when some names have the slowest rank) and of its floor."""
+    cases: tuple[tuple[int, ...], ...] = _FLUSH_CASES, rounds: int = 200, world_size: int = 2,
+    transport: str = "shm",
+) -> dict[tuple[int, ...], dict[str, float]]:  # fmt: skip
+    """Spawn ``world_size`` gloo ranks (``transport``: ``"shm"``, the shared-memory path, or ``"gloo"``,
+    the process group's); per (K names, of which sketched[, of which with the straggler]) the median ms
+    of ``Collector.update()`` (with the straggler reads and histogram writes of ``TrainingStats`` when
+    some names have the straggler) and of its floor, the bytes per rank and collectives of one flush."""
     with tempfile.TemporaryDirectory(prefix="bench_stats_") as tmp:
         init_file, out_file = os.path.join(tmp, "store"), os.path.join(tmp, "out.pt")
-        config = {"cases": tuple(cases), "rounds": rounds, "tmp": tmp}
+        config = {"cases": tuple(cases), "rounds": rounds, "tmp": tmp, "transport": transport}
         with environ(OMP_NUM_THREADS="1"):
-            mp.spawn(_flush_worker, args=(2, init_file, config, out_file), nprocs=2, join=True)
+            mp.spawn(
+                _flush_worker, args=(world_size, init_file, config, out_file), nprocs=world_size, join=True
+            )
         return torch.load(out_file)
 
 
-def format_flush_floor(
-    floor: dict[tuple[int, int], dict[str, float]], calls: dict[str, float], rounds: int
-) -> str:
+def _case_label(case: tuple[int, ...]) -> str:
+    k, sketched, straggled = (*case, 0)[:3]
+    extra = f", {sketched} sketched" if sketched else ""
+    return f"{k}{extra}{f' + histograms, {straggled} with the straggler' if straggled else ''}"
+
+
+def format_flush_floor(floors: dict[str, dict], calls: dict[str, float], rounds: int) -> str:
     lines = [
         "## Flush vs its floor, and `report()` per call (`bench_stats.py`)",
         "",
         "2 gloo ranks on CPU, one thread each: `Collector.update()` of K names (one 0-dim value each, "
-        "reported untimed before each flush) against the floor: the same two async all_reduces (MAX of "
-        "2 + 4K and SUM of 4K float64) through `lightning_ext.distributed.all_reduce_`, interleaved in "
-        f"the same run; medians over {rounds} flushes, slower rank; ranks aligned (untimed) before each.",
+        "reported untimed before each flush), some sketched for quantiles, against its floor: the "
+        "all-reduces the flush issued (recorded in its steady state), with the same sizes and ops through "
+        "`lightning_ext.distributed.all_reduce_`, the asynchronous ones together as the flush issues them, "
+        f"interleaved in the same run; medians over {rounds} flushes, slower rank; ranks aligned (untimed) "
+        "before each. `shm`: the shared-memory path of `all_reduce_`; `gloo`: the process group's "
+        "(`LIGHTNING_EXT_SHM_COLLECTIVES=0`). The last case is `TrainingStats`' flush with the straggler "
+        "of 2 names and the 10 sketched names' histograms written to a `TensorBoardLogger` on rank zero.",
         "",
-        "| K | flush ms | floor ms | flush / floor |",
-        "|---:|---:|---:|---:|",
+        "| transport | K | bytes / rank | collectives | flush ms | floor ms | flush / floor |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
-    for (k, _), r in sorted(floor.items()):
-        lines.append(
-            f"| {k} | {r['flush_ms']:.3f} | {r['floor_ms']:.3f} | {r['flush_ms'] / r['floor_ms']:.1f}× |"
-        )
+    worst = 0.0
+    for transport, floor in floors.items():
+        for case, r in floor.items():
+            ratio = r["flush_ms"] / r["floor_ms"]
+            worst = max(worst, ratio)
+            lines.append(
+                f"| {transport} | {_case_label(case)} | {r['bytes']} | {r['collectives']} | "
+                f"{r['flush_ms']:.3f} | {r['floor_ms']:.3f} | {ratio:.1f}× |"
+            )
     lines += [
         "",
         "`report(name, value)` per call in one process (best of 5 `timeit` loops), a collector "
@@ -543,12 +585,81 @@ def format_flush_floor(
         "",
         "| target | measured | goal | met |",
         "|---|---:|---:|:---:|",
+        f"| flush / floor, worst case | {worst:.1f}× | ≤ 2× | {'yes' if worst <= 2 else 'NO'} |",
     ]
-    worst = max(r["flush_ms"] / r["floor_ms"] for r in floor.values())
-    lines.append(f"| flush / floor, worst K | {worst:.1f}× | ≤ 3× | {'yes' if worst <= 3 else 'NO'} |")
     slowest = max(calls.values())
     met = "yes" if slowest <= 3 else "NO"
     lines.append(f"| `report()` per call, slowest value | {slowest:.2f} µs | ≤ 3 µs | {met} |")
+    return "\n".join(lines)
+
+
+def format_world_sizes(curve: dict[int, dict], rounds: int) -> str:
+    lines = [
+        "## The flush by world size (`bench_stats.py --world-sizes`)",
+        "",
+        "W gloo ranks on this host (shared memory), one thread each, as the flush above; bytes per rank of "
+        "one steady-state flush exactly (the float64 elements of its all-reduces), time as flush / floor "
+        f"(medians over {rounds} flushes, slowest rank). The host's cores are shared by the W ranks: "
+        "absolute times grow with W, the ratio is what the flush adds.",
+        "",
+        "| W | K | bytes / rank | collectives | flush / floor |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for w, floor in curve.items():
+        for case, r in floor.items():
+            lines.append(f"| {w} | {_case_label(case)} | {r['bytes']} | {r['collectives']} | "
+                         f"{r['flush_ms'] / r['floor_ms']:.1f}× |")  # fmt: skip
+    return "\n".join(lines)
+
+
+# The cost model: NCCL's own tuning model (src/graph/tuning.cc of NVIDIA/nccl, 2.19-2.21), all-reduce by
+# double binary tree, 8 GPUs per node on NVLink, the nodes on a network: latency in µs
+# baseLat + 2 ((ppn - 1) hwLat[NVLink] + log2(nodes) hwLat[NET]) per protocol, plus bytes / algorithm
+# bandwidth.
+# The bandwidths are assumptions of this model (one 400 Gb/s NIC per GPU: 50 GB/s), named in the table.
+_NCCL_TREE = {  # protocol: (baseLat, hwLat NVLink, hwLat NET) µs, algorithm bandwidth GB/s
+    "LL": (6.8, 0.6, 5.0, 10.2),  # LL: the bus bandwidth capped by llMaxBw (20.4 GB/s), halved (tree)
+    "LL128": (14.0, 1.25, 8.5, 0.5 * 0.92 * 120 / 128 * 50),  # tree LL128: .92, 120/128, halved
+}
+
+
+def nccl_all_reduce_us(nbytes: float, ranks: int, ppn: int = 8) -> tuple[float, str]:
+    """Modelled time of one NCCL all-reduce of ``nbytes`` over ``ranks`` GPUs (``ppn`` per node), µs,
+    and the protocol the model picks (the fastest)."""
+    nodes = max(1, ranks // ppn)
+    times = {p: base + 2 * ((ppn - 1) * nvl + math.log2(nodes) * net) + nbytes / (1e3 * bw)
+             for p, (base, nvl, net, bw) in _NCCL_TREE.items()}  # fmt: skip
+    protocol = min(times, key=times.get)
+    return times[protocol], protocol
+
+
+def cost_model(ks: tuple[int, ...] = (100, 1000), sketched: tuple[int, ...] = (0, 100),
+               ranks: tuple[int, ...] = (1024, 16384), words: int = 640) -> str:  # fmt: skip
+    """The cost model of one steady-state flush at scale: bytes per rank and collectives of this flush
+    (MAX ``8 (7 + 5K)`` B, SUM ``8 (5K + Q W)`` B, ``W <= 640`` words per sketched name: the cap) and of
+    the flush before it (a configuration slot per rank in the MAX, 2767 float64 per sketched name), and
+    their modelled NCCL time (:func:`nccl_all_reduce_us`; the two all-reduces one after the other)."""
+    lines = [
+        "## The flush at 1,024 and 16,384 ranks: a cost model (`bench_stats.py --cost-model`)",
+        "",
+        "Bytes per rank of one steady-state flush (exact, from the layout), 2 all-reduces; time from NCCL's "
+        "own tuning model (`src/graph/tuning.cc` of NVIDIA/nccl 2.19-2.21: tree all-reduce, 8 GPUs per "
+        "node, latency `baseLat + 2 ((ppn-1) hwLat[NVLink] + log2(nodes) hwLat[NET])` + bytes / bandwidth, "
+        "the faster of LL (10.2 GB/s) and LL128 (21.6 GB/s, assuming one 400 Gb/s NIC per GPU)). "
+        f"Sketched names at the cap ({words} words = 5 KiB each): an upper bound. `before`: the layout of "
+        "the previous flush (a slot per rank in the MAX, 2767 float64 per sketched name).",
+        "",
+        "| ranks | K | sketched | bytes / rank | modelled µs | before: bytes / rank | before: µs |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for w in ranks:
+        for k in ks:
+            for q in sketched:
+                now = (8 * (7 + 5 * k), 8 * (5 * k + q * words))
+                old = (8 * (w + 2 + 5 * k), 8 * (4 * k + q * 2767))
+                t_now = sum(nccl_all_reduce_us(b, w)[0] for b in now)
+                t_old = sum(nccl_all_reduce_us(b, w)[0] for b in old)
+                lines.append(f"| {w} | {k} | {q} | {sum(now)} | {t_now:.0f} | {sum(old)} | {t_old:.0f} |")
     return "\n".join(lines)
 
 
@@ -573,56 +684,22 @@ def measure_report_histogram(repeat: int = 20) -> dict[str, float]:
     return {name: 1e3 * min(t) for name, t in times.items()}
 
 
-def format_quantiles(
-    floor: dict[tuple[int, int], dict[str, float]], report_ms: dict[str, float], rounds: int
-) -> str:
+def format_quantiles(report_ms: dict[str, float]) -> str:
     from lightning_ext.stats import LogHistogram
 
-    size = LogHistogram().size
-    lines = [
-        "## Quantile sketches in the flush (`bench_stats.py`)",
-        "",
-        "2 gloo ranks on CPU, one thread each, as the flush above: K=100 names, of which 0, 10 and 100 "
-        f"are sketched for quantiles (`Collector(quantiles=...)`, α = 1 %, {size} float64 counts = "
-        f"{size * 8 / 1024:.1f} KiB per name in the SUM all-reduce); floor: the same two all_reduces "
-        f"with those payload sizes, interleaved; medians over {rounds} flushes.",
-        "",
-        "The last row is `TrainingStats`' flush with the slowest rank and the histograms: 2 of the names "
-        "with the slowest rank tracked (`Collector(stragglers=...)`, as `Timing/data_sec` and "
-        "`Timing/compute_sec`; their rank means in the MAX, their rank-mean sketches in the SUM) and "
-        "read with `straggler()`, and on rank zero the 10 sketched names' histograms written to a real "
-        "`TensorBoardLogger` (`add_histogram_raw`); the floor carries those payloads too.",
-        "",
-        "| K | sketched | slowest rank | flush ms | floor ms | flush / floor |",
-        "|---:|---:|---:|---:|---:|---:|",
-    ]
-    for case, r in sorted(floor.items()):
-        k, sketched, straggled = (*case, 0)[:3]
-        ratio = r["flush_ms"] / r["floor_ms"]
-        cells = f"| {k} | {sketched}{' + histograms' if straggled else ''} | {straggled} |"
-        lines.append(f"{cells} {r['flush_ms']:.3f} | {r['floor_ms']:.3f} | {ratio:.1f}× |")
     plain, sketched = report_ms["Plain"], report_ms["Sketched"]
-    lines += [
+    return "\n".join([
+        "## Quantile sketches: `report()` of a large tensor (`bench_stats.py`)",
         "",
-        "`report()` of a 2^20-element float32 tensor (best of 20, interleaved, one process, the automatic "
-        "CPU backend):",
+        f"One process, the automatic CPU backend: `report()` of a 2^20-element float32 tensor without and "
+        f"with its sketch (α = 1 %, {LogHistogram().size} float64 counts per name and device; the flush "
+        "sends only their window, at most 5 KiB: see the flush table), best of 20, interleaved.",
         "",
         "| report() | ms |",
         "|---|---:|",
         f"| moments only | {plain:.3f} |",
         f"| moments + histogram | {sketched:.3f} ({sketched / plain:.1f}×) |",
-        "",
-        "| target | measured | goal | met |",
-        "|---|---:|---:|:---:|",
-    ]
-    base = floor[(100, 0)]["flush_ms"] / floor[(100, 0)]["floor_ms"]
-    lines.append(
-        f"| K=100 flush, none sketched: flush / floor | {base:.1f}× | ≤ 3× | {'yes' if base <= 3 else 'NO'} |"
-    )
-    signal = floor[_SIGNAL_CASE]["flush_ms"] / floor[_SIGNAL_CASE]["floor_ms"]
-    met = "yes" if signal <= 3 else "NO"
-    lines.append(f"| K=100 flush, slowest rank + histograms: flush / floor | {signal:.1f}× | ≤ 3× | {met} |")
-    return "\n".join(lines)
+    ])  # fmt: skip
 
 
 def format_markdown(results: dict, float_us: float, flush_every: int = 50) -> str:
@@ -675,17 +752,26 @@ def main() -> int:
     parser.add_argument("--sweep-only", action="store_true", help="only part 1, the size sweep")
     parser.add_argument("--flush-only", action="store_true", help="only part 3, flush vs floor and report()")
     parser.add_argument("--quantiles-only", action="store_true", help="only part 4, quantile sketches")
+    parser.add_argument("--transports", default="shm,gloo", help="part 3's transports: shm, gloo or both")
+    parser.add_argument("--world-sizes", help="only the flush by world size, e.g. 2,4,8,16 (gloo ranks)")
+    parser.add_argument("--cost-model", action="store_true", help="only print the cost model at scale")
     args = parser.parse_args()
     flush_rounds = 50 if args.quick else 300
-    if args.quantiles_only:
-        return _quantiles(flush_rounds, args.quick)
-    if args.flush_only:
-        markdown = format_flush_floor(
-            run_flush_floor(rounds=flush_rounds), measure_report_calls(), flush_rounds
-        )
-        print(markdown, flush=True)
-        write_result("stats_flush_floor", markdown, quick=args.quick)
+    if args.cost_model:
+        print(cost_model(), flush=True)
         return 0
+    if args.world_sizes:
+        sizes = [int(w) for w in args.world_sizes.split(",")]
+        cases = ((100, 0), (100, 100))
+        curve = {w: run_flush_floor(cases, rounds=flush_rounds // 2, world_size=w) for w in sizes}
+        markdown = format_world_sizes(curve, flush_rounds // 2)
+        print(markdown, flush=True)
+        write_result("stats_world_sizes", markdown, quick=args.quick)
+        return 0
+    if args.quantiles_only:
+        return _quantiles(args.quick)
+    if args.flush_only:
+        return _flush(args, flush_rounds)
     rounds, min_run_time = (1, 0.02) if args.quick else (3, 0.2)
     sweep = {}
     for threads in dict.fromkeys((DEFAULT_THREADS, 1)):
@@ -700,15 +786,22 @@ def main() -> int:
     markdown = format_markdown(results, float_us)
     print(markdown)
     write_result("stats", markdown, quick=args.quick)
-    markdown = format_flush_floor(run_flush_floor(rounds=flush_rounds), measure_report_calls(), flush_rounds)
-    print(markdown)
+    _flush(args, flush_rounds)
+    print(cost_model())
+    write_result("stats_cost_model", cost_model(), quick=args.quick)
+    return _quantiles(args.quick)
+
+
+def _flush(args: argparse.Namespace, rounds: int) -> int:
+    floors = {t: run_flush_floor(rounds=rounds, transport=t) for t in args.transports.split(",")}
+    markdown = format_flush_floor(floors, measure_report_calls(), rounds)
+    print(markdown, flush=True)
     write_result("stats_flush_floor", markdown, quick=args.quick)
-    return _quantiles(flush_rounds, args.quick)
+    return 0
 
 
-def _quantiles(rounds: int, quick: bool) -> int:
-    cases = ((100, 0), (100, 10), (100, 100), _SIGNAL_CASE)
-    markdown = format_quantiles(run_flush_floor(cases, rounds=rounds), measure_report_histogram(), rounds)
+def _quantiles(quick: bool) -> int:
+    markdown = format_quantiles(measure_report_histogram())
     print(markdown, flush=True)
     write_result("stats_quantiles", markdown, quick=quick)
     return 0

@@ -56,7 +56,8 @@ class HookRunner:
     exception, which the caller re-raises (``with runner:`` does).
 
     Collectives and syncs: the runner adds none; the hooks run theirs (``LossMonitor``: its collector's
-    two all-reduces every ``every_n_train_steps`` iterations and at a successful ``after_train``;
+    two all-reduces every ``every_n_train_steps`` iterations and at a successful ``after_train``, with
+    :attr:`iter` as the step the ranks must share, so a rank a step ahead raises on every rank;
     ``PreciseBN``: its updates), so every rank must make the same calls in the same order.
     Checkpoints: :meth:`state_dict`.
 

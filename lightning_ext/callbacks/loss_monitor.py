@@ -96,7 +96,9 @@ class LossMonitor(HookBase):
     them), and the first non-finite total loss is kept on the device: no host–device synchronization,
     no collective on the step. Every ``every_n_train_steps`` iterations and at the end of training comes
     an *agreement point*: this monitor's :class:`~lightning_ext.stats.Collector` updates (its two
-    all-reduces, on the training thread). From the published statistics, which every rank holds:
+    all-reduces, on the training thread, with the iteration as the step every rank must share: a rank
+    that agrees at another iteration raises on every rank). From the published statistics, which every
+    rank holds:
 
     - if a total loss was non-finite, EVERY rank raises ``FloatingPointError("Loss became infinite
       or NaN at iteration=I on rank(s) [...]!\\nloss_dict = {...}")``, ``I`` being the first such
@@ -106,7 +108,8 @@ class LossMonitor(HookBase):
       collective;
     - rank zero writes to every logger, and every rank to ``trainer.callback_metrics`` (so
       ``ModelCheckpoint`` can monitor them): ``LossMonitor/<key>``, the mean of each loss over ranks
-      and micro-batches, and ``Timing/data_sec_max``, the max over ranks of the mean data time per
+      and micro-batches (of the finite ones), and ``Timing/data_sec_max``, the max over ranks of the mean
+      data time per
       iteration. The step is :attr:`~HookBase.iter`, Lightning's own for the batch: ``i`` after
       iteration ``i``, the number of iterations at the end of training.
 
@@ -244,9 +247,8 @@ class LossMonitor(HookBase):
         self._report({"data_sec": self._data_sec / max(self._iters, 1),
                       "writer_failed": float(self._writer_error is not None)})  # fmt: skip
         collector = self._collector
-        collector.update()
-        # The mean total loss is non-finite iff some rank's was (host reads, the same on every rank).
-        bad = collector.num("loss") > 0 and not math.isfinite(collector.mean("loss"))
+        collector.update(step=self.iter)  # the same iteration on every rank, or every rank raises
+        bad = collector.nonfinite("loss") > 0  # some rank's total loss was (the same on every rank)
         ranks = self._gather() if bad or collector.max("writer_failed") > 0 else None
         self.last_summary = summary = _summarize(collector, self._keys, ranks)
         error = self._decide(summary)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+import difflib
 import re
 import socket
 import time
@@ -28,8 +28,13 @@ _STATS = ("mean", "std", "min", "max", "num")
 _PERCENTILE = re.compile(r"p[1-9]\d?(\.\d+)?")  # "p1", "p50", "p99.9": a percentile in [1, 100)
 _FLUSH_TIME_NAME = "Timing/stats_flush_sec"
 _TIMER_NAMES = ("Timing/data_sec", "Timing/step_sec", "Timing/forward_sec", "Timing/compute_sec")
+_SUFFIXES = ("nonfinite", "straggler_rank", "straggler_ratio")  # keys a flush derives beside `stats`
 _CHECK_AFTER = 3  # training flushes (or the first epoch) after which unmatched patterns are warned about
 _WANDB_BINS = 512  # the most buckets a wandb.Histogram takes
+_ARGUMENTS = (  # the arguments that are no collector's (the ranks must agree on them all)
+    "every_n_train_steps", "stats", "prefix", "on_step", "on_epoch", "stragglers", "straggler_excess",
+    "straggler_min_sec", "straggler_patience",
+)  # fmt: skip
 # Lightning's stages whose values are collected apart, and what their statistics are logged under
 STAGE_PREFIXES = {"validate": "val/", "test": "test/"}
 
@@ -51,11 +56,18 @@ def _check_stats(stats: Any, quantiles: str | None) -> tuple[str, ...]:
         raise TypeError(f"TrainingStats: `stats` must be a sequence of names, not the str {stats!r}")
     stats = tuple(stats)
 
-    if not stats or not all(s in _STATS or (isinstance(s, str) and _PERCENTILE.fullmatch(s)) for s in stats):
+    bad = [s for s in stats if s not in _STATS and not (isinstance(s, str) and _PERCENTILE.fullmatch(s))]
+    if not stats or bad:
+        close = difflib.get_close_matches(str(bad[0]), _STATS, n=1) if bad else []
+        hint = (
+            f"did you mean {close[0]!r}?"
+            if close
+            else "'p0.99' would be ambiguous (the 0.99th "
+            "percentile or the quantile 0.99): write 'p99' for the 99th percentile"
+        )
         raise ValueError(
             f"TrainingStats: `stats` must be a non-empty sequence of {_STATS} and percentiles 'p<P>' "
-            f"with 1 <= P < 100 (e.g. 'p99.9'), got {stats!r}. HINT: 'p0.99' would be ambiguous (the "
-            "0.99th percentile or the quantile 0.99): write 'p99' for the 99th percentile"
+            f"with 1 <= P < 100 (e.g. 'p99.9'), got {stats!r}. HINT: {hint}"
         )
     percentiles = [s for s in stats if s not in _STATS]
     if percentiles and quantiles is None:
@@ -89,6 +101,22 @@ class TrainingStats(Callback):
     name``; those of predict are not collected. A flush writes only the names that received values
     since the previous flush of their stage: a name is never written twice for the same values.
 
+    Agreement. Every flush passes its step to :meth:`Collector.update
+    <lightning_ext.stats.Collector.update>`, so ranks that flush at different steps raise on every rank
+    naming them; ``setup`` checks that every rank's ``TrainingStats`` has the same arguments (with the
+    host names, one ``all_gather_object``), before any flush could meet another rank's collectives.
+
+    Non-finite values. The statistics of a name are those of its finite values; a flush where some of
+    its values were NaN or ``±inf`` also writes ``name + "/nonfinite"``, their count over all ranks, and
+    warns once per name (rank zero). A name whose values were all non-finite is written with ``num`` 0
+    and NaN for the other statistics.
+
+    Keys. A reported name that equals a key a flush derives from another name (``"Loss/std"`` beside
+    ``"Loss"`` with ``"std"`` in ``stats``, ``"Loss/nonfinite"``, ``"Loss/straggler_rank"``, ...) raises a
+    ``ValueError`` on every rank at the first flush that knows both. ``Timing/stats_flush_sec`` is this
+    callback's own: every ``TrainingStats`` reports the time of its flushes under it, and a value you
+    report under that name joins them.
+
     Percentiles. ``stats`` may ask for percentiles, ``"p50"``, ``"p99"``, ``"p99.9"``, written as
     ``name + "/p50"`` for the names ``quantiles`` matches (the others get the other statistics), from
     a sketch with relative accuracy ``relative_accuracy`` over ``value_range`` that rides in the
@@ -97,21 +125,21 @@ class TrainingStats(Callback):
     TensorBoard (W&B) histogram ``name + "/hist"`` (:meth:`~lightning_ext.stats.Collector.histogram`;
     no extra collective).
 
-    The slowest rank. For each name ``stragglers`` matches that received values, a flush with several
-    processes writes ``name + "/slowest_rank"``, the rank whose mean was the largest, and
-    ``name + "/slowest_ratio"``, its mean over the median of the ranks' means (the rank rides in the
+    The straggler. For each name ``stragglers`` matches that received values, a flush with several
+    processes writes ``name + "/straggler_rank"``, the rank whose mean was the largest, and
+    ``name + "/straggler_ratio"``, its mean over the median of the ranks' means (the rank rides in the
     flush's MAX all-reduce, the ranks' means in a sketch: no extra collective, nothing per rank). It
     logs on rank zero when the same rank's excess over the median was at least ``straggler_excess``
-    times the iteration time (the means of ``Timing/data_sec`` and ``Timing/step_sec``) and at least
-    ``straggler_min_sec`` at ``straggler_patience`` flushes in a row::
+    times the iteration time (the mean of ``Timing/iteration_sec``, or of ``Timing/data_sec`` plus
+    ``Timing/step_sec``) and at least ``straggler_min_sec`` at ``straggler_patience`` flushes in a row::
 
-        Slowest rank at iteration=24: rank 1 (host n3), Timing/compute_sec 0.06 = 4.9x the median rank (0.012)
+        Straggler at iteration=24: rank 1 (host n3), Timing/compute_sec 0.06 = 4.9x the median rank (0.012)
 
     The default names are :class:`~lightning_ext.callbacks.IterationTimer`'s ``Timing/data_sec`` (a
     slow data loader) and ``Timing/compute_sec`` (a slow ``training_step``, net of the waits in the
     collectives, where the fast ranks wait for the slow one). Host names are gathered once, at ``setup``.
 
-    Warnings, once, on rank zero: slowest-rank names of ``IterationTimer`` asked for on several
+    Warnings, once, on rank zero: straggler names of ``IterationTimer`` asked for on several
     processes without it in the callbacks (at the start of training), and a pattern (``regex``,
     ``quantiles``, ``stragglers``) that matched no reported name after three training flushes or
     the first epoch.
@@ -128,16 +156,19 @@ class TrainingStats(Callback):
         keep_previous: passed to ``Collector``.
         quantiles: names whose percentiles are written (``re.fullmatch``); ``None``: none.
         relative_accuracy, value_range: the percentiles' sketch (``Collector``).
-        stragglers: names whose slowest rank is written (``re.fullmatch``); ``None``: none.
-        straggler_excess: the fraction of the iteration time (``>= 0``) from which the slowest rank's
+        stragglers: names whose straggler is written (``re.fullmatch``); ``None``: none.
+        straggler_excess: the fraction of the iteration time (``>= 0``) from which the straggler's
             excess over the median rank counts.
         straggler_min_sec: the seconds (``>= 0``) from which that excess counts.
         straggler_patience: the flushes in a row (``>= 1``) at which it must count before a line.
+        forget_after: passed to ``Collector``: flushes in a row without values after which a name is
+            forgotten (``None``: never).
 
     Raises:
         ValueError: ``every_n_train_steps < 1``, ``stats`` is empty or holds an unknown statistic or
             a percentile without ``quantiles``, a pattern does not compile, a sketch or straggler
-            parameter is out of range.
+            parameter is out of range (at construction); the ranks' arguments differ (at ``setup``, on
+            every rank); a reported name equals a derived key (at a flush, on every rank).
         TypeError: ``every_n_train_steps`` or ``straggler_patience`` is not an int, ``regex``/``prefix``
             is not a str, ``stats`` is a str, ``on_step``/``on_epoch``/``keep_previous`` is not a
             bool, ``quantiles`` or ``stragglers`` neither a str nor None, ``straggler_excess`` or
@@ -166,6 +197,7 @@ class TrainingStats(Callback):
         straggler_excess: float = 0.2,
         straggler_min_sec: float = 0.005,
         straggler_patience: int = 2,
+        forget_after: int | None = 100,
     ) -> None:
         check_int("TrainingStats", "every_n_train_steps", every_n_train_steps, ge=1)
         check_number("TrainingStats", "straggler_excess", straggler_excess, ge=0.0)
@@ -174,7 +206,7 @@ class TrainingStats(Callback):
         stats = _check_stats(stats, quantiles)
         self._collector_args = {  # checked below
             "regex": regex, "keep_previous": keep_previous, "quantiles": quantiles,
-            "relative_accuracy": relative_accuracy, "value_range": value_range,
+            "relative_accuracy": relative_accuracy, "value_range": value_range, "forget_after": forget_after,
         }  # fmt: skip
         if not isinstance(prefix, str):
             raise TypeError(f"TrainingStats: `prefix` must be a str, got {prefix!r}")
@@ -184,11 +216,14 @@ class TrainingStats(Callback):
             if pattern is not None or arg == "regex":
                 _check_pattern(arg, pattern)
         LogHistogram(relative_accuracy, value_range)  # checks them
+        check_int("TrainingStats", "forget_after", forget_after, ge=1, optional=True)
         self.quantiles, self.stragglers = quantiles, stragglers
         self.straggler_excess, self.straggler_min_sec = float(straggler_excess), float(straggler_min_sec)
         self.straggler_patience = straggler_patience
         self._hosts: list[str] = []  # host name per rank, gathered at setup (with stragglers)
         self._runs: dict[str, tuple[int, int]] = {}  # straggler name => (rank, flushes in a row it counted)
+        self._warned: set[str] = set()  # names whose non-finite values were said
+        self._checked: dict[str | None, list[str]] = {}  # stage => the names whose keys were checked last
         self._flushes = 0  # training flushes so far
         self._unchecked = {"regex", "quantiles", "stragglers"}  # patterns not checked for matches yet
         self.every_n_train_steps, self.regex, self.stats = every_n_train_steps, regex, stats
@@ -217,9 +252,8 @@ class TrainingStats(Callback):
         init_multiprocessing(
             rank=trainer.global_rank, sync_device=_dist.collective_device() if several else None
         )
-        if several and self.stragglers is not None:  # every rank, in the same order: one gather
-            self._hosts = [""] * _dist.get_world_size()
-            torch.distributed.all_gather_object(self._hosts, socket.gethostname())
+        if several:  # every rank, in the same order: one gather of (host, arguments)
+            self._agree(trainer)
         untimed = not any(isinstance(c, IterationTimer) for c in trainer.callbacks) and any(
             re.fullmatch(self.stragglers or "(?!)", name) for name in _TIMER_NAMES
         )  # asks for the timer's names without it
@@ -227,7 +261,7 @@ class TrainingStats(Callback):
             hint = "HINT: add IterationTimer() first to `callbacks`, or pass stragglers=None."
             rank_zero_warn(f"TrainingStats: `stragglers`={self.stragglers!r} asks for IterationTimer's "
                            f"timings, but the Trainer has none: no rank is named. {hint}")  # fmt: skip
-        if not several or untimed:  # said above, or no slowest rank on one process
+        if not several or untimed:  # said above, or no straggler on one process
             self._unchecked.discard("stragglers")
         if self.collector is None:
             self.collector = Collector(**self._collector_args, stragglers=self.stragglers)
@@ -238,6 +272,28 @@ class TrainingStats(Callback):
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
             self._pending_state = None
+
+    def _agree(self, trainer: pl.Trainer) -> None:
+        """Gather every rank's host name and arguments; raise on every rank unless the arguments agree."""
+        mine = {**self._collector_args, **{arg: getattr(self, arg) for arg in _ARGUMENTS}}
+        rows: list[Any] = [None] * trainer.world_size
+        torch.distributed.all_gather_object(rows, (socket.gethostname(), mine))
+        self._hosts = [host for host, _ in rows]
+        said = []
+        for arg in mine:
+            ranks: dict[Any, list[int]] = {}
+            for rank, (_, arguments) in enumerate(rows):
+                ranks.setdefault(arguments[arg], []).append(rank)
+            if len(ranks) > 1:
+                said.append(
+                    f"{arg}=" + ", ".join(f"{value!r} on ranks {r[:16]}" for value, r in ranks.items())
+                )
+        if said:
+            raise ValueError(
+                f"TrainingStats: the ranks' arguments differ: {'; '.join(said)}; their flushes would not "
+                "meet. "
+                "HINT: give every rank the same TrainingStats arguments"
+            )
 
     @override
     def on_train_batch_end(
@@ -276,6 +332,12 @@ class TrainingStats(Callback):
     @override
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         set_stage(self._outer_stage)
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        set_stage(self._outer_stage)  # a loop that raised leaves no stage behind
 
     @override
     def on_sanity_check_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -324,13 +386,15 @@ class TrainingStats(Callback):
         a logger never go backwards) and to ``trainer.callback_metrics`` (float32 0-dim CPU tensors, for
         ``ModelCheckpoint``/``EarlyStopping``), and the sketched names' histograms to the TensorBoard
         and W&B loggers (rank zero). Its wall time is ``report()``-ed as
-        ``Timing/stats_flush_sec`` (seen at the next flush). Must run on every rank:
-        ``Collector.update()`` runs collectives. Synchronizes host and device once.
+        ``Timing/stats_flush_sec`` (seen at the next flush). Must run on every rank, at the same
+        ``step``: ``Collector.update(step=step)`` runs collectives and checks it. Synchronizes host and
+        device once.
 
         Raises:
-            RuntimeError: called before the Trainer ran ``setup`` (no collector yet).
+            RuntimeError: called before the Trainer ran ``setup`` (no collector yet); the ranks'
+                collectors or steps differ (on every rank, naming them).
             ValueError: ``stage`` is not ``None`` or a stage collected here (``"validate"``,
-                ``"test"`` with ``on_epoch``).
+                ``"test"`` with ``on_epoch``); a reported name equals a key derived from another one.
         """
         if self.collector is None:
             raise RuntimeError(
@@ -343,10 +407,11 @@ class TrainingStats(Callback):
             )
         collector = self.collector if stage is None else self.stage_collectors[stage]
         start = time.perf_counter()
-        collector.update()
         step = _iterations_done(trainer) if step is None else step
+        collector.update(step=step)
+        self._check_keys(collector)
         prefix = self.prefix + ("" if stage is None else STAGE_PREFIXES[stage])
-        metrics = self._metrics(collector, prefix)
+        metrics = self._metrics(collector, prefix, step)
         if stage is None and len(self._hosts) > 1:
             metrics.update(self._stragglers(collector, step))
         self._histograms(trainer, collector, prefix, step)
@@ -364,44 +429,79 @@ class TrainingStats(Callback):
             self._warn_unmatched()
         return metrics
 
-    def _metrics(self, collector: Collector, prefix: str) -> dict[str, float]:
+    def _check_keys(self, collector: Collector) -> None:
+        """``ValueError`` (on every rank: the names are agreed) when a name equals a key derived from
+        another one; checked when the names change."""
+        names = collector.names()
+        if names == self._checked.get(collector.stage):
+            return
+        suffixes = [s for s in self.stats if s != "mean"] + list(_SUFFIXES)
+        known = set(names)
+        clashes = [(n, f"{n}/{x}") for n in names for x in suffixes if f"{n}/{x}" in known]
+        if clashes:
+            said = ", ".join(f"{key!r} (reported, and derived from {name!r})" for name, key in clashes[:5])
+            raise ValueError(
+                f"TrainingStats: the keys {said} would be written twice at one step. HINT: rename the "
+                "reported name (e.g. 'Loss/std_dev' for 'Loss/std')"
+            )
+        self._checked[collector.stage] = names
+
+    def _metrics(self, collector: Collector, prefix: str, step: int) -> dict[str, float]:
         """``{prefix + name[/stat]: value}`` of the names that received values in the last interval."""
         metrics: dict[str, float] = {}
         values = collector.as_dict()
         sketched = re.compile(self.quantiles or "(?!)")
         for name in collector.updated():
-            if math.isnan(values[name]["mean"]):
-                continue
             for stat in self.stats:
                 key = prefix + name if stat == "mean" else f"{prefix}{name}/{stat}"
                 if stat in _STATS:
                     metrics[key] = float(values[name][stat])
                 elif sketched.fullmatch(name):
                     metrics[key] = collector.quantile(name, float(stat[1:]) / 100.0)
+            bad = collector.nonfinite(name)
+            if bad:
+                metrics[f"{prefix}{name}/nonfinite"] = float(bad)
+                if name not in self._warned:
+                    self._warned.add(name)
+                    rank_zero_warn(
+                        f"TrainingStats: {name!r} had {bad} non-finite values (NaN or ±inf) at "
+                        f"iteration={step} "
+                        f"beside {values[name]['num']} finite ones: its statistics are those of the finite "
+                        f"values, and '{prefix}{name}/nonfinite' counts the others at every flush that has "
+                        "any "
+                        "(said once per name)."
+                    )
         return metrics
 
     def _stragglers(self, collector: Collector, step: int) -> dict[str, float]:
-        """The slowest rank and its ratio to the median rank of each straggler name with values;
-        the log line where its excess counted at ``straggler_patience`` flushes in a row."""
+        """The straggler and its ratio to the median rank of each straggler name with values; the log
+        line where its excess counted at ``straggler_patience`` flushes in a row."""
         metrics: dict[str, float] = {}
         pattern = re.compile(self.stragglers or "(?!)")
         values = collector.as_dict()
-        means = [values[n]["mean"] for n in ("Timing/data_sec", "Timing/step_sec") if n in values]
+        parts = (
+            ["Timing/iteration_sec"]
+            if "Timing/iteration_sec" in values
+            else ["Timing/data_sec", "Timing/step_sec"]
+        )
+        means = [values[n]["mean"] for n in parts if n in values]
         floor = max(self.straggler_min_sec, self.straggler_excess * sum(m for m in means if m == m))  # no NaN
         for name in collector.updated():
-            slowest = collector.straggler(name) if pattern.fullmatch(name) else None
-            if slowest is None:
+            straggler = collector.straggler(name) if pattern.fullmatch(name) else None
+            if straggler is None:
                 continue
-            metrics[f"{self.prefix}{name}/slowest_rank"] = float(slowest.rank)
-            metrics[f"{self.prefix}{name}/slowest_ratio"] = slowest.ratio
+            metrics[f"{self.prefix}{name}/straggler_rank"] = float(straggler.rank)
+            metrics[f"{self.prefix}{name}/straggler_ratio"] = straggler.ratio
             rank, count = self._runs.get(name, (-1, 0))
-            counted = slowest.mean - slowest.median >= floor
-            count = (count + 1 if rank == slowest.rank else 1) if counted else 0
-            self._runs[name] = (slowest.rank, count)
+            counted = straggler.mean - straggler.median >= floor
+            count = (count + 1 if rank == straggler.rank else 1) if counted else 0
+            self._runs[name] = (straggler.rank, count)
             if count >= self.straggler_patience:
-                where = f"rank {slowest.rank} (host {self._hosts[slowest.rank]})"
-                times = f"{slowest.mean:.4g} = {slowest.ratio:.2f}x the median rank ({slowest.median:.4g})"
-                rank_zero_info(f"Slowest rank at iteration={step}: {where}, {name} {times}, {count} flushes")
+                where = f"rank {straggler.rank} (host {self._hosts[straggler.rank]})"
+                times = (
+                    f"{straggler.mean:.4g} = {straggler.ratio:.2f}x the median rank ({straggler.median:.4g})"
+                )
+                rank_zero_info(f"Straggler at iteration={step}: {where}, {name} {times}, {count} flushes")
         return metrics
 
     def _histograms(self, trainer: pl.Trainer, collector: Collector, prefix: str, step: int) -> None:

@@ -567,7 +567,7 @@ using MomentAcc = std::conditional_t<
     std::is_same_v<T, float> || std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>, float, double>;
 
 struct Moments {
-  double s1 = 0.0, s2 = 0.0;
+  double s1 = 0.0, s2 = 0.0, nonfinite = 0.0;
   double lo = std::numeric_limits<double>::infinity(), hi = -std::numeric_limits<double>::infinity();
 };
 
@@ -580,7 +580,8 @@ inline Acc value(const T* p, int64_t i) {
   }
 }
 
-// Shifted sums and extremes of p[0..n): per-lane partial sums in Acc, flushed into float64 totals.
+// Shifted sums and extremes of the finite values of p[0..n) and the count of the others: per-lane
+// partial sums in Acc, flushed into float64 totals. `v - v == 0` is false exactly for NaN and +-inf.
 template <typename T, typename Acc = MomentAcc<T>>
 LE_CLONES Moments moments_range(const T* p, int64_t n, Acc shift) {
   constexpr int kLanes = std::is_same_v<Acc, float> ? 16 : 8;
@@ -590,40 +591,46 @@ LE_CLONES Moments moments_range(const T* p, int64_t n, Acc shift) {
     lo[j] = std::numeric_limits<Acc>::infinity();
     hi[j] = -std::numeric_limits<Acc>::infinity();
   }
-  double t1[kLanes] = {}, t2[kLanes] = {};  // float64 totals per lane (no serial chain of adds)
+  double t1[kLanes] = {}, t2[kLanes] = {}, tb[kLanes] = {};  // float64 totals per lane
   for (int64_t b0 = 0; b0 < n; b0 = (kBlock >= n - b0) ? n : b0 + kBlock) {
     const int64_t end = (kBlock >= n - b0) ? n : b0 + kBlock;
     const int64_t body = end - (end - b0) % kLanes;
-    Acc s1[kLanes] = {}, s2[kLanes] = {};
+    Acc s1[kLanes] = {}, s2[kLanes] = {}, bad[kLanes] = {};
     for (int64_t i = b0; i < body; i += kLanes) {
 #pragma omp simd
       for (int j = 0; j < kLanes; ++j) {
         const Acc v = value<Acc>(p, i + j);
-        const Acc d = v - shift;
+        const bool finite = v - v == Acc(0);
+        const Acc d = finite ? v - shift : Acc(0);
         s1[j] += d;
         s2[j] += d * d;
-        lo[j] = v < lo[j] ? v : lo[j];
-        hi[j] = v > hi[j] ? v : hi[j];
+        lo[j] = finite && v < lo[j] ? v : lo[j];
+        hi[j] = finite && v > hi[j] ? v : hi[j];
+        bad[j] += finite ? Acc(0) : Acc(1);
       }
     }
     for (int64_t i = body; i < end; ++i) {
       const Acc v = value<Acc>(p, i);
-      const Acc d = v - shift;
+      const bool finite = v - v == Acc(0);
+      const Acc d = finite ? v - shift : Acc(0);
       s1[0] += d;
       s2[0] += d * d;
-      lo[0] = v < lo[0] ? v : lo[0];
-      hi[0] = v > hi[0] ? v : hi[0];
+      lo[0] = finite && v < lo[0] ? v : lo[0];
+      hi[0] = finite && v > hi[0] ? v : hi[0];
+      bad[0] += finite ? Acc(0) : Acc(1);
     }
 #pragma omp simd
     for (int j = 0; j < kLanes; ++j) {
       t1[j] += s1[j];
       t2[j] += s2[j];
+      tb[j] += bad[j];
     }
   }
   Moments m;
   for (int j = 0; j < kLanes; ++j) {
     m.s1 += t1[j];
     m.s2 += t2[j];
+    m.nonfinite += tb[j];
     m.lo = std::min(m.lo, static_cast<double>(lo[j]));
     m.hi = std::max(m.hi, static_cast<double>(hi[j]));
   }
@@ -646,31 +653,31 @@ Moments moments_of(const T* p, int64_t n, Acc shift) {
   for (const Moments& m : parts) {  // fixed order: the same result for the same thread count
     total.s1 += m.s1;
     total.s2 += m.s2;
+    total.nonfinite += m.nonfinite;
     total.lo = std::min(total.lo, m.lo);
     total.hi = std::max(total.hi, m.hi);
   }
   return total;
 }
 
-// Whether float32 partial sums about `shift` (a float32 value) are as accurate as documented for
+// Whether float32 partial sums about `shift` (a float32 value) are as accurate as documented for the
 // finite data in [m.lo, m.hi]: with d = max |x - shift|, no square overflows (32 terms per lane, each
-// below 2^120) and no large one underflows (d >= 2^-40: squares above 2^-46 d^2 are normal). Data with
-// an infinity is as non-finite in float64.
+// below 2^120) and no large one underflows (d >= 2^-40: squares above 2^-46 d^2 are normal). No finite
+// value (lo = +inf): nothing was summed.
 bool float32_sums_hold(const Moments& m, double shift) {
   if (!std::isfinite(m.lo) || !std::isfinite(m.hi)) return true;
   const double d = std::max(m.hi - shift, shift - m.lo);
   return d == 0.0 || (d >= 0x1p-40 && d <= 0x1p60);
 }
 
-// acc (float64 (5,)) += [numel, sum(x - shift), sum((x - shift)^2)], acc[3] = min, acc[4] = max.
-// Float input sums about the shift rounded to float32, moved to the float64 shift in float64:
-// sum(x - c) = t1 + n d, sum((x - c)^2) = t2 + 2 d t1 + n d^2, d = c32 - c; values too far from the
-// shift (or too close to it) for float32 squares take a float64 pass instead. NaN in x: the sums are
-// NaN (a square is never NaN otherwise), and the extremes are set to NaN.
+// acc (float64 (6,)) += [n, sum(x - shift), sum((x - shift)^2)] over the n finite values of x, acc[3] =
+// min, acc[4] = max of them, acc[5] += the count of the others (NaN, +-inf). Float input sums about the
+// shift rounded to float32, moved to the float64 shift in float64: sum(x - c) = t1 + n d, sum((x - c)^2)
+// = t2 + 2 d t1 + n d^2, d = c32 - c; values too far from the shift (or too close to it) for float32
+// squares take a float64 pass instead.
 void accumulate_moments_(Tensor& acc, const Tensor& x, const Tensor& shift) {
   Guards guards;
   const Tensor xd = x.contiguous();
-  const int64_t n = xd.numel();
   const double c = shift.item<double>();
   Moments total;
   double used_shift = c;
@@ -678,13 +685,13 @@ void accumulate_moments_(Tensor& acc, const Tensor& x, const Tensor& shift) {
     using Acc = MomentAcc<scalar_t>;
     const scalar_t* p = xd.const_data_ptr<scalar_t>();
     used_shift = static_cast<double>(static_cast<Acc>(c));
-    total = moments_of<scalar_t, Acc>(p, n, static_cast<Acc>(c));
+    total = moments_of<scalar_t, Acc>(p, xd.numel(), static_cast<Acc>(c));
     if (!std::is_same_v<Acc, double> && !float32_sums_hold(total, used_shift)) {
       used_shift = c;
-      total = moments_of<scalar_t, double>(p, n, c);
+      total = moments_of<scalar_t, double>(p, xd.numel(), c);
     }
   });
-  const double count = static_cast<double>(n), d = used_shift - c;
+  const double count = static_cast<double>(xd.numel()) - total.nonfinite, d = used_shift - c;
   double* a = acc.data_ptr<double>();
   a[0] += count;
   if (d == 0.0) {  // the usual case (the shift is a value of the data): no correction, no 0 * inf
@@ -696,12 +703,12 @@ void accumulate_moments_(Tensor& acc, const Tensor& x, const Tensor& shift) {
   }
   a[3] = std::min(a[3], total.lo);
   a[4] = std::max(a[4], total.hi);
-  if (std::isnan(a[2])) a[3] = a[4] = std::numeric_limits<double>::quiet_NaN();
+  a[5] += total.nonfinite;
 }
 
 // accumulate_histogram_ (contract: KernelBackend.accumulate_histogram_; layout and reference:
-// lightning_ext/kernels/histogram.py): hist[(m + 1) +- j] += 1 per non-NaN value v, j = the number of
-// the m + 1 edges below |v| (torch.bucketize), the sign of v choosing +-.
+// lightning_ext/kernels/histogram.py): hist[(m + 1) +- j] += 1 per finite value v, j = the number of
+// the m + 1 edges below |v| (torch.bucketize), the sign of v choosing +-; NaN and +-inf are not counted.
 //
 // Geometric edges e_j = e_0 gamma^j (DDSketch's, Masson, Rim & Lee, VLDB 2019) put |v| in bucket
 // ceil(log_gamma(|v| / e_0)). A vectorized pass over HIST_BLOCK values guesses j from a float32
@@ -716,7 +723,7 @@ void accumulate_moments_(Tensor& acc, const Tensor& x, const Tensor& shift) {
 // values), with each edge rounded DOWN to float32, ed = RD(e): for a float32 a, e < a <=> ed < a and
 // a <= e <=> a <= ed (no float32 lies strictly between ed and e); float64 for float64, int32 and int64
 // input (converted as ATen's .to(float64), to nearest). Each thread chunk of the input counts into its
-// own int64 histogram (NaN into a trash slot); the chunks' counts are summed in a fixed order and added
+// own int64 histogram (NaN and +-inf into a trash slot); the chunks' counts are summed in a fixed order and added
 // once per bucket, as the reference's bincount, so the float64 counts equal the reference's. At most
 // HIST_SMALL values (report() of a scalar) skip the tables: float64 comparisons value by value.
 
@@ -812,8 +819,8 @@ inline int32_t sign_bit(float v) { return static_cast<int32_t>(__builtin_bit_cas
 inline int32_t sign_bit(double v) { return static_cast<int32_t>(__builtin_bit_cast(uint64_t, v) >> 63); }
 
 // pos[i] for p[0..len): the position m + 1 +- j of a value whose guess j is right, 2m + 3 (the trash
-// slot) for NaN, and -1 - j for a wrong guess j. Branch-free (signs from bits, NaN by its float32
-// bits) so that it vectorizes, the edges gathered.
+// slot) for NaN and +-inf, and -1 - j for a wrong guess j. Branch-free (signs from bits, a quiet
+// comparison for the non-finite) so that it vectorizes, the edges gathered.
 template <typename C, typename T>
 LE_CLONES __attribute__((noinline)) void hist_positions(const T* __restrict p, int64_t len,
                                                        const C* __restrict ext, int32_t m, HistGuess g,
@@ -828,10 +835,10 @@ LE_CLONES __attribute__((noinline)) void hist_positions(const T* __restrict p, i
     const C lo = ext[j], hi = ext[j + 1];
     // Quiet comparisons: `<` may trap on NaN, which keeps GCC from if-converting (vectorizing) the loop.
     const bool right = std::isless(lo, a) & std::islessequal(a, hi);
-    const bool nan = __builtin_bit_cast(uint32_t, f) > 0x7F800000u;
+    const bool nonfinite = !std::islessequal(a, std::numeric_limits<C>::max());
     const int32_t neg = -sign_bit(c);
     const int32_t q = m + 1 + ((j ^ neg) - neg);
-    pos[i] = nan ? trash : (right ? q : -1 - j);
+    pos[i] = nonfinite ? trash : (right ? q : -1 - j);
   }
 }
 
@@ -851,7 +858,7 @@ inline int64_t hist_locate(const C* ext, int64_t m, C a, int64_t j) {
   return std::lower_bound(ext + 1, ext + m + 2, a) - (ext + 1);  // the number of edges below a
 }
 
-// counts (2m + 4,) int64 += the counts of p[0..n) (the last slot: NaN).
+// counts (2m + 4,) int64 += the counts of p[0..n) (the last slot: NaN and +-inf).
 template <typename C, typename T>
 void histogram_range(const T* p, int64_t n, const C* ext, int64_t m, HistGuess g, int64_t* counts) {
   int32_t pos[HIST_BLOCK];
@@ -877,7 +884,7 @@ void histogram_small(const T* p, int64_t n, const double* e, int64_t m, HistGues
   int64_t k = 0;
   for (int64_t i = 0; i < n; ++i) {
     const double v = hist_value<double>(p, i);
-    if (std::isnan(v)) continue;
+    if (!std::isfinite(v)) continue;
     const double a = std::fabs(v);
     int64_t j = hist_guess_of(static_cast<float>(a), g);
     for (int s = 0; s < HIST_STEPS && j <= m && e[j] < a; ++s) ++j;
@@ -958,75 +965,87 @@ double max_nan(double a, double b) {  // torch.maximum: NaN if either is NaN
 
 double clamp_min_zero(double v) { return v < 0.0 ? 0.0 : v; }  // clamp_min(0): NaN stays NaN
 
-// max_payload (2 + 4R,) = [fp, -fp, max, -min, mean, -mean]; sum_payload (R, 4) = [n, m2, n d, n d^2].
-void moments_payload_(Tensor& max_payload, Tensor& sum_payload, const Tensor& sums, const Tensor& shifts,
-                      const Tensor& center, double fingerprint) {
-  const int64_t r = sums.size(0);
-  const double* s = sums.const_data_ptr<double>();
+// max_payload (H + 5R,) = [head | max | -min | mean | -mean | mean with the rank in its low bits];
+// sum_payload (R, 5) = [n, m2, n d, n d^2, nonfinite]; rows (R, 6) = [n, S1, S2, min, max, nonfinite].
+void moments_payload_(Tensor& max_payload, Tensor& sum_payload, const Tensor& rows, const Tensor& shifts,
+                      const Tensor& center, const std::vector<double>& head, int64_t rank,
+                      int64_t rank_bits) {
+  const int64_t r = rows.size(0), h = static_cast<int64_t>(head.size());
+  const double* s = rows.const_data_ptr<double>();
   const double* a = shifts.const_data_ptr<double>();
   const double* c = center.const_data_ptr<double>();
   double* mx = max_payload.data_ptr<double>();
   double* out = sum_payload.data_ptr<double>();
   const double ninf = -std::numeric_limits<double>::infinity();
-  mx[0] = fingerprint;
-  mx[1] = -fingerprint;
-  double *hi = mx + 2, *neg_lo = hi + r, *mean_max = neg_lo + r, *neg_mean_min = mean_max + r;
+  std::copy(head.begin(), head.end(), mx);
+  double *hi = mx + h, *neg_lo = hi + r, *mean_max = neg_lo + r, *neg_mean_min = mean_max + r;
+  double* packed = neg_mean_min + r;
+  const uint64_t mask = (uint64_t{1} << rank_bits) - 1;
   for (int64_t i = 0; i < r; ++i) {
-    const double* row = s + 5 * i;
+    const double* row = s + 6 * i;
     const double n = row[0];
     const bool has = n > 0;
     const double safe_n = has ? n : 1.0;
     const double mean = has ? finite_or_zero(a[i]) + row[1] / safe_n : 0.0;
-    const double m2 = has ? 0.0 + clamp_min_zero(row[2] - row[1] * row[1] / safe_n) : 0.0;
+    const double m2 = has ? clamp_min_zero(row[2] - row[1] * row[1] / safe_n) : 0.0;
     const double d = has ? mean - finite_or_zero(c[i]) : 0.0;
-    double* o = out + 4 * i;
+    double* o = out + 5 * i;
     o[0] = n;
     o[1] = m2;
     o[2] = n * d;
     o[3] = n * d * d;
+    o[4] = row[5];
     hi[i] = row[4];
     neg_lo[i] = -row[3];
     mean_max[i] = has ? mean : ninf;
     neg_mean_min[i] = has ? -mean : ninf;
+    const uint64_t bits = (__builtin_bit_cast(uint64_t, mean) & ~mask) | static_cast<uint64_t>(rank);
+    packed[i] = has ? __builtin_bit_cast(double, bits) : ninf;
   }
 }
 
-// published (R, 5) = [n, mean, std, min, max] and next_shift (R,) from the reduced payloads; returns
-// whether a row needs another reduction around max(mean).
-Tensor moments_finish_(Tensor& published, Tensor& next_shift, const Tensor& max_payload,
-                       const Tensor& sum_payload, const Tensor& center, bool keep_previous) {
+// published (R, 6) = [n, mean, std, min, max, nonfinite], next_shift (R,) and idle (R,) from the reduced
+// payloads; returns [whether a row needs another reduction around max(mean), rows idle >= forget_after].
+Tensor moments_finish_(Tensor& published, Tensor& next_shift, Tensor& idle, const Tensor& extremes,
+                       const Tensor& sum_payload, const Tensor& center, bool keep_previous, int64_t forget_after) {
   const int64_t r = sum_payload.size(0);
-  const double* mx = max_payload.const_data_ptr<double>();
-  const double *hi = mx + 2, *neg_lo = hi + r, *mean_max = neg_lo + r, *neg_mean_min = mean_max + r;
+  const double* mx = extremes.const_data_ptr<double>();
+  const double *hi = mx, *neg_lo = hi + r, *mean_max = neg_lo + r, *neg_mean_min = mean_max + r;
   const double* sp = sum_payload.const_data_ptr<double>();
   const double* c0 = center.const_data_ptr<double>();
   double* pub = published.data_ptr<double>();
   double* shift = next_shift.data_ptr<double>();
+  double* quiet = idle.data_ptr<double>();
   const double eps = std::numeric_limits<double>::epsilon(), nan = std::numeric_limits<double>::quiet_NaN();
-  bool needs = false;
+  bool again = false;
+  double forgettable = 0.0;
   for (int64_t i = 0; i < r; ++i) {
-    const double *o = sp + 4 * i, n = o[0], c = finite_or_zero(c0[i]);
+    const double *o = sp + 5 * i, n = o[0], c = finite_or_zero(c0[i]);
     const bool has = n > 0;
     const double safe_n = has ? n : 1.0, spread = mean_max[i] + neg_mean_min[i];
     const double between = spread > 0 ? clamp_min_zero(o[3] - o[2] * o[2] / safe_n) : 0.0;
     const double m2 = has ? o[1] + between : 0.0;
     const double distance = max_nan(mean_max[i] - c, neg_mean_min[i] + c);
-    needs = needs || (has && spread > 0 && 8 * eps * n * distance * distance > 1e-10 * m2);
-    double* p = pub + 5 * i;
+    again = again || (has && spread > 0 && 8 * eps * n * distance * distance > 1e-10 * m2);
+    double* p = pub + 6 * i;
     if (has) {
       const double mean = spread == 0 ? mean_max[i] : c + o[2] / safe_n;
       p[0] = n;
       p[1] = mean;
-      p[2] = std::sqrt(m2 / n);
+      p[2] = std::sqrt(m2 / safe_n);
       p[3] = -neg_lo[i];
       p[4] = hi[i];
+      p[5] = o[4];
       shift[i] = mean;
-    } else if (!keep_previous) {
+    } else if (o[4] > 0 || !keep_previous) {
       p[0] = 0.0;
       p[1] = p[2] = p[3] = p[4] = nan;
+      p[5] = o[4];
     }
+    quiet[i] = has || o[4] > 0 ? 0.0 : quiet[i] + 1.0;
+    forgettable += forget_after > 0 && quiet[i] >= static_cast<double>(forget_after) ? 1.0 : 0.0;
   }
-  return at::scalar_tensor(needs, at::TensorOptions().dtype(at::kBool));
+  return at::tensor({again ? 1.0 : 0.0, forgettable}, at::TensorOptions().dtype(at::kDouble));
 }
 
 }  // namespace

@@ -4,14 +4,15 @@ in the buckets of a signed histogram whose bucket edges are given.
 With ``edges`` the ``m + 1`` increasing positive upper edges ``e_0 < e_1 < ... < e_m``, the histogram has
 ``B = 2m + 3`` float64 counts, ordered by value::
 
-    [0]             v < -e_m (-inf included): the negative overflow
+    [0]             v < -e_m: the negative overflow
     [1 .. m]        -e_j <= v < -e_(j-1) for j = m .. 1
     [m + 1]         |v| <= e_0 (zeros included): the zero bucket
     [m + 2 .. 2m+1] e_(j-1) < v <= e_j for j = 1 .. m
-    [2m + 2]        v > e_m (+inf included): the positive overflow
+    [2m + 2]        v > e_m: the positive overflow
 
 i.e. position ``m + 1 ± j`` (the sign of ``v``) for ``j`` the number of edges below ``|v|``
-(``torch.bucketize(|v|, edges)``). NaN is not counted. Geometric edges ``e_j = e_0 gamma^j`` make it
+(``torch.bucketize(|v|, edges)``). Only finite values are counted (NaN and ``±inf`` are not).
+Geometric edges ``e_j = e_0 gamma^j`` make it
 DDSketch's logarithmic mapping (Masson, Rim & Lee, "DDSketch: A Fast and Fully-Mergeable Quantile Sketch
 with Relative-Error Guarantees", VLDB 2019); :class:`lightning_ext.stats.Collector` builds them.
 Every implementation compares the float64 value with the float64 edges, so all agree exactly.
@@ -36,8 +37,8 @@ def _accumulate_histogram_reference(hist: Tensor, x: Tensor, edges: Tensor) -> N
 
     Args:
         hist: float64 ``(2m + 3,)`` on ``x``'s device, contiguous, updated in place (the layout above).
-        x: real tensor of any shape and dtype (bool and complex excluded); empty adds nothing. NaN is
-            not counted.
+        x: real tensor of any shape and dtype (bool and complex excluded); empty adds nothing. NaN and
+            ``±inf`` are not counted.
         edges: float64 ``(m + 1,)`` on ``x``'s device, contiguous, positive, finite, strictly
             increasing (not checked: that would synchronize host and device).
 
@@ -48,13 +49,13 @@ def _accumulate_histogram_reference(hist: Tensor, x: Tensor, edges: Tensor) -> N
         >>> from lightning_ext.kernels import get_backend
         >>> hist = torch.zeros(7, dtype=torch.float64)
         >>> edges = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)
-        >>> x = torch.tensor([-5.0, 0.0, 1.0, 1.5, 3.0, float("nan")])
+        >>> x = torch.tensor([-5.0, 0.0, 1.0, 1.5, 3.0, float("nan"), float("inf")])
         >>> get_backend("reference").run("accumulate_histogram_", hist, x, edges)
         >>> hist.tolist()
         [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
     """
     v = x.reshape(-1).to(torch.float64)
-    v = v[~v.isnan()]
+    v = v[v.isfinite()]
     j = torch.bucketize(v.abs(), edges)
     positions = torch.where(v < 0, -j, j).add_(edges.numel())
     hist.add_(torch.bincount(positions, minlength=hist.numel()).to(torch.float64))
@@ -92,7 +93,7 @@ if HAS_TRITON:
                 lo = tl.where(below, mid + 1, lo)
                 hi = tl.where(below | (lo >= hi), hi, mid)
             pos = tl.where(v < 0, -lo, lo) + (m + 1)
-            valid = mask & (v == v)  # NaN is not counted
+            valid = mask & (a < float("inf"))  # NaN and +-inf are not counted
             tl.atomic_add(hist_ptr + pos, tl.where(valid, 1.0, 0.0).to(tl.float64), mask=valid)
 
 

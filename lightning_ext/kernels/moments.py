@@ -1,7 +1,12 @@
 """Statistics op family: ``accumulate_moments_`` (reference and a Triton kernel) and the flush's
 ``moments_payload_`` and ``moments_finish_`` (reference only: a few vector ops over the names; ``cpu``
-compiles them). The moment maths of the flush lives here; :mod:`lightning_ext.stats.moments`
-re-exports it.
+compiles them). The moment maths of :class:`lightning_ext.stats.Collector`'s flush lives here.
+
+An *accumulator row* is float64 ``[n, S1, S2, min, max, nonfinite]``: the count of finite values, their
+sums shifted by the row's shift, ``S1 = sum(x - shift)``, ``S2 = sum((x - shift)^2)``, their extremes,
+and the count of non-finite values (NaN, ``+inf``, ``-inf``), which are counted and nothing else. An
+empty row is ``[0, 0, 0, +inf, -inf, 0]``. A *moment row* is ``[n, mean, m2, min, max]``, ``m2`` the sum
+of squared deviations from the mean.
 
 Sources: shifted sums (Welford 1962; Chan, Golub & LeVeque, "Algorithms for computing the sample
 variance", 1983, section 3) and the parallel merge (Chan, Golub & LeVeque 1979).
@@ -19,212 +24,177 @@ from lightning_ext.kernels.backend import define_op
 
 __all__ = ["moments_from_shifted"]  # an op family: its ops are registered below (lightning_ext.kernels.ops)
 
-_UNPUBLISHED = (0.0, math.nan, math.nan, math.nan, math.nan)  # a published row without values
+_UNPUBLISHED = (0.0, math.nan, math.nan, math.nan, math.nan, 0.0)  # a published row without values
+_EPS = torch.finfo(torch.float64).eps
 
 # ---------------------------------------------------------------------------- reference (pure torch)
 
 
 def _accumulate_moments_reference(acc: Tensor, x: Tensor, shift: Tensor) -> None:
-    """Add the count, shifted sums and extremes of ``x`` into ``acc``, in place, totals in float64.
+    """Add the finite values of ``x`` to the accumulator row ``acc`` and count the others, in place.
 
-    ``acc += [numel, sum(x - shift), sum((x - shift)^2)]``, ``acc[3] = min(acc[3], min(x))``,
-    ``acc[4] = max(acc[4], max(x))``; start from ``[0, 0, 0, +inf, -inf]``. A shift near the data
-    (its first value) keeps the variance ``(S2 - S1^2 / n) / n`` accurate (shifted-data algorithm,
-    Chan, Golub & LeVeque 1983). Element arithmetic is float64, except that for
-    float16/bfloat16/float32 input a backend may form ``x - shift`` and its square in float32 and
-    sum them in runs of at most 32 terms before float64 takes them, where no square overflows or
-    underflows (``cpu``: relative error at most ``34 * 2**-24`` of the summed magnitudes; float64
-    elsewhere, so every finite input gives finite sums). NaN in ``x`` makes the sums and extremes NaN.
+    ``acc += [n, sum(x - shift), sum((x - shift)^2), ., ., k]`` over the ``n`` finite elements (``k``
+    the non-finite ones: NaN, ``+inf``, ``-inf``), ``acc[3] = min(acc[3], min)``, ``acc[4] = max(acc[4],
+    max)`` of the finite ones. A shift near the data (its first value) keeps the variance
+    ``(S2 - S1^2 / n) / n`` accurate (shifted-data algorithm, Chan, Golub & LeVeque 1983). Element
+    arithmetic is float64, except that for float16/bfloat16/float32 input a backend may form ``x -
+    shift`` and its square in float32 and sum them in runs of at most 32 terms before float64 takes them,
+    where no square overflows or underflows (``cpu``: relative error at most ``34 * 2**-24`` of the
+    summed magnitudes; float64 elsewhere, so every finite input gives finite sums).
 
     Args:
-        acc: float64 ``(5,)`` on ``x``'s device, updated in place.
+        acc: float64 ``(6,)`` on ``x``'s device, updated in place (the layout of the module docstring).
         x: real tensor of any shape and dtype (bool and complex excluded); empty adds nothing.
-        shift: float64 0-dim tensor on ``x``'s device.
+        shift: float64 0-dim finite tensor on ``x``'s device.
 
-    Reference: a float64 copy, shifted sum and dot product (BLAS), ``aminmax`` (it propagates NaN).
+    Reference: a float64 copy, the non-finite elements masked (no host sync), a shifted sum and a dot
+    product (BLAS).
     """
     if not x.numel():
         return
-    # Out of place: for float64 ``x``, ``.to(float64)`` aliases ``x`` and ``sub_`` would modify it.
-    xd = x.reshape(-1).to(torch.float64) - shift
-    mn, mx = torch.aminmax(x.reshape(-1))
-    acc[0].add_(x.numel())
-    acc[1:3].add_(torch.stack((xd.sum(), torch.dot(xd, xd))))
-    torch.minimum(acc[3], mn.to(torch.float64), out=acc[3])
-    torch.maximum(acc[4], mx.to(torch.float64), out=acc[4])
+    v = x.reshape(-1).to(torch.float64)
+    d = v - shift  # out of place: for float64 ``x`` the copy above is ``x`` itself
+    if x.is_floating_point():
+        finite = v.isfinite()
+        count = finite.sum(dtype=torch.float64)
+        d = torch.where(finite, d, 0.0)
+        lo, hi = torch.where(finite, v, math.inf).min(), torch.where(finite, v, -math.inf).max()
+    else:
+        count, (lo, hi) = torch.tensor(float(v.numel()), dtype=torch.float64, device=v.device), v.aminmax()
+    acc[0:3].add_(torch.stack((count, d.sum(), torch.dot(d, d))))
+    torch.minimum(acc[3], lo, out=acc[3])
+    torch.maximum(acc[4], hi, out=acc[4])
+    acc[5].add_(v.numel() - count)
+
+
+def moments_from_shifted(acc: Tensor, shift: Tensor) -> Tensor:
+    """Moment rows ``[n, mean, m2, min, max]`` of accumulator rows (a shift taken from the data keeps the
+    sums small when ``|mean| >> std``).
+
+    Args:
+        acc: float64 ``(..., 5)`` or ``(..., 6)``: ``[n, sum(x - shift), sum((x - shift)^2), min, max]``
+            (a sixth column, the non-finite count, is ignored).
+        shift: float64 ``(...)``: the shift each row was accumulated around (non-finite counts as 0).
+
+    Returns:
+        float64 ``(..., 5)`` moment rows; rows with ``n = 0`` are ``[0, 0, 0, min, max]``.
+
+    Example::
+
+        >>> acc = torch.tensor([[3.0, 0.0, 2.0, 1.0, 3.0]], dtype=torch.float64)  # 1, 2, 3 about 2
+        >>> moments_from_shifted(acc, torch.tensor([2.0], dtype=torch.float64)).tolist()
+        [[3.0, 2.0, 2.0, 1.0, 3.0]]
+    """
+    n, s1, s2, lo, hi = acc[..., :5].unbind(-1)
+    has = n > 0
+    safe = torch.where(has, n, 1.0)
+    mean = torch.where(has, torch.nan_to_num(shift, 0.0, 0.0, 0.0) + s1 / safe, 0.0)
+    m2 = torch.where(has, (s2 - s1 * s1 / safe).clamp_min(0.0), 0.0)
+    return torch.stack([n, mean, m2, lo, hi], -1)
 
 
 # ---------------------------------------------------------------------------- the flush (reference)
-# Moment rows ``[count, mean, m2, min, max]`` (m2: sum of squared deviations from the mean) and the two
-# payloads of a flush; the references of moments_payload_ and moments_finish_ below state the contracts.
-
-
-def moments_from_shifted(acc: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """Convert shifted sums to moment rows (a shift taken from the data keeps the sums small when
-    ``|mean| ≫ std``).
-
-    Args:
-        acc: float64 ``(..., 5)``: ``[count, Σ(x-shift), Σ(x-shift)², min, max]``.
-        shift: float64 ``(...)``: the shift each row was accumulated around.
-
-    Returns:
-        float64 ``(..., 5)`` moment rows; rows with count 0 are empty.
-    """
-    n, s1, s2, lo, hi = acc.unbind(-1)  # the same maths as one rank's row with no within-rank m2
-    return _moments_from_allreduce(torch.stack([n, torch.zeros_like(n), s1, s2], -1), shift, lo, hi)
-
-
-def _shifted_for_allreduce(rows: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """Re-express moment rows around a shift shared by all ranks, ready for a SUM all-reduce.
-
-    One SUM of these rows followed by :func:`_moments_from_allreduce` gives the global moments by
-    Chan's merge: the within-rank ``m2`` never cancels, and the between-rank term is exact when the
-    shift is near the rank means.
-
-    Args:
-        rows: float64 ``(R, 5)`` local moment rows.
-        shift: float64 ``(R,)``, identical on every rank (non-finite entries are treated as 0).
-
-    Returns:
-        float64 ``(R, 4)``: ``[count, m2, count·d, count·d²]`` with ``d = mean - shift``.
-    """
-    c = torch.nan_to_num(shift, nan=0.0, posinf=0.0, neginf=0.0)
-    n = rows[:, 0]
-    d = torch.where(n > 0, rows[:, 1] - c, torch.zeros_like(c))
-    return torch.stack([n, rows[:, 2], n * d, n * d * d], dim=-1)
-
-
-def _moments_from_allreduce(
-    sums: torch.Tensor,
-    shift: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    spread: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Global moment rows from the SUM of :func:`_shifted_for_allreduce` and the MAX-reduced extremes.
-
-    ``m2 = Σ m2_i + (Σ n_i d_i² - (Σ n_i d_i)² / n)``; the between-rank term is exactly 0 when
-    ``spread`` is 0 (e.g. a single rank had values).
-
-    Args:
-        sums: float64 ``(R, 4)`` summed over ranks (any leading dims work).
-        shift: float64 ``(R,)`` the shared shift used by every rank.
-        lo, hi: float64 ``(R,)`` global minimum and maximum.
-        spread: float64 ``(R,)`` largest minus smallest rank mean (``-inf``/NaN where no rank had data).
-
-    Returns:
-        float64 ``(R, 5)`` moment rows.
-    """
-    c = torch.nan_to_num(shift, nan=0.0, posinf=0.0, neginf=0.0)
-    n, m2_within, s1, s2 = sums.unbind(-1)
-    has = n > 0
-    safe_n = torch.where(has, n, torch.ones_like(n))
-    between = (s2 - s1 * s1 / safe_n).clamp_min(0.0)
-    if spread is not None:
-        between = torch.where(spread > 0, between, torch.zeros_like(between))
-    mean = torch.where(has, c + s1 / safe_n, torch.zeros_like(n))
-    m2 = torch.where(has, m2_within + between, torch.zeros_like(n))
-    return torch.stack([n, mean, m2, lo, hi], dim=-1)
-
-
-def _needs_recentering(rows: torch.Tensor, spread: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
-    """Rows whose between-rank term may have lost more than ~1e-10 of ``m2`` to cancellation.
-
-    The rounding error of ``Σ n_i d_i² - (Σ n_i d_i)² / n`` is at most a few ``eps · n · distance²``.
-    Such rows must be reduced again around a shift inside the data (e.g. the largest rank mean).
-
-    Args:
-        rows: float64 ``(R, 5)`` moment rows from :func:`_moments_from_allreduce`.
-        spread: float64 ``(R,)`` largest minus smallest rank mean.
-        distance: float64 ``(R,)`` largest ``|mean_i - shift|`` over ranks with data.
-
-    Returns:
-        bool ``(R,)``.
-    """
-    n, m2 = rows[:, 0], rows[:, 2]
-    bound = 8 * torch.finfo(torch.float64).eps * n * distance * distance
-    return (n > 0) & (spread > 0) & (bound > 1e-10 * m2)
 
 
 def _moments_payload_reference(
-    max_payload: Tensor, sum_payload: Tensor, sums: Tensor, shifts: Tensor, center: Tensor, fingerprint: float
-) -> None:
-    """Write one rank's moment rows of ``R`` statistics as the two payloads of a flush, in place.
+    max_payload: Tensor, sum_payload: Tensor, rows: Tensor, shifts: Tensor, center: Tensor,
+    head: list[float], rank: int, rank_bits: int,
+) -> None:  # fmt: skip
+    """Write one rank's accumulator rows of ``R`` statistics as the two payloads of a flush, in place.
 
-    Each row's local moments come from its shifted sums: ``mean = shift + S1 / n``,
-    ``m2 = max(S2 - S1^2 / n, 0)``; then, with ``d = mean - center`` (0 where ``n = 0``;
-    non-finite centers count as 0):
+    Each row's local moments come from its shifted sums: ``mean = shift + S1 / n``, ``m2 = max(S2 -
+    S1^2 / n, 0)``; then, with ``d = mean - center`` (0 where ``n = 0``; a non-finite center counts as 0):
 
-    * ``max_payload`` (MAX all-reduce) ``= [fingerprint, -fingerprint, max_1..R, -min_1..R,
-      mean_1..R, -mean_1..R]``, the means ``-inf`` where ``n = 0``;
-    * ``sum_payload`` (SUM all-reduce) ``= [n, m2, n d, n d^2]`` per row.
+    * ``max_payload`` (MAX all-reduce) ``= [head | max_1..R | -min_1..R | mean_1..R | -mean_1..R |
+      packed_1..R]``, the means ``-inf`` where ``n = 0``; ``packed_i``: the mean with its low
+      ``rank_bits`` mantissa bits replaced by ``rank`` (``-inf`` where ``n = 0``), so that the MAX names
+      the rank with the largest mean (its size depends on ``R`` alone);
+    * ``sum_payload`` (SUM all-reduce) ``= [n, m2, n d, n d^2, nonfinite]`` per row.
 
     Summed over ranks around a ``center`` shared by all, ``moments_finish_`` turns them into the
-    global moments by Chan, Golub & LeVeque's merge (1979): the within-rank ``m2`` never cancels,
-    the between-rank term is exact when the center is near the rank means.
+    global moments by Chan, Golub & LeVeque's merge (1979): the within-rank ``m2`` never cancels, the
+    between-rank term is exact when the center is near the rank means.
 
     Args:
-        max_payload: float64 ``(2 + 4R,)``, written.
-        sum_payload: float64 ``(R, 4)``, written.
-        sums: float64 ``(R, 5)``, per row ``[n, S1, S2, min, max]`` with ``S1 = sum(x - shift)``,
-            ``S2 = sum((x - shift)^2)`` (the layout of ``accumulate_moments_``; a moment row
-            ``[n, mean, m2, min, max]`` is the case ``S1 = 0``, ``shift = mean``).
+        max_payload: float64 ``(H + 5R,)``, written.
+        sum_payload: float64 ``(R, 5)``, written.
+        rows: float64 ``(R, 6)`` accumulator rows (module docstring; a moment row is the case
+            ``S1 = 0``, ``shift = mean``).
         shifts: float64 ``(R,)``, each row's shift.
         center: float64 ``(R,)``, the same on every rank.
-        fingerprint: a float64 identifying the names (see :class:`~lightning_ext.stats.Collector`).
+        head: ``H`` floats written first, as given (the flush's fingerprints).
+        rank, rank_bits: this rank, and the low mantissa bits that hold it (``rank < 2**rank_bits``).
     """
-    rows = moments_from_shifted(sums, shifts)
-    r, has, mean = rows.shape[0], rows[:, 0] > 0, rows[:, 1]
+    h, r = len(head), rows.shape[0]
+    n, s1, s2, lo, hi, nonfinite = rows.unbind(1)
+    has = n > 0
+    safe = torch.where(has, n, 1.0)
+    mean = torch.where(has, torch.nan_to_num(shifts, 0.0, 0.0, 0.0) + s1 / safe, 0.0)
+    m2 = torch.where(has, (s2 - s1 * s1 / safe).clamp_min(0.0), 0.0)
+    d = torch.where(has, mean - torch.nan_to_num(center, 0.0, 0.0, 0.0), 0.0)
+    max_payload[:h] = torch.tensor(head, dtype=torch.float64)
     ninf = torch.full_like(mean, -math.inf)
-    max_payload[0], max_payload[1] = fingerprint, -fingerprint
-    extremes = (rows[:, 4], -rows[:, 3], torch.where(has, mean, ninf), torch.where(has, -mean, ninf))
-    torch.stack(extremes, out=max_payload[2:].view(4, r))
-    sum_payload.copy_(_shifted_for_allreduce(rows, center))
+    extremes = (hi, -lo, torch.where(has, mean, ninf), torch.where(has, -mean, ninf))
+    torch.stack(extremes, out=max_payload[h : h + 4 * r].view(4, r))
+    bits = mean.view(torch.int64) & ~((1 << rank_bits) - 1) | rank
+    max_payload[h + 4 * r :] = torch.where(has, bits.view(torch.float64), -math.inf)
+    torch.stack([n, m2, n * d, n * d * d, nonfinite], 1, out=sum_payload)
 
 
 def _moments_finish_reference(
-    published: Tensor, next_shift: Tensor, max_payload: Tensor, sum_payload: Tensor, center: Tensor,
-    keep_previous: bool,
+    published: Tensor, next_shift: Tensor, idle: Tensor, extremes: Tensor, sum_payload: Tensor,
+    center: Tensor, keep_previous: bool, forget_after: int,
 ) -> Tensor:  # fmt: skip
-    """Publish the global moments of ``R`` statistics from the reduced payloads of
-    ``moments_payload_``, in place; say whether a row must be reduced again.
+    """Publish the global statistics of ``R`` names from the reduced payloads of ``moments_payload_``,
+    in place; say whether a row must be reduced again and how many rows are idle long enough to forget.
 
-    Per row, with ``spread = max(mean) - min(mean)`` over the ranks that had values:
-    ``n = sum(n)``, ``mean = center + sum(n d) / n`` (the only rank mean when ``spread == 0``:
-    exact), ``m2 = sum(m2) + (sum(n d^2) - sum(n d)^2 / n)`` (the second term clipped at 0 and
-    exactly 0 when ``spread == 0``), ``std = sqrt(m2 / n)`` (population), min and max. A row
-    with ``n > 0`` is written to ``published`` and its mean to ``next_shift``; a row with
-    ``n = 0`` keeps both when ``keep_previous``, else its ``published`` row becomes
-    ``[0, nan, nan, nan, nan]`` (``next_shift`` is kept).
+    Per row, with ``spread = max(mean) - min(mean)`` over the ranks that had finite values: ``n =
+    sum(n)``, ``mean = center + sum(n d) / n`` (the only rank mean when ``spread == 0``: exact), ``m2 =
+    sum(m2) + (sum(n d^2) - sum(n d)^2 / n)`` (the second term clipped at 0, exactly 0 when ``spread ==
+    0``), ``std = sqrt(m2 / n)`` (population), min and max. A row with values (``n + nonfinite > 0``) is
+    published as ``[n, mean, std, min, max, nonfinite]`` (NaN statistics when ``n = 0``: every value was
+    non-finite), its mean goes to ``next_shift`` where ``n > 0``, its ``idle`` count to 0. A row without
+    values keeps ``published`` when ``keep_previous``, else becomes ``[0, nan, nan, nan, nan, 0]``; its
+    ``idle`` count grows by one.
 
     Args:
-        published: float64 ``(R, 5)``, ``[n, mean, std, min, max]`` per row, updated.
+        published: float64 ``(R, 6)``, updated.
         next_shift: float64 ``(R,)``, updated (the center of the next flush).
-        max_payload, sum_payload: the payloads after the MAX and SUM all-reduces.
+        idle: float64 ``(R,)``, updated: flushes in a row without values.
+        extremes: float64 ``(5R,)``: the reduced ``max_payload`` after its head.
+        sum_payload: float64 ``(R, 5)``, reduced.
         center: float64 ``(R,)``, the center the payloads were made around.
         keep_previous: what a row without values keeps (above).
+        forget_after: count the rows idle for at least this many flushes (0: none).
 
     Returns:
-        bool 0-dim tensor: some row's between-rank term may have lost more than ``1e-10`` of its
-        ``m2`` to cancellation (its rounding error is at most a few ``eps n distance^2``, distance
-        the largest ``|rank mean - center|``); reduce ``sum_payload`` again around
-        ``center = max(mean)`` (``max_payload[2 + 2R : 2 + 3R]``) and finish again.
+        float64 ``(2,)``: ``[again, forgettable]``: ``again`` is 1 when some row's between-rank term may
+        have lost more than ``1e-10`` of its ``m2`` to cancellation (its rounding error is at most a few
+        ``eps n distance^2``, distance the largest ``|rank mean - center|``): reduce ``sum_payload``
+        again around ``center = max(mean)`` (``extremes[2R : 3R]``) and finish again;
+        ``forgettable``: the rows idle for at least ``forget_after`` flushes.
     """
     r = sum_payload.shape[0]
-    hi, neg_lo, mean_max, neg_mean_min = max_payload[2:].view(4, r)
-    spread = mean_max + neg_mean_min
-    rows = _moments_from_allreduce(sum_payload, center, -neg_lo, hi, spread)
-    c = torch.nan_to_num(center, nan=0.0, posinf=0.0, neginf=0.0)
+    hi, neg_lo, mean_max, neg_mean_min = extremes[: 4 * r].view(4, r)
+    n, m2_within, s1, s2, nonfinite = sum_payload.unbind(1)
+    c = torch.nan_to_num(center, 0.0, 0.0, 0.0)
+    has, spread = n > 0, mean_max + neg_mean_min
+    safe = torch.where(has, n, 1.0)
+    between = torch.where(spread > 0, (s2 - s1 * s1 / safe).clamp_min(0.0), 0.0)
+    m2 = torch.where(has, m2_within + between, 0.0)
     distance = torch.maximum(mean_max - c, neg_mean_min + c)
-    needs = _needs_recentering(rows, spread, distance).any()
-    n, m2 = rows[:, 0], rows[:, 2]
-    has = n > 0
-    mean = torch.where(spread == 0, mean_max, rows[:, 1])  # one rank's mean (or equal ones): exact
-    values = torch.stack([n, mean, (m2 / n).sqrt(), rows[:, 3], rows[:, 4]], -1)
-    empty = published if keep_previous else torch.tensor(_UNPUBLISHED, dtype=torch.float64, device=n.device)
-    published.copy_(torch.where(has[:, None], values, empty))
+    again = (has & (spread > 0) & (8 * _EPS * n * distance * distance > 1e-10 * m2)).any()
+    mean = torch.where(spread == 0, mean_max, c + s1 / safe)  # one rank's mean (or equal ones): exact
+    values = torch.stack([n, mean, (m2 / safe).sqrt(), -neg_lo, hi, nonfinite], -1)
+    unpublished = torch.tensor(_UNPUBLISHED, dtype=torch.float64, device=n.device)
+    values = torch.where(has[:, None], values, unpublished)
+    values[:, 5] = nonfinite
+    seen = n + nonfinite > 0
+    published.copy_(torch.where(seen[:, None], values, published if keep_previous else unpublished))
     next_shift.copy_(torch.where(has, mean, next_shift))
-    return needs
+    idle.copy_(torch.where(seen, 0.0, idle + 1.0))
+    forgettable = (idle >= forget_after).sum() if forget_after > 0 else idle.new_zeros((), dtype=torch.int64)
+    return torch.stack([again.double(), forgettable.double()])
 
 
 # ---------------------------------------------------------------------------- Triton kernel
@@ -234,42 +204,42 @@ if HAS_TRITON:
     @triton.jit
     def _moments_kernel(
         x_ptr,  # x: (numel,) contiguous, any real dtype
-        acc_ptr,  # acc: (5,) fp64 [count, sum(x - shift), sum((x - shift)^2), min, max], updated in place
+        acc_ptr,  # acc: (6,) fp64 [n, sum(x - shift), sum((x - shift)^2), min, max, nonfinite], in place
         shift_ptr,  # shift: () fp64
         numel,
         n_blocks,  # cdiv(numel, BLOCK)
         BLOCK: tl.constexpr,
     ):  # fmt: skip
         # Grid-stride loop over the blocks with per-lane float64 partials; one set of atomics per
-        # program (a few hundred programs), not per block: the five addresses are not contended.
+        # program (a few hundred programs), not per block: the six addresses are not contended.
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         lanes = tl.arange(0, BLOCK)
         shift = tl.load(shift_ptr)
+        count = tl.zeros([BLOCK], dtype=tl.float64)
         s1 = tl.zeros([BLOCK], dtype=tl.float64)
         s2 = tl.zeros([BLOCK], dtype=tl.float64)
         lo = tl.full([BLOCK], float("inf"), dtype=tl.float64)
         hi = tl.full([BLOCK], float("-inf"), dtype=tl.float64)
+        bad = tl.zeros([BLOCK], dtype=tl.float64)
         for b in range(pid, n_blocks, nprog):
             offs = tl.cast(b, tl.int64) * BLOCK + lanes
             mask = offs < numel
             v = tl.load(x_ptr + offs, mask=mask, other=0).to(tl.float64)
-            d = tl.where(mask, v - shift, 0.0)
+            finite = mask & (tl.abs(v) < float("inf"))  # NaN compares false
+            d = tl.where(finite, v - shift, 0.0)
+            count += tl.where(finite, 1.0, 0.0)
             s1 += d
             s2 += d * d
-            lo = tl.minimum(lo, tl.where(mask, v, float("inf")))
-            hi = tl.maximum(hi, tl.where(mask, v, float("-inf")))
-        # Counts come from the block ranges (exact in float64; one add per program).
-        first = tl.cast(pid, tl.int64) * BLOCK
-        stride = tl.cast(nprog, tl.int64) * BLOCK
-        mine = tl.where(first < numel, (numel - first + stride - 1) // stride, 0)  # blocks of this program
-        last = first + (mine - 1) * stride  # start of its last block
-        count = tl.where(mine > 0, (mine - 1) * BLOCK + tl.minimum(numel - last, BLOCK), 0)
-        tl.atomic_add(acc_ptr, count.to(tl.float64))
+            lo = tl.minimum(lo, tl.where(finite, v, float("inf")))
+            hi = tl.maximum(hi, tl.where(finite, v, float("-inf")))
+            bad += tl.where(mask & ~finite, 1.0, 0.0)
+        tl.atomic_add(acc_ptr, tl.sum(count, axis=0))
         tl.atomic_add(acc_ptr + 1, tl.sum(s1, axis=0))
         tl.atomic_add(acc_ptr + 2, tl.sum(s2, axis=0))
         tl.atomic_min(acc_ptr + 3, tl.min(lo, axis=0))
         tl.atomic_max(acc_ptr + 4, tl.max(hi, axis=0))
+        tl.atomic_add(acc_ptr + 5, tl.sum(bad, axis=0))
 
 
 # ---------------------------------------------------------------------------- launcher
@@ -277,15 +247,11 @@ if HAS_TRITON:
 
 def _accumulate_moments_triton(acc: Tensor, x: Tensor, shift: Tensor) -> None:
     """ONE launch of at most 4 programs per multiprocessor; float64 atomics combine their partials.
-
-    Non-contiguous ``x`` is flattened with a copy first. Float atomics need not propagate NaN, so one
-    more op sets the extremes to NaN when the sums are.
-    """
+    Non-contiguous ``x`` is flattened with a copy first."""
     if not x.numel():
         return
     x, block, blocks, programs = grid_stride(x)
     _moments_kernel[(programs,)](x, acc, shift, x.numel(), blocks, BLOCK=block)
-    acc[3:].masked_fill_(torch.isnan(acc[2]), float("nan"))
 
 
 # ---------------------------------------------------------------------------- the ops
@@ -297,15 +263,15 @@ accumulate_moments_ = define_op(
     triton=_accumulate_moments_triton,
 )
 moments_payload_ = define_op(
-    "moments_payload_(Tensor(a0!) max_payload, Tensor(a1!) sum_payload, Tensor sums, Tensor shifts, "
-    "Tensor center, float fingerprint) -> ()",
+    "moments_payload_(Tensor(a0!) max_payload, Tensor(a1!) sum_payload, Tensor rows, Tensor shifts, "
+    "Tensor center, float[] head, int rank, int rank_bits) -> ()",
     _moments_payload_reference,
     fake=lambda *_: None,
 )
 moments_finish_ = define_op(
-    "moments_finish_(Tensor(a0!) published, Tensor(a1!) next_shift, Tensor max_payload, "
-    "Tensor sum_payload, Tensor center, bool keep_previous) -> Tensor",
+    "moments_finish_(Tensor(a0!) published, Tensor(a1!) next_shift, Tensor(a2!) idle, Tensor extremes, "
+    "Tensor sum_payload, Tensor center, bool keep_previous, int forget_after) -> Tensor",
     _moments_finish_reference,
-    fake=lambda published, *_: published.new_empty((), dtype=torch.bool),
+    fake=lambda published, *_: published.new_empty(2),
     clone=True,
 )

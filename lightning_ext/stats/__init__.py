@@ -4,19 +4,12 @@
 reported since its last update. Pure torch + ``torch.distributed``.
 """
 
+from lightning_ext.stats._wire import merge_moments
 from lightning_ext.stats.collector import Collector, Straggler
-from lightning_ext.stats.moments import merge_moments
 from lightning_ext.stats.reporting import clear_statistics, init_multiprocessing, report, report0, set_stage
 from lightning_ext.stats.sketch import LogHistogram
 
 __all__ = [
-    "Collector",
-    "LogHistogram",
-    "Straggler",
-    "clear_statistics",
-    "init_multiprocessing",
-    "merge_moments",
-    "report",
-    "report0",
-    "set_stage",
-]
+    "Collector", "LogHistogram", "Straggler", "clear_statistics", "init_multiprocessing", "merge_moments",
+    "report", "report0", "set_stage",
+]  # fmt: skip

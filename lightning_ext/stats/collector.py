@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import hashlib
 import math
 import re
 from typing import Any, NamedTuple
@@ -11,26 +12,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lightning_ext._checks import check_bool
+from lightning_ext._checks import check_bool, check_int
 from lightning_ext.distributed import all_reduce_, is_distributed
 from lightning_ext.stats import reporting
-from lightning_ext.stats.moments import _fingerprint
-from lightning_ext.stats.reporting import _STAGE_SEPARATOR, _merged, _SyncSettings, _Table
+from lightning_ext.stats._wire import WORDS, Store, check_label, pack, packing, unpack
 from lightning_ext.stats.sketch import LogHistogram
 
 __all__ = ["Collector", "Straggler"]
 
-_UNPUBLISHED = (0, math.nan, math.nan, math.nan, math.nan)  # (num, mean, std, min, max) without values
-_COMPACT_AFTER = 16  # merge received tables once this many are waiting (bounds memory between updates)
+_UNPUBLISHED = (0.0, math.nan, math.nan, math.nan, math.nan, 0.0)  # [n, mean, std, min, max, nonfinite]
+_HEAD = 7  # the MAX's head: [configuration, -configuration, names, -names, step, -step, count bound]
+_CPU = torch.device("cpu")
 
 
 def _compile_regex(owner: str, regex: Any, arg: str = "regex") -> re.Pattern[str]:
-    """``re.compile(regex)`` for the argument ``arg`` of ``owner`` (a class name, used in the errors).
-
-    Raises:
-        TypeError: ``regex`` is not a str.
-        ValueError: ``regex`` does not compile.
-    """
+    """``re.compile(regex)`` for the argument ``arg`` of ``owner``, else the error naming them."""
     if not isinstance(regex, str):
         raise TypeError(f"{owner}: `{arg}` must be a str, got {regex!r} ({type(regex).__name__})")
     try:
@@ -39,15 +35,14 @@ def _compile_regex(owner: str, regex: Any, arg: str = "regex") -> re.Pattern[str
         raise ValueError(f"{owner}: `{arg}` must be a regular expression, got {regex!r} ({err})") from None
 
 
-def _check_quantile(q: Any) -> float:
-    """``q`` as a float in ``(0, 1)``, else the error naming it."""
-    if isinstance(q, bool) or not isinstance(q, int | float):
-        raise TypeError(
-            f"Collector.quantile: the quantile `q` must be a float, got {q!r} ({type(q).__name__})"
-        )
-    if not 0.0 < q < 1.0:
-        raise ValueError(f"Collector.quantile: the quantile `q` must be in (0, 1), got {q!r}")
-    return float(q)
+def _fingerprint(text: str) -> float:
+    """A 48-bit hash of ``text``, never 0, as an exactly representable float64 (for MAX agreement)."""
+    return float(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=6).digest(), "big") + 1)
+
+
+def _host(tensor: torch.Tensor) -> np.ndarray:
+    """``tensor`` as a NumPy array: a view on the CPU, else a copy (a host-device sync)."""
+    return tensor.detach().cpu().numpy()
 
 
 class Straggler(NamedTuple):
@@ -56,8 +51,8 @@ class Straggler(NamedTuple):
     ``rank``: its rank in the collector's process group; ``mean``: its mean (to ``2**(b - 52)``
     relatively, ``b`` the bits of the largest rank: the rank rides in the low bits of the float64
     mean); ``median``: the median of the ranks' means (the mean of the two middle ones for an even
-    number of ranks: of both, with two), within the sketch's relative accuracy;
-    ``ratio``: ``mean / median``.
+    number of ranks: of both, with two), within the sketch's relative accuracy; ``ratio``: ``mean /
+    median``.
     """
 
     rank: int
@@ -71,184 +66,108 @@ def _rank_bits(world_size: int) -> int:
     return max(1, (world_size - 1).bit_length())
 
 
-class _Tracked(NamedTuple):
-    """Which of a flush's names have sketches: rows of its names, for quantiles and for stragglers."""
-
-    sketch: LogHistogram | None  # None when no name has one
-    quantiled: list[int]
-    straggled: list[int]
-
-
 class _Flush:
-    """What a flush of the agreed names keeps from one update to the next, on the sync device, and the
-    payloads of its two all-reduces. Over ``R`` names, ``Q`` of them with quantile sketches and ``S``
-    with the slowest rank tracked (``B`` = the sketch's size), ``W`` ranks::
+    """The agreed names and what a flush keeps of them from one update to the next, on the sync device,
+    with the buffers of its two all-reduces. Over ``R`` names, of which ``N`` have a sketch row (those
+    ``quantiles`` matches, then those ``stragglers`` matches: the ranks' means)::
 
-        max_buffer (W + 2 + 5R,)    [configuration_1..W | fp, -fp | max, -min, mean, -mean, slowest per name]
-        sum_buffer (4R + (Q+S) B,)  [n, m2, n d, n d^2] per name | Q value histograms | S rank-mean histograms
+        max_buffer (7 + 5R,)   [configuration, -c, names, -n, step, -s, bound | max | -min | mean | -mean |
+                                mean with the rank in its low bits]
+        sum_buffer (5R + N W,) [n, m2, n d, n d^2, nonfinite] per name | the N sketch windows, packed
 
-    ``configuration_r``: rank ``r``'s fingerprint of its collector's configuration (``-inf`` from the
-    others, so that MAX gives every rank's); ``[fp, -fp | 4R]`` (``max_payload``) and the first
-    ``4R`` of the SUM (``sum_payload``) written by the kernel op ``moments_payload_``; ``slowest``: a
-    rank's mean with its rank in the low bits (MAX picks the slowest rank and names it; ``-inf`` for
-    names without); a rank-mean histogram counts each rank's mean once (its median). The MAX's size
-    depends on ``W`` and ``R`` alone, the SUM's on the configuration too.
-
-    Kept (what the queries read): ``published``, float64 ``(R, 5)`` ``[count, mean, std, min, max]``;
-    ``counts``, float64 ``(R,)``, the values of the last interval; ``next_shift``, float64 ``(R,)``,
-    the center of the next SUM (each name's last published mean, 0 before it had one); ``sketches``,
-    float64 ``(Q + S, B)``, and ``slowest``, float64 ``(S,)``, the published histograms and slowest
-    ranks. The payloads are scratch: a failed update leaves what was published. All are normal tensors
-    (not inference tensors): an update in inference mode may make the flush that training updates.
+    (the kernel ops ``moments_payload_``/``moments_finish_`` write and read the moments, ``W <= 640``
+    words per window). The MAX's size depends on ``R`` alone (the configuration is checked in it), the
+    SUM's on the configuration too. Kept: ``published``, float64 ``(R, 6)`` ``[n, mean, std, min, max,
+    nonfinite]``; ``next_shift`` ``(R,)``, the center of the next SUM (each name's last mean); ``idle``
+    ``(R,)``, updates in a row without values; on the host each sketch row's ``(level, start, counts)``
+    window (:class:`~lightning_ext.stats.LogHistogram`) or ``None``, and the reduced packed rank means.
+    The buffers are scratch: a failed update leaves what was published. Normal tensors, not inference
+    tensors: an update in inference mode may make the flush that training updates.
     """
 
     @torch.inference_mode(False)
-    def __init__(
-        self,
-        names: list[str],
-        device: torch.device,
-        world_size: int = 1,
-        tracked: _Tracked | None = None,
-        previous: _Flush | None = None,
-    ) -> None:
-        r, w = len(names), world_size
-        self.names, self.index, self.world_size = names, {name: i for i, name in enumerate(names)}, w
-        self.sketch, self.quantiled, self.straggled = tracked or _Tracked(None, [], [])
-        q, s, size = len(self.quantiled), len(self.straggled), self.sketch.size if self.sketch else 0
-        self.published = torch.tensor(_UNPUBLISHED, dtype=torch.float64, device=device).repeat(r, 1)
-        self.counts = torch.zeros(r, dtype=torch.float64, device=device)
-        self.next_shift = torch.zeros(r, dtype=torch.float64, device=device)
-        self.max_buffer = torch.full((w + 2 + 5 * r,), -math.inf, dtype=torch.float64, device=device)
-        self.sum_buffer = torch.zeros(4 * r + (q + s) * size, dtype=torch.float64, device=device)
-        self.configurations = self.max_buffer[:w]
-        self.max_payload, self.rank_max = self.max_buffer[w : w + 2 + 4 * r], self.max_buffer[w + 2 + 4 * r :]
-        self.sum_payload = self.sum_buffer[: 4 * r].view(r, 4)
-        self.histograms = self.sum_buffer[4 * r :].view(q + s, size)
-        self.sketches = torch.zeros(q + s, size, dtype=torch.float64, device=device)
-        self.slowest = torch.full((s,), -math.inf, dtype=torch.float64, device=device)
-        self._sketch_rows = torch.tensor(self.quantiled + self.straggled, dtype=torch.int64, device=device)
-        self._straggled_rows = torch.tensor(self.straggled, dtype=torch.int64, device=device)
-        self._edges = self.sketch.edges(device) if self.straggled else None
-        self.values: dict[str, tuple[int, float, float, float, float]] | None = None  # read lazily
-        self.updated: list[str] = []  # names with values in the last interval (read with values)
-        self._host_sketches: tuple[np.ndarray, list[float]] | None = None  # read lazily
-        if previous is not None:  # keep what was published for the names that stay
-            self._keep(previous)
+    def __init__(self, names: list[str], device: torch.device, world_size: int, rows: list[tuple[str, int]]):
+        r, f64 = len(names), {"dtype": torch.float64, "device": device}
+        self.names, self.device, self.world_size = names, device, world_size
+        self.index = {n: i for i, n in enumerate(names)}
+        self.fingerprint = _fingerprint(f"{r}\x00" + "\x00".join(names))
+        self.rows, self.row = rows, {key: j for j, key in enumerate(rows)}  # sketch rows: (arg, name index)
+        self.quantiled = [i for arg, i in rows if arg == "quantiles"]
+        self.straggled = [i for arg, i in rows if arg == "stragglers"]
+        at, ranks = np.array([i for _, i in rows], np.int64), np.array([a == "stragglers" for a, _ in rows])
+        self.lo_at, self.hi_at = at + r + 2 * r * ranks, at + 2 * r * ranks  # in extremes: -min, max
+        self.published = torch.tensor(_UNPUBLISHED, **f64).repeat(r, 1)
+        self.next_shift, self.idle = torch.zeros(r, **f64), torch.zeros(r, **f64)
+        self.max_buffer = torch.full((_HEAD + 5 * r,), -math.inf, **f64)
+        self.head, self.extremes = self.max_buffer[:_HEAD], self.max_buffer[_HEAD:]
+        self.sum_buffer = torch.zeros(5 * r + len(rows) * WORDS, **f64)
+        self.moments = self.sum_buffer[: 5 * r].view(r, 5)
+        self.levels, self.starts = np.zeros((2, len(rows)), np.int64)  # the windows kept, their counts:
+        self.counts = np.zeros((len(rows), 1))
+        self.slowest = np.full(len(self.straggled), -math.inf)
+        self.values: dict[str, list[float]] | None = None  # published, read from the device once per update
 
-    def _keep(self, previous: _Flush) -> None:
-        device = self.published.device
-        kept = [(i, previous.index[n]) for i, n in enumerate(self.names) if n in previous.index]
-        if kept:
-            dst, src = (torch.tensor(ix, device=device) for ix in zip(*kept))
-            self.published[dst] = previous.published.to(device)[src]
-            self.next_shift[dst] = previous.next_shift.to(device)[src]
-        if self.sketch is not None and self.sketch == previous.sketch:
-            before = {previous.names[i]: j for j, i in enumerate(previous.quantiled)}
-            for j, i in enumerate(self.quantiled):
-                if self.names[i] in before:
-                    self.sketches[j] = previous.sketches[before[self.names[i]]].to(device)
+    def keep(self, previous: _Flush) -> None:
+        """What ``previous`` published for the names that stay."""
+        pairs = [(i, previous.index[n]) for i, n in enumerate(self.names) if n in previous.index]
+        if pairs:
+            dst, src = (torch.tensor(ix, device=self.device) for ix in zip(*pairs))
+            for name in ("published", "next_shift", "idle"):
+                getattr(self, name)[dst] = getattr(previous, name).to(self.device)[src]
+        pairs = [(j, previous.row[a, previous.index[self.names[i]]]) for j, (a, i) in enumerate(self.rows)
+                 if (a, previous.index.get(self.names[i])) in previous.row]  # fmt: skip
+        self.counts = np.zeros((len(self.rows), previous.counts.shape[1]))
+        for name in ("levels", "starts", "counts") if pairs else ():
+            getattr(self, name)[[j for j, _ in pairs]] = getattr(previous, name)[[k for _, k in pairs]]
 
-    def payloads(self, table: _Table, center: torch.Tensor, fingerprint: float, rank: int) -> None:
-        """Write ``table``'s rows (aligned to ``names``) into both buffers, about ``center``."""
-        backend = reporting._kernel_backend(self.published.device)
-        args = (self.max_payload, self.sum_payload, table.sums, table.shifts, center, fingerprint)
-        backend.run("moments_payload_", *args)
-        if self.sketch is None:
-            return
-        q, zero = len(self.quantiled), self.sketches.new_zeros(())
-        if q:  # each name's counts, zeros for a name without values here
-            counts = [table.histograms.get((self.names[i], self.sketch), zero) for i in self.quantiled]
-            torch.stack([c.expand(self.sketch.size) for c in counts], out=self.histograms[:q])
-        if self.straggled:
-            self._rank_means(table, rank, backend)
-
-    def _rank_means(self, table: _Table, rank: int, backend: Any) -> None:
-        """This rank's mean of each straggler name: packed with its rank into ``rank_max``, counted
-        into its rank-mean histogram."""
-        histograms = self.histograms[len(self.quantiled) :]
-        histograms.zero_()
-        index = self._straggled_rows.to(table.sums.device)
-        rows = table._replace(sums=table.sums[index], shifts=table.shifts[index]).moments()
-        rows = rows.to(histograms.device)
-        has = (rows[:, 0] > 0) & rows[:, 1].isfinite()
-        mask = (1 << _rank_bits(self.world_size)) - 1
-        packed = ((rows[:, 1].view(torch.int64) & ~mask) | rank).view(torch.float64)
-        self.rank_max[self._straggled_rows] = torch.where(has, packed, -math.inf)
-        means = torch.where(has, rows[:, 1], math.nan)  # NaN is not counted
-        for j in range(len(self.straggled)):
-            backend.run("accumulate_histogram_", histograms[j], means[j : j + 1], self._edges)
-
-    def finish(self, center: torch.Tensor, keep_previous: bool) -> bool:
-        """Publish the reduced buffers; whether some name must be reduced again (host read)."""
-        self.values, self._host_sketches = None, None
-        args = (self.published, self.next_shift, self.max_payload, self.sum_payload, center, keep_previous)
-        again = bool(reporting._kernel_backend(self.published.device).run("moments_finish_", *args))
-        self.counts.copy_(self.sum_payload[:, 0])
-        if self.sketch is not None:
-            has = (self.sum_payload[self._sketch_rows, 0] > 0)[:, None]
-            self.sketches.copy_(torch.where(has, self.histograms, self.sketches if keep_previous else 0.0))
-            self.slowest.copy_(self.rank_max[self._straggled_rows])
-        return again
-
-    def mean_max(self) -> torch.Tensor:
-        """The largest rank mean per name, from the reduced MAX payload (a center inside the data)."""
-        r = len(self.names)
-        return self.max_payload[2 + 2 * r : 2 + 3 * r].clone()
-
-    def read(self, cut: int) -> dict[str, tuple[int, float, float, float, float]]:
-        """``{name: (count, mean, std, min, max)}`` (names without their first ``cut`` characters: the
-        stage), read from the device once per update."""
+    def read(self) -> dict[str, list[float]]:
+        """``{name: [n, mean, std, min, max, nonfinite]}``, read from the device once per update."""
         if self.values is None:
-            rows = self.published.tolist()
-            self.values = {n[cut:]: (round(v[0]), *v[1:]) for n, v in zip(self.names, rows)}  # type: ignore[misc]
-            self.updated = [n[cut:] for n, count in zip(self.names, self.counts.tolist()) if count]
+            self.values = dict(zip(self.names, self.published.tolist()))
         return self.values
-
-    def host_sketches(self) -> tuple[np.ndarray, list[float]]:
-        """The published histograms (NumPy ``(Q + S, B)``) and the packed slowest means, read once."""
-        if self._host_sketches is None:
-            self._host_sketches = (self.sketches.cpu().numpy(), self.slowest.tolist())
-        return self._host_sketches
 
 
 class Collector:
     """Collect the statistics reported with :func:`~lightning_ext.stats.report` whose names match ``regex``.
 
     :meth:`update` reduces across ranks what was reported since this collector's previous update on
-    every device of this process, and publishes per name the count, mean, population standard
-    deviation (divide by ``num``, as NVIDIA's ``training_stats``), min and max, identical on every
+    every device of this process, and publishes per name the count ``num`` of finite values, their
+    mean, population standard deviation (divide by ``num``, as NVIDIA's ``training_stats``), min and
+    max, and the count of non-finite values (NaN, ``±inf``: :meth:`nonfinite`), identical on every
     rank; each collector sees every value once. The queries (``num``, ``mean``, ``std``, ``min``,
-    ``max``, ``c[name]`` for the mean) give 0/NaN for a name without values in the interval and raise
-    ``KeyError`` (listing close names) for a name never reported on any rank before the last update or
-    one ``regex`` excludes, ``TypeError`` for a non-str.
+    ``max``, ``c[name]`` for the mean) give 0/NaN for a name without finite values in the interval and
+    raise ``KeyError`` (listing close names) for a name not among :meth:`names` (never reported on any
+    rank before the last update, forgotten, or one ``regex`` excludes), ``TypeError`` for a non-str. A
+    collector sees the values reported while it exists.
 
-    A collector sees the values reported while it exists: creating one first hands the values
-    pending to the collectors created before.
+    Opt-in per name: :meth:`quantile` and :meth:`histogram` for the names ``quantiles`` matches, from a
+    mergeable sketch (:class:`~lightning_ext.stats.LogHistogram`: relative accuracy
+    ``relative_accuracy`` for magnitudes in ``value_range``; at most 5 KiB per name per flush on the
+    wire), and :meth:`straggler`, the rank with the largest mean and its ratio to the median rank, for
+    the names ``stragglers`` matches. Both ride in the same two all-reduces.
 
-    Opt-in per name: :meth:`quantile` for the names ``quantiles`` matches, from a mergeable sketch
-    (:class:`~lightning_ext.stats.LogHistogram`: relative accuracy ``relative_accuracy`` for
-    magnitudes in ``value_range``; about 22 KB per name with the defaults), and :meth:`straggler`,
-    the rank with the largest mean and its ratio to the median rank, for the names ``stragglers``
-    matches. Both ride in the same two all-reduces.
+    Distributed protocol, over the ``R`` names agreed at the previous update; the buffers' layout is
+    ``_Flush``'s, O(1) per name whatever the number of ranks:
 
-    Distributed protocol, in three named steps over the R names agreed at the previous update (same
-    lengths on every rank); the buffers' layout is ``_Flush``'s:
-
-    1. *agree*: the MAX all-reduce carries each rank's fingerprint of its configuration (every
-       argument above) in its own slot: ranks whose collectors differ raise on every rank, naming the
-       ranks, before anything is published (until the ranks agreed once, the SUM, whose size depends
-       on the configuration, waits for this check). It carries ``[fp, -fp]`` too, ``fp`` a 48-bit
-       fingerprint of the sorted names this rank knows now: all ranks know the same names iff
-       ``max(fp) == -max(-fp)``; if not, one ``all_gather_object`` agrees on the sorted union
-       (skipped when every rank saw the same new names), and both all-reduces are redone on aligned
-       rows;
-    2. *reduce rows*: the kernel backend's ``moments_payload_`` (the maths:
+    1. *agree*: the MAX carries pairs ``[x, -x]`` of what every rank must share, equal on every rank
+       iff ``max(x) == -max(-x)``: a fingerprint of the configuration (every argument), the step
+       (``update(step=...)``, ``-1`` without) and a fingerprint of the sorted names this rank knows
+       now. A configuration or step that differs: every rank (each sees the same MAX) runs ONE
+       ``all_gather_object`` of its configuration and step and raises a ``RuntimeError`` naming the
+       ranks and their values, before anything is published; the values stay for the next update.
+       Names that differ: one ``all_gather_object`` agrees on their sorted union, and the MAX runs
+       again on the new rows. Until the ranks agreed once, the SUM (whose size depends on the
+       configuration) waits for this check.
+    2. *reduce*: the kernel backend's ``moments_payload_`` (the maths:
        :mod:`lightning_ext.kernels.moments`) writes each name's extremes and rank mean (``-inf``
-       without local values) for the MAX, and ``[n, m2, n d, n d^2]`` (``d`` the local mean minus
-       the mean published by the previous update) for the SUM, after which come the
-       sketches' counts; the two all-reduces run together (async);
+       without local values) for the MAX, and ``[n, m2, n d, n d^2, nonfinite]`` (``d`` the local mean
+       minus the mean published by the previous update) for the SUM, after which come the sketch
+       windows, cut where the MAX says every rank's values lie. Without sketched names both
+       all-reduces run together (async), else the SUM follows the MAX.
     3. *finish*: ``moments_finish_`` publishes the statistics in one pass and says whether a name lost
-       precision to cancellation; then the SUM is redone around the largest rank mean (rare).
+       precision to cancellation (then the SUM is redone around the largest rank mean: rare) and
+       whether names went ``forget_after`` updates without values on any rank: they are forgotten on
+       every rank alike, and come back as new names when reported again.
 
     On the steady path (the same names as before) the flush runs no Python per name: two ops, two
     all-reduces, two host reads. Over a gloo group on one host the all-reduces use shared memory
@@ -267,20 +186,26 @@ class Collector:
         relative_accuracy: the sketch's ``alpha``, in ``(0, 0.5)``.
         value_range: ``(low, high)``, the magnitudes the sketch covers with that accuracy.
         stragglers: names (``re.fullmatch``) whose slowest rank :meth:`straggler` names; ``None``: none.
+        forget_after: updates in a row without a value on any rank after which a name is forgotten
+            (an int ``>= 1``; ``None``: never), so that the flush costs what the names in use cost.
 
     Raises:
         TypeError: ``regex``/``quantiles``/``stragglers`` is not a str (the last two: or None),
-            ``keep_previous`` not a bool, ``stage`` not a str or None, a sketch parameter not a number.
-        ValueError: a pattern does not compile, ``stage`` is empty or holds ``"\\x1f"``,
-            ``relative_accuracy`` is not in ``(0, 0.5)``, ``value_range`` not ``0 < low < high < inf``.
+            ``keep_previous`` not a bool, ``stage`` not a str or None, a sketch parameter not a number,
+            ``forget_after`` not an int or None.
+        ValueError: a pattern does not compile, ``stage`` is empty or holds a control character,
+            a sketch parameter is out of range (:class:`~lightning_ext.stats.LogHistogram`),
+            ``forget_after < 1``.
 
     Example::
 
         >>> from lightning_ext.stats import Collector, clear_statistics, report
         >>> clear_statistics(); c = Collector(regex="Loss/.*", quantiles="Loss/total")
-        >>> _ = report("Loss/total", [1.0, 2.0, 3.0]); _ = report("Other", 5.0)
+        >>> _ = report("Loss/total", [1.0, 2.0, 3.0, float("nan")]); _ = report("Other", 5.0)
         >>> c.update(); c.names(), c.mean("Loss/total"), round(c.std("Loss/total"), 4)
         (['Loss/total'], 2.0, 0.8165)
+        >>> c.num("Loss/total"), c.nonfinite("Loss/total")  # the NaN counts apart
+        (3, 1)
         >>> round(c.quantile("Loss/total", 0.5), 2)  # 2.0 within 1 %
         1.99
         >>> c.update(); c["Loss/total"]  # keep_previous=True: nothing new, previous values kept
@@ -288,382 +213,337 @@ class Collector:
     """
 
     def __init__(
-        self,
-        regex: str = ".*",
-        keep_previous: bool = True,
-        stage: str | None = None,
-        quantiles: str | None = None,
-        relative_accuracy: float = 0.01,
-        value_range: tuple[float, float] = (1e-6, 1e6),
-        stragglers: str | None = None,
-    ) -> None:
+        self, regex: str = ".*", keep_previous: bool = True, stage: str | None = None,
+        quantiles: str | None = None, relative_accuracy: float = 0.01,
+        value_range: tuple[float, float] = (1e-6, 1e6), stragglers: str | None = None,
+        forget_after: int | None = 100,
+    ) -> None:  # fmt: skip
         self._pattern = _compile_regex("Collector", regex)
         check_bool("Collector", "keep_previous", keep_previous)
-        reporting._check_stage("Collector", stage)
+        if stage is not None:
+            check_label("Collector", "stage", stage)
+        tracked = (("quantiles", quantiles), ("stragglers", stragglers))  # None: a pattern matching nothing
         self._tracked = {
-            arg: None if p is None else _compile_regex("Collector", p, arg)
-            for arg, p in (("quantiles", quantiles), ("stragglers", stragglers))
+            arg: _compile_regex("Collector", "(?!)" if p is None else p, arg) for arg, p in tracked
         }
         self.sketch = LogHistogram(relative_accuracy, value_range)  # checks them
+        check_int("Collector", "forget_after", forget_after, ge=1, optional=True)
         self.regex, self.keep_previous, self.stage = regex, keep_previous, stage
-        self.quantiles, self.stragglers = quantiles, stragglers
-        self._prefix = "" if stage is None else stage + _STAGE_SEPARATOR  # of this stage's keys
-        self._match_cache: dict[str, bool] = {}  # key => of this stage and regex matches its name
-        self._tables: list[_Table] = []  # drained tables received since the last update
-        self._seen: set[str] = set()  # names this rank has had (matching), ever
-        self._flush = _Flush([], torch.device("cpu"))  # the names agreed at the last update, and more
-        self._agreed_in: _SyncSettings | None = None  # settings in which the ranks agreed on the arguments
-        # Caches of the steady state (the same name lists, by identity, from update to update):
-        self._combined: tuple[list[str] | None, list[str]] = (None, [])  # drained names -> matching ones
-        self._seen_from: list[str] | None = None  # the names last added to _seen
-        self._candidate: tuple[list[str] | None, list[str]] = (None, [])  # agreed names -> candidate
-        self._fp: tuple[list[str] | None, float] = (None, 0.0)  # names -> _fingerprint(names)
-        self._equal: tuple[list[str] | None, list[str] | None] = (None, None)  # two lists found equal
-        self._slot: tuple[tuple[int, int], torch.Tensor] | None = None  # (rank, W) -> configurations
-        reporting._register(self)
+        self.quantiles, self.stragglers, self.forget_after = quantiles, stragglers, forget_after
+        self._flush = _Flush([], _CPU, 1, [])
+        self._agreed_in: Any = None  # the settings in which the ranks agreed on the configuration
+        self._fingerprint = _fingerprint(self._configuration())
+        self._attach()
+
+    def _attach(self) -> None:
+        sketch = self.sketch if self.quantiles is not None else None
+        self._store = Store(self.stage, self._pattern.fullmatch, self._tracked["quantiles"].fullmatch, sketch)
+        self._store.layout(self._flush.names)
+        reporting._attach(self, self._store)
 
     def _configuration(self) -> str:
         """What the ranks' collectors must share: every argument (what is reduced and published)."""
         return (
             f"Collector(regex={self.regex!r}, keep_previous={self.keep_previous}, stage={self.stage!r}, "
             f"quantiles={self.quantiles!r}, relative_accuracy={self.sketch.relative_accuracy!r}, "
-            f"value_range={self.sketch.value_range!r}, stragglers={self.stragglers!r})"
+            f"value_range={self.sketch.value_range!r}, stragglers={self.stragglers!r}, "
+            f"forget_after={self.forget_after!r})"
         )
 
-    def _matches(self, name: str) -> bool:
-        """Whether ``regex`` matches ``name``."""
-        return self._pattern.fullmatch(name) is not None
-
-    def _wants(self, key: str) -> bool:
-        """Whether a drained ``key`` (``name``, or ``stage + "\\x1f" + name``) is of this collector's
-        stage and its name matches (cached)."""
-        match = self._match_cache.get(key)
-        if match is None:
-            stage, _, name = key.rpartition(_STAGE_SEPARATOR)
-            match = (stage or None) == self.stage and self._matches(name)
-            self._match_cache[key] = match
-        return match
-
-    def _tracks(self, arg: str, key: str) -> bool:
-        """Whether the pattern ``arg`` (``"quantiles"`` or ``"stragglers"``) tracks ``key``."""
-        pattern = self._tracked[arg]
-        name = key[len(self._prefix) :]
-        return pattern is not None and self._wants(key) and pattern.fullmatch(name) is not None
-
-    def _sketch_for(self, key: str) -> LogHistogram | None:
-        """The sketch ``report()`` keeps for ``key`` for this collector, or ``None``."""
-        return self.sketch if self._tracks("quantiles", key) else None
+    def _tracks(self, arg: str, name: str) -> bool:
+        """Whether the pattern ``arg`` (``"quantiles"`` or ``"stragglers"``) tracks ``name``."""
+        return self._tracked[arg].fullmatch(name) is not None
 
     def _new_flush(self, names: list[str], device: torch.device, world_size: int) -> _Flush:
         """A flush of ``names`` that keeps what the current one published for the names that stay."""
-        quantiled = [i for i, n in enumerate(names) if self._tracks("quantiles", n)]
-        straggled = [i for i, n in enumerate(names) if self._tracks("stragglers", n)]
-        tracked = _Tracked(self.sketch if quantiled or straggled else None, quantiled, straggled)
-        return _Flush(names, device, world_size, tracked, self._flush)
-
-    def _receive(self, table: _Table) -> None:
-        """Take a drained table (read-only; a lent one only until the update that drained it ends)."""
-        self._tables.append(table)
-        if len(self._tables) >= _COMPACT_AFTER:
-            self._tables = [self._combine()]
-
-    def _detach(self) -> None:
-        """Forget what was received (``clear_statistics()``)."""
-        self._tables = []
+        rows = [(arg, i) for arg in self._tracked for i, n in enumerate(names) if self._tracks(arg, n)]
+        flush = _Flush(names, device, world_size, rows)
+        flush.keep(self._flush)
+        return flush
 
     def discard(self) -> None:
         """Drop what was reported since the last update (e.g. the values of Lightning's sanity check).
-        Local: no collective; values pending for other collectors are handed to them."""
-        reporting._drain()
-        self._tables = []
+        Local: no collective."""
+        self._store.reset()
 
     def __getstate__(self) -> dict[str, Any]:
         # pending values stay in the process that reported them; the ranks agree again where it runs
-        return {**self.__dict__, "_tables": [], "_agreed_in": None, "_slot": None}
+        return {**self.__dict__, "_store": None, "_agreed_in": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        reporting._register(self)
+        self._attach()
 
-    def _combine(self) -> _Table:
-        """Merge the received tables into one table restricted to the names this collector matches."""
-        if len(self._tables) == 1:  # the usual case: one drain since the last update
-            table = self._tables[0]  # its names are sorted and distinct
-            source, names = self._combined
-            if table.names is not source:  # a drain reuses its name list while the names repeat
-                names = [n for n in table.names if self._wants(n)]
-                names = table.names if len(names) == len(table.names) else names
-                self._combined = (table.names, names)
-            if names is table.names:
-                return table
-            return _merged(names, self._tables, table.sums.device)
-        names = sorted({n for t in self._tables for n in t.names if self._wants(n)})
-        device = self._tables[0].sums.device if self._tables else torch.device("cpu")
-        return _merged(names, self._tables, device)
-
-    def update(self) -> None:
+    def update(self, step: int | None = None) -> None:
         """Reduce everything reported since the last ``update()`` and publish it.
 
         Must be called on every rank, in the same order relative to other collectors' updates.
-        Synchronizes host and device (it reads the fingerprints of the MAX all-reduce and whether
-        a name needs another reduction). Collectives on the sync device: two all-reduces, three to
-        five when the name set changed (see the class docstring).
+        Synchronizes host and device (it reads the agreement of the MAX all-reduce, and whether a name
+        needs another reduction). Collectives on the sync device: two all-reduces; more when the name
+        set changed, a name needs another reduction, or the ranks disagree (class docstring).
+
+        Args:
+            step: the training step (iteration) of this update, an int ``>= 0`` that every rank passes
+                alike (or ``None`` on every rank): a rank that skipped or added an update then raises
+                with the others, naming the steps. Without a step, each rank's k-th update meets the
+                others' k-th, whatever step they are at.
 
         Raises:
-            RuntimeError: the ranks' collectors differ in their arguments (on every rank, naming the
-                ranks and this rank's arguments); nothing is published and the values received stay
-                for the next update.
+            RuntimeError: the ranks' collectors differ in their arguments or step (on every rank,
+                naming the ranks and their arguments and steps); nothing is published and the values
+                received stay for the next update.
+            TypeError, ValueError: ``step`` is not an int ``>= 0`` or ``None``.
         """
-        release = reporting._drain(self)  # the rows of the values drained, lent while reading them
-        try:
-            table = self._combine()
-            self._tables = []
-            try:
-                self._publish(table)
-            except BaseException:
-                self._tables = [table.copy()]  # nothing lost: the next update reduces them
-                raise
-        finally:
-            release()
-
-    def _publish(self, local: _Table) -> None:
-        """Agree, reduce the rows of ``local`` and finish (class docstring)."""
-        settings = reporting._sync_settings()
+        if step is not None:
+            check_int("Collector.update", "step", step, ge=0)
+        settings = self._store.settings()
         rank, device, group = settings
-        world_size = dist.get_world_size(group=group) if device is not None and is_distributed() else 1
-        rank = rank if world_size > 1 else 0
-        device = device if device is not None else local.sums.device
-        if self._flush.published.device != device or self._flush.world_size != world_size:
-            self._flush = self._new_flush(self._flush.names, device, world_size)
-        candidate = self._candidate_names(local.names)
-        if world_size == 1:  # agree with no one, reduce nothing, finish
-            if candidate is not self._flush.names:
-                self._flush = self._new_flush(candidate, device, world_size)
-            flush = self._flush
-            flush.payloads(self._aligned(local, device), flush.next_shift, 0.0, rank)
-            flush.finish(flush.next_shift, self.keep_previous)  # one rank: no name needs recentering
-            return
-        local, center = self._agree_and_reduce(candidate, local, settings._replace(rank=rank), world_size)
-        if self._flush.finish(center, self.keep_previous):  # rare; the same on every rank
-            center = self._flush.mean_max()
-            self._reduce_sum_again(local, center, rank, group)
-            self._flush.finish(center, self.keep_previous)
+        world = dist.get_world_size(group=group) if device is not None and is_distributed() else 1
+        rank, slabs = (rank if world > 1 else 0), list(self._store.slabs)
+        device = device if device is not None else slabs[0] if len(slabs) == 1 else _CPU
+        if self._flush.device != device or self._flush.world_size != world:
+            self._flush = self._new_flush(self._flush.names, device, world)
+        self._cleared = None
+        forgettable = self._reduce(float(-1 if step is None else step), rank, world, settings)
+        self._store.reset(self._cleared)
+        if forgettable:  # the same on every rank: the idle counts come from the reduced counts
+            idle = _host(self._flush.idle)
+            self._forget([n for n, i in zip(self._flush.names, idle) if i < self.forget_after], world)
 
-    def _candidate_names(self, drained: list[str]) -> list[str]:
-        """The sorted names this rank knows now: the agreed ones (the same list while no new name
-        came) and those it has had."""
-        if drained is not self._seen_from:
-            self._seen.update(drained)
-            self._seen_from = drained
-            self._candidate = (None, [])
-        agreed = self._flush.names
-        source, candidate = self._candidate
-        if source is not agreed:
-            known = self._flush.index.keys()
-            candidate = agreed if self._seen <= known else sorted(known | self._seen)
-            self._candidate = (agreed, candidate)
-        return candidate
+    def _forget(self, names: list[str], world: int) -> None:
+        self._flush = self._new_flush(names, self._flush.device, world)
+        self._store.layout(names)
 
-    def _aligned(self, local: _Table, device: torch.device) -> _Table:
-        """``local`` with the rows of the agreed names, in their order, on ``device``."""
-        names = self._flush.names
-        if self._equal[0] is not local.names or self._equal[1] is not names:  # once while both stay
-            if local.names != names:
-                return _merged(names, [local], device)
-            self._equal = (local.names, names)
-        return local if local.sums.device == device else _merged(names, [local], device)
-
-    def _fingerprint(self, names: list[str]) -> float:
-        """:func:`_fingerprint` of ``names``, cached while the same list comes back."""
-        cached_names, fp = self._fp
-        if cached_names is not names:
-            fp = _fingerprint(names)
-            self._fp = (names, fp)
-        return fp
-
-    def _payloads(
-        self, flush: _Flush, table: _Table, center: torch.Tensor, names: list[str], rank: int
-    ) -> None:
-        """Both payloads of ``flush``, with this rank's fingerprints of its configuration and ``names``."""
-        if self._slot is None or self._slot[0] != (rank, flush.world_size):
-            slot = torch.full((flush.world_size,), -math.inf, dtype=torch.float64)
-            slot[rank] = _fingerprint([self._configuration()])
-            self._slot = ((rank, flush.world_size), slot)
-        flush.configurations.copy_(self._slot[1])
-        flush.payloads(table, center, self._fingerprint(names), rank)
-
-    def _agree_and_reduce(
-        self, candidate: list[str], local: _Table, settings: _SyncSettings, world_size: int
-    ) -> tuple[_Table, torch.Tensor]:
-        """Steps 1 and 2 (class docstring): both all-reduces over the agreed names, and again over
-        the union when the ranks' names differ; returns the aligned local table and the SUM's center."""
-        rank, _, group = settings
-        flush, device = self._flush, self._flush.published.device
-        aligned, center = self._aligned(local, device), flush.next_shift
-        self._payloads(flush, aligned, center, candidate, rank)
-        works = [all_reduce_(flush.max_buffer, op=dist.ReduceOp.MAX, group=group, async_op=True)]
-        head = None
-        if self._agreed_in != settings:  # the SUM's size depends on the configuration: check it first
-            works.pop().wait()
-            head = self._check_configurations(rank)
-        if flush.sum_buffer.numel():
-            works.append(all_reduce_(flush.sum_buffer, op=dist.ReduceOp.SUM, group=group, async_op=True))
+    def _reduce(self, step: float, rank: int, world: int, settings: Any) -> int:
+        """Agree, reduce and finish (class docstring); the names that may be forgotten."""
+        flush, store, group = self._flush, self._store, settings[2]
+        extra = store.extra()
+        names = sorted({*flush.names, *extra}) if extra else flush.names
+        fingerprint = _fingerprint(f"{len(names)}\x00" + "\x00".join(names)) if extra else flush.fingerprint
+        self._write(flush, flush.next_shift, rank, [fingerprint, step])
+        together = not (flush.quantiled or flush.straggled) and self._agreed_in == settings
+        works = [_all_reduce(flush.max_buffer, dist.ReduceOp.MAX, group, world, True)]
+        if together:
+            works.append(_all_reduce(flush.moments, dist.ReduceOp.SUM, group, world, True))
         for work in works:
-            work.wait()
-        fp_max, neg_fp_min = head if head is not None else self._check_configurations(rank)
+            if work is not None:
+                work.wait()
+        config, neg_config, names_fp, neg_names_fp, step_max, neg_step_min, _ = flush.head.tolist()
+        if config != -neg_config or step_max != -neg_step_min:
+            self._disagree(group, world, step)
         self._agreed_in = settings
-        if fp_max != -neg_fp_min:  # ranks know different name sets: agree on the sorted union
-            gathered: list[Any] = [None] * world_size
-            dist.all_gather_object(gathered, candidate, group=group)
-            names = sorted(set().union(*gathered))
-        elif candidate == flush.names:
-            return aligned, center
-        else:
-            names = candidate
-        flush = self._flush = self._new_flush(names, device, world_size)  # the same decision on every rank
-        aligned = _merged(names, [local], device)
-        self._payloads(flush, aligned, flush.next_shift, names, rank)
-        all_reduce_(flush.max_buffer, op=dist.ReduceOp.MAX, group=group)
-        center = flush.mean_max()  # the largest rank mean: inside the data range
-        self._reduce_sum_again(aligned, center, rank, group)
-        return aligned, center
+        center = flush.next_shift
+        if extra or names_fp != -neg_names_fp:  # the same decision on every rank
+            if names_fp != -neg_names_fp:
+                gathered: list[Any] = [None] * world
+                dist.all_gather_object(gathered, names, group=group)
+                names = sorted(set().union(*gathered))
+            store.layout(names)
+            flush = self._flush = self._new_flush(names, flush.device, world)
+            self._write(flush, flush.next_shift, rank, [flush.fingerprint, step])
+            _all_reduce(flush.max_buffer, dist.ReduceOp.MAX, group, world)
+            center, together = self._recenter(flush, rank), False
+        windows = self._windows(flush, rank) if flush.quantiled or flush.straggled else None
+        if not together:
+            size = 5 * len(names) + (len(windows[0]) * windows[3] if windows else 0)
+            _all_reduce(flush.sum_buffer[:size], dist.ReduceOp.SUM, group, world)
+        again, forgettable = self._finish(flush, center)
+        if again:  # rare; the same on every rank
+            center = self._recenter(flush, rank)
+            _all_reduce(flush.moments, dist.ReduceOp.SUM, group, world)
+            _, forgettable = self._finish(flush, center)
+        if windows is not None:
+            self._publish_sketches(flush, *windows)
+        return forgettable
 
-    def _check_configurations(self, rank: int) -> list[float]:
-        """Raise on every rank unless the reduced MAX holds the same configuration from every rank;
-        else return its ``[max(fp), max(-fp)]`` of the names (a host read)."""
-        flush = self._flush
-        head = flush.max_buffer[: flush.world_size + 2].tolist()  # identical on every rank
-        configurations, mine = head[: flush.world_size], head[rank]
-        others = [r for r, fp in enumerate(configurations) if fp != mine]
-        if others:
-            same = [r for r, fp in enumerate(configurations) if fp == mine]
-            raise RuntimeError(
-                f"Collector.update: the ranks' collectors differ: ranks {same} have "
-                f"{self._configuration()}, ranks {others} another configuration; nothing was published. "
-                "HINT: create the Collector (or TrainingStats) with the same arguments on every rank."
-            )
-        return head[flush.world_size :]
+    def _write(self, flush: _Flush, center: torch.Tensor, rank: int, values: list[float]) -> None:
+        """Both payloads of ``flush`` from this process's rows, about ``center``; the MAX's head holds
+        the configuration's fingerprint, the pairs of ``values`` (names' fingerprint, step) and the
+        largest count of a sketched name here."""
+        rows, shifts, _ = self._store.local(flush.device)
+        bound = float(_host(rows[:, 0])[flush.quantiled].max(initial=1.0)) if flush.quantiled else 1.0
+        config = self._fingerprint
+        head = [config, -config, values[0], -values[0], values[1], -values[1], bound]
+        args = (rows, shifts, center, head, rank, _rank_bits(flush.world_size))
+        self._store.backend(flush.device).run("moments_payload_", flush.max_buffer, flush.moments, *args)
 
-    def _reduce_sum_again(self, aligned: _Table, center: torch.Tensor, rank: int, group: Any) -> None:
-        """Redo the SUM all-reduce about ``center``, keeping the reduced MAX buffer."""
-        flush = self._flush
-        reduced = flush.max_buffer.clone()
-        flush.payloads(aligned, center, 0.0, rank)
+    def _recenter(self, flush: _Flush, rank: int) -> torch.Tensor:
+        """Write the SUM's moments again about the largest rank mean (inside the data), keeping the
+        reduced MAX; returns that center."""
+        r = len(flush.names)
+        center, reduced = flush.extremes[2 * r : 3 * r].clone(), flush.max_buffer.clone()
+        self._write(flush, center, rank, [0.0, 0.0])
         flush.max_buffer.copy_(reduced)
-        all_reduce_(flush.sum_buffer, op=dist.ReduceOp.SUM, group=group)
+        return center
+
+    def _finish(self, flush: _Flush, center: torch.Tensor) -> tuple[bool, int]:
+        flush.values = None
+        args = (flush.extremes, flush.moments, center, self.keep_previous, self.forget_after or 0)
+        out = self._store.backend(flush.device).run(
+            "moments_finish_", flush.published, flush.next_shift, flush.idle, *args
+        )
+        again, forgettable = out.tolist()
+        return bool(again), int(forgettable)
+
+    def _windows(self, flush: _Flush, rank: int) -> tuple[np.ndarray, ...]:
+        """Write this rank's sketch windows after the moments in the SUM buffer, cut where the reduced
+        MAX says the values (and the ranks' means) of each sketched name lie; their layout."""
+        r, q, s, sketch = len(flush.names), len(flush.quantiled), flush.straggled, self.sketch
+        extremes, (rows, shifts, hist) = _host(flush.extremes), self._store.local(flush.device)
+        bits, k = packing(flush.head[6].item() * flush.world_size)
+        level, start, width = sketch.windows(-extremes[flush.lo_at], extremes[flush.hi_at], WORDS * k)
+        words = min(WORDS, 1 << int(-(-width.max() // k) - 1).bit_length()) if width.any() else 1
+        counts, local, span = np.zeros((len(level), words * k)), _host(hist), np.arange(words * k)
+        plain = np.flatnonzero((level[:q] == 0) & (width[:q] > 0))  # the usual rows: no collapse
+        cols = np.minimum(start[plain, None] + span, sketch.size - 1)
+        counts[plain] = np.where(span < width[plain, None], local[plain[:, None], cols], 0.0)
+        for c in set(level[:q][width[:q] > 0].tolist()) - {0}:  # the collapsed rows, by level
+            at = np.flatnonzero((level[:q] == c) & (width[:q] > 0))
+            collapsed = np.pad(sketch.collapse(local[at], c), ((0, 0), (0, words * k)))
+            counts[at] = np.take_along_axis(collapsed, start[at, None] + span, 1)
+        # what the store's reset clears: the buckets read, or every count (a collapsed row)
+        self._cleared = (plain[:, None], cols) if plain.size == np.count_nonzero(width[:q]) else None
+        rows, shifts = _host(rows)[s], _host(shifts)[s]
+        mine = np.flatnonzero(rows[:, 0] > 0)  # this rank's mean of each straggler name: counted once
+        means = np.where(np.isfinite(shifts), shifts, 0.0)[mine] + rows[mine, 1] / rows[mine, 0]
+        at = q + mine
+        counts[at, np.clip(sketch.positions(means, level[at]) - start[at], 0, words * k - 1)] = 1.0
+        segment = torch.from_numpy(pack(counts, bits, k)).reshape(-1)
+        flush.sum_buffer[5 * r : 5 * r + segment.numel()].copy_(segment)
+        return level, start, width, words, bits, k
+
+    def _publish_sketches(self, flush: _Flush, level: np.ndarray, start: np.ndarray, width: np.ndarray,
+                          words: int, bits: int, k: int) -> None:  # fmt: skip
+        """Keep the reduced windows of the names with values (the others keep theirs with
+        ``keep_previous``; a straggler name's rank means are of its last interval only)."""
+        r, n, has = len(flush.names), len(level), width > 0
+        counts = unpack(_host(flush.sum_buffer[5 * r : 5 * r + n * words]).reshape(n, words), bits, k)
+        if not has.all():  # the names without values keep their window (keep_previous) or none
+            keep = ~has & (np.arange(n) < len(flush.quantiled)) & self.keep_previous
+            kept, old = np.zeros((n, max(counts.shape[1], flush.counts.shape[1]))), flush.counts
+            kept[has, : counts.shape[1]], kept[keep, : old.shape[1]] = counts[has], old[keep]
+            level, start = np.where(has, level, flush.levels), np.where(has, start, flush.starts)
+            counts = kept
+        flush.counts, flush.levels, flush.starts = counts, level, start
+        flush.slowest = _host(flush.extremes[4 * r :])[flush.straggled]  # -inf where no rank had values
+
+    def _disagree(self, group: Any, world: int, step: float) -> None:
+        """The rare round: every rank (each saw the same MAX) gathers each rank's configuration and step,
+        then raises naming them; nothing was published."""
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(
+            gathered, (self._configuration(), None if step < 0 else int(step)), group=group
+        )
+        groups: dict[Any, list[int]] = {}
+        for rank, value in enumerate(gathered):
+            groups.setdefault(value, []).append(rank)
+        said = "; ".join(f"ranks {r[:16]}: {config} at step={step}" for (config, step), r in groups.items())
+        raise RuntimeError(
+            f"Collector.update: the ranks disagree ({said}); nothing was published, the values stay for "
+            "the next update. HINT: create the Collector (or TrainingStats) with the same arguments on "
+            "every rank, and update it at the same steps (a rank that skipped or added an update?)"
+        )
+
+    # ------------------------------------------------------------------ queries
 
     def names(self) -> list[str]:
         """Sorted names known to any rank at the last ``update()`` (matching ``regex``)."""
-        cut = len(self._prefix)
-        return [n[cut:] for n in self._flush.names]
+        return list(self._flush.names)
 
     def updated(self) -> list[str]:
-        """Sorted names that received values (on any rank) in the last ``update()``'s interval: the
-        rest of :meth:`names` only repeat earlier statistics (``keep_previous``) or NaN."""
-        self._flush.read(len(self._prefix))
-        return list(self._flush.updated)
+        """Sorted names that received values (on any rank, finite or not) in the last ``update()``'s
+        interval: the rest of :meth:`names` only repeat earlier statistics (``keep_previous``) or NaN."""
+        idle = _host(self._flush.idle)
+        return [n for n, i in zip(self._flush.names, idle) if i == 0]
 
-    def _get(self, name: str) -> tuple[int, float, float, float, float]:
-        values = self._flush.read(len(self._prefix)).get(name)
+    def _get(self, name: str) -> list[float]:
+        values = self._flush.read().get(name)
         if values is not None:
             return values
         if not isinstance(name, str):
             raise TypeError(f"statistic name must be a str, got {type(name).__name__} {name!r}")
         close = difflib.get_close_matches(name, self.names(), n=5, cutoff=0.5)
-        never = self._matches(name)  # a misspelt name, or one asked for before its first update
-        why, hint = (
-            ("was never reported to", "check the spelling, or update() after reporting it")
-            if never
-            else ("is not collected by", "widen the regex or create another Collector for it")
-        )
+        why, hint = ("is not collected by", "widen the regex or create another Collector for it")
+        if self._pattern.fullmatch(name):
+            why, hint = (
+                "was never reported to (or was forgotten by)",
+                "check the spelling, or update() after it",
+            )
         raise KeyError(f"{name!r} {why} Collector(regex={self.regex!r}); close names: {close}. HINT: {hint}.")
 
     def num(self, name: str) -> int:
-        """Number of values of ``name`` in the last interval, over all ranks."""
-        return self._get(name)[0]
+        """Number of finite values of ``name`` in the last interval, over all ranks."""
+        return round(self._get(name)[0])
 
     def mean(self, name: str) -> float:
-        """Mean of ``name`` over the last interval and all ranks."""
+        """Mean of the finite values of ``name`` over the last interval and all ranks."""
         return self._get(name)[1]
 
     def std(self, name: str) -> float:
-        """Population standard deviation (divide by ``num``) of ``name``."""
+        """Population standard deviation (divide by ``num``) of the finite values of ``name``."""
         return self._get(name)[2]
 
     def min(self, name: str) -> float:
-        """Minimum of ``name`` over the last interval and all ranks."""
+        """Minimum of the finite values of ``name`` over the last interval and all ranks."""
         return self._get(name)[3]
 
     def max(self, name: str) -> float:
-        """Maximum of ``name`` over the last interval and all ranks."""
+        """Maximum of the finite values of ``name`` over the last interval and all ranks."""
         return self._get(name)[4]
+
+    def nonfinite(self, name: str) -> int:
+        """Number of non-finite values (NaN, ``±inf``) of ``name`` in the last interval, over all ranks;
+        they count in none of the other statistics."""
+        return round(self._get(name)[5])
 
     def __getitem__(self, name: str) -> float:
         return self.mean(name)
 
-    def _sketch_row(self, arg: str, name: str) -> int | None:
-        """Row of ``name``'s published histogram for ``arg`` (``"quantiles"``: its values,
-        ``"stragglers"``: its rank means), or ``None`` when it has none yet."""
+    def _sketch(self, arg: str, name: str) -> tuple[int, int, np.ndarray] | None:
+        """``name``'s published window ``(level, start, counts)`` for ``arg`` (``"quantiles"``: its
+        values, ``"stragglers"``: its ranks' means), or ``None`` without values."""
         self._get(name)  # raises for names regex excludes
-        if not self._tracks(arg, self._prefix + name):
+        if not self._tracks(arg, name):
             raise KeyError(f"{name!r} is not matched by Collector({arg}={getattr(self, arg)!r})")
         flush = self._flush
-        i = flush.index.get(self._prefix + name)
-        if arg == "quantiles":
-            return flush.quantiled.index(i) if i in flush.quantiled else None
-        return len(flush.quantiled) + flush.straggled.index(i) if i in flush.straggled else None
+        j = flush.row[arg, flush.index[name]]
+        return (flush.levels[j], flush.starts[j], flush.counts[j]) if flush.counts[j].any() else None
 
     def quantile(self, name: str, q: float) -> float:
-        """The ``q``-quantile of ``name``'s values in the last interval over all ranks (NumPy's
-        ``method="inverted_cdf"``), within ``relative_accuracy`` for values in ``value_range``
-        (:class:`~lightning_ext.stats.LogHistogram` says what happens outside it); NaN without
-        values. Reads the sketches from the device once per update.
+        """The ``q``-quantile of ``name``'s finite values in the last interval over all ranks (NumPy's
+        ``method="inverted_cdf"``), within the sketch's relative accuracy for values in ``value_range``
+        (:class:`~lightning_ext.stats.LogHistogram` says where it collapses and what happens outside
+        the range); NaN without values. Local: no sync beyond the update's.
 
         Raises:
             TypeError, ValueError: ``q`` is not a number in ``(0, 1)``.
             KeyError: ``quantiles`` does not match ``name`` (or ``regex`` excludes it).
         """
-        q = _check_quantile(q)
-        row = self._sketch_row("quantiles", name)
-        if row is None:
-            return math.nan
-        _, _, _, lo, hi = self._get(name)
-        return self.sketch.quantile(self._flush.host_sketches()[0][row], q, lo, hi)
+        if isinstance(q, bool) or not isinstance(q, int | float):
+            raise TypeError(
+                f"Collector.quantile: the quantile `q` must be a float, got {q!r} ({type(q).__name__})"
+            )
+        if not 0.0 < q < 1.0:
+            raise ValueError(f"Collector.quantile: the quantile `q` must be in (0, 1), got {q!r}")
+        sketch = self._sketch("quantiles", name)
+        return math.nan if sketch is None else self.sketch.quantile(*sketch, q, *self._get(name)[3:5])
 
     def histogram(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """``name``'s sketch of the last update, merged over all ranks, as :func:`numpy.histogram`
         returns one: float64 ``counts`` ``(k,)`` and ``edges`` ``(k + 1,)``, bucket ``i`` holding the
         values between ``edges[i]`` and ``edges[i + 1]``; the buckets from the first to the last one
-        with values (``k = 0`` without values), the edges clipped to the exact min and max (not NaN). The
-        counts sum to ``num`` minus the NaNs. Reads the sketches from the device once per update.
+        with values (``k = 0`` without values), the edges clipped to the exact min and max. The counts
+        sum to ``num``.
 
         Raises:
             KeyError: ``quantiles`` does not match ``name`` (or it was never reported).
         """
-        row = self._sketch_row("quantiles", name)
-        counts = np.zeros(0) if row is None else self._flush.host_sketches()[0][row]
-        edges = self.sketch.edges().numpy()
-        edges = np.concatenate(([-np.inf], -edges[::-1], edges, [np.inf]))  # the kernel op's layout
+        level, start, counts = self._sketch("quantiles", name) or (0, 0, np.zeros(0))
         used = np.flatnonzero(counts)
         if not used.size:
             return np.zeros(0), np.zeros(0)
-        _, _, _, lo, hi = self._get(name)
-        return counts[used[0] : used[-1] + 1].copy(), np.fmin(np.fmax(edges[used[0] : used[-1] + 2], lo), hi)
-
-    def unmatched(self) -> dict[str, list[str]]:
-        """``{argument: names}`` for each pattern (``regex``, ``quantiles``, ``stragglers``) that matched
-        none of :meth:`names` at the last update, with the names it may have meant: for ``regex``
-        (matched nothing on any rank) the names this process reported to this stage since the last
-        collector was created, for the others :meth:`names`. Local, no collective."""
-        names = self.names()
-        if not names:
-            keys = (key.rpartition(_STAGE_SEPARATOR) for key in reporting._state.wanted)
-            return {"regex": sorted(name for stage, _, name in keys if (stage or None) == self.stage)}
-        return {
-            arg: names
-            for arg, pattern in self._tracked.items()
-            if pattern is not None and not any(self._tracks(arg, self._prefix + n) for n in names)
-        }
+        limits = self.sketch.limits(level)[start + used[0] : start + used[-1] + 2]
+        return counts[used[0] : used[-1] + 1].copy(), np.clip(limits, *self._get(name)[3:5])
 
     def straggler(self, name: str) -> Straggler | None:
         """The rank whose mean of ``name`` was the largest in the last interval, its mean, the
@@ -673,57 +553,75 @@ class Collector:
         Raises:
             KeyError: ``stragglers`` does not match ``name`` (or ``regex`` excludes it).
         """
-        row = self._sketch_row("stragglers", name)
-        if row is None:
+        sketch, flush = self._sketch("stragglers", name), self._flush
+        if sketch is None:
             return None
-        counts, slowest = self._flush.host_sketches()
-        packed = slowest[row - len(self._flush.quantiled)]
-        if not math.isfinite(packed):
-            return None
-        rank = int(np.float64(packed).view(np.int64)) & ((1 << _rank_bits(self._flush.world_size)) - 1)
-        _, _, _, lo, hi = self._get(name)
-        upper = 0.5 + 0.5 / counts[row].sum()  # the upper middle rank: the two middle ones' mean
-        median = sum(self.sketch.quantile(counts[row], q, lo, hi) for q in (0.5, upper)) / 2
+        packed = float(flush.slowest[flush.straggled.index(flush.index[name])])
+        rank = int(np.float64(packed).view(np.int64)) & ((1 << _rank_bits(flush.world_size)) - 1)
+        upper = 0.5 + 0.5 / sketch[2].sum()  # the upper middle rank: the two middle ones' mean
+        median = sum(self.sketch.quantile(*sketch, q, *self._get(name)[3:5]) for q in (0.5, upper)) / 2
         return Straggler(rank, packed, median, packed / median if median else math.inf)
+
+    def unmatched(self) -> dict[str, list[str]]:
+        """``{argument: names}`` for each pattern (``regex``, ``quantiles``, ``stragglers``) that matched
+        none of :meth:`names` at the last update, with the names it may have meant: for ``regex``
+        (matched nothing on any rank) the first names this process reported to this stage that it
+        refused, for the others :meth:`names`. Local, no collective."""
+        names = self.names()
+        if not names:
+            return {"regex": sorted(self._store.refused)}
+        asked = [arg for arg in self._tracked if getattr(self, arg) is not None]
+        return {arg: names for arg in asked if not any(self._tracks(arg, n) for n in names)}
 
     def as_dict(self) -> dict[str, dict[str, float]]:
         """``{name: {"num", "mean", "std", "min", "max"}}`` for every name of :meth:`names`."""
         keys = ("num", "mean", "std", "min", "max")
-        return {name: dict(zip(keys, values)) for name, values in self._flush.read(len(self._prefix)).items()}
+        return {name: {**dict(zip(keys, v)), "num": round(v[0])} for name, v in self._flush.read().items()}
 
     def state_dict(self) -> dict[str, Any]:
         """The published statistics and agreed names, and the quantile sketches (what
         ``keep_previous`` needs after a resume)."""
-        values = self._flush.read(len(self._prefix))
-        flush, cut = self._flush, len(self._prefix)
-        sketches = {flush.names[i][cut:]: flush.sketches[j].cpu() for j, i in enumerate(flush.quantiled)}
-        return {
-            "names": self.names(),
-            "values": {k: list(v) for k, v in values.items()},
-            "sketches": sketches,
+        flush = self._flush
+        rows = [
+            (j, i) for j, (arg, i) in enumerate(flush.rows) if arg == "quantiles" and flush.counts[j].any()
+        ]
+        sketches = {
+            flush.names[i]: (int(flush.levels[j]), int(flush.starts[j]), torch.from_numpy(flush.counts[j]))
+            for j, i in rows
         }
+        return {"names": self.names(), "values": dict(flush.read()), "sketches": sketches}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (the same checkpoint must be loaded on every rank)."""
-        names, values = sorted(state["names"]), state["values"]
-        rows = [values.get(name, _UNPUBLISHED) for name in names]
-        names = [self._prefix + name for name in names]
-        self._seen.update(names)
-        device = self._flush.published.device
-        self._flush = _Flush([], device, self._flush.world_size)
-        self._flush = flush = self._new_flush(names, device, self._flush.world_size)
+        """Restore :meth:`state_dict` (the same checkpoint must be loaded on every rank). Rows of five
+        values (no non-finite count) load with a count of 0; a sketch saved in another layout is not
+        restored."""
+        names, values, flush = sorted(state["names"]), state["values"], self._flush
+        rows = [[*values[n], 0.0][:6] if n in values else _UNPUBLISHED for n in names]
+        self._flush = _Flush([], flush.device, flush.world_size, [])
+        self._flush = flush = self._new_flush(names, flush.device, flush.world_size)
+        self._store.layout(names)
         self._agreed_in = None  # the SUM's size depends on the configuration again
-        flush.published.copy_(torch.tensor(rows, dtype=torch.float64).reshape(-1, 5))
-        has = flush.published[:, 0] > 0
-        flush.next_shift.copy_(torch.where(has, flush.published[:, 1], 0.0).nan_to_num(0.0, 0.0, 0.0))
-        sketches, cut = state.get("sketches", {}), len(self._prefix)
-        for j, i in enumerate(flush.quantiled):
-            counts = sketches.get(names[i][cut:])
-            if counts is not None and counts.numel() == flush.sketches.shape[1]:
-                flush.sketches[j].copy_(counts)
+        flush.published.copy_(torch.tensor(rows, dtype=torch.float64).reshape(-1, 6))
+        flush.next_shift.copy_(torch.where(flush.published[:, 0] > 0, flush.published[:, 1], 0.0))
+        flush.idle.fill_(1.0)  # no update yet: nothing updated
+        saved = {n: s for n, s in state.get("sketches", {}).items() if isinstance(s, tuple)}
+        flush.counts = np.zeros((len(flush.rows), max([1, *(s[2].numel() for s in saved.values())])))
+        for j, (arg, i) in enumerate(flush.rows):
+            if arg == "quantiles" and names[i] in saved:
+                level, start, counts = saved[names[i]]
+                flush.levels[j], flush.starts[j], flush.counts[j, : counts.numel()] = (
+                    level,
+                    start,
+                    counts.numpy(),
+                )
 
     def __repr__(self) -> str:
         extras = "" if self.stage is None else f", stage={self.stage!r}"
         extras += "" if self.quantiles is None else f", quantiles={self.quantiles!r}"
         extras += "" if self.stragglers is None else f", stragglers={self.stragglers!r}"
         return f"Collector(regex={self.regex!r}, keep_previous={self.keep_previous}{extras})"
+
+
+def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, world: int, async_op: bool = False) -> Any:
+    """:func:`~lightning_ext.distributed.all_reduce_` over several ranks; nothing for one."""
+    return all_reduce_(tensor, op=op, group=group, async_op=async_op) if world > 1 else None

@@ -1,49 +1,46 @@
 """Report training statistics from anywhere: ``report()``, ``report0()`` and the state behind them.
 
-Follows NVIDIA's ``torch_utils/training_stats.py`` (StyleGAN2-ADA/StyleGAN3/EDM). ``report()`` adds a
-value into the :class:`_Accumulator` of its name on its device: a float64 row ``[count, sum(x - shift),
-sum((x - shift)^2), min, max]`` (the layout of the kernel op ``accumulate_moments_``), its shift (the
-first value since the last drain) and the counts of the sketches some collector keeps for the name.
-The rows of one device live in one :class:`_Slab`. Every ``Collector.update()`` first *drains*: the
-rows become one immutable :class:`_Table` handed to every live collector, so that each collector
-receives exactly the values reported since *its* previous update.
+Follows NVIDIA's ``torch_utils/training_stats.py`` (StyleGAN2-ADA/StyleGAN3/EDM). Each live
+:class:`~lightning_ext.stats.Collector` owns a :class:`~lightning_ext.stats._wire.Store` of
+accumulator rows (the interface between this module and the collectors: ``_wire``), which it attaches
+here with :func:`_attach`, the one call of the collector's side into this module. ``report()`` finds
+a name's *route* (the stores that take it in the current stage, and their accumulators per device)
+with one dict lookup and adds the value into each of them with the kernel backend's
+``accumulate_moments_``; a route is made at a name's first report in a stage and forgotten when a
+collector comes or goes, or drops names.
 
 All process-wide state is the one :class:`_State` in ``_state``; :func:`clear_statistics` replaces it.
-The collectors (:mod:`lightning_ext.stats.collector`) are the only consumers of the tables.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import numbers
 import weakref
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
 
 from lightning_ext import distributed
 from lightning_ext._checks import check_int
-from lightning_ext.kernels import KernelBackend, get_backend, moments_from_shifted
-from lightning_ext.stats.moments import _EMPTY_ROW, _as_shifted, _empty_moments, merge_moments
-from lightning_ext.stats.sketch import LogHistogram
-
-if TYPE_CHECKING:
-    from lightning_ext.stats.collector import Collector
+from lightning_ext.stats._wire import Accumulator, Store, check_label
 
 __all__ = ["clear_statistics", "init_multiprocessing", "report", "report0", "set_stage"]
 
 T = TypeVar("T")
 _CPU = torch.device("cpu")
-_STAGE_SEPARATOR = "\x1f"  # a staged value is filed under the key ``stage + _STAGE_SEPARATOR + name``
-_MIN_ROWS = 64  # rows of a device's first accumulator block
 _STRIDED = torch.strided
 _UNCOUNTABLE = frozenset(  # dtypes whose elements are no real numbers
     (torch.complex32, torch.complex64, torch.complex128, torch.qint8, torch.quint8, torch.qint32,
      torch.quint4x2, torch.quint2x4)
 )  # fmt: skip
+_CONVERTED = {  # dtypes the kernels do not read, and what report() converts them to (exactly)
+    torch.bool: torch.uint8,
+    **{getattr(torch, f"uint{b}"): torch.float64 for b in (16, 32, 64)},  # (uint64 above 2^53: rounded)
+    **{getattr(torch, d): torch.float32 for d in dir(torch) if d.startswith("float8_")},
+}
+_SCRATCH = torch.zeros((), dtype=torch.float64)  # a Python number's tensor on its way into the rows
 
 
 class _SyncSettings(NamedTuple):
@@ -54,146 +51,9 @@ class _SyncSettings(NamedTuple):
     process_group: Any  # None: the default group
 
 
-@dataclasses.dataclass(slots=True)
-class _SketchCounts:
-    """The counts of one quantile sketch of one accumulator."""
-
-    sketch: LogHistogram
-    edges: torch.Tensor  # float64 (m + 1,): sketch.edges() on the accumulator's device
-    counts: torch.Tensor  # float64 (sketch.size,), the ``hist`` of accumulate_histogram_
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _Accumulator:
-    """What ``report()`` adds a name's values into, on one device."""
-
-    sums: torch.Tensor  # float64 (5,): a row of the slab
-    shift: torch.Tensor  # float64 0-dim: a row of the slab
-    slab: _Slab
-    sketches: list[_SketchCounts]  # one per sketch some collector keeps for the name, usually none
-    stamp: int = -1  # the drain count when the shift was set: the next value after a drain sets it
-
-
-class _Table(NamedTuple):
-    """What a drain hands the collectors: sorted distinct keys ``names`` (a name, or ``stage +
-    _STAGE_SEPARATOR + name``), float64 ``(len(names), 5)`` shifted ``sums`` and float64
-    ``(len(names),)`` ``shifts`` (the layout of ``accumulate_moments_`` and ``moments_payload_``), and
-    ``histograms``: ``{(name, sketch): float64 (sketch.size,) counts}`` of the names with values."""
-
-    names: list[str]
-    sums: torch.Tensor
-    shifts: torch.Tensor
-    histograms: dict[tuple[str, LogHistogram], torch.Tensor] = {}  # noqa: RUF012 (never mutated)
-
-    def moments(self) -> torch.Tensor:
-        """Float64 ``(len(names), 5)`` moment rows ``[count, mean, m2, min, max]``."""
-        return moments_from_shifted(self.sums, self.shifts)
-
-    def copy(self) -> _Table:
-        """A table that owns its tensors (a drained table may be a view of the accumulator rows)."""
-        return self._replace(sums=self.sums.clone(), shifts=self.shifts.clone())
-
-
-def _merged(names: list[str], tables: list[_Table], device: torch.device) -> _Table:
-    """The table of ``names`` on ``device``: per name, the merge of its rows in ``tables`` (empty rows
-    for names no table has; names not in ``names`` are left out), histograms summed."""
-    histograms: dict[tuple[str, LogHistogram], torch.Tensor] = {}
-    kept = set(names) if any(table.histograms for table in tables) else ()
-    for table in tables:
-        for key, counts in table.histograms.items():
-            if key[0] in kept:
-                counts = counts.to(device)
-                histograms[key] = histograms[key] + counts if key in histograms else counts
-    if len(tables) == 1 and tables[0].names == names:  # nothing to reorder
-        return _Table(names, tables[0].sums.to(device), tables[0].shifts.to(device), histograms)
-    index = {name: i for i, name in enumerate(names)}
-    rows = _empty_moments(len(names), device)
-    for table in tables:
-        pairs = [(index[n], i) for i, n in enumerate(table.names) if n in index]
-        if pairs:
-            dst = torch.tensor([p[0] for p in pairs], device=device)
-            src = torch.tensor([p[1] for p in pairs], device=table.sums.device)
-            rows[dst] = merge_moments(rows[dst], table.moments()[src].to(device))
-    return _Table(names, *_as_shifted(rows), histograms)
-
-
-class _Slab:
-    """The accumulator rows of one device: a float64 ``(5,)`` row of sums and a float64 shift per name
-    reported there, kept from drain to drain, so that ``report()`` finds a name's row with one dict
-    lookup and a drain reads and resets every row with a few tensor ops.
-
-    Rows live in blocks (a new one, as large as all before it, when they are full), merged into one
-    block in the order of the names at the next drain. All tensors are normal ones (not inference
-    tensors), so that the first value may come from Lightning's validation loop (inference mode) and
-    later ones from training: in-place writes into normal tensors are allowed in inference mode.
-    """
-
-    def __init__(self, device: torch.device, backend: KernelBackend) -> None:
-        with torch.inference_mode(False):
-            self.empty = torch.tensor(_EMPTY_ROW, dtype=torch.float64, device=device)
-            self.scratch = torch.empty((), dtype=torch.float64, device=device)  # Python numbers go here
-        self.device, self.backend = device, backend
-        self.clear()
-
-    def clear(self) -> None:
-        """Forget every row."""
-        self.blocks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (sums (B, 5), shifts (B,)), in row order
-        self.capacity = 0  # rows in all blocks
-        self.names: list[str] = []  # the name of each row
-        self.accumulators: list[_Accumulator] = []  # the accumulator of each row
-        self.template: torch.Tensor | None = None  # (capacity, 5) empty rows: what a drain resets to
-        self.fresh = 0  # rows that received values since the last drain
-        # rows() of the last drain: a new names list whenever a name came, else the same one (the
-        # collectors recognize an unchanged name set by its identity)
-        self.views: tuple[torch.Tensor, torch.Tensor, list[str]] | None = None
-
-    def take(self, name: str, sketches: list[_SketchCounts]) -> _Accumulator:
-        """A new, empty accumulator row for ``name``."""
-        if len(self.names) == self.capacity:
-            size = max(_MIN_ROWS, self.capacity)
-            with torch.inference_mode(False):
-                self.blocks.append((self.empty.repeat(size, 1), self.empty.new_zeros(size)))
-            self.capacity += size
-            self.template = None
-        sums, shifts = self.blocks[-1]
-        j = len(self.names) - (self.capacity - sums.shape[0])
-        with torch.inference_mode(False):
-            accumulator = _Accumulator(sums[j], shifts[j], self, sketches)
-        self.names.append(name)
-        self.accumulators.append(accumulator)
-        self.views = None
-        return accumulator
-
-    def rows(self) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-        """Views of the sums ``(n, 5)`` and shifts ``(n,)`` of the ``n`` rows, and their names, sorted.
-        After new names came, one block holds every row in the order of the names."""
-        if self.views is None:
-            order = sorted(range(len(self.names)), key=self.names.__getitem__)
-            if len(self.blocks) > 1 or order != list(range(len(order))):
-                index = torch.tensor(order, device=self.device)
-                with torch.inference_mode(False):
-                    sums, shifts = (torch.cat([b[k] for b in self.blocks]) for k in (0, 1))
-                    sums[: len(order)], shifts[: len(order)] = sums[index], shifts[index]
-                    self.names = [self.names[i] for i in order]
-                    self.accumulators = [self.accumulators[i] for i in order]
-                    for i, accumulator in enumerate(self.accumulators):
-                        accumulator.sums, accumulator.shift = sums[i], shifts[i]
-                self.blocks, self.template = [(sums, shifts)], None
-            n = len(self.names)
-            self.views = (self.blocks[0][0][:n], self.blocks[0][1][:n], list(self.names))
-        return self.views
-
-    def reset(self) -> None:
-        """After a drain read ``rows()``: every row empty."""
-        if self.template is None:
-            with torch.inference_mode(False):
-                self.template = self.empty.repeat(self.capacity, 1)
-        self.blocks[0][0].copy_(self.template)
-        self.fresh = 0
-
-
-# What a drain reads of each slab with rows: slab => (sums, shifts, names, rows with values)
-_Used = dict[_Slab, tuple[torch.Tensor, torch.Tensor, list[str], int]]
+# A name's route in one stage: the stores that take it, and their accumulators per device (made at its
+# first value there)
+_Route = tuple[list[Store], dict[torch.device, list[Accumulator]]]
 
 
 @dataclasses.dataclass(slots=True)
@@ -203,99 +63,51 @@ class _State:
     settings: _SyncSettings | None = None  # init_multiprocessing()'s; None: follow torch.distributed
     followed: tuple[Any, _SyncSettings] | None = None  # (WORLD, its settings), resolved once per group
     stage: str | None = None  # set_stage()'s: the stage report() files values under
-    accumulators: dict[str, dict[torch.device, _Accumulator]] = dataclasses.field(default_factory=dict)
-    registered: set[str] = dataclasses.field(default_factory=set)  # names reported empty since the drain
-    drains: int = 0  # drains so far
-    pruning: bool = False  # a collector died: forget every row at the next drain (some are unwanted now)
-    slabs: dict[torch.device, _Slab] = dataclasses.field(default_factory=dict)
-    backends: dict[torch.device, KernelBackend] = dataclasses.field(default_factory=dict)  # resolved once
-    collectors: list[weakref.ref[Collector]] = dataclasses.field(default_factory=list)  # live ones
-    wanted: dict[str, bool] = dataclasses.field(default_factory=dict)  # key => some collector wants it
-    sketched: list[tuple[str, _Accumulator]] = dataclasses.field(default_factory=list)  # with sketches
+    stores: list[tuple[weakref.ref, Store]] = dataclasses.field(default_factory=list)  # (collector, its)
+    routes: dict[str | None, dict[str, _Route]] = dataclasses.field(default_factory=dict)  # stage => name =>
+    current: dict[str, _Route] = dataclasses.field(default_factory=dict)  # routes[stage]
 
-    def live(self) -> list[Collector]:
-        return [c for c in (ref() for ref in self.collectors) if c is not None]
+    def __post_init__(self) -> None:
+        self.routes[self.stage] = self.current
+
+    def forget_routes(self) -> None:
+        for routes in self.routes.values():
+            routes.clear()
 
     def forget(self, ref: weakref.ref) -> None:
         """Weakref callback: a collector died."""
-        self.collectors[:] = [r for r in self.collectors if r is not ref and r() is not None]
-        self.wanted.clear()
-        self.pruning = True
-
-    def wants(self, key: str) -> bool:
-        wanted = self.wanted.get(key)
-        if wanted is None:
-            wanted = self.wanted[key] = any(c._wants(key) for c in self.live())
-        return wanted
-
-    def new_accumulator(self, name: str, device: torch.device) -> _Accumulator:
-        """A row of ``device``'s slab for ``name``, with the sketches the live collectors keep for it."""
-        slab = self.slabs.get(device)
-        if slab is None:
-            slab = self.slabs[device] = _Slab(device, _kernel_backend(device))
-        with torch.inference_mode(False):
-            sketches = [
-                _SketchCounts(s, s.edges(device), torch.zeros(s.size, dtype=torch.float64, device=device))
-                for s in {c._sketch_for(name) for c in self.live()} - {None}
-            ]
-        accumulator = slab.take(name, sketches)
-        if sketches:
-            self.sketched.append((name, accumulator))
-        return accumulator
-
-    def drop(self, slab: _Slab) -> None:
-        """Forget every row of ``slab``, and the accumulators that point into them."""
-        for name in slab.names:
-            per_device = self.accumulators.get(name)
-            if per_device is not None:
-                per_device.pop(slab.device, None)
-                if not per_device:
-                    del self.accumulators[name]
-        self.sketched[:] = [(n, a) for n, a in self.sketched if a.slab is not slab]
-        slab.clear()
-
-    def reset_rows(self, used: _Used, prune: bool) -> None:
-        """Empty every row after a drain; forget a slab's rows when fewer than half had values (names
-        that come and go do not pile up), or all of them (``prune``)."""
-        self.registered.clear()
-        for slab, (*_, count) in used.items():
-            if prune or 2 * count < len(slab.names):
-                self.drop(slab)
-            else:
-                slab.reset()
-        if prune:
-            self.accumulators.clear()
-            self.sketched.clear()
-
-    def take_histograms(self, device: torch.device) -> dict[tuple[str, LogHistogram], torch.Tensor]:
-        """The counts of the sketches with values since the last drain, summed over devices on
-        ``device``; their accumulators start again from zero counts."""
-        histograms: dict[tuple[str, LogHistogram], torch.Tensor] = {}
-        for name, accumulator in self.sketched:
-            if accumulator.stamp != self.drains - 1:  # no value since the last drain
-                continue
-            for sketch in accumulator.sketches:
-                key, counts = (name, sketch.sketch), sketch.counts.to(device)
-                histograms[key] = histograms[key] + counts if key in histograms else counts
-                with torch.inference_mode(False):
-                    sketch.counts = torch.zeros_like(sketch.counts)
-        return histograms
+        self.stores[:] = [(r, s) for r, s in self.stores if r is not ref and r() is not None]
+        self.forget_routes()
 
 
 _state = _State()
 
 
+def _sync_settings() -> _SyncSettings:
+    """The settings in effect: :func:`init_multiprocessing`'s, else those of ``torch.distributed``
+    (resolved once per default group): its rank, the collective device (``None`` single-process)."""
+    state = _state
+    if state.settings is not None:
+        return state.settings
+    world = torch.distributed.group.WORLD if distributed.is_distributed() else None
+    if state.followed is None or state.followed[0] is not world:
+        device = distributed.collective_device() if world is not None else None
+        state.followed = (world, _SyncSettings(distributed.get_rank(), device, None))
+    return state.followed[1]
+
+
+def _attach(collector: Any, store: Store) -> None:
+    """Make ``report()`` add the values of the names ``store`` takes into it while ``collector`` lives
+    (the one call of the collector's side into this module; ``store`` gets ``settings`` and
+    ``forget_routes``). A collector sees the values reported while it exists."""
+    state = _state
+    store.settings, store.forget_routes = _sync_settings, state.forget_routes
+    state.stores.append((weakref.ref(collector, state.forget), store))
+    state.forget_routes()
+
+
 # ------------------------------------------------------------------------------------------------
 # Settings.
-
-
-def _kernel_backend(device: torch.device) -> KernelBackend:
-    """The kernel backend ``report()`` and the collectors use on ``device``: resolved at its first use
-    after :func:`clear_statistics`, then the same one, whatever ``LIGHTNING_EXT_KERNELS`` says later."""
-    backend = _state.backends.get(device)
-    if backend is None:
-        backend = _state.backends[device] = get_backend(device=device)
-    return backend
 
 
 def init_multiprocessing(
@@ -326,20 +138,6 @@ def init_multiprocessing(
     _state.settings = _SyncSettings(rank, device, process_group)
 
 
-def _sync_settings() -> _SyncSettings:
-    """The settings in effect: :func:`init_multiprocessing`'s, else those of ``torch.distributed``
-    (resolved once per default group): its rank, the collective device (``None`` single-process)."""
-    state = _state
-    if state.settings is not None:
-        return state.settings
-    world = torch.distributed.group.WORLD if distributed.is_distributed() else None
-    if state.followed is None or state.followed[0] is not world:
-        single = world is None
-        rank, device = (0, None) if single else (distributed.get_rank(), distributed.collective_device())
-        state.followed = (world, _SyncSettings(rank, device, None))
-    return state.followed[1]
-
-
 def set_stage(stage: str | None) -> str | None:
     """File the values reported from now on under ``stage`` (``None``: no stage, the default).
 
@@ -351,14 +149,14 @@ def set_stage(stage: str | None) -> str | None:
     they want stages. Process-local: no collective, no sync.
 
     Args:
-        stage: a non-empty str (any name, e.g. ``"validate"``) or ``None``.
+        stage: a non-empty str of printable characters (any name, e.g. ``"validate"``) or ``None``.
 
     Returns:
         The stage set before, to restore it.
 
     Raises:
         TypeError: ``stage`` is neither a str nor ``None``.
-        ValueError: ``stage`` is empty or contains ``"\\x1f"`` (the separator of stage and name).
+        ValueError: ``stage`` is empty or holds a control character (``"\\n"``, ``"\\x1f"``, ...).
 
     Example::
 
@@ -368,41 +166,16 @@ def set_stage(stage: str | None) -> str | None:
         >>> _ = set_stage(previous); train.update(); val.update(); train.mean("x"), val.mean("x")
         (1.0, 5.0)
     """
-    _check_stage("set_stage", stage)
-    previous, _state.stage = _state.stage, stage
+    if stage is not None:
+        check_label("set_stage", "stage", stage)
+    state = _state
+    previous, state.stage = state.stage, stage
+    state.current = state.routes.setdefault(stage, {})
     return previous
-
-
-def _check_stage(owner: str, stage: Any) -> None:
-    """``TypeError``/``ValueError`` naming ``owner`` unless ``stage`` is ``None`` or a non-empty str
-    without the separator of stage and name."""
-    if stage is not None and not isinstance(stage, str):
-        raise TypeError(f"{owner}: `stage` must be a str or None, got {stage!r}")
-    if stage is not None and (not stage or _STAGE_SEPARATOR in stage):
-        raise ValueError(f"{owner}: `stage` must be a non-empty str without '\\x1f', got {stage!r}")
-
-
-def _register(collector: Collector) -> None:
-    """Add ``collector`` (kept by a weak reference). The values pending are first drained to the
-    collectors registered before (a host-device sync where they live on a device), so that each sees
-    exactly the values reported while it existed, as NVIDIA's collectors do; the accumulators are
-    remade at their next value, with the sketches the collectors keep now."""
-    _drain()
-    for slab in _state.slabs.values():
-        _state.drop(slab)
-    _state.collectors.append(weakref.ref(collector, _state.forget))
-    _state.wanted.clear()
 
 
 # ------------------------------------------------------------------------------------------------
 # report().
-
-
-def _check_name(name: Any) -> None:
-    if not isinstance(name, str) or not name:
-        raise TypeError(
-            f"report(name, value): name must be a non-empty str, got {type(name).__name__} {name!r}"
-        )
 
 
 def _check_tensor(name: str, value: torch.Tensor) -> None:
@@ -423,8 +196,8 @@ def _check_value(name: str, value: Any) -> None:
     """TypeError naming ``name`` unless ``value`` can be counted (checked without converting a tensor)."""
     if isinstance(value, torch.Tensor):
         _check_tensor(name, value)
-    elif not _is_number(value):
-        _as_array(name, value)
+    else:
+        _as_float(name, value) if _is_number(value) else _as_array(name, value)
 
 
 def _as_array(name: str, value: Any) -> np.ndarray:
@@ -433,7 +206,9 @@ def _as_array(name: str, value: Any) -> np.ndarray:
         try:
             array = np.asarray(value)
         except (ValueError, TypeError) as err:
-            raise TypeError(f"report({name!r}, value): cannot read {value!r} as numbers ({err})") from None
+            raise TypeError(
+                f"report({name!r}, value): cannot read {value!r:.80} as numbers ({err})"
+            ) from None
         if array.dtype.kind in "biuf":
             return np.ascontiguousarray(array, dtype=np.float64).reshape(-1)
         if array.size == 0:
@@ -451,38 +226,36 @@ def _is_number(value: Any) -> bool:
     )
 
 
+def _as_float(name: str, value: Any) -> float:
+    """``float(value)`` of a real number, else OverflowError naming ``name`` (an int beyond float64)."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise OverflowError(
+            f"report({name!r}, value): {value!r:.40} is beyond float64's range (about 1.8e308)"
+        ) from None
+
+
 def _as_tensor(name: str, value: Any) -> torch.Tensor:
-    """``value`` as a countable real tensor (detached; bool as uint8), else TypeError naming ``name``."""
+    """``value`` as a countable real tensor (detached; bool, uint16/32/64 and float8 converted as
+    ``_CONVERTED`` says), else TypeError naming ``name``."""
     if isinstance(value, torch.Tensor):
         _check_tensor(name, value)
         x = value.detach()
-        return x.to(torch.uint8) if x.dtype is torch.bool else x
+        dtype = _CONVERTED.get(x.dtype)
+        return x if dtype is None else x.to(dtype)
     if _is_number(value):
-        return torch.tensor(float(value), dtype=torch.float64)
+        return torch.tensor(_as_float(name, value), dtype=torch.float64)
     return torch.from_numpy(_as_array(name, value))
 
 
-def _accumulate(
-    state: _State, name: str, per_device: dict, x: torch.Tensor | float, device: torch.device
-) -> None:
-    """Add the non-empty countable tensor (or Python float) ``x`` into its accumulator on ``device``."""
-    accumulator = per_device.get(device)
-    if accumulator is None:
-        accumulator = per_device[device] = state.new_accumulator(name, device)
-    slab = accumulator.slab
-    if type(x) is float:
-        x = slab.scratch.fill_(x)
-    if accumulator.stamp != state.drains:  # the first value since the last drain
-        accumulator.stamp = state.drains
-        slab.fresh += 1
-        # The shift: the first value, 0 where it is not finite (a non-finite shift would turn every
-        # later difference into NaN, inf - inf).
-        accumulator.shift.copy_(x.reshape(-1)[0]).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    # The unchecked calls of the ops: sums, shift and edges are valid by construction, x by _as_tensor.
-    slab.backend.run("accumulate_moments_", accumulator.sums, x, accumulator.shift)
-    if accumulator.sketches:
-        for sketch in accumulator.sketches:
-            slab.backend.run("accumulate_histogram_", sketch.counts, x, sketch.edges)
+def _route(name: Any) -> _Route:
+    """The route of ``name`` in the current stage, made now (its name checked once)."""
+    check_label("report(name, value)", "name", name)
+    state = _state
+    stores = [store for _, store in state.stores if store.stage == state.stage and store.wants(name)]
+    route = state.current[name] = (stores, {})
+    return route
 
 
 def report(name: str, value: T) -> T:
@@ -491,28 +264,31 @@ def report(name: str, value: T) -> T:
     Callable anywhere (under autocast, ``torch.no_grad`` or inference mode) on any subset of ranks,
     in any order; not thread-safe. A name nobody collects costs a dict lookup and a type check; else
     the value is accumulated where it lives (numbers and NumPy data on the CPU) by the kernel
-    backend's ``accumulate_moments_``: float64 count and sums shifted by the first value (16/32-bit
-    elements may be squared in float32 first), min, max. The backend is resolved once per device (the
-    first value there after :func:`clear_statistics`), not per call.
-    No host-device sync, no collective. An empty value registers the name (NaN until it has values).
+    backend's ``accumulate_moments_``, once per collector that takes it: float64 count and sums of the
+    finite elements shifted by the first value (16/32-bit elements may be squared in float32 first),
+    min, max, and the count of NaN and ``±inf`` elements. The backend is resolved once per collector and
+    device, not per call. A name's first report in a stage checks it. No host-device sync, no
+    collective. An empty value registers the name (NaN until it has values).
 
     Under ``torch.compile`` (``fullgraph=True`` included) a tensor or number is one opaque graph node,
     the custom op ``lightning_ext::report_``, running this eager path: a flush does not retrace the
     model (lists and NumPy arrays break the graph where dynamo cannot trace NumPy).
 
     Args:
-        name: statistic name, conventionally ``"Group/quantity_unit"`` (e.g. ``"Loss/total"``).
+        name: statistic name, printable, conventionally ``"Group/quantity_unit"`` (``"Loss/total"``).
         value: a Python number (bool/int/float, NumPy scalar), a list/tuple of numbers, a NumPy
-            array of a numeric dtype, or a real tensor of any shape, dtype and device whose elements
-            are stored (strided layout, not on ``meta``, not nested, not quantized).
+            array of a numeric dtype, or a real tensor of any shape, dtype (bool, uint16/32/64 and
+            float8 are converted) and device whose elements are stored (strided layout, not on
+            ``meta``, not nested, not quantized).
 
     Returns:
         ``value`` itself, unchanged.
 
     Raises:
-        TypeError: ``name`` is not a non-empty str, or ``value`` is not numeric (str, object,
-            complex, ...), or a tensor without real strided storage (sparse, nested, quantized,
-            MKL-DNN, on the ``meta`` device). Nothing is accumulated then.
+        TypeError: ``name`` is not a str, or ``value`` is not numeric (str, object, complex, ...), or a
+            tensor without real strided storage (sparse, nested, quantized, MKL-DNN, on ``meta``).
+        ValueError: ``name`` is empty or holds a control character (``"\\n"``, ``"\\x1f"``, ...).
+        OverflowError: ``value`` is a Python int beyond float64's range. Nothing is accumulated then.
 
     Example::
 
@@ -525,25 +301,22 @@ def report(name: str, value: T) -> T:
     """
     if torch.compiler.is_compiling():
         return _report_traced(name, value)
-    state = _state
-    if state.stage is not None:  # the key of a staged value
-        _check_name(name)
-        name = state.stage + _STAGE_SEPARATOR + name
-    per_device = state.accumulators.get(name) if isinstance(name, str) else None
-    if per_device is None:
-        _check_name(name)
-        if not state.wants(name):
-            _check_value(name, value)
-            return value
-        per_device = state.accumulators[name] = {}
-    if type(value) is float or _is_number(value):  # no tensor built
-        _accumulate(state, name, per_device, float(value), _CPU)
+    route = _state.current.get(name) if type(name) is str else None
+    stores, per_device = route if route is not None else _route(name)
+    if not stores:
+        _check_value(name, value)
         return value
-    x = _as_tensor(name, value)
-    if x.numel():
-        _accumulate(state, name, per_device, x, x.device)
+    if type(value) is float or _is_number(value):
+        x, device = _SCRATCH.fill_(value if type(value) is float else _as_float(name, value)), _CPU
     else:
-        state.registered.add(name)
+        x = _as_tensor(name, value)
+        device = x.device
+    accumulators = per_device.get(device)
+    if accumulators is None:  # (an empty value makes the rows: it registers the name)
+        accumulators = per_device[device] = [store.accumulator(name, device) for store in stores]
+    if x.numel():
+        for accumulator in accumulators:
+            accumulator.add(x)
     return value
 
 
@@ -560,7 +333,7 @@ _TOKEN = torch.zeros(())  # what _report_op "writes"
 
 def _report_traced(name: str, value: T) -> T:
     """What ``report()`` traces under ``torch.compile``: the value as a tensor, into the custom op."""
-    _check_name(name)
+    check_label("report(name, value)", "name", name)
     _report_op(_as_tensor(name, value), _TOKEN, name)
     return value
 
@@ -575,71 +348,14 @@ def report0(name: str, value: T) -> T:
         ``value`` itself, unchanged.
 
     Raises:
-        TypeError: as :func:`report`.
+        TypeError, ValueError, OverflowError: as :func:`report`.
     """
-    settings = _state.settings
-    if (settings.rank if settings is not None else distributed.get_rank()) == 0:
+    if (_state.settings.rank if _state.settings is not None else distributed.get_rank()) == 0:
         return report(name, value)
-    _check_name(name)
+    check_label("report(name, value)", "name", name)
     _check_value(name, value)
     report(name, [])
     return value
-
-
-# ------------------------------------------------------------------------------------------------
-# Drains.
-
-
-def _drain(consumer: Collector | None = None) -> Callable[[], None]:
-    """Hand the values reported since the last drain to every live collector, then reset the
-    accumulators. A collector's update calls it first, with itself as ``consumer``.
-
-    Converts them to one :class:`_Table` on the sync device (CPU when single-process), which
-    synchronizes host and device where they differ. Local: no collective. The steady state (one
-    device, every row with values) lends the table as views of the accumulator rows when ``consumer``
-    is the only collector: the rows are then reset by the function returned, which the consumer calls
-    once it has read them; otherwise that function does nothing.
-    """
-    state = _state
-    if not state.registered and not any(slab.fresh for slab in state.slabs.values()):
-        return _nothing
-    state.drains += 1
-    used = {slab: (*slab.rows(), slab.fresh) for slab in state.slabs.values() if slab.names}
-    release = functools.partial(state.reset_rows, used, state.pruning)
-    state.pruning, lent, table = False, False, None
-    collectors = state.live()
-    try:
-        if collectors:
-            table, lent = _table(state, used, lend=len(collectors) == 1 and collectors[0] is consumer)
-            if state.sketched:
-                table = table._replace(histograms=state.take_histograms(table.sums.device))
-    finally:
-        if not lent:
-            release()
-    for collector in collectors:
-        collector._receive(table)
-    return release if lent else _nothing
-
-
-def _nothing() -> None:
-    pass
-
-
-def _table(state: _State, used: _Used, lend: bool) -> tuple[_Table, bool]:
-    """The drained table (every name with values, or registered, since the last drain), and whether it
-    is made of views of the rows (``lend``, in the steady state)."""
-    device = _sync_settings().device or _CPU
-    if len(used) == 1 and not state.registered:
-        [(sums, shifts, names, count)] = used.values()
-        if count == len(names):  # every row has values: the steady state, no merge
-            lent = lend and sums.device == device
-            return _Table(names, sums.to(device, copy=not lent), shifts.to(device, copy=not lent)), lent
-    parts = []  # the rows with values, per device
-    for sums, shifts, names, _count in used.values():
-        rows = (sums[:, 0] > 0).nonzero().reshape(-1)
-        parts.append(_Table([names[i] for i in rows.tolist()], sums[rows], shifts[rows]))
-    names = sorted({n for part in parts for n in part.names} | state.registered)
-    return _merged(names, parts, device), False
 
 
 def clear_statistics() -> None:
@@ -649,6 +365,6 @@ def clear_statistics() -> None:
     independent runs in one process (e.g. several Trainers in a notebook). Local only: no collective.
     """
     global _state
-    for collector in _state.live():
-        collector._detach()
+    for _, store in _state.stores:
+        store.detach()
     _state = _State()

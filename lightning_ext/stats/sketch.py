@@ -1,22 +1,21 @@
 """``LogHistogram``: the quantile sketch of :class:`~lightning_ext.stats.Collector` (DDSketch's
-logarithmic buckets over a pinned range, so that sketches merge by an element-wise sum)."""
+logarithmic buckets over a pinned range, merged by an element-wise sum), and how a flush sends it: a
+window of its buckets, collapsed where the window is wide, its counts packed several to a float64."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-import numbers
-from typing import Any
 
 import numpy as np
 import torch
 
+from lightning_ext._checks import check_number
+
 __all__ = ["LogHistogram"]
 
-
-def _check_real(owner: str, arg: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{owner}: `{arg}` must be a float, got {value!r} ({type(value).__name__})")
+_MAX_SIZE = 1 << 20  # counts of one sketch at most (8 MiB of float64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,77 +27,89 @@ class LogHistogram:
     ``value_range``: ``gamma = (1 + alpha) / (1 - alpha)``, bucket ``k`` holds the magnitudes in
     ``(gamma^(k-1), gamma^k]`` for ``k`` from ``ceil(log_gamma(low))`` to ``ceil(log_gamma(high))``,
     one set per sign, plus a zero bucket and an overflow bucket per sign (the layout of the kernel op
-    ``accumulate_histogram_``, :mod:`lightning_ext.kernels.histogram`). Two sketches of the same
-    parameters merge by adding their counts (float64: exact to ``2**53`` values per bucket), so the
-    sketches of every rank ride in one SUM all-reduce.
+    ``accumulate_histogram_``, :mod:`lightning_ext.kernels.histogram`), finite values only. Sketches of
+    the same parameters merge by adding their counts.
+
+    Each device keeps the whole layout of a sketched name (:attr:`size` float64 counts); a flush sends
+    only the *window* of buckets between the interval's min and max over all ranks (known from the
+    flush's MAX reduction, so every rank cuts the same window): one-sided for a name whose values are
+    all of one sign, through the zero bucket otherwise. Where the window holds more buckets than fit in
+    5 KiB, it is *collapsed* (UDDSketch's uniform collapse: Epicoco, Melle, Cafaro, Pulimeno & Morleo,
+    "UDDSketch: Accurate Tracking of Quantiles in Data Streams", IEEE Access 2020): at level ``c``, each
+    bucket merges ``2^c`` neighbours, ``gamma_c = gamma^(2^c)``, relative accuracy ``alpha_c =
+    (gamma_c - 1) / (gamma_c + 1)`` (about ``2^c alpha``): the smallest level whose window fits. The
+    counts travel as integers packed ``k`` to a float64 (``f`` bits each, ``f`` the bits of a bound on
+    the interval's count: world size times the largest count of a rank; ``k = 53 // f``), so an
+    interval of fewer than ``2^13`` values per name (``k = 4``) sends 2,560 buckets in 5 KiB: the whole
+    default range of one sign, or both signs for magnitudes from ``1e-6`` to ``1e5``.
 
     Quantiles, by the inverted CDF (NumPy's ``method="inverted_cdf"``: the smallest value whose
     cumulative count reaches ``q n``): a quantile ``v`` with ``low <= |v| <= high`` is estimated within
-    ``alpha |v|`` (the bucket's representative ``2 gamma^k / (gamma + 1)``, signed); every estimate is
-    clipped to the exact ``[min, max]``. Outside the range: a value with ``|v| < low`` (zeros too)
-    falls in the zero bucket and reads as 0 (absolute error below ``low``); one with ``|v| > high``
-    (``±inf`` too) in an overflow bucket, which reads as the exact max (or min): only bounded. NaN is
-    not counted (the quantiles are those of the other values; ``num``, ``mean`` count NaN).
-
-    Memory: :attr:`size` float64 counts per tracked name (2767, about 22 KB, for the defaults), in each
-    device's accumulator, in the flush's SUM payload and in the published sketch.
+    ``alpha_c |v|`` (the bucket's representative ``2 gamma_c^k / (gamma_c + 1)``, signed); every
+    estimate is clipped to the exact ``[min, max]``. Outside the range: a value with ``|v| < low`` (zeros
+    too) falls in the zero bucket and reads as 0 (absolute error below ``low``); one with ``|v| > high``
+    in an overflow bucket, which reads as the exact max (or min): only bounded.
 
     Args:
         relative_accuracy: ``alpha``, in ``(0, 0.5)``.
         value_range: ``(low, high)``, ``0 < low < high < inf``.
 
     Raises:
-        TypeError: a parameter is not a real number (or ``value_range`` not a pair).
-        ValueError: ``relative_accuracy`` not in ``(0, 0.5)``, or not ``0 < low < high < inf``.
+        TypeError: a parameter is not a finite number (or ``value_range`` not a pair).
+        ValueError: ``relative_accuracy`` not in ``(0, 0.5)``, or not ``0 < low < high``, or the sketch
+            would hold more than ``2**20`` counts (8 MiB per name and device).
 
     Example::
 
         >>> sketch = LogHistogram(relative_accuracy=0.01)
-        >>> sketch.size, round(sketch.gamma, 6)
-        (2767, 1.020202)
+        >>> sketch.size, round(sketch.gamma, 6), round(sketch.accuracy(1), 4)
+        (2767, 1.020202, 0.02)
     """
 
     relative_accuracy: float = 0.01
     value_range: tuple[float, float] = (1e-6, 1e6)
 
     def __post_init__(self) -> None:
-        owner = "LogHistogram"
-        _check_real(owner, "relative_accuracy", self.relative_accuracy)
-        if not 0.0 < self.relative_accuracy < 0.5:
-            raise ValueError(
-                f"{owner}: `relative_accuracy` must be in (0, 0.5), got {self.relative_accuracy!r}"
-            )
-        pair = self.value_range
+        owner, pair = "LogHistogram", self.value_range
+        check_number(owner, "relative_accuracy", self.relative_accuracy, gt=0.0, lt=0.5)
         if not isinstance(pair, tuple | list) or len(pair) != 2:
             raise TypeError(f"{owner}: `value_range` must be a pair (low, high), got {pair!r}")
-        for value in pair:
-            _check_real(owner, "value_range", value)
-        if not 0.0 < pair[0] < pair[1] < math.inf:
-            raise ValueError(
-                f"{owner}: `value_range` must be (low, high) with 0 < low < high < inf, got {pair!r}"
-            )
+        check_number(owner, "value_range[0]", pair[0], gt=0.0)
+        check_number(owner, "value_range[1]", pair[1], gt=pair[0])
         object.__setattr__(self, "relative_accuracy", float(self.relative_accuracy))
         object.__setattr__(self, "value_range", (float(pair[0]), float(pair[1])))
+        if self.size > _MAX_SIZE:
+            raise ValueError(
+                f"{owner}: relative_accuracy={self.relative_accuracy!r} over "
+                f"value_range={self.value_range!r} "
+                f"needs {self.size} counts ({self.size * 8 / 2**20:.4g} MiB per name and device); at most "
+                f"{_MAX_SIZE} are allowed. HINT: a larger relative_accuracy or a narrower value_range"
+            )
 
-    @property
+    @functools.cached_property
     def gamma(self) -> float:
         """The ratio of consecutive bucket edges, ``(1 + alpha) / (1 - alpha)``."""
         return (1.0 + self.relative_accuracy) / (1.0 - self.relative_accuracy)
 
-    @property
+    @functools.cached_property
     def first(self) -> int:
         """Index ``k`` of the first bucket, ``ceil(log_gamma(low))``."""
         return math.ceil(math.log(self.value_range[0]) / math.log(self.gamma))
 
-    @property
+    @functools.cached_property
     def buckets(self) -> int:
         """``m``, the buckets per sign."""
         return math.ceil(math.log(self.value_range[1]) / math.log(self.gamma)) - self.first + 1
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         """``2m + 3``, the float64 counts of one histogram."""
         return 2 * self.buckets + 3
+
+    def accuracy(self, level: int) -> float:
+        """``alpha_c``, the relative accuracy of the buckets at collapse level ``level`` (0: ``alpha``)."""
+        g = self.gamma ** (1 << level)
+        return (g - 1.0) / (g + 1.0)
 
     def edges(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """float64 ``(m + 1,)``: ``gamma^k`` for ``k = first - 1 .. last``, the upper edges of the zero
@@ -108,30 +119,80 @@ class LogHistogram:
             k = torch.arange(self.first - 1, self.first + self.buckets, dtype=torch.float64)
             return (k * math.log(self.gamma)).exp_().to(device)
 
-    def quantile(self, counts: np.ndarray, q: float, lo: float, hi: float) -> float:
-        """The ``q``-quantile (inverted CDF) estimated from ``counts``; NaN when they are all 0.
+    # ------------------------------------------------------------------ levels and windows (NumPy)
+
+    @functools.cached_property
+    def _edges(self) -> np.ndarray:
+        return self.edges().numpy()
+
+    def _groups(self, level: np.ndarray | int) -> np.ndarray | int:
+        """``M_c``: the buckets per sign at collapse level ``level``."""
+        return -(-self.buckets // (1 << level))
+
+    def positions(self, values: np.ndarray, level: np.ndarray | int) -> np.ndarray:
+        """The bucket of each finite value in the layout at collapse level ``level``: ``[-overflow,
+        -M_c .. -1, zero, 1 .. M_c, +overflow]``, positions ``0 .. 2 M_c + 2`` (broadcasting)."""
+        values, m = np.asarray(values, dtype=np.float64), self.buckets
+        j = np.searchsorted(self._edges, np.abs(values), side="left")  # edges below |v|
+        groups = self._groups(level)
+        g = np.where(j > m, groups + 1, -(-j // (1 << np.asarray(level))))
+        return groups + 1 + np.sign(values).astype(np.int64) * g
+
+    def windows(
+        self, lo: np.ndarray, hi: np.ndarray, slots: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per name with values in ``[lo, hi]`` (float64 ``(N,)``), the smallest collapse level whose
+        window of buckets from ``lo``'s to ``hi``'s holds at most ``slots``: ``(level, start, width)``
+        int64 ``(N,)`` (width 0 where ``lo > hi``, no values)."""
+        has = lo <= hi
+        lo, hi = np.where(has, lo, 0.0)[:, None], np.where(has, hi, 0.0)[:, None]
+        start, stop = self.positions(lo, 0), self.positions(hi, 0)
+        if (stop - start < slots).all():  # the usual case: no collapse
+            return np.zeros(len(has), np.int64), start[:, 0], np.where(has, stop[:, 0] - start[:, 0] + 1, 0)
+        levels = np.arange(max(1, self.buckets.bit_length() + 1))  # the last: one bucket per sign
+        start, stop = self.positions(lo, levels), self.positions(hi, levels)
+        level = np.argmax(stop - start < slots, axis=1)
+        rows = np.arange(len(level))
+        return level, start[rows, level], np.where(has, stop[rows, level] - start[rows, level] + 1, 0)
+
+    def collapse(self, counts: np.ndarray, level: int) -> np.ndarray:
+        """Counts ``(N, size)`` at collapse level ``level``: ``(N, 2 M_c + 3)`` (bucket ``g`` of a sign
+        sums the buckets ``(g - 1) 2^c + 1 .. g 2^c`` of level 0)."""
+        if level == 0:
+            return counts
+        m, step, groups = self.buckets, 1 << level, self._groups(level)
+        sides = [np.pad(side, ((0, 0), (0, groups * step - m))).reshape(len(counts), groups, step).sum(2)
+                 for side in (counts[:, m:0:-1], counts[:, m + 2 : 2 * m + 2])]  # fmt: skip
+        return np.concatenate([counts[:, :1], sides[0][:, ::-1], counts[:, m + 1 : m + 2], sides[1],
+                               counts[:, -1:]], axis=1)  # fmt: skip
+
+    def quantile(self, level: int, start: int, window: np.ndarray, q: float, lo: float, hi: float) -> float:
+        """The ``q``-quantile (inverted CDF) of the counts ``window`` of the buckets from position
+        ``start`` at collapse level ``level``; NaN when they are all 0.
 
         Args:
-            counts: float64 ``(size,)`` (NumPy), a merged histogram.
+            level, start: the window's collapse level and first bucket (:meth:`windows`).
+            window: float64 ``(L,)`` (NumPy), merged counts.
             q: in ``(0, 1)``.
             lo, hi: the exact min and max of the values (the estimate is clipped to them).
         """
-        cumulative = np.cumsum(counts)
-        n = cumulative[-1]
+        cumulative = np.cumsum(window)
+        n = cumulative[-1] if cumulative.size else 0.0
         if n <= 0:
             return math.nan
         index = n * q - 1  # NumPy's inverted_cdf: the value of 0-based rank ceil(n q - 1), clipped
-        rank = min(max(math.floor(index) if index == math.floor(index) else math.floor(index) + 1, 0), n - 1)
-        position = int(np.searchsorted(cumulative, rank + 1, side="left"))
-        m = self.buckets
-        if position == 0:
-            return lo
-        if position == 2 * m + 2:
-            return hi
-        j = position - (m + 1)  # signed bucket number, 0 = the zero bucket
-        value = (
-            0.0
-            if j == 0
-            else math.copysign(2.0 * self.gamma ** (self.first - 1 + abs(j)) / (self.gamma + 1.0), j)
+        rank = min(max(math.ceil(index), 0), n - 1)
+        g = start + int(np.searchsorted(cumulative, rank + 1, side="left")) - self._groups(level) - 1
+        if abs(g) > self._groups(level):  # an overflow bucket
+            return lo if g < 0 else hi
+        step = 1 << level
+        value = math.copysign(
+            2.0 * self.gamma ** (self.first - 1 + abs(g) * step) / (self.gamma**step + 1.0), g
         )
-        return min(max(value, lo), hi) if lo <= hi else value
+        return min(max(value, lo), hi) if g else 0.0
+
+    def limits(self, level: int) -> np.ndarray:
+        """float64 ``(2 M_c + 4,)``: the bucket limits of the layout at ``level``, ``-inf .. +inf`` (bucket
+        ``p`` between limits ``p`` and ``p + 1``; the zero bucket between ``-e_0`` and ``e_0``)."""
+        edges = self._edges[np.minimum(np.arange(self._groups(level) + 1) << level, self.buckets)]
+        return np.concatenate(([-np.inf], -edges[::-1], edges, [np.inf]))

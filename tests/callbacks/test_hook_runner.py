@@ -1,4 +1,5 @@
 import math
+import re
 import types
 import weakref
 
@@ -364,6 +365,26 @@ def test_loss_monitor_raises_on_a_non_finite_loss(every_n_train_steps, raised_at
         run_loop(runner, model, epochs=2, per_epoch=3, loss_at=nan_at_2)
     assert f"LossMonitor.after_step() at iteration={raised_at}" in "\n".join(e.value.__notes__)
     assert recorder.after_train_exceptions == [e.value]
+
+
+def _monitors_at_other_periods(rank: int, world_size: int) -> str:
+    """A plain loop on every rank, with a LossMonitor agreeing every 2 iterations on rank 0 and every 3
+    on the others: their first agreement points meet at iterations 1 and 2."""
+    model = nn.Linear(3, 1)
+    runner = HookRunner([LossMonitor(every_n_train_steps=2 if rank == 0 else 3)], model)
+    with pytest.raises(RuntimeError) as e:
+        run_loop(runner, model, epochs=1, per_epoch=6)
+    return str(e.value)
+
+
+def test_a_loss_monitor_agreeing_at_another_iteration_raises_on_every_rank():
+    """HookRunner's iteration is the step of LossMonitor's agreement point: ranks at different
+    iterations raise on every rank, naming the steps, instead of reducing each other's losses."""
+    from tests.helpers.distributed import run_distributed
+
+    for message in run_distributed(_monitors_at_other_periods, 2, timeout=120):
+        assert re.search(r"the ranks disagree \(ranks \[0\]: Collector\(.*\) at step=1; ranks \[1\]: "
+                         r"Collector\(.*\) at step=2\)", message), message  # fmt: skip
 
 
 def test_hooks_check_what_they_need_from_the_runner_themselves():

@@ -1,4 +1,4 @@
-"""The slowest rank in real ``ddp_spawn`` Trainer runs: a rank sleeping in ``training_step`` or in its
+"""The straggler in real ``ddp_spawn`` Trainer runs: a rank sleeping in ``training_step`` or in its
 data loader is named, with SyncBatchNorm (the fast ranks wait inside the forward's all-reduce) and
 with plain DDP, and a job without a straggler prints no line."""
 
@@ -21,7 +21,7 @@ from lightning_ext.plugins import SyncBatchNormPlugin
 SLOW_RANK = 1
 EXTRA_SEC = 0.04  # the slow rank's extra time per step, in training_step or in its data loader
 EVERY, WARMUP, STEPS, BATCH = 5, 3, 60, 16  # 12 flushes
-LINE = re.compile(r"Slowest rank at iteration=(\d+): rank (\d+) \(host [^)]*\), (\S+) ")
+LINE = re.compile(r"Straggler at iteration=(\d+): rank (\d+) \(host [^)]*\), (\S+) ")
 
 
 class _Data(Dataset):
@@ -61,7 +61,7 @@ class _Model(pl.LightningModule):
 
 def run_job(tmp_path: Path, capfd, world: int, slow: str | None, sync_bn: bool = True, *extra):
     """Train ``STEPS`` steps on ``world`` ranks (with the ``extra`` callbacks); the CSV rows of the
-    flushes, the slowest-rank lines ``(iteration, rank, name)`` printed on rank zero and the stderr."""
+    flushes, the straggler lines ``(iteration, rank, name)`` printed on rank zero and the stderr."""
     logger = CSVLogger(tmp_path, name="csv", version=0)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -78,7 +78,7 @@ def run_job(tmp_path: Path, capfd, world: int, slow: str | None, sync_bn: bool =
     capfd.readouterr()
     trainer.fit(_Model(slow))
     with open(Path(logger.log_dir) / "metrics.csv") as f:
-        rows = [row for row in csv.DictReader(f) if row.get("Timing/data_sec/slowest_rank")]
+        rows = [row for row in csv.DictReader(f) if row.get("Timing/data_sec/straggler_rank")]
     err = capfd.readouterr().err
     return rows, [(int(i), int(r), name) for i, r, name in LINE.findall(err)], err
 
@@ -93,7 +93,7 @@ def test_a_slow_rank_is_named_at_every_flush_after_the_first_two(tmp_path, capfd
     rows, lines, _ = run_job(tmp_path, capfd, world, slow, sync_bn)
     name = {"step": "Timing/compute_sec", "data": "Timing/data_sec"}[slow]
     assert len(rows) >= 12
-    assert all(float(row[name + "/slowest_rank"]) == SLOW_RANK for row in rows[1:]), rows
+    assert all(float(row[name + "/straggler_rank"]) == SLOW_RANK for row in rows[1:]), rows
     # Named from the second flush with the first timed values (patience 2), at every flush then.
     named = [i for i, rank, n in lines if n == name and rank == SLOW_RANK]
     assert len(named) >= len(rows) - 3 and all(rank == SLOW_RANK for _, rank, _ in lines), lines
@@ -107,5 +107,5 @@ def test_a_job_without_a_straggler_prints_no_line(tmp_path, capfd, world):
     misspelt = TrainingStats(every_n_train_steps=EVERY, regex="Timing/.*", stragglers="Timing/compute_secs")
     rows, lines, err = run_job(tmp_path, capfd, world, None, True, misspelt)
     assert len(rows) >= 12 and lines == []
-    # A slowest-rank pattern that matched no reported name: said once, on rank zero.
+    # A straggler pattern that matched no reported name: said once, on rank zero.
     assert err.count("TrainingStats: `stragglers`='Timing/compute_secs' matched none of the names") == 1

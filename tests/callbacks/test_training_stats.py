@@ -114,7 +114,7 @@ def test_ddp_spawn_logs_match_float64_and_checkpoint_round_trips(tmp_path: Path,
     )
     trainer.fit(ReportingModule(str(tmp_path)))
     records = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    # The default slowest-rank names without IterationTimer: said once, on rank zero.
+    # The default straggler names without IterationTimer: said once, on rank zero.
     assert capfd.readouterr().err.count("asks for IterationTimer's timings, but the Trainer has none") == 1
 
     # Single-process float64 reference over both ranks' data, per flush interval (4 micro-batches).
@@ -210,6 +210,10 @@ def test_bad_arguments_and_state_keys() -> None:
         ValueError, match=r"TrainingStats: `stats` must be a non-empty sequence of .*got \('mean', 'median'\)"
     ):
         TrainingStats(stats=("mean", "median"))
+    with pytest.raises(ValueError, match=r"got \('mx',\)\. HINT: did you mean 'max'\?$"):
+        TrainingStats(stats=("mx",))
+    with pytest.raises(ValueError, match=r"TrainingStats: `forget_after` must be an int >= 1 or None, got 0"):
+        TrainingStats(forget_after=0)
     with pytest.raises(TypeError, match=r"Stats: `stats` must be a sequence of names, not the str 'mean'"):
         TrainingStats(stats="mean")
     with pytest.raises(ValueError, match=r"TrainingStats: `regex` must be a regular expression, got '\['"):
@@ -230,9 +234,11 @@ def test_bad_arguments_and_state_keys() -> None:
         TrainingStats(quantiles="(")
     with pytest.raises(TypeError, match=r"TrainingStats: `stragglers` must be a str, got 3"):
         TrainingStats(stragglers=3)
-    with pytest.raises(ValueError, match=r"`relative_accuracy` must be in \(0, 0.5\), got 0.5"):
+    with pytest.raises(
+        ValueError, match=r"`relative_accuracy` must be a finite number in \(0.0, 0.5\), got 0.5"
+    ):
         TrainingStats(relative_accuracy=0.5)
-    with pytest.raises(ValueError, match=r"`value_range` must be .* 0 < low < high < inf, got \(1.0, 1.0\)"):
+    with pytest.raises(ValueError, match=r"`value_range\[1\]` must be a finite number > 1.0, got 1.0"):
         TrainingStats(value_range=(1.0, 1.0))
     with pytest.raises(ValueError, match=r"Stats: `straggler_excess` must be a finite number >= 0.0, got -1"):
         TrainingStats(straggler_excess=-1)
@@ -536,3 +542,153 @@ def test_histograms_reach_tensorboard_and_unmatched_patterns_are_said_once(tmp_p
         value = h.histogram_value
         assert sum(value.bucket) == value.num == 16  # 17 reported, the NaN not counted
         assert value.min < value.bucket_limit[0] and list(value.bucket_limit) == sorted(value.bucket_limit)
+
+
+class _NonFinite(pl.LightningModule):
+    """Reports 4 finite values per step into ``Grad/norm``, a NaN and an inf every second step, and only
+    NaN into ``Loss/nan`` at step 3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        bad = [math.nan, math.inf] * (batch_idx % 2)
+        report("Grad/norm", [float(batch_idx)] * 4 + bad)
+        if batch_idx == 3:
+            report("Loss/nan", [math.nan, math.nan])
+        return torch.nn.functional.mse_loss(self.lin(x - 1e4), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(_dataset(), batch_size=4)
+
+
+def test_non_finite_values_are_counted_beside_the_statistics_of_the_finite_ones() -> None:
+    """Issue 44's case: a NaN among an interval's values no longer hides the name: its statistics are
+    those of the finite values, ``name/nonfinite`` counts the others, a warning says so once per name;
+    a name with only non-finite values is written with ``num`` 0 and NaN statistics."""
+    clear_statistics()
+    logger = _Steps()
+    stats = TrainingStats(every_n_train_steps=2, regex="(Grad|Loss)/.*", stats=("mean", "max", "num"))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=6, logger=logger, callbacks=[stats],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="non-finite") as caught:
+        trainer.fit(_NonFinite())
+    said = [str(w.message) for w in caught if "non-finite" in str(w.message)]
+    assert len(said) == 2 and said[0].startswith(
+        "TrainingStats: 'Grad/norm' had 2 non-finite values (NaN or ±inf) at iteration=1 beside 8 finite ones"
+    ), said
+    rows = [m for _, m in logger.logged if "Grad/norm" in m]
+    assert [r["Grad/norm"] for r in rows] == [0.5, 2.5, 4.5] and [r["Grad/norm/num"] for r in rows] == [
+        8.0
+    ] * 3
+    assert [r["Grad/norm/nonfinite"] for r in rows] == [2.0] * 3 and rows[1]["Grad/norm/max"] == 3.0
+    (nan_row,) = [m for _, m in logger.logged if "Loss/nan/nonfinite" in m]
+    assert (
+        nan_row["Loss/nan/num"] == 0
+        and nan_row["Loss/nan/nonfinite"] == 2
+        and math.isnan(nan_row["Loss/nan"])
+    )
+
+
+class _Colliding(pl.LightningModule):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.lin, self.name = torch.nn.Linear(2, 1), name
+
+    def training_step(self, batch, batch_idx):
+        report("Loss", 1.0)
+        report(self.name, 2.0)
+        return self.lin(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self):
+        return DataLoader(_dataset(), batch_size=4)
+
+
+@pytest.mark.parametrize("name", ["Loss/std", "Loss/nonfinite", "Loss/straggler_rank"])
+def test_a_reported_name_equal_to_a_derived_key_raises(name: str) -> None:
+    clear_statistics()
+    stats = TrainingStats(every_n_train_steps=2, stats=("mean", "std"))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=4, logger=False, callbacks=[stats],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.raises(
+        ValueError, match=rf"TrainingStats: the keys '{name}' \(reported, and derived from 'Loss'\)"
+    ):
+        trainer.fit(_Colliding(name))
+    TrainingStats(
+        every_n_train_steps=2, stats=("mean",), stragglers=None
+    )  # without "std": no clash for Loss/std
+
+
+class _FailingValidation(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.lin(batch[0]).sum()
+
+    def validation_step(self, batch, batch_idx):
+        raise RuntimeError("validation failed")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self):
+        return DataLoader(_dataset(), batch_size=4)
+
+    def val_dataloader(self):
+        return DataLoader(_dataset(), batch_size=4)
+
+
+def test_a_failing_validation_leaves_no_stage_behind() -> None:
+    clear_statistics()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=2, logger=False,
+        callbacks=[TrainingStats(every_n_train_steps=1)], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="validation failed"):
+        trainer.fit(_FailingValidation())
+    from lightning_ext.stats import set_stage
+
+    assert set_stage(None) is None  # training's stage again: report() after the failure is training's
+
+
+class _Disagreeing(Callback):
+    """Gives rank 1's TrainingStats another period before its setup (as a per-rank config would)."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        if trainer.global_rank == 1:
+            next(c for c in trainer.callbacks if isinstance(c, TrainingStats)).every_n_train_steps = 3
+
+
+@pytest.mark.timeout(240)
+def test_ranks_with_other_arguments_raise_at_setup_naming_them(tmp_path: Path) -> None:
+    """Issue 44's case: every_n_train_steps=2 on rank 0 and 3 on rank 1 would flush at other steps, where
+    DDP's gradient all-reduce stands in between (a hang to the timeout): setup raises on every rank
+    first, naming the ranks and their arguments."""
+    clear_statistics()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=6, logger=False,
+        callbacks=[_Disagreeing(), TrainingStats(every_n_train_steps=2)], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    # The ValueError of rank 0, or of rank 1 wrapped by torch.multiprocessing (whichever fails first)
+    with pytest.raises(
+        Exception,
+        match=r"TrainingStats: the ranks' arguments differ: "
+        r"every_n_train_steps=2 on ranks \[0\], 3 on ranks \[1\]; their flushes would not meet",
+    ):
+        trainer.fit(_Colliding("Other"))

@@ -291,7 +291,7 @@ def test_distributed_statistics_match_single_process_float64(world_size: int) ->
 
 AGREED = {  # what even ranks pass
     "regex": "L.*", "keep_previous": True, "stage": None, "quantiles": "L.*", "relative_accuracy": 0.01,
-    "value_range": (1e-6, 1e6), "stragglers": None,
+    "value_range": (1e-6, 1e6), "stragglers": None, "forget_after": 100,
 }  # fmt: skip
 DIFFERENCES = [  # one argument at a time: what odd ranks pass instead
     ("relative_accuracy", 0.02),
@@ -301,6 +301,7 @@ DIFFERENCES = [  # one argument at a time: what odd ranks pass instead
     ("regex", "L/.*"),
     ("keep_previous", False),
     ("stage", "validate"),
+    ("forget_after", None),
 ]
 
 
@@ -320,7 +321,7 @@ def _differing(rank: int, world_size: int, shared_memory: bool) -> list:
             set_stage(outer)
             start = time.monotonic()
             with pytest.raises(RuntimeError) as info:
-                c.update()
+                c.update(step=7)
             elapsed, names = time.monotonic() - start, c.names()
             init_multiprocessing(rank, None)  # alone now: the values received before the error remain
             c.update()
@@ -328,28 +329,194 @@ def _differing(rank: int, world_size: int, shared_memory: bool) -> list:
     return out
 
 
+def _ranks(ranks: list[int]) -> str:
+    return re.escape(f"ranks {ranks}")
+
+
+def _shm_files() -> set[str]:
+    """The shared-memory segments of ``all_reduce_`` in ``/dev/shm`` (unlinked once mapped: none stay)."""
+    return (
+        {f for f in os.listdir("/dev/shm") if f.startswith("lightning_ext_shm_")}
+        if os.path.isdir("/dev/shm")
+        else set()
+    )
+
+
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "gloo"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ranks_whose_collectors_differ_all_raise_naming_the_ranks(
     world_size: int, shared_memory: bool
 ) -> None:
+    """One argument differs on the odd ranks: the MAX's configuration pair says so on every rank, which
+    then run ONE gather of each rank's configuration and step and raise naming both groups, before
+    anything is published, fresh or restored (the SUM then has a size), on both transports."""
+    before = _shm_files()
     outputs = run_distributed(_differing, world_size, shared_memory, timeout=120)
+    assert _shm_files() <= before  # nothing left behind
     even, odd = [r for r in range(world_size) if r % 2 == 0], [r for r in range(world_size) if r % 2]
     for rank, out in enumerate(outputs):
         assert len(out) == 2 * len(DIFFERENCES)
         for restored, arg, message, elapsed, names, num, mean in out:
             where = f"rank {rank}, {arg}{' after load_state_dict' if restored else ''}"
-            same, others = (odd, even) if rank % 2 else (even, odd)
-            mine = re.escape(f"{arg}={(dict(DIFFERENCES)[arg] if rank % 2 else AGREED[arg])!r}")
+            groups = [
+                rf"{_ranks(ranks)}: Collector\(.*{re.escape(f'{arg}={value!r}')}.*\) at step=7"
+                for ranks, value in ((even, AGREED[arg]), (odd, dict(DIFFERENCES)[arg]))
+            ]
             assert re.match(
-                rf"Collector.update: the ranks' collectors differ: ranks {re.escape(str(same))} have "
-                rf"Collector\(.*{mine}.*\), ranks {re.escape(str(others))} another configuration; nothing "
-                r"was published\. HINT: create the Collector",
+                rf"Collector.update: the ranks disagree \({groups[0]}; {groups[1]}\); nothing was published, "
+                r"the values stay for the next update\. HINT: create the Collector",
                 message,
             ), f"{where}: {message}"
             assert elapsed < 30.0, f"{where}: raised after {elapsed:.1f} s"
             assert names == (["L/x"] if restored else []), f"{where}: published {names}"
             assert (num, mean) == (2, rank + 0.5), f"{where}: the values received were lost"
+
+
+def _skipping(rank: int, world_size: int, shared_memory: bool, with_step: bool) -> list:
+    """Four intervals of one value each (``10 rank + interval``); rank 1 skips its update after
+    interval 1 and, without a step, updates once more at the end (so that every update meets one)."""
+    if not shared_memory:
+        os.environ[SHM_ENV_VAR] = "0"
+    c = Collector(regex="L.*")
+    out: list = []
+    for interval in range(4):
+        report("L/x", float(10 * rank + interval))
+        if rank == 1 and interval == 1:
+            continue
+        start = time.monotonic()
+        try:
+            c.update(step=interval if with_step else None)
+        except RuntimeError as err:
+            init_multiprocessing(rank, None)  # alone now: the values received before the error remain
+            c.update()
+            return [*out, (interval, str(err), time.monotonic() - start, c.num("L/x"), c.mean("L/x"))]
+        out.append((interval, c.num("L/x"), c.mean("L/x")))
+    if rank == 1 and not with_step:
+        c.update()
+        out.append((4, c.num("L/x"), c.mean("L/x")))
+    return out
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "gloo"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_skipped_update_raises_on_every_rank_naming_the_steps(world_size: int, shared_memory: bool) -> None:
+    """Issue 44's case: rank 1 skips one of four updates. With the step, its next update (interval 2)
+    meets the others' of interval 1: every rank raises, naming each rank's step, and publishes nothing;
+    the values stay (rank 1: intervals 1 and 2)."""
+    before = _shm_files()
+    outputs = run_distributed(_skipping, world_size, shared_memory, True, timeout=120)
+    assert _shm_files() <= before
+    others = [r for r in range(world_size) if r != 1]
+    for rank, out in enumerate(outputs):
+        [(interval, message, elapsed, num, mean)] = out[-1:]
+        assert [o[0] for o in out[:-1]] == [0] and interval == (2 if rank == 1 else 1), out
+        assert re.match(
+            rf"Collector.update: the ranks disagree \({_ranks(others)}: Collector\(.*\) at step=1; "
+            rf"{_ranks([1])}: Collector\(.*\) at step=2\); nothing was published",
+            message,
+        ), message
+        assert elapsed < 30.0
+        assert (num, mean) == ((2, 11.5) if rank == 1 else (1, 10.0 * rank + 1)), out
+
+
+def test_without_a_step_a_skipped_update_meets_the_next_one() -> None:
+    """What the step catches, and nothing else can: without one, rank 0's 2nd update meets rank 1's
+    3rd (the k-th update of each rank meets the others' k-th) and both publish an interval mixing rank
+    0's interval 1 with rank 1's intervals 1 and 2, without an error (documented in the guide)."""
+    outputs = run_distributed(_skipping, 2, True, False, timeout=120)
+    mixed = [(3, (1 + 11 + 12) / 3), (2, (2 + 13) / 2), (1, 3.0)]  # (num, mean) of updates 2, 3 and 4
+    assert outputs[0] == [(0, 2, 5.0)] + [(i, *m) for i, m in zip((1, 2, 3), mixed)]
+    assert outputs[1] == [(0, 2, 5.0)] + [(i, *m) for i, m in zip((2, 3, 4), mixed)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Bytes per rank, whatever the world size; names that come and go; non-finite values.
+
+K_BYTES = 5  # names of the payload-size schedule: 2 sketched, 1 with the straggler tracked
+
+
+def _payload_bytes(rank: int, world_size: int) -> list:
+    """Bytes of each all-reduce of three updates of the same schedule on every rank (600 values per
+    sketched name and rank: counts packed 4 to a word for 2, 3 and 4 ranks alike)."""
+    calls = []
+    real = collector_module.all_reduce_
+
+    def all_reduce_(tensor, op, **kwargs):
+        calls.append((op, tensor.numel() * tensor.element_size()))
+        return real(tensor, op=op, **kwargs)
+
+    collector_module.all_reduce_ = all_reduce_
+    c = Collector(quantiles="Q/.*", stragglers="T/x")
+    gen = np.random.default_rng(0)
+    for _ in range(3):
+        report("Q/a", gen.lognormal(0.0, 1.0, 600))
+        report("Q/b", gen.uniform(-1.0, 1.0, 600))
+        report("T/x", 0.01 * (1 + rank))
+        report("M/a", 1.0)
+        report("M/b", [1.0, 2.0])
+        c.update()
+    return calls
+
+
+def test_payload_bytes_per_rank_do_not_depend_on_the_world_size() -> None:
+    """2, 3 and 4 ranks send exactly the same bytes per rank: the MAX holds 7 head values and 5 per
+    name, the SUM 5 per name and each sketched name's window (the ranks' means of the straggler name in
+    one more), nothing per rank."""
+    by_size = {w: run_distributed(_payload_bytes, w, timeout=180, fresh=w == 4)[0] for w in (2, 3, 4)}
+    assert by_size[2] == by_size[3] == by_size[4], by_size
+    steady = by_size[2][-2:]  # the third update: the agreed names, no new one
+    assert steady[0] == (torch.distributed.ReduceOp.MAX, 8 * (7 + 5 * K_BYTES))
+    sketch_words = (steady[1][1] // 8 - 5 * K_BYTES) / 3
+    assert steady[1][0] == torch.distributed.ReduceOp.SUM and sketch_words == int(sketch_words) <= 640, steady
+
+
+def _forgetting(rank: int, world_size: int) -> list:
+    """forget_after=2: ``A`` on rank 0 at every update; ``B`` on rank 1 at the first and the fifth."""
+    c = Collector(forget_after=2)
+    out = []
+    for update in range(5):
+        if rank == 0:
+            report("A", float(update))
+        if rank == 1 and update in (0, 4):
+            report("B", [10.0 * update, 10.0 * update + 2])
+        c.update()
+        out.append((c.names(), c.updated(), {n: (c.num(n), c.mean(n)) for n in c.names()}))
+    return out
+
+
+def test_a_name_without_values_is_forgotten_alike_on_every_rank_and_comes_back_new() -> None:
+    outputs = run_distributed(_forgetting, 2, timeout=120)
+    assert outputs[0] == outputs[1]
+    assert outputs[0] == [
+        (["A", "B"], ["A", "B"], {"A": (1, 0.0), "B": (2, 1.0)}),
+        (["A", "B"], ["A"], {"A": (1, 1.0), "B": (2, 1.0)}),  # B kept (keep_previous), 1 update idle
+        (["A"], ["A"], {"A": (1, 2.0)}),  # 2 updates idle on every rank: forgotten
+        (["A"], ["A"], {"A": (1, 3.0)}),
+        (["A", "B"], ["A", "B"], {"A": (1, 4.0), "B": (2, 41.0)}),  # back, as a new name
+    ]
+
+
+def _nonfinite(rank: int, world_size: int, shared_memory: bool) -> dict:
+    if not shared_memory:
+        os.environ[SHM_ENV_VAR] = "0"
+    c = Collector(quantiles="x")
+    report("x", [1.0, math.nan, 2.0] if rank == 0 else [math.inf, 3.0, -math.inf] if rank == 1 else [])
+    report("only", [math.nan] if rank == 0 else [])
+    c.update()
+    return {"x": [c.num("x"), c.nonfinite("x"), c.mean("x"), c.min("x"), c.max("x")],
+            "hist": c.histogram("x")[0].sum(), "only": [c.num("only"), c.nonfinite("only")],
+            "q": c.quantile("x", 1.0 - 1e-9), "updated": c.updated()}  # fmt: skip
+
+
+@pytest.mark.parametrize(("world_size", "shared_memory"), [(2, True), (3, False)], ids=["2-shm", "3-gloo"])
+def test_non_finite_values_are_counted_over_ranks_and_hide_nothing(
+    world_size: int, shared_memory: bool
+) -> None:
+    outputs = run_distributed(_nonfinite, world_size, shared_memory, timeout=120)
+    assert all(out == outputs[0] for out in outputs)
+    out = outputs[0]
+    assert out["x"] == [3, 3, 2.0, 1.0, 3.0] and out["hist"] == 3 and out["only"] == [0, 1]
+    assert out["q"] == pytest.approx(3.0, rel=0.01) and out["updated"] == ["only", "x"]  # finite ones only
 
 
 # ------------------------------------------------------------------------------------------------
@@ -386,7 +553,7 @@ def test_queries_and_bad_arguments() -> None:
     }
     with pytest.raises(  # matches the regex, never reported: a misspelling, not a NaN
         KeyError,
-        match=r"'Loss/totl' was never reported to Collector\(regex='Loss/\.\*'\); "
+        match=r"'Loss/totl' was never reported to \(or was forgotten by\) Collector\(regex='Loss/\.\*'\); "
         r"close names: \['Loss/total'\]",
     ):
         c.mean("Loss/totl")
@@ -449,8 +616,8 @@ def test_updated_names_and_stages_keep_values_apart() -> None:
 
 @pytest.mark.parametrize(
     ("stage", "error", "match"),
-    [(3, TypeError, "`stage` must be a str or None, got 3"), ("", ValueError, "non-empty"),
-     ("a\x1fb", ValueError, "without")],
+    [(3, TypeError, "`stage` must be a str, got int 3"), ("", ValueError, "non-empty str of printable"),
+     ("a\x1fb", ValueError, "without control characters such as")],
 )  # fmt: skip
 def test_bad_stages_name_the_argument(stage, error, match) -> None:
     with pytest.raises(error, match=match):
@@ -463,22 +630,19 @@ def test_a_staged_report_checks_its_name() -> None:
     clear_statistics()
     set_stage("validate")
     try:
-        with pytest.raises(TypeError, match="name must be a non-empty str"):
+        with pytest.raises(ValueError, match="`name` must be a non-empty str"):
             report("", 1.0)
-        with pytest.raises(TypeError, match="name must be a non-empty str"):
+        with pytest.raises(TypeError, match="`name` must be a str"):
             report(3, 1.0)  # type: ignore[arg-type]
     finally:
         set_stage(None)
 
 
-@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
-def test_a_non_finite_mean_survives_the_merged_table(value: float) -> None:
-    # A name registered without values sends the drain through the merged table (moment rows about
-    # their means): a non-finite mean once became 0 there, its shift taken as 0.
-    clear_statistics()
+def test_bad_steps_and_forget_after_name_the_argument() -> None:
     c = Collector()
-    report("x", [1.0, value])
-    report("registered", [])
-    c.update()
-    assert c.num("x") == 2
-    assert (math.isnan(c.mean("x")) and math.isnan(value)) or c.mean("x") == value
+    with pytest.raises(ValueError, match=r"^Collector.update: `step` must be an int >= 0, got -1$"):
+        c.update(step=-1)
+    with pytest.raises(TypeError, match=r"^Collector.update: `step` must be an int >= 0.*got 1.5 \(float\)$"):
+        c.update(step=1.5)
+    with pytest.raises(ValueError, match=r"^Collector: `forget_after` must be an int >= 1.*got 0$"):
+        Collector(forget_after=0)

@@ -1,5 +1,6 @@
-"""Quantiles and the slowest rank of ``Collector``: against NumPy's exact quantiles of the union of every
-rank's values (float64, ``method="inverted_cdf"``), across flushes, ranks without values and a resume."""
+"""Quantiles and the straggler of ``Collector``: against NumPy's exact quantiles of the union of every
+rank's values (float64, ``method="inverted_cdf"``), across flushes, ranks without values and a resume;
+the sketch's window on the wire (at most 5 KiB per name) and its accuracy where it collapses."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 from lightning_ext.stats import Collector, LogHistogram, clear_statistics, report
+from lightning_ext.stats import collector as collector_module
+from lightning_ext.stats._wire import WORDS, packing
 from tests.helpers.distributed import run_distributed
 
 ALPHA = 0.01
@@ -92,6 +95,74 @@ def test_quantiles_of_three_ranks_are_within_alpha_of_numpy_across_flushes_and_a
             worst[name] = max(worst.get(name, 0.0), float(errors.max()))
     print("worst relative error per distribution:", {k: f"{v:.5f}" for k, v in sorted(worst.items())})
     assert set(worst) == {"Q/mixed", "Q/lognormal", "Q/uniform", "Q/heavy", "Q/solo"}
+    assert max(worst.values()) <= ALPHA  # every window fits 5 KiB here: no collapse, alpha itself
+
+
+# Per name, values of both signs or one, over wide (12 decades) and narrow ranges, drawn by each rank.
+RANGES = {
+    "pos/narrow": lambda rng, n: rng.lognormal(0.0, 0.2, n),  # about 0.5 .. 2
+    "pos/wide": lambda rng, n: 10.0 ** rng.uniform(-6.0, 6.0, n),  # 1e-6 .. 1e6: the whole range
+    "both/narrow": lambda rng, n: rng.normal(3.0, 1.0, n),  # mostly positive, a few negatives
+    "both/wide": lambda rng, n: 10.0 ** rng.uniform(-6.0, 6.0, n) * rng.choice([-1.0, 1.0], n),
+    "neg/wide": lambda rng, n: -(10.0 ** rng.uniform(-3.0, 5.0, n)),
+}
+
+
+def _draws(rank: int, per_rank: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(rank)
+    return {name: draw(rng, per_rank) for name, draw in RANGES.items()}
+
+
+def _ranged(rank: int, world_size: int, per_rank: int) -> dict:
+    """Each name's quantiles after one flush of ``per_rank`` values per rank, and the bytes of the SUM."""
+    sums = []
+    real = collector_module.all_reduce_
+
+    def all_reduce_(tensor, op, **kwargs):
+        if op == torch.distributed.ReduceOp.SUM:
+            sums.append(tensor.numel())
+        return real(tensor, op=op, **kwargs)
+
+    collector_module.all_reduce_ = all_reduce_
+    c = Collector(quantiles=".*")
+    for name, values in _draws(rank, per_rank).items():
+        report(name, values)
+    c.update()
+    return {"q": {n: [c.quantile(n, q) for q in QS] for n in RANGES}, "sum_words": sums[-1]}
+
+
+# The collapse level each name's window needs (0: none) with 2 ranks' counts packed 4 (1000 values per
+# rank) and 2 (1.25 million) to a float64: 2560 and 1280 buckets fit 5 KiB. A name of both signs spans
+# every magnitude down to value_range[0] on both sides.
+LEVELS = {
+    1000: {"pos/narrow": 0, "pos/wide": 0, "both/narrow": 0, "both/wide": 1, "neg/wide": 0},
+    1_250_000: {"pos/narrow": 0, "pos/wide": 1, "both/narrow": 1, "both/wide": 2, "neg/wide": 0},
+}
+
+
+@pytest.mark.parametrize("per_rank", sorted(LEVELS))
+def test_windows_fit_5_kib_per_name_and_quantiles_keep_their_accuracy(per_rank: int) -> None:
+    """2 ranks, five names over narrow and wide ranges of one sign or both: at most 640 float64 words
+    (5 KiB) per name in the SUM; every quantile within the relative accuracy of the collapse level its
+    window needed (``LEVELS``; ``alpha`` itself at level 0), against NumPy on the union of both ranks'
+    values."""
+    outputs = run_distributed(_ranged, 2, per_rank, timeout=300)
+    assert outputs[0] == outputs[1]
+    out, sketch = outputs[0], LogHistogram()
+    assert out["sum_words"] <= 5 * len(RANGES) + WORDS * len(RANGES)
+    _, k = packing(2 * per_rank)
+    draws = [_draws(r, per_rank) for r in range(2)]
+    for name in RANGES:
+        union = np.concatenate([d[name] for d in draws])
+        exact = np.quantile(union, QS, method="inverted_cdf")
+        (level,), _, _ = sketch.windows(np.array([union.min()]), np.array([union.max()]), WORDS * k)
+        errors = _relative_errors(out["q"][name], exact)
+        print(
+            f"{name}: {per_rank} values per rank, counts {k} per word, level {level}: "
+            f"worst {errors.max():.5f}"
+        )
+        assert level == LEVELS[per_rank][name]
+        assert np.all(errors <= sketch.accuracy(level) * (1 + 1e-9)), (name, level, errors.max())
 
 
 def test_quantile_edge_cases_single_process() -> None:
@@ -100,11 +171,11 @@ def test_quantile_edge_cases_single_process() -> None:
     report("x", [0.0, 0.0, -1e-4, 5e-4, 2.0, 1e9, float("inf"), float("nan")])
     report("z", [])  # registered, no values
     c.update()
-    assert c.num("x") == 8 and math.isnan(c.mean("x"))  # NaN counts in the moments
-    # NaN is not in the sketch: 7 values; below low -> 0, above high -> the exact max (inf)
-    assert c.quantile("x", 0.1) == 0.0 and c.quantile("x", 0.5) == 0.0
-    assert c.quantile("x", 0.6) == pytest.approx(2.0, rel=0.05)
-    assert math.isnan(c.quantile("x", 0.99))  # the overflow bucket reads as the max: NaN here
+    assert (c.num("x"), c.nonfinite("x")) == (6, 2)  # NaN and inf count apart, in no statistic
+    # The 6 finite values: below low -> 0, above high -> the exact max
+    assert c.quantile("x", 0.1) == 0.0 and c.quantile("x", 0.6) == 0.0
+    assert c.quantile("x", 0.7) == pytest.approx(2.0, rel=0.05)
+    assert c.quantile("x", 0.99) == 1e9  # the overflow bucket reads as the max
     assert math.isnan(c.quantile("z", 0.5))
     with pytest.raises(KeyError, match=r"'y' is not matched by Collector\(quantiles='x\|z'\)"):
         report("y", 1.0), c.update(), c.quantile("y", 0.5)
@@ -130,13 +201,43 @@ def test_overflow_reads_as_the_exact_extreme() -> None:
         ({"quantiles": "("}, ValueError, r"Collector: `quantiles` must be a regular expression, got '\('"),
         ({"quantiles": 3}, TypeError, r"Collector: `quantiles` must be a str, got 3"),
         ({"stragglers": "["}, ValueError, r"Collector: `stragglers` must be a regular expression"),
-        ({"relative_accuracy": 0.0}, ValueError, r"`relative_accuracy` must be in \(0, 0.5\), got 0.0"),
-        ({"relative_accuracy": 0.5}, ValueError, r"`relative_accuracy` must be in \(0, 0.5\), got 0.5"),
-        ({"relative_accuracy": "1%"}, TypeError, r"`relative_accuracy` must be a float, got '1%'"),
-        ({"value_range": (1.0, 1.0)}, ValueError, r"0 < low < high < inf, got \(1.0, 1.0\)"),
-        ({"value_range": (0.0, 1.0)}, ValueError, r"0 < low < high < inf, got \(0.0, 1.0\)"),
-        ({"value_range": (1.0, math.inf)}, ValueError, r"0 < low < high < inf"),
+        (
+            {"relative_accuracy": 0.0},
+            ValueError,
+            r"`relative_accuracy` must be a finite number in \(0.0, 0.5\), got 0.0",
+        ),
+        (
+            {"relative_accuracy": 0.5},
+            ValueError,
+            r"`relative_accuracy` must be a finite number in \(0.0, 0.5\), got 0.5",
+        ),
+        (
+            {"relative_accuracy": "1%"},
+            TypeError,
+            r"`relative_accuracy` must be a finite number in \(0.0, 0.5\), got '1%'",
+        ),
+        (
+            {"value_range": (1.0, 1.0)},
+            ValueError,
+            r"`value_range\[1\]` must be a finite number > 1.0, got 1.0",
+        ),
+        (
+            {"value_range": (0.0, 1.0)},
+            ValueError,
+            r"`value_range\[0\]` must be a finite number > 0.0, got 0.0",
+        ),
+        (
+            {"value_range": (1.0, math.inf)},
+            TypeError,
+            r"`value_range\[1\]` must be a finite number > 1.0, got inf",
+        ),
         ({"value_range": 5.0}, TypeError, r"`value_range` must be a pair \(low, high\), got 5.0"),
+        (
+            {"relative_accuracy": 1e-9},
+            ValueError,
+            r"relative_accuracy=1e-09 over value_range=\(1e-06, "
+            r"1000000.0\) needs 27631018863 counts \(2.108e\+05 MiB per name and device\); at most 1048576",
+        ),
     ],
 )
 def test_bad_sketch_arguments_name_the_argument(kwargs, error, match) -> None:
@@ -146,7 +247,7 @@ def test_bad_sketch_arguments_name_the_argument(kwargs, error, match) -> None:
 
 def test_sketch_size_and_memory() -> None:
     sketch = LogHistogram()
-    assert sketch.size == 2767 and sketch.size * 8 < 23_000  # bytes per tracked name, per copy
+    assert sketch.size == 2767 and sketch.size * 8 < 23_000  # bytes per tracked name and device
     edges = sketch.edges()
     assert edges.dtype == torch.float64 and edges.numel() == sketch.buckets + 1
     ratios = edges[1:] / edges[:-1]
@@ -155,7 +256,7 @@ def test_sketch_size_and_memory() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# The slowest rank.
+# The straggler.
 
 
 def _straggler(rank: int, world_size: int) -> list:
@@ -170,7 +271,7 @@ def _straggler(rank: int, world_size: int) -> list:
     return out
 
 
-def test_the_slowest_rank_is_named_without_one_name_per_rank() -> None:
+def test_the_straggler_is_named_without_one_name_per_rank() -> None:
     outputs = run_distributed(_straggler, 3, timeout=120)
     assert all(out == outputs[0] for out in outputs)
     first, *later = outputs[0]
@@ -228,10 +329,10 @@ def test_histogram_is_the_sketch_between_its_edges_and_unmatched_patterns_are_na
     assert counts.tolist() == np.histogram(values, edges)[0].tolist()  # no value on an edge here
     assert counts[0] > 0 and counts[-1] > 0  # trimmed to the buckets with values
     assert [a.size for a in c.histogram("z")] == [0, 0]
-    report("x", [1.5, float("nan")])
+    report("x", [1.5, float("nan"), float("inf")])
     c.update()
     counts, edges = c.histogram("x")
-    assert counts.sum() == c.num("x") - 1 and np.isfinite(edges).all()  # NaN is not counted
+    assert counts.sum() == c.num("x") == 1 and np.isfinite(edges).all()  # NaN and inf are not counted
     assert c.unmatched() == {"stragglers": ["x", "z"]}  # a pattern that matched no name
     with pytest.raises(KeyError, match=r"'y' is not matched by Collector\(quantiles='x\|z'\)"):
         report("y", 1.0), c.update(), c.histogram("y")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_ext.stats import Collector, clear_statistics, init_multiprocessing, report, report0
+from lightning_ext.stats import Collector, clear_statistics, init_multiprocessing, report, report0, set_stage
 from tests.helpers.float64_reference import assert_moments_close
 
 
@@ -86,30 +86,29 @@ def test_every_value_kind_accumulates_to_the_float64_moments_of_its_numbers() ->
 
 @pytest.mark.parametrize("order", ["bad first", "bad last"])
 @pytest.mark.parametrize(
-    ("bad", "mean", "lo", "hi"),
-    [
-        ([math.inf], math.inf, 2.0, math.inf),
-        ([-math.inf], -math.inf, -math.inf, 5.0),
-        ([math.inf, -math.inf], math.nan, -math.inf, math.inf),
-        ([math.nan], math.nan, math.nan, math.nan),
-    ],
-    ids=["inf", "-inf", "both", "nan"],
+    "bad",
+    [[math.inf], [-math.inf], [math.inf, -math.inf], [math.nan], [math.nan, math.inf, -math.inf]],
+    ids=["inf", "-inf", "both", "nan", "all"],
 )
-def test_non_finite_values_propagate_whatever_their_position(bad, mean, lo, hi, order) -> None:
-    """As ``torch.mean``/``aminmax`` would: inf gives an infinite mean and extremes, std NaN (inf - inf);
-    NaN makes everything NaN. Also when the name's first value is not finite (the accumulator's shift)."""
+def test_non_finite_values_are_counted_apart_whatever_their_position(bad, order) -> None:
+    """NaN and ±inf count in ``nonfinite`` only: ``num``, ``mean``, ``std``, ``min`` and ``max`` are those
+    of the finite values, also when the name's first value (the accumulator's shift) is not finite."""
     c = Collector()
     finite = torch.tensor([2.0, 5.0, 3.0])
     parts = [torch.tensor(bad), finite] if order == "bad first" else [finite, torch.tensor(bad)]
     for part in parts:
         report("X", part)
     report("X", 4.0)
+    report("X", math.nan)  # a Python number too
     c.update()
-    assert c.num("X") == len(bad) + 4
-    for stat, want in (("mean", mean), ("min", lo), ("max", hi)):
-        got = getattr(c, stat)("X")
-        assert got == want or (math.isnan(want) and math.isnan(got)), (stat, got, want)
-    assert math.isnan(c.std("X"))
+    assert (c.num("X"), c.nonfinite("X")) == (4, len(bad) + 1)
+    _check(c, "X", [2.0, 5.0, 3.0, 4.0])
+    report("Only/bad", [math.nan, math.inf])
+    c.update()
+    assert (c.num("Only/bad"), c.nonfinite("Only/bad")) == (0, 2)
+    assert all(math.isnan(getattr(c, stat)("Only/bad")) for stat in ("mean", "std", "min", "max"))
+    # X kept (keep_previous: its whole row, the non-finite count too), not updated
+    assert c.updated() == ["Only/bad"] and (c.mean("X"), c.nonfinite("X")) == (3.5, len(bad) + 1)
 
 
 def test_empty_value_registers_name_and_adds_nothing() -> None:
@@ -189,9 +188,8 @@ def test_names_nobody_collects_are_not_accumulated_but_still_checked() -> None:
 @pytest.mark.parametrize(
     ("name", "value", "match"),
     [
-        (3, 1.0, r"report\(name, value\): name must be a non-empty str, got int 3"),
-        (["a"], 1.0, r"name must be a non-empty str, got list \['a'\]"),
-        ("", 1.0, r"report\(name, value\): name must be a non-empty str, got str ''"),
+        (3, 1.0, r"report\(name, value\): `name` must be a str, got int 3"),
+        (["a"], 1.0, r"report\(name, value\): `name` must be a str, got list \['a'\]"),
         ("S", "1.0", r"report\('S', value\): value must be a number.*got str '1.0'"),
         ("S", object(), r"report\('S', value\): value must be a number.*got object"),
         ("S", ["a", "b"], r"report\('S', value\): value must be a number"),
@@ -213,6 +211,55 @@ def test_bad_input_raises_type_error_naming_the_name(name, value, match) -> None
     clear_statistics()  # also when nobody collects the name
     with pytest.raises(TypeError, match=match):
         report(name, value)
+
+
+@pytest.mark.parametrize("name", ["", "a\x1fb", "Loss\n", "x\ty", "\x00"])
+def test_names_with_control_characters_are_refused_once_per_name(name, monkeypatch) -> None:
+    """An empty name or one with a control character (the old stage separator ``\\x1f``, a newline, ...)
+    raises a ``ValueError`` naming it, on every path (wanted or not, staged, report0); a good name is
+    checked at its first report in a stage only."""
+    match = r"^report\(name, value\): `name` must be a non-empty str of printable characters, without control"
+    for fn in (report, report0):
+        with pytest.raises(ValueError, match=match):
+            fn(name, 1.0)
+    Collector()
+    with pytest.raises(ValueError, match=match):
+        report(name, 1.0)
+    previous = set_stage("validate")
+    with pytest.raises(ValueError, match=match):
+        report(name, 1.0)
+    set_stage(previous)
+    from lightning_ext.stats import reporting
+
+    report("Good", 1.0)
+    monkeypatch.setattr(reporting, "check_label", lambda *args: pytest.fail("checked again"))
+    report("Good", 2.0)
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"])
+def test_every_real_dtype_is_accepted_and_converted_exactly(dtype) -> None:
+    """The dtypes the kernels do not read are converted (uint16/32/64 to float64, float8 to float32:
+    exactly, below 2^53) on every backend path."""
+    values = torch.tensor([0.0, 1.0, 2.0, 3.0, 96.0]).to(getattr(torch, dtype))
+    c = Collector(quantiles="V")
+    report("V", values)
+    c.update()
+    _check(c, "V", [0.0, 1.0, 2.0, 3.0, 96.0])
+    assert c.histogram("V")[0].sum() == 5
+
+
+def test_a_python_int_beyond_float_range_names_the_statistic() -> None:
+    for wanted in (False, True):
+        if wanted:
+            Collector()
+        for fn in (report, report0):
+            with pytest.raises(
+                OverflowError, match=r"^report\('Big', value\): 1000000.* beyond float64's range"
+            ):
+                fn("Big", 10**400)
+    report("Big", 10**300)  # a large int within range: a float
+    with pytest.raises(TypeError, match=r"report\('Big', value\): value must be a number"):
+        report("Big", [10**400])  # NumPy reads it as an object: not a number
 
 
 def _uncountable() -> dict[str, torch.Tensor]:
@@ -338,12 +385,10 @@ def test_rows_are_reused_across_intervals_for_changing_name_sets() -> None:
 
 def test_backend_is_resolved_once_per_device_until_clear_statistics(monkeypatch) -> None:
     from lightning_ext.kernels import BACKEND_ENV_VAR
-    from lightning_ext.stats import reporting
 
     monkeypatch.setenv(BACKEND_ENV_VAR, "reference")
     c = Collector()
-    report("A", 1.0)
-    assert reporting._state.slabs[torch.device("cpu")].backend.name == "reference"
+    report("A", 1.0)  # the CPU backend of this collector's values is resolved here
     monkeypatch.setenv(BACKEND_ENV_VAR, "no-such-backend")  # not looked up again by report()
     report("A", torch.ones(3))
     c.update()
@@ -351,11 +396,14 @@ def test_backend_is_resolved_once_per_device_until_clear_statistics(monkeypatch)
     c.update()
     assert c.mean("A") == 2.0
     clear_statistics()  # forgets the choice: the next report looks the backend up again
+    c = Collector()
+    with pytest.raises(ValueError, match="no-such-backend"):
+        report("A", 1.0)
     monkeypatch.setenv(BACKEND_ENV_VAR, "reference")
     c = Collector()
     report("A", torch.tensor([3.0, 5.0]))
     c.update()
-    assert c.mean("A") == 4.0 and reporting._state.slabs[torch.device("cpu")].backend.name == "reference"
+    assert c.mean("A") == 4.0
 
 
 def test_rows_grown_and_drained_in_inference_mode_serve_training_afterwards() -> None:

@@ -1,4 +1,6 @@
-"""Pure moment helpers against correctly rounded float64 moments, within the derived rounding bounds."""
+"""The moment merge of the interface module (``merge_moments``, with the kernels' ``moments_from_shifted``)
+against correctly rounded float64 moments, within the derived rounding bounds; a collector's values on
+two devices merged."""
 
 from __future__ import annotations
 
@@ -10,14 +12,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_ext.kernels.moments import (
-    _moments_from_allreduce,
-    _needs_recentering,
-    _shifted_for_allreduce,
-    moments_from_shifted,
-)
-from lightning_ext.stats.moments import _empty_moments, _fingerprint, _moments_of, merge_moments
+from lightning_ext.kernels import moments_from_shifted
+from lightning_ext.stats import Collector, clear_statistics, merge_moments, report
 from tests.helpers.float64_reference import assert_moments_close
+
+EMPTY = (0.0, 0.0, 0.0, math.inf, -math.inf)
+
+
+def _empty_moments(rows: int) -> torch.Tensor:
+    return torch.tensor(EMPTY, dtype=torch.float64).repeat(rows, 1)
 
 
 def _exact_row(x: torch.Tensor) -> torch.Tensor:
@@ -62,7 +65,7 @@ def test_shifted_then_merge_matches_direct(offset: float) -> None:
 
 
 def test_merge_with_empty_is_identity_and_empty_with_empty_is_empty() -> None:
-    row = _moments_of(torch.tensor([1.0, 2.0, 4.0]))
+    row = _exact_row(torch.tensor([1.0, 2.0, 4.0]))
     empty = _empty_moments(1)[0]
     torch.testing.assert_close(merge_moments(row, empty), row)
     torch.testing.assert_close(merge_moments(empty, row), row)
@@ -70,43 +73,27 @@ def test_merge_with_empty_is_identity_and_empty_with_empty_is_empty() -> None:
     assert both.tolist() == [0.0, 0.0, 0.0, math.inf, -math.inf]
 
 
-def test_allreduce_formulae_reproduce_global_moments_with_large_offset() -> None:
-    # Three "ranks" with far-apart means around 1e8: the shared shift (largest mean) keeps the rounding
-    # bound small (the naive formula below is off by more than 1e-3 of m2).
-    gen = torch.Generator().manual_seed(1)
-    shards = [1e8 + torch.randn(n, generator=gen, dtype=torch.float64) + k for k, n in enumerate([5, 0, 300])]
-    rows = torch.stack([_exact_row(s) for s in shards])  # (W, 5) for one name
-    means = torch.where(rows[:, 0] > 0, rows[:, 1], torch.full_like(rows[:, 1], -math.inf))
-    shift = means.max().reshape(1)
-    spread = (means.max() - rows[rows[:, 0] > 0, 1].min()).reshape(1)
-    lo, hi = rows[:, 3].min().reshape(1), rows[:, 4].max().reshape(1)
-    sums = sum(_shifted_for_allreduce(rows[w : w + 1], shift) for w in range(3))
-    got = _moments_from_allreduce(sums, shift, lo, hi, spread)[0]
-    # One merge of 3 rows around a shift inside the data: within the derived rounding bound.
-    assert_moments_close(_stats(got), torch.cat(shards), "all-reduce", merges=1, ways=3)
-    ref = _exact_row(torch.cat(shards))
-    distance = (means.max() - rows[rows[:, 0] > 0, 1].min()).reshape(1)
-    assert not _needs_recentering(got.reshape(1, 5), spread, distance).any()
-    # Around a shift far outside the data (0 instead of ~1e8) the bound flags the row.
-    far = torch.zeros(1, dtype=torch.float64)
-    sums_far = sum(_shifted_for_allreduce(rows[w : w + 1], far) for w in range(3))
-    got_far = _moments_from_allreduce(sums_far, far, lo, hi, spread)
-    assert _needs_recentering(got_far, spread, means.max().reshape(1)).all()
-    # One rank with values (spread 0): the between-rank term is exactly 0 whatever the shift.
-    single = _moments_of(torch.tensor([5.0, 5.0], dtype=torch.float64)).reshape(1, 5)
-    one = _moments_from_allreduce(_shifted_for_allreduce(single, far + 3.0), far + 3.0, lo, hi, far)
-    assert one[0, 2] == 0.0 and one[0, 1] == 5.0
-    # The textbook E[x²] - E[x]² from raw sums loses everything at this offset: the test discriminates.
-    x = torch.cat(shards)
-    naive_m2 = x.square().sum() - x.sum() ** 2 / x.numel()
-    assert abs(float(naive_m2 - ref[2])) > 1e-3 * float(ref[2])
+def test_rows_of_another_device_than_the_collectives_merge_about_each_mean() -> None:
+    """Values that lived on another device than the collectives' (CUDA values and Python numbers on
+    the CPU, reduced on CUDA; here ``cpu`` values reduced on ``cpu:0``, another device to torch) are
+    merged into one row per name about its mean (Chan's merge), the sketch counts added: the same
+    statistics and quantiles as on one device."""
+    from lightning_ext.stats import init_multiprocessing
 
-
-def test_fingerprint_is_exact_in_float64_and_order_sensitive() -> None:
-    fp = _fingerprint(["a", "b"])
-    assert fp == float(int(fp)) and 0 < fp < 2**53
-    assert _fingerprint(["a", "b"]) != _fingerprint(["b", "a"])
-    assert _fingerprint([]) != _fingerprint([""])
+    clear_statistics()
+    init_multiprocessing(0, "cpu:0")  # a world of one whose collective device differs from the values'
+    c = Collector(quantiles="x")
+    gen = torch.Generator().manual_seed(0)
+    x = 1e6 + torch.randn(101, generator=gen, dtype=torch.float64)
+    report("x", x[:50])
+    report("x", [float(v) for v in x[50:]] + [math.inf])
+    c.update()
+    assert_moments_close(
+        {k: getattr(c, k)("x") for k in ("num", "mean", "std", "min", "max")}, x, "x", merges=1
+    )
+    assert c.nonfinite("x") == 1 and c.histogram("x")[0].sum() == 101
+    assert c.quantile("x", 0.5) == pytest.approx(float(x.median()), rel=0.01)
+    clear_statistics()
 
 
 @settings(max_examples=60, deadline=None)
