@@ -27,7 +27,8 @@ __all__ = ["TrainingStats"]
 _STATS = ("mean", "std", "min", "max", "num")
 _PERCENTILE = re.compile(r"p[1-9]\d?(\.\d+)?")  # "p1", "p50", "p99.9": a percentile in [1, 100)
 _FLUSH_TIME_NAME = "Timing/stats_flush_sec"
-_TIMER_NAMES = ("Timing/data_sec", "Timing/step_sec", "Timing/forward_sec", "Timing/compute_sec")
+_TIMER_NAMES = tuple(f"Timing/{part}_sec" for part in (
+    "iteration", "data", "forward", "backward", "optimizer", "compute", "collective"))  # fmt: skip
 _SUFFIXES = ("nonfinite", "straggler_rank", "straggler_ratio")  # keys a flush derives beside `stats`
 _CHECK_AFTER = 3  # training flushes (or the first epoch) after which unmatched patterns are warned about
 _WANDB_BINS = 512  # the most buckets a wandb.Histogram takes
@@ -130,14 +131,15 @@ class TrainingStats(Callback):
     ``name + "/straggler_ratio"``, its mean over the median of the ranks' means (the rank rides in the
     flush's MAX all-reduce, the ranks' means in a sketch: no extra collective, nothing per rank). It
     logs on rank zero when the same rank's excess over the median was at least ``straggler_excess``
-    times the iteration time (the mean of ``Timing/iteration_sec``, or of ``Timing/data_sec`` plus
-    ``Timing/step_sec``) and at least ``straggler_min_sec`` at ``straggler_patience`` flushes in a row::
+    times the iteration time (the mean of ``Timing/iteration_sec``) and at least ``straggler_min_sec``
+    at ``straggler_patience`` flushes in a row::
 
         Straggler at iteration=24: rank 1 (host n3), Timing/compute_sec 0.06 = 4.9x the median rank (0.012)
 
     The default names are :class:`~lightning_ext.callbacks.IterationTimer`'s ``Timing/data_sec`` (a
-    slow data loader) and ``Timing/compute_sec`` (a slow ``training_step``, net of the waits in the
-    collectives, where the fast ranks wait for the slow one). Host names are gathered once, at ``setup``.
+    slow data loader) and ``Timing/compute_sec`` (a rank slow in its forward, backward or optimizer
+    step, net of the waits in the collectives, where the fast ranks wait for the slow one). Host names
+    are gathered once, at ``setup``.
 
     Warnings, once, on rank zero: straggler names of ``IterationTimer`` asked for on several
     processes without it in the callbacks (at the start of training), and a pattern (``regex``,
@@ -479,12 +481,7 @@ class TrainingStats(Callback):
         metrics: dict[str, float] = {}
         pattern = re.compile(self.stragglers or "(?!)")
         values = collector.as_dict()
-        parts = (
-            ["Timing/iteration_sec"]
-            if "Timing/iteration_sec" in values
-            else ["Timing/data_sec", "Timing/step_sec"]
-        )
-        means = [values[n]["mean"] for n in parts if n in values]
+        means = [values[n]["mean"] for n in ("Timing/iteration_sec",) if n in values]
         floor = max(self.straggler_min_sec, self.straggler_excess * sum(m for m in means if m == m))  # no NaN
         for name in collector.updated():
             straggler = collector.straggler(name) if pattern.fullmatch(name) else None

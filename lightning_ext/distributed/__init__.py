@@ -9,6 +9,7 @@ from lightning_ext.distributed.all_reduce import (
     collective_seconds,
     shm_available,
 )
+from lightning_ext.distributed.ddp_sync_timer import DDPSyncTimer
 from lightning_ext.distributed.groups import (
     check_process_group,
     collective_device,
@@ -20,7 +21,7 @@ from lightning_ext.distributed.groups import (
 )
 
 __all__ = [
-    "CHECK_ENV_VAR", "SHM_ENV_VAR", "all_reduce_", "check_process_group", "close_shared_memory",
-    "collective_device", "collective_seconds", "create_process_groups", "get_process_group", "get_rank",
-    "get_world_size", "is_distributed", "shm_available",
+    "CHECK_ENV_VAR", "SHM_ENV_VAR", "DDPSyncTimer", "all_reduce_", "check_process_group",
+    "close_shared_memory", "collective_device", "collective_seconds", "create_process_groups",
+    "get_process_group", "get_rank", "get_world_size", "is_distributed", "shm_available",
 ]  # fmt: skip

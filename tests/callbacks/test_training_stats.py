@@ -424,10 +424,10 @@ def test_rows_of_every_callback_follow_lightning_steps() -> None:
     }
     # Each validation's Loss/val, written once, at that validation's step, under the stage's prefix.
     assert [s for s, _ in rows("val/Loss/val")] == [2, 5, 8, 11] and not rows("Loss/val")
-    assert rows("Timing/step_sec") and rows("Resources/cpu_mem_gb")
+    assert rows("Timing/iteration_sec") and rows("Resources/cpu_mem_gb")
     # The last epoch end writes only what is new since the flush after iteration 12 (step 11): the
     # flush times of that flush and of the validation after it.
-    assert max(s for s, _ in rows("Timing/step_sec")) == 11
+    assert max(s for s, _ in rows("Timing/iteration_sec")) == 11
     assert max(s for s, _ in rows("Timing/stats_flush_sec")) == 12 and not rows("val/Timing/stats_flush_sec")
     # LossMonitor: after iterations 4 and 9, and the rest at the end of training (on_train_end),
     # which is the last row.

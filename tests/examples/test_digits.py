@@ -40,7 +40,7 @@ def test_main_job_trains_on_two_processes_and_resumes(tmp_path):
     assert png.is_file() and png.stat().st_size > 10_000
     with open(run_dir / "metrics.csv", newline="") as f:
         columns = set(next(csv.reader(f)))
-    expected = ("Loss/train", "val/Accuracy", "AMP/loss_scale_log2", "AMP/overflow", "Timing/step_sec",
+    expected = ("Loss/train", "val/Accuracy", "AMP/loss_scale_log2", "AMP/overflow", "Timing/iteration_sec",
                 "Grad/norm", "Grad/update_ratio")  # fmt: skip
     for key in expected:
         assert key in columns, f"{key} missing from metrics.csv columns {sorted(columns)}"
