@@ -44,16 +44,17 @@ def _inputs(device: torch.device, seed: int = 0) -> dict:
         "bias": r(5),
         "grads": [r(7), r(2, 3).half()],
         "inv_scale": torch.tensor(0.25),
-        "acc": torch.tensor([0.0, 0.0, 0.0, math.inf, -math.inf], dtype=torch.float64),
+        "acc": torch.tensor([0.0, 0.0, 0.0, math.inf, -math.inf, 0.0], dtype=torch.float64),
         "shift": torch.tensor(0.5, dtype=torch.float64),
-        # a flush of 3 names: their shifted sums and shifts, both payloads (random, as after the
-        # all-reduces), what was published before
-        "table": torch.cat([torch.tensor([[2.0], [0.0], [3.0]]), r(3, 4)], 1).double(),
+        # a flush of 3 names: their accumulator rows and shifts, both payloads (random, as after the
+        # all-reduces; the MAX with a head of 2), what was published before, the idle counts
+        "table": torch.cat([torch.tensor([[2.0], [0.0], [3.0]]), r(3, 4), torch.ones(3, 1)], 1).double(),
         "shifts": r(3).double(),
-        "max_payload": r(2 + 4 * 3).double(),
-        "sum_payload": torch.cat([torch.tensor([[2.0], [0.0], [3.0]]), r(3, 3).abs()], 1).double(),
-        "published": r(3, 5).double(),
+        "max_payload": r(2 + 5 * 3).double(),
+        "sum_payload": torch.cat([torch.tensor([[2.0], [0.0], [3.0]]), r(3, 4).abs()], 1).double(),
+        "published": r(3, 6).double(),
         "next_shift": r(3).double(),
+        "idle": torch.tensor([0.0, 4.0, 1.0]).double(),
     }
     return {k: [t.to(device) for t in v] if isinstance(v, list) else v.to(device) for k, v in values.items()}
 
@@ -75,7 +76,7 @@ def test_eager_use_imports_no_dynamo():
         "    x = torch.randn(4, 3)\n"
         "    backend.run('batch_norm_moments', x, torch.zeros(3), check=True)\n"
         "    backend.run('check_finite', [x], x.device)\n"
-        "    acc = torch.tensor([0.0, 0.0, 0.0, float('inf'), -float('inf')], dtype=torch.float64)\n"
+        "    acc = torch.tensor([0.0, 0.0, 0.0, float('inf'), -float('inf'), 0.0], dtype=torch.float64)\n"
         "    backend.run('accumulate_moments_', acc, x, torch.tensor(0.0, dtype=torch.float64))\n"
         "    layer = lightning_ext.nn.SyncBatchNorm(3, momentum=None, backend=backend.name)\n"
         "    layer(torch.randn(5, 3, 2, requires_grad=True)).sum().backward()  # through the kernels\n"
@@ -113,6 +114,7 @@ def test_opcheck_custom_ops(backend: KernelBackend):
     running = [torch.zeros(5, device=device), torch.ones(5, device=device)]
     momentum = torch.tensor(0.1, dtype=torch.float64)
     payloads = (i["max_payload"], i["sum_payload"])
+    flushed = (i["published"], i["next_shift"], i["idle"])
     edges = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64, device=device)
     cases = [
         (lib.batch_norm_moments, (i["x"], i["shift_c"], key)),
@@ -129,8 +131,8 @@ def test_opcheck_custom_ops(backend: KernelBackend):
         (lib.unscale_and_check_, (i["grads"], i["inv_scale"], key)),
         (lib.check_finite, (i["grads"], device, key)),
         (lib.accumulate_moments_, (i["acc"], i["x"], i["shift"], key)),
-        (lib.moments_payload_, (*payloads, i["table"], i["shifts"], i["shifts"], 7.0, key)),
-        (lib.moments_finish_, (i["published"], i["next_shift"], *payloads, i["shifts"], True, key)),
+        (lib.moments_payload_, (*payloads, i["table"], i["shifts"], i["shifts"], [7.0, -7.0], 1, 1, key)),
+        (lib.moments_finish_, (*flushed, i["max_payload"][2:], i["sum_payload"], i["shifts"], True, 3, key)),
         (lib.accumulate_histogram_, (torch.zeros(7, dtype=torch.float64, device=device), i["x"], edges, key)),
     ]
     assert {op._qualified_op_name.split("::")[1] for op, _ in cases} == set(OPS)
@@ -141,7 +143,9 @@ def test_opcheck_custom_ops(backend: KernelBackend):
 
 
 def _all_ops(backend, x, dy, shift_c, mean, invstd, weight, bias, grads, inv_scale, acc, shift, **flush):
-    table, shifts, published, next_shift = (flush[k] for k in ("table", "shifts", "published", "next_shift"))
+    table, shifts, published, next_shift, idle = (
+        flush[k] for k in ("table", "shifts", "published", "next_shift", "idle")
+    )
     max_payload, sum_payload = flush["max_payload"], flush["sum_payload"]
     payload = backend.run("batch_norm_moments", x, shift_c)
     running = [torch.zeros_like(mean), torch.ones_like(mean)]
@@ -153,9 +157,11 @@ def _all_ops(backend, x, dy, shift_c, mean, invstd, weight, bias, grads, inv_sca
     finite = backend.run("check_finite", grads, x.device)
     found = backend.run("unscale_and_check_", grads, inv_scale)
     backend.run("accumulate_moments_", acc, y, shift)
-    needs = backend.run("moments_finish_", published, next_shift, max_payload, sum_payload, shifts, False)
-    backend.run("moments_payload_", max_payload, sum_payload, table, shifts, shifts, 7.0)
-    flush = (max_payload.clone(), sum_payload.clone(), published.clone(), next_shift.clone(), needs)
+    extremes = max_payload[2:]
+    flushed = (published, next_shift, idle)
+    needs = backend.run("moments_finish_", *flushed, extremes, sum_payload, shifts, False, 3)
+    backend.run("moments_payload_", max_payload, sum_payload, table, shifts, shifts, [7.0, -7.0], 1, 1)
+    flush = (max_payload.clone(), sum_payload.clone(), *(t.clone() for t in flushed), needs)
     hist, edges = torch.zeros(7, dtype=torch.float64, device=x.device), table.new_tensor([0.5, 1.0, 2.0])
     backend.run("accumulate_histogram_", hist, y, edges)
     return payload, gathered_mean, *running, y, sums, dx, *flush, hist, finite, found
