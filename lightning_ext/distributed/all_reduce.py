@@ -155,10 +155,9 @@ def all_reduce_(
       the ranks. It is reduced before the call returns, ``async_op`` included (a completed handle):
       a check left for ``wait()`` would meet, on a rank whose program differs, its next collective.
 
-    The first call on a group decides its route (one collective; setting a segment up: four more,
-    once). While ``torch.compile`` traces, it is the process group's ``all_reduce``, unchecked (see the
-    module docstring; ``async_op`` then reduces at once and returns a completed handle), on a
-    ``tensor`` on a device of the group's backend. Waits end with the group's timeout.
+    The first call on a group decides its route (one collective; a segment's set-up: four more, once).
+    Under ``torch.compile`` tracing: the process group's ``all_reduce``, unchecked (module docstring).
+    Waits end with the group's timeout.
 
     Args:
         tensor: any shape and dtype; reduced in place.
@@ -179,8 +178,7 @@ def all_reduce_(
             yes, 0, false, off or no on any rank, naming the ranks and values.
 
     Synchronizes host and device when ``tensor`` must move to the collective device, and on the
-    process-group path at every reduction (a host read of the flag, or of the check: on CUDA the
-    host waits for the reduction).
+    process-group path at every reduction (a host read of the flag or the check).
     """
     group = group if group is not None else dist.group.WORLD
     if torch.compiler.is_compiling():
