@@ -134,18 +134,16 @@ def all_reduce_(
     """``torch.distributed.all_reduce`` of ``tensor`` in place, on any device, by the fastest transport,
     checking that every rank reduces alike.
 
-    Same contract as ``torch.distributed.all_reduce``: every rank of ``group`` calls it in the same
-    order with a tensor of the same element count and dtype, and the same ``op``; here a disagreement
-    raises on every rank instead of aborting or hanging a process, and before anything is reduced. A
-    tensor off the group's collective device (e.g. CUDA with gloo) is reduced through a copy there.
+    Same contract as ``torch.distributed.all_reduce`` (same order, element count, dtype and ``op`` on
+    every rank); a disagreement raises on every rank, before anything is reduced, instead of aborting
+    or hanging. A tensor off the group's collective device is reduced through a copy there.
 
     Transports (every rank takes the same one for the same call):
 
-    - shared memory, between the CPU ranks of one host of a gloo group (see ``_route``): every call
-      exchanges a descriptor (op, dtype, layout, element count) in the segment's header and checks it;
-      a strided tensor of at most 128 KiB reduced by SUM, MAX, MIN or PRODUCT is then reduced in the
-      segment, in rank order (the result is bitwise identical on every rank; it may differ from
-      gloo's in the last bits), anything else by the process group once the header agreed.
+    - shared memory, between the CPU ranks of one host of a gloo group (``_route``): every call checks
+      a descriptor (op, dtype, layout, element count) in the segment's header; a strided tensor of at
+      most 128 KiB reduced by SUM, MAX, MIN or PRODUCT is reduced in the segment, in rank order
+      (bitwise identical on every rank), anything else by the process group once the header agreed.
     - the process group's ``all_reduce``, checked by predicting each reduction's descriptor from the
       group's agreed history (:mod:`lightning_ext.distributed.agreement`): in the steady state one
       ``all_reduce`` of the tensor staged with one flag element (a copy in and out); a reduction not
