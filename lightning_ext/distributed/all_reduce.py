@@ -145,13 +145,11 @@ def all_reduce_(
       most 128 KiB reduced by SUM, MAX, MIN or PRODUCT is reduced in the segment, in rank order
       (bitwise identical on every rank), anything else by the process group once the header agreed.
     - the process group's ``all_reduce``, checked by predicting each reduction's descriptor from the
-      group's agreed history (:mod:`lightning_ext.distributed.agreement`): in the steady state one
-      ``all_reduce`` of the tensor staged with one flag element (a copy in and out); a reduction not
-      predicted (the first ones, a new sequence), or every one in the debug mode
-      (``LIGHTNING_EXT_CHECK_COLLECTIVES=1`` on any rank), is preceded by a MAX ``all_reduce`` of two
-      int64 that checks it; a disagreement costs an ``all_gather`` of one int64 per rank, to name
-      the ranks. It is reduced before the call returns, ``async_op`` included (a completed handle):
-      a check left for ``wait()`` would meet, on a rank whose program differs, its next collective.
+      group's agreed history (:mod:`lightning_ext.distributed.agreement`): steady state, one
+      ``all_reduce`` of the tensor staged with one flag element; a reduction not predicted, or every
+      one with ``LIGHTNING_EXT_CHECK_COLLECTIVES=1`` on any rank, first a MAX of two int64; a
+      disagreement, an ``all_gather`` of one int64 per rank naming the ranks. Reduced before the call
+      returns, ``async_op`` included: a check left for ``wait()`` could meet another collective.
 
     The first call on a group decides its route (one collective; a segment's set-up: four more, once).
     Under ``torch.compile`` tracing: the process group's ``all_reduce``, unchecked (module docstring).
