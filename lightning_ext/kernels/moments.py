@@ -30,6 +30,12 @@ _EPS = torch.finfo(torch.float64).eps
 # ---------------------------------------------------------------------------- reference (pure torch)
 
 
+def _start_shift_(shift: Tensor, x: Tensor) -> None:
+    """A NaN ``shift`` becomes the first element of the non-empty ``x`` (0 if not finite); no host sync."""
+    first = x.detach().reshape(-1)[0].to(torch.float64)
+    shift.copy_(torch.where(shift.isnan(), torch.where(first.isfinite(), first, 0.0), shift))
+
+
 def _accumulate_moments_reference(acc: Tensor, x: Tensor, shift: Tensor) -> None:
     """Add the finite values of ``x`` to the accumulator row ``acc`` and count the others, in place.
 
@@ -44,14 +50,17 @@ def _accumulate_moments_reference(acc: Tensor, x: Tensor, shift: Tensor) -> None
 
     Args:
         acc: float64 ``(6,)`` on ``x``'s device, updated in place (the layout of the module docstring).
-        x: real tensor of any shape and dtype (bool and complex excluded); empty adds nothing.
-        shift: float64 0-dim finite tensor on ``x``'s device.
+        x: real tensor of any shape and dtype (bool and complex excluded); empty adds nothing (a tensor
+            that requires grad is read as it is, nothing recorded).
+        shift: float64 0-dim tensor on ``x``'s device, finite, or NaN for a row without values yet:
+            then set in place to the first element of a non-empty ``x`` (0 if not finite) first.
 
     Reference: a float64 copy, the non-finite elements masked (no host sync), a shifted sum and a dot
     product (BLAS).
     """
     if not x.numel():
         return
+    _start_shift_(shift, x)
     v = x.detach().reshape(-1).to(torch.float64)
     d = v - shift  # out of place: for float64 ``x`` the copy above is ``x`` itself
     if x.is_floating_point():
@@ -253,6 +262,7 @@ def _accumulate_moments_triton(acc: Tensor, x: Tensor, shift: Tensor) -> None:
     Non-contiguous ``x`` is flattened with a copy first."""
     if not x.numel():
         return
+    _start_shift_(shift, x)
     x, block, blocks, programs = grid_stride(x)
     _moments_kernel[(programs,)](x, acc, shift, x.numel(), blocks, BLOCK=block)
 
@@ -260,7 +270,7 @@ def _accumulate_moments_triton(acc: Tensor, x: Tensor, shift: Tensor) -> None:
 # ---------------------------------------------------------------------------- the ops
 
 accumulate_moments_ = define_op(
-    "accumulate_moments_(Tensor(a0!) acc, Tensor x, Tensor shift) -> ()",
+    "accumulate_moments_(Tensor(a0!) acc, Tensor x, Tensor(a1!) shift) -> ()",
     _accumulate_moments_reference,
     fake=lambda *_: None,
     triton=_accumulate_moments_triton,

@@ -4,17 +4,17 @@ what layout, and who may touch what.
 
 - An *accumulator row* (the layout of the kernel op ``accumulate_moments_``,
   :mod:`lightning_ext.kernels.moments`): float64 ``[n, S1, S2, min, max, nonfinite]``, the finite
-  values' count, sums shifted by the row's *shift* (the first value after a reset, 0 if not finite),
-  extremes, and the count of NaN and ``±inf``.
+  values' count, sums shifted by the row's *shift* (the first value after a reset, 0 if not finite:
+  NaN until then), extremes, and the count of NaN and ``±inf``.
 - :class:`Store`: one collector's rows in one order for every device: its agreed names (sorted), then
   the names reported since, and the sketch counts of the sketched ones in the same order; one
   :class:`Slab` of tensors per device its names' values lived on. ``report()``'s side asks
-  ``wants(name)`` once per name and stage, then adds values through ``accumulator(name, device).add(x)``
-  (an empty value only makes the row). The collector's side lays the rows out for its agreed names
-  (``layout``), reads them (``extra``, ``local``) and empties them after a publication (``reset``). At
-  ``reporting._attach`` (the one call of the collector's side into ``report()``'s), ``report()``'s side
-  gives the store ``settings()``, the synchronization settings (rank, collective device, process
-  group), and ``forget_routes()``, called when rows are dropped.
+  ``wants(name)`` once per name and stage, then adds values into the views ``accumulator(name,
+  device)`` gives (an empty value only makes the row) until the rows move. The collector's side lays
+  the rows out for its agreed names (``layout``), reads them (``extra``, ``local``) and empties them
+  after a publication (``reset``). At ``reporting._attach`` (the one call of the collector's side into
+  ``report()``'s), ``report()``'s side gives the store ``settings()``, the synchronization settings
+  (rank, collective device, process group), and ``forget_routes()``, called when rows move.
 - :func:`merge_moments` and :func:`check_label`, shared by both sides.
 
 Nothing here runs a collective or synchronizes host and device, except ``local`` when a collector's
@@ -82,46 +82,26 @@ def merge_moments(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.stack([n, mean, a[..., 2] + b[..., 2] + cross, lo, hi], -1)
 
 
-class Accumulator:
-    """One name's row (and sketch counts) in one slab: what ``report()`` adds a value into."""
-
-    __slots__ = ("hist", "row", "shift", "slab", "stamp")
-
-    def __init__(self, slab: Slab, place: tuple[int, int | None]) -> None:
-        self.slab, self.stamp = slab, -1  # stamp: the slab's resets when the shift was set
-        self.point(place)
-
-    def point(self, place: tuple[int, int | None]) -> None:
-        """Use the rows at ``place``: ``(row, sketch row or None)`` of the slab."""
-        slab, (i, j) = self.slab, place
-        self.row, self.shift, self.hist = slab.rows[i], slab.shifts[i], None if j is None else slab.hist[j]
-
-    def add(self, x: torch.Tensor) -> None:
-        """Add the non-empty countable tensor ``x`` (on the slab's device): one op, two with a sketch."""
-        slab = self.slab
-        if self.stamp != slab.resets:  # the first value since the last reset sets the shift
-            self.stamp = slab.resets
-            self.shift.copy_(x.detach().reshape(-1)[0]).nan_to_num_(0.0, 0.0, 0.0)
-        slab.moments(self.row, x, self.shift)
-        if self.hist is not None:
-            slab.histogram(self.hist, x, slab.edges)
+# What report() adds a value into: a name's accumulator row, its shift and its sketch counts (or None)
+# in a slab: views, made again when the slab is laid out again (the routes are forgotten then)
+Accumulator = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, "Slab"]
 
 
 class Slab:
-    """A store's rows on one device: float64 ``rows`` ``(capacity, 6)``, ``shifts`` ``(capacity,)`` and
-    sketch counts ``hist`` in the store's order, the ``views`` of the agreed ones, and the accumulators
-    made here. Normal tensors (not inference tensors): a first value in Lightning's validation loop
-    (inference mode) leaves rows that training values may be added into."""
+    """A store's rows on one device: float64 ``rows`` ``(capacity, 6)``, ``shifts`` ``(capacity,)`` (one
+    storage, NaN: no value yet, the kernel sets it to the first value) and sketch counts ``hist``, in
+    the store's order, with the ``views`` of the agreed ones. Normal tensors (not inference tensors): a
+    first value in Lightning's validation loop (inference mode) leaves rows that training values may
+    be added into."""
 
     def __init__(self, device: torch.device, sketch: LogHistogram | None) -> None:
-        self.device, self.size, self.resets = device, sketch.size if sketch is not None else 0, 0
+        self.device, self.size = device, sketch.size if sketch is not None else 0
         self.backend: KernelBackend = get_backend(device=device)
         # The ops' eager kernels, called without run()'s checks (report() is never traced: it checked)
         self.moments, self.histogram = map(
             self.backend.kernel, ("accumulate_moments_", "accumulate_histogram_")
         )
         self.edges = sketch.edges(device) if sketch is not None else None
-        self.accumulators: dict[str, Accumulator] = {}
         self.rows = self.shifts = self.hist = torch.zeros(0, 0)
 
     @torch.inference_mode(False)
@@ -129,27 +109,25 @@ class Slab:
                capacity: tuple[int, int], agreed: tuple[int, int]) -> None:  # fmt: skip
         """Rows for ``capacity`` names and sketches, the rows of the names ``moved`` (``{name: (old
         place, new place)}``, a place ``(row, sketch row or None)``) kept, the others emptied."""
-        f64 = {"dtype": torch.float64, "device": self.device}
-        self.template = torch.tensor(EMPTY_ROW, **f64).repeat(max(_MIN_ROWS, capacity[0]), 1)
-        rows, shifts = self.template.clone(), torch.zeros(len(self.template), **f64)
+        c, f64 = max(_MIN_ROWS, capacity[0]), {"dtype": torch.float64, "device": self.device}
+        self.template = torch.cat(
+            [torch.tensor(EMPTY_ROW, **f64).repeat(c), torch.full((c,), math.nan, **f64)]
+        )
+        flat = self.template.clone()
+        rows, shifts = flat[: 6 * c].view(c, 6), flat[6 * c :]
         hist = torch.zeros(max(8, capacity[1]) if self.size else 0, self.size, **f64)
         for new, old, k in ((rows, self.rows, 0), (shifts, self.shifts, 0), (hist, self.hist, 1)):
             pairs = [(b[k], a[k]) for a, b in moved.values() if b[k] is not None and a[k] < len(old)]
             if pairs:
                 new[[b for b, _ in pairs]] = old[[a for _, a in pairs]]
-        self.rows, self.shifts, self.hist = rows, shifts, hist
+        self.flat, self.rows, self.shifts, self.hist = flat, rows, shifts, hist
         self.views = rows[: agreed[0]], shifts[: agreed[0]], hist[: agreed[1]]
-        self.accumulators = {n: a for n, a in self.accumulators.items() if n in moved}
-        for name, accumulator in self.accumulators.items():
-            accumulator.point(moved[name][1])
 
     def reset(self, hist: bool) -> None:
-        """Every row empty (the sketch counts too with ``hist``); the next value of each name sets its
-        shift."""
-        self.rows.copy_(self.template)
+        """Every row empty, every shift NaN (the sketch counts zero too with ``hist``)."""
+        self.flat.copy_(self.template)
         if hist and self.hist.numel():
             self.hist.zero_()
-        self.resets += 1
 
 
 class Store:
@@ -188,19 +166,19 @@ class Store:
         if slab is None:
             slab = self.slabs[device] = Slab(device, self.sketch)
             slab.layout({n: (p, p) for n, p in self.places.items()}, self.counts, self.agreed)
-        place = self.places.get(name)
-        if place is None:
-            n, q = self.counts
-            place = self.places[name] = (n, q if self.is_sketched(name) else None)
-            self.counts = (n + 1, q + (place[1] is not None))
-        if place[0] >= len(slab.rows) or (place[1] is not None and place[1] >= len(slab.hist)):
+        i, j = self.places.get(name) or self._add(name)
+        if i >= len(slab.rows) or (j is not None and j >= len(slab.hist)):
             slab.layout({n: (p, p) for n, p in self.places.items()}, (2 * len(slab.rows), 2 * len(slab.hist)),
                         self.agreed)  # fmt: skip
-        accumulator = slab.accumulators.get(name)
-        if accumulator is None:
-            with torch.inference_mode(False):
-                accumulator = slab.accumulators[name] = Accumulator(slab, place)
-        return accumulator
+            self.forget_routes()
+        with torch.inference_mode(False):
+            return slab.rows[i], slab.shifts[i], None if j is None else slab.hist[j], slab
+
+    def _add(self, name: str) -> tuple[int, int | None]:
+        n, q = self.counts
+        place = self.places[name] = (n, q if self.is_sketched(name) else None)
+        self.counts = (n + 1, q + (place[1] is not None))
+        return place
 
     def backend(self, device: torch.device) -> KernelBackend:
         """The kernel backend of ``device``: its slab's (resolved at its first value), else resolved now."""
@@ -221,13 +199,11 @@ class Store:
         where = {n: j for j, n in enumerate(sketched)}
         places = {n: (i, where.get(n)) for i, n in enumerate(names)}
         moved = {n: (self.places[n], p) for n, p in places.items() if n in self.places}
-        dropped = len(moved) < len(self.places)
         self.places, self.counts = places, (len(names), len(sketched))
         self.agreed = self.counts
         for slab in self.slabs.values():
             slab.layout(moved, self.counts, self.agreed)
-        if dropped:
-            self.forget_routes()
+        self.forget_routes()
 
     def local(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
         """This process's accumulator rows ``(R, 6)``, shifts ``(R,)`` and sketch counts ``(Q, size)`` of

@@ -226,13 +226,14 @@ class Collector:
             for new, old in zip(state, (self._published, self._next_shift, self._idle)):
                 new[dst] = old.to(device)[src]
         self._published, self._next_shift, self._idle = state
-        sketch = np.zeros((2, len(rows)), np.int64), np.zeros((len(rows), 1))
+        sketch = np.ones((3, len(rows)), np.int64), np.zeros((len(rows), 1), np.int64)
         pairs = [(j, self._row[a, names[i]]) for j, (a, i) in enumerate(rows) if (a, names[i]) in self._row]
         if pairs:
-            sketch = sketch[0], np.zeros((len(rows), self._counts.shape[1]))
+            sketch = sketch[0], np.zeros((len(rows), self._words.shape[1]), np.int64)
             dst, src = zip(*pairs)
-            sketch[0][:, dst], sketch[1][dst, :] = self._windows[:, src], self._counts[src, :]
-        self._windows, self._counts = sketch  # each sketch row's level and start, and its counts
+            sketch[0][:, dst], sketch[1][dst, :] = self._windows[:, src], self._words[src, :]
+        self._windows, self._words = sketch  # each sketch row's level, start and bits a count; its words
+        self._unpacked: dict[int, np.ndarray] = {}
         self._names, self._device, self._world, self._values = names, device, world, None
         self._index, self._names_fp = {n: i for i, n in enumerate(names)}, _fingerprint(names)
         self._row = {(a, names[i]): j for j, (a, i) in enumerate(rows)}
@@ -315,7 +316,9 @@ class Collector:
         for work in works:
             if work is not None:
                 work.wait()
-        config, neg_config, names_fp, neg_names_fp, step_max, neg_step_min, bound = self._max[:_HEAD].tolist()
+        config, neg_config, names_fp, neg_names_fp, step_max, neg_step_min, bound = _host(self._max)[
+            :_HEAD
+        ].tolist()
         if config != -neg_config or step_max != -neg_step_min:
             self._disagree(group, world, step)
         self._agreed_in, center = settings, self._next_shift
@@ -381,19 +384,21 @@ class Collector:
         return _host(layout), bits, own
 
     def _publish_sketches(self, layout: np.ndarray, bits: int) -> None:
-        """Keep the reduced windows of the rows with values (the others keep theirs with
+        """Keep the reduced windows of the rows with values, packed (the others keep theirs with
         ``keep_previous``; a straggler name's rank means are of its last interval only)."""
-        n, r, words = len(self._at), len(self._names), int(layout[-1])
-        packed = _host(self._sum[5 * r : 5 * r + n * words]).astype(np.int64).reshape(n, words, 1)
-        counts = ((packed >> (bits * np.arange(53 // bits))) & ((1 << bits) - 1)).reshape(n, -1)
-        windows, has = layout[: 2 * n].reshape(2, n), layout[2 * n : 3 * n] > 0
+        n, r, w = len(self._at), len(self._names), int(layout[-1])
+        words = _host(self._sum)[5 * r : 5 * r + n * w].astype(np.int64).reshape(n, w)
+        windows, has = (
+            np.concatenate([layout[: 2 * n], np.full(n, bits)]).reshape(3, n),
+            layout[2 * n : 3 * n] > 0,
+        )
         if not has.all():  # the rows without values keep their window (keep_previous) or none
             keep = ~has & (np.arange(n) < self._q) & self.keep_previous
-            kept, old = np.zeros((n, max(counts.shape[1], self._counts.shape[1]))), self._counts
-            kept[has, : counts.shape[1]], kept[keep, : old.shape[1]] = counts[has], old[keep]
-            windows, counts = np.where(keep, self._windows, windows), kept
-        self._windows, self._counts = windows, counts.astype(np.float64)
-        self._slowest = _host(self._extremes[4 * r :])[self._straggled]  # -inf where no rank had values
+            kept, old = np.zeros((n, max(w, self._words.shape[1])), np.int64), self._words
+            kept[has, :w], kept[keep, : old.shape[1]] = words[has], old[keep]
+            windows, words = np.where(keep, self._windows, windows), kept
+        self._windows, self._words, self._unpacked = windows, words, {}
+        self._slowest = _host(self._max)[_HEAD + 4 * r :][self._straggled]  # -inf where no rank had values
 
     def _disagree(self, group: Any, world: int, step: float) -> None:
         """The rare round: every rank (each saw the same MAX) gathers each rank's configuration and step,
@@ -479,7 +484,11 @@ class Collector:
         if not self._tracks(arg, name):
             raise KeyError(f"{name!r} is not matched by Collector({arg}={getattr(self, arg)!r})")
         j = self._row[arg, name]
-        return (*self._windows[:, j], self._counts[j]) if self._counts[j].any() else None
+        if j not in self._unpacked:  # the counts of the window, unpacked once per update
+            level, start, bits = self._windows[:, j]
+            fields = (self._words[j, :, None] >> (bits * np.arange(53 // bits))) & ((1 << bits) - 1)
+            self._unpacked[j] = (level, start, fields.reshape(-1).astype(np.float64))
+        return self._unpacked[j] if self._words[j].any() else None
 
     def quantile(self, name: str, q: float) -> float:
         """The ``q``-quantile of ``name``'s finite values in the last interval over all ranks (NumPy's
@@ -553,10 +562,11 @@ class Collector:
     def state_dict(self) -> dict[str, Any]:
         """The published statistics and agreed names, and the quantile sketches (what
         ``keep_previous`` needs after a resume)."""
-        sketches = {
-            name: (int(self._windows[0, j]), int(self._windows[1, j]), torch.from_numpy(self._counts[j]))
-            for (arg, name), j in self._row.items() if arg == "quantiles" and self._counts[j].any()
-        }  # fmt: skip
+        sketches = {}
+        for arg, name in self._row:
+            sketch = self._sketch(arg, name) if arg == "quantiles" else None
+            if sketch is not None:
+                sketches[name] = (int(sketch[0]), int(sketch[1]), torch.from_numpy(sketch[2]))
         return {"names": self.names(), "values": dict(self._read()), "sketches": sketches}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -573,11 +583,11 @@ class Collector:
         self._next_shift.copy_(torch.where(self._published[:, 0] > 0, self._published[:, 1], 0.0))
         self._idle.fill_(1.0)  # no update yet: nothing updated
         saved = {n: s for n, s in state.get("sketches", {}).items() if isinstance(s, tuple)}
-        self._counts = np.zeros((len(self._at), max([1, *(s[2].numel() for s in saved.values())])))
+        self._words = np.zeros((len(self._at), max([1, *(s[2].numel() for s in saved.values())])), np.int64)
         for (arg, name), j in self._row.items():
-            if arg == "quantiles" and name in saved:
+            if arg == "quantiles" and name in saved:  # one count a word
                 level, start, counts = saved[name]
-                self._windows[:, j], self._counts[j, : counts.numel()] = (level, start), counts.numpy()
+                self._windows[:, j], self._words[j, : counts.numel()] = (level, start, 53), counts.numpy()
 
     def __repr__(self) -> str:
         extras = "" if self.stage is None else f", stage={self.stage!r}"

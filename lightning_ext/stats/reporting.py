@@ -319,8 +319,10 @@ def report(name: str, value: T) -> T:
     if accumulators is None:  # (an empty value makes the rows: it registers the name)
         accumulators = per_device[device] = [store.accumulator(name, device) for store in stores]
     if x.numel():
-        for accumulator in accumulators:
-            accumulator.add(x)
+        for row, shift, hist, slab in accumulators:
+            slab.moments(row, x, shift)
+            if hist is not None:
+                slab.histogram(hist, x, slab.edges)
     return value
 
 
