@@ -98,9 +98,8 @@ class Slab:
         self.device, self.size = device, sketch.size if sketch is not None else 0
         self.backend: KernelBackend = get_backend(device=device)
         # The ops' eager kernels, called without run()'s checks (report() is never traced: it checked)
-        self.moments, self.histogram = map(
-            self.backend.kernel, ("accumulate_moments_", "accumulate_histogram_")
-        )
+        kernel = self.backend.kernel
+        self.moments, self.histogram = kernel("accumulate_moments_"), kernel("accumulate_histogram_")
         self.edges = sketch.edges(device) if sketch is not None else None
         self.rows = self.shifts = self.hist = torch.zeros(0, 0)
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lightning_ext._checks import check_bool, check_int
+from lightning_ext._checks import check_bool, check_int, check_number
 from lightning_ext.distributed import all_reduce_, is_distributed
 from lightning_ext.stats import reporting
 from lightning_ext.stats._wire import Store, check_label
@@ -241,16 +241,10 @@ class Collector:
         self._at = torch.tensor([i for _, i in rows], dtype=torch.int64, device=device)
         self._straggled = np.array([i for a, i in rows if a == "stragglers"], np.int64)
         self._slowest = np.full(len(self._straggled), -math.inf)
-        self._buffers()
-
-    @torch.inference_mode(False)
-    def _buffers(self) -> None:
-        """The all-reduces' buffers (``_layout``), scratch."""
-        r, f64 = len(self._names), {"dtype": torch.float64, "device": self._device}
         self._max = torch.full((_HEAD + 5 * r,), -math.inf, **f64)
-        self._sum = torch.zeros(5 * r + len(self._at) * WORDS, **f64)
+        self._sum = torch.zeros(5 * r + len(rows) * WORDS, **f64)
         self._extremes, self._moments = self._max[_HEAD:], self._sum[: 5 * r].view(r, 5)
-        self._edges = self.sketch.edges(self._device) if len(self._at) else None
+        self._counted, self._edges = self._at[: self._q], self.sketch.edges(device) if rows else None
 
     def discard(self) -> None:
         """Drop what was reported since the last update (e.g. the values of Lightning's sanity check).
@@ -259,12 +253,11 @@ class Collector:
 
     def __getstate__(self) -> dict[str, Any]:
         # pending values stay in the process that reported them; the ranks agree again where it runs
-        scratch = ("_store", "_max", "_sum", "_extremes", "_moments", "_edges")
-        return {k: v for k, v in self.__dict__.items() if k not in scratch} | {"_agreed_in": None}
+        return {**self.__dict__, "_store": None, "_agreed_in": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._buffers()
+        self._layout(self._names, self._device, self._world)  # the buffers' views again
         self._attach()
 
     def update(self, step: int | None = None) -> None:
@@ -316,14 +309,13 @@ class Collector:
         for work in works:
             if work is not None:
                 work.wait()
-        config, neg_config, names_fp, neg_names_fp, step_max, neg_step_min, bound = _host(self._max)[
-            :_HEAD
-        ].tolist()
-        if config != -neg_config or step_max != -neg_step_min:
+        head = _host(self._max)[:_HEAD].tolist()  # pairs [x, -x], alike on all ranks iff max(x) == -max(-x)
+        configs, names_agree, steps = (head[i] == -head[i + 1] for i in (0, 2, 4))
+        if not (configs and steps):
             self._disagree(group, world, step)
-        self._agreed_in, center = settings, self._next_shift
-        if extra or names_fp != -neg_names_fp:  # the same decision on every rank
-            if names_fp != -neg_names_fp:
+        self._agreed_in, center, bound = settings, self._next_shift, head[-1]
+        if extra or not names_agree:  # the same decision on every rank
+            if not names_agree:
                 gathered: list[Any] = [None] * world
                 dist.all_gather_object(gathered, names, group=group)
                 names = sorted(set().union(*gathered))
@@ -352,7 +344,7 @@ class Collector:
         with values sketched here."""
         rows, shifts, _, _ = self._store.local(self._device)
         head = [self._fingerprint, -self._fingerprint, names_fp, -names_fp, step, -step]
-        args = (rows, shifts, center, head, self._at[: self._q], rank, _rank_bits(self._world))
+        args = (rows, shifts, center, head, self._counted, rank, _rank_bits(self._world))
         self._store.backend(self._device).run("moments_payload_", self._max, self._moments, *args)
 
     def _recenter(self, rank: int) -> torch.Tensor:
@@ -500,12 +492,7 @@ class Collector:
             TypeError, ValueError: ``q`` is not a number in ``(0, 1)``.
             KeyError: ``quantiles`` does not match ``name`` (or ``regex`` excludes it).
         """
-        if isinstance(q, bool) or not isinstance(q, int | float):
-            raise TypeError(
-                f"Collector.quantile: the quantile `q` must be a float, got {q!r} ({type(q).__name__})"
-            )
-        if not 0.0 < q < 1.0:
-            raise ValueError(f"Collector.quantile: the quantile `q` must be in (0, 1), got {q!r}")
+        check_number("Collector.quantile", "q", q, gt=0.0, lt=1.0)
         sketch = self._sketch("quantiles", name)
         return math.nan if sketch is None else self.sketch.quantile(*sketch, q, *self._get(name)[3:5])
 
@@ -575,24 +562,23 @@ class Collector:
         restored."""
         names, values = sorted(state["names"]), state["values"]
         rows = [[*values[n], 0.0][:6] if n in values else _UNPUBLISHED for n in names]
-        self._index, self._row = {}, {}  # nothing kept from before
-        self._layout(names, self._device, self._world)
+        self._index = {n: i for i, n in enumerate(names)}
+        self._published = published = torch.tensor(rows, dtype=torch.float64).reshape(-1, 6)
+        self._next_shift = torch.where(published[:, 0] > 0, published[:, 1], 0.0)
+        self._idle = torch.ones(len(names), dtype=torch.float64)  # no update yet: nothing updated
+        saved = {n: s for n, s in state.get("sketches", {}).items() if isinstance(s, tuple)}
+        self._row = {("quantiles", n): j for j, n in enumerate(saved)}  # one count a word
+        self._windows = np.array([[s[0], s[1], 53] for s in saved.values()], np.int64).reshape(-1, 3).T
+        counts = [s[2].long() for s in saved.values()]
+        self._words = torch.nn.utils.rnn.pad_sequence(counts, batch_first=True).numpy() if counts else None
+        self._layout(names, self._device, self._world)  # keeps what was set here
         self._store.layout(names)
         self._agreed_in = None  # the SUM's size depends on the configuration again
-        self._published.copy_(torch.tensor(rows, dtype=torch.float64).reshape(-1, 6))
-        self._next_shift.copy_(torch.where(self._published[:, 0] > 0, self._published[:, 1], 0.0))
-        self._idle.fill_(1.0)  # no update yet: nothing updated
-        saved = {n: s for n, s in state.get("sketches", {}).items() if isinstance(s, tuple)}
-        self._words = np.zeros((len(self._at), max([1, *(s[2].numel() for s in saved.values())])), np.int64)
-        for (arg, name), j in self._row.items():
-            if arg == "quantiles" and name in saved:  # one count a word
-                level, start, counts = saved[name]
-                self._windows[:, j], self._words[j, : counts.numel()] = (level, start, 53), counts.numpy()
 
     def __repr__(self) -> str:
-        extras = "" if self.stage is None else f", stage={self.stage!r}"
-        extras += "" if self.quantiles is None else f", quantiles={self.quantiles!r}"
-        extras += "" if self.stragglers is None else f", stragglers={self.stragglers!r}"
+        extras = "".join(
+            f", {k}={getattr(self, k)!r}" for k in ("stage", "quantiles", "stragglers") if getattr(self, k)
+        )
         return f"Collector(regex={self.regex!r}, keep_previous={self.keep_previous}{extras})"
 
 

@@ -7,7 +7,7 @@ here with :func:`_attach`, the one call of the collector's side into this module
 a name's *route* (the stores that take it in the current stage, and their accumulators per device)
 with one dict lookup and adds the value into each of them with the kernel backend's
 ``accumulate_moments_``; a route is made at a name's first report in a stage and forgotten when a
-collector comes or goes, or drops names.
+collector comes or goes, or its rows move.
 
 All process-wide state is the one :class:`_State` in ``_state``; :func:`clear_statistics` replaces it.
 """
