@@ -674,16 +674,23 @@ bool float32_sums_hold(const Moments& m, double shift) {
 // min, acc[4] = max of them, acc[5] += the count of the others (NaN, +-inf). Float input sums about the
 // shift rounded to float32, moved to the float64 shift in float64: sum(x - c) = t1 + n d, sum((x - c)^2)
 // = t2 + 2 d t1 + n d^2, d = c32 - c; values too far from the shift (or too close to it) for float32
-// squares take a float64 pass instead.
-void accumulate_moments_(Tensor& acc, const Tensor& x, const Tensor& shift) {
+// squares take a float64 pass instead. A NaN shift (a row without values yet) becomes the first value
+// of x (0 if not finite).
+void accumulate_moments_(Tensor& acc, const Tensor& x, Tensor& shift) {
+  if (x.numel() == 0) return;
   Guards guards;
   const Tensor xd = x.contiguous();
-  const double c = shift.item<double>();
+  double* const shift_at = shift.data_ptr<double>();
+  double c = *shift_at;
   Moments total;
   double used_shift = c;
   AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, xd.scalar_type(), "accumulate_moments_", [&] {
     using Acc = MomentAcc<scalar_t>;
     const scalar_t* p = xd.const_data_ptr<scalar_t>();
+    if (std::isnan(c)) {
+      const double first = static_cast<double>(p[0]);
+      c = *shift_at = std::isfinite(first) ? first : 0.0;
+    }
     used_shift = static_cast<double>(static_cast<Acc>(c));
     total = moments_of<scalar_t, Acc>(p, xd.numel(), static_cast<Acc>(c));
     if (!std::is_same_v<Acc, double> && !float32_sums_hold(total, used_shift)) {
@@ -965,19 +972,22 @@ double max_nan(double a, double b) {  // torch.maximum: NaN if either is NaN
 
 double clamp_min_zero(double v) { return v < 0.0 ? 0.0 : v; }  // clamp_min(0): NaN stays NaN
 
-// max_payload (H + 5R,) = [head | max | -min | mean | -mean | mean with the rank in its low bits];
+// max_payload (H + 5R,) = [head | bound | max | -min | mean | -mean | mean with the rank in its low bits];
 // sum_payload (R, 5) = [n, m2, n d, n d^2, nonfinite]; rows (R, 6) = [n, S1, S2, min, max, nonfinite].
 void moments_payload_(Tensor& max_payload, Tensor& sum_payload, const Tensor& rows, const Tensor& shifts,
-                      const Tensor& center, const std::vector<double>& head, int64_t rank,
-                      int64_t rank_bits) {
-  const int64_t r = rows.size(0), h = static_cast<int64_t>(head.size());
+                      const Tensor& center, const std::vector<double>& head, const Tensor& counted,
+                      int64_t rank, int64_t rank_bits) {
+  const int64_t r = rows.size(0), h = static_cast<int64_t>(head.size()) + 1;
   const double* s = rows.const_data_ptr<double>();
   const double* a = shifts.const_data_ptr<double>();
   const double* c = center.const_data_ptr<double>();
+  const int64_t* at = counted.const_data_ptr<int64_t>();
   double* mx = max_payload.data_ptr<double>();
   double* out = sum_payload.data_ptr<double>();
   const double ninf = -std::numeric_limits<double>::infinity();
   std::copy(head.begin(), head.end(), mx);
+  mx[h - 1] = 1.0;  // the largest count of the counted rows, at least 1
+  for (int64_t j = 0; j < counted.numel(); ++j) mx[h - 1] = std::max(mx[h - 1], s[6 * at[j]]);
   double *hi = mx + h, *neg_lo = hi + r, *mean_max = neg_lo + r, *neg_mean_min = mean_max + r;
   double* packed = neg_mean_min + r;
   const uint64_t mask = (uint64_t{1} << rank_bits) - 1;
@@ -1048,6 +1058,71 @@ Tensor moments_finish_(Tensor& published, Tensor& next_shift, Tensor& idle, cons
   return at::tensor({again ? 1.0 : 0.0, forgettable}, at::TensorOptions().dtype(at::kDouble));
 }
 
+// pack_windows_ (contract and reference: lightning_ext/kernels/histogram.py): each sketch row's window of
+// buckets between its reduced min and max at the smallest collapse level that fits, its counts packed
+// `bits` bits a field, 53 / bits fields a float64 word; a hist row's buckets are read once and zeroed.
+
+// The position of magnitude index j (edges below |v|, m + 1 for the overflow) of sign s at level c.
+int64_t window_position(int64_t s, int64_t j, int64_t m, int64_t c) {
+  const int64_t step = int64_t{1} << c, groups = (m + step - 1) >> c;
+  return groups + 1 + s * (j > m ? groups + 1 : (j + step - 1) >> c);
+}
+
+int64_t value_position(const double* e, int64_t m, double v, int64_t c) {
+  const int64_t j = std::lower_bound(e, e + m + 1, std::abs(v)) - e;
+  return window_position(v > 0 ? 1 : v < 0 ? -1 : 0, j, m, c);
+}
+
+Tensor pack_windows_(Tensor& words, Tensor& hist, const Tensor& rows, const Tensor& shifts,
+                     const Tensor& extremes, const Tensor& at, const Tensor& edges, int64_t bits,
+                     int64_t max_words) {
+  const int64_t q = hist.size(0), size = hist.size(1), n = at.numel(), r = rows.size(0);
+  const int64_t m = edges.numel() - 1, k = 53 / bits, slots = max_words * k;
+  TORCH_CHECK(bits >= 1 && bits <= 53 && slots >= 5, "pack_windows_: 1 to 53 bits and 5 fields at least");
+  const double *e = edges.const_data_ptr<double>(), *x = extremes.const_data_ptr<double>();
+  const double *s = rows.const_data_ptr<double>(), *a = shifts.const_data_ptr<double>();
+  const int64_t* name = at.const_data_ptr<int64_t>();
+  Tensor out = at::zeros({3 * n + 1}, at::TensorOptions().dtype(at::kLong));
+  int64_t *level = out.data_ptr<int64_t>(), *start = level + n, *width = start + n, widest = 0;
+  std::vector<double> lo(n), hi(n);
+  for (int64_t i = 0; i < n; ++i) {  // values: [max | -min] of the name; rank means: [mean | -mean]
+    const int64_t base = i < q ? 0 : 2 * r;
+    hi[i] = x[base + name[i]], lo[i] = -x[base + r + name[i]];
+    if (!(lo[i] <= hi[i])) continue;
+    int64_t c = 0;
+    while (value_position(e, m, hi[i], c) - value_position(e, m, lo[i], c) >= slots) ++c;
+    level[i] = c, start[i] = value_position(e, m, lo[i], c);
+    width[i] = value_position(e, m, hi[i], c) - start[i] + 1, widest = std::max(widest, width[i]);
+  }
+  int64_t w = 1;
+  while (w < max_words && w * k < widest) w <<= 1;
+  w = level[3 * n] = std::min(w, max_words);  // words per row: a power of two, or max_words
+  std::vector<uint64_t> packed(n * w, 0);
+  auto put = [&](int64_t i, int64_t slot, uint64_t count) {
+    slot = std::clamp<int64_t>(slot, 0, w * k - 1);
+    packed[i * w + slot / k] += count << (bits * (slot % k));
+  };
+  for (int64_t i = 0; i < q; ++i) {
+    double* row = hist.data_ptr<double>() + i * size;
+    if (!width[i]) continue;
+    for (int64_t b = value_position(e, m, lo[i], 0); b <= value_position(e, m, hi[i], 0); ++b) {
+      if (row[b] == 0.0) continue;
+      const int64_t d = b - (m + 1);
+      put(i, window_position(d > 0 ? 1 : d < 0 ? -1 : 0, std::abs(d), m, level[i]) - start[i],
+          static_cast<uint64_t>(row[b]));
+      row[b] = 0.0;
+    }
+  }
+  for (int64_t i = q; i < n; ++i) {  // this rank's mean of the name, if it had values
+    const double* v = s + 6 * name[i];
+    const double mean = v[0] > 0 ? finite_or_zero(a[name[i]]) + v[1] / v[0] : 0.0;
+    if (width[i] && v[0] > 0) put(i, value_position(e, m, mean, level[i]) - start[i], 1);
+  }
+  double* wd = words.data_ptr<double>();
+  for (int64_t j = 0; j < n * w; ++j) wd[j] = static_cast<double>(packed[j]);
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1062,4 +1137,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moments_payload_", &moments_payload_);
   m.def("moments_finish_", &moments_finish_);
   m.def("accumulate_histogram_", &accumulate_histogram_);
+  m.def("pack_windows_", &pack_windows_);
 }

@@ -61,6 +61,82 @@ def _accumulate_histogram_reference(hist: Tensor, x: Tensor, edges: Tensor) -> N
     hist.add_(torch.bincount(positions, minlength=hist.numel()).to(torch.float64))
 
 
+def _positions(j: Tensor, sign: Tensor, m: int, level: Tensor) -> Tensor:
+    """Positions at collapse level ``level`` of magnitude indices ``j`` (edges below ``|v|``, ``m + 1``
+    for an overflow) of sign ``sign``, broadcasting: ``G + 1 + sign g``, ``G = ceil(m / 2^c)`` groups per
+    sign, ``g = ceil(j / 2^c)`` (``G + 1`` for an overflow)."""
+    step = 1 << level
+    groups = (m + step - 1) // step
+    return groups + 1 + sign * torch.where(j > m, groups + 1, (j + step - 1) // step)
+
+
+def _pack_windows_reference(
+    words: Tensor, hist: Tensor, rows: Tensor, shifts: Tensor, extremes: Tensor, at: Tensor, edges: Tensor,
+    bits: int, max_words: int,
+) -> Tensor:  # fmt: skip
+    """A flush's sketch windows: per sketch row, the buckets between its min and max over all ranks at
+    the smallest collapse level where they fit in ``max_words`` words, their counts packed, in place.
+
+    Row ``i`` of ``N`` is a name's values (``i < Q``: its counts ``hist[i]``, read and zeroed) or this
+    rank's mean of a name (``i >= Q``: one count, where ``rows`` has values), the name ``at[i]``. Its
+    window runs from the position of ``lo`` to that of ``hi`` (``[-min, max]`` of the values or
+    ``[-mean, mean]`` of the rank means in ``extremes``; none where ``lo > hi``) at the level ``c`` of
+    UDDSketch's uniform collapse (group ``g`` of a sign holds the buckets ``(g - 1) 2^c + 1 .. g 2^c``
+    of :func:`_accumulate_histogram_reference`'s layout) where it holds at most ``max_words k`` buckets,
+    ``k = 53 // bits``. Every row gets ``W`` words, the least power of two (at most ``max_words``) that
+    holds the widest window; field ``f`` (bits ``f bits .. (f + 1) bits - 1``) of word ``w`` holds the
+    count of the window's bucket ``w k + f``: a sum over ranks of packed words is the packed sum while
+    the counts' sum stays below ``2^bits``. Sources: Masson, Rim & Lee (DDSketch, VLDB 2019); Epicoco et
+    al., "UDDSketch" (IEEE Access 2020). Synchronizes host and device (``W``).
+
+    Args:
+        words: float64 ``(>= N W,)``, its first ``N W`` written (row-major ``(N, W)``).
+        hist: float64 ``(Q, 2m + 3)`` contiguous, level-0 counts whose values lie between ``lo`` and
+            ``hi``; zeroed.
+        rows, shifts: float64 ``(R, 6)`` accumulator rows and ``(R,)`` shifts
+            (:mod:`lightning_ext.kernels.moments`): this rank's means.
+        extremes: float64 ``(5R,)``, a reduced flush MAX after its head (``moments_payload_``).
+        at: int64 ``(N,)``, each row's name.
+        edges: float64 ``(m + 1,)``, the histogram's edges.
+        bits: bits per count, 1 to 53.
+        max_words: words per row at most, with ``max_words k >= 5`` (every window then fits at some
+            level).
+
+    Returns:
+        int64 ``(3N + 1,)``: each row's level, first position and width (0: no values), then ``W``.
+    """
+    q, n, r, m = hist.shape[0], at.numel(), rows.shape[0], edges.numel() - 1
+    k, ranks = 53 // bits, torch.arange(n, device=at.device) >= q
+    hi = extremes[at + 2 * r * ranks]
+    lo = -extremes[at + 2 * r * ranks + r]
+    has = lo <= hi
+    lo, hi = (torch.where(has, v, 0.0)[:, None] for v in (lo, hi))
+    levels = torch.arange(max(1, m.bit_length() + 1), device=at.device)  # the last: one group a sign
+    first, last = (
+        _positions(torch.searchsorted(edges, v.abs()), v.sign().long(), m, levels) for v in (lo, hi)
+    )
+    level = torch.where(has, torch.argmax((last - first < max_words * k).long(), 1), 0)
+    start = torch.where(has, first.gather(1, level[:, None])[:, 0], 0)
+    width = torch.where(has, last.gather(1, level[:, None])[:, 0] - start + 1, 0)
+    w = min(max_words, 1 << (-(-int(width.max()) // k) - 1).bit_length()) if n and has.any() else 1
+    counts = torch.zeros(n, w * k, dtype=torch.float64, device=hist.device)
+    b = torch.arange(2 * m + 3, device=hist.device) - (m + 1)  # signed magnitude index of each bucket
+    slot = _positions(b.abs(), b.sign(), m, level[:q, None]) - start[:q, None]
+    counts[:q].scatter_add_(1, slot.clamp(0, w * k - 1), hist)
+    hist.zero_()
+    n_r, s1 = rows[at[q:], 0], rows[at[q:], 1]  # this rank's means
+    mine = n_r > 0
+    mean = (shifts[at[q:]].nan_to_num(0.0, 0.0, 0.0) + s1 / torch.where(mine, n_r, 1.0))[:, None]
+    slot = _positions(torch.searchsorted(edges, mean.abs()), mean.sign().long(), m, level[q:, None])
+    counts[q:].scatter_(
+        1, (slot - start[q:, None]).clamp(0, w * k - 1), (mine & (width[q:] > 0)).double()[:, None]
+    )
+    fields = 2.0 ** (bits * torch.arange(k, device=hist.device, dtype=torch.float64))
+    packed = (counts.view(n, w, k) * fields).sum(2)
+    words[: n * w] = packed.reshape(-1)
+    return torch.cat([level, start, width, torch.tensor([w], device=at.device)])
+
+
 # ---------------------------------------------------------------------------- Triton kernel
 
 if HAS_TRITON:
@@ -108,6 +184,13 @@ def _accumulate_histogram_triton(hist: Tensor, x: Tensor, edges: Tensor) -> None
     _histogram_kernel[(programs,)](x, hist, edges, x.numel(), blocks, m, STEPS=steps, BLOCK=block)
 
 
+pack_windows_ = define_op(
+    "pack_windows_(Tensor(a0!) words, Tensor(a1!) hist, Tensor rows, Tensor shifts, Tensor extremes, "
+    "Tensor at, Tensor edges, int bits, int max_words) -> Tensor",
+    _pack_windows_reference,
+    fake=lambda words, hist, rows, shifts, extremes, at, *_: at.new_empty(3 * at.numel() + 1),
+    clone=True,
+)
 accumulate_histogram_ = define_op(
     "accumulate_histogram_(Tensor(a0!) hist, Tensor x, Tensor edges) -> ()",
     _accumulate_histogram_reference,

@@ -30,6 +30,12 @@ _EPS = torch.finfo(torch.float64).eps
 # ---------------------------------------------------------------------------- reference (pure torch)
 
 
+def _start_shift_(shift: Tensor, x: Tensor) -> None:
+    """A NaN ``shift`` becomes the first element of the non-empty ``x`` (0 if not finite); no host sync."""
+    first = x.detach().reshape(-1)[0].to(torch.float64)
+    shift.copy_(torch.where(shift.isnan(), torch.where(first.isfinite(), first, 0.0), shift))
+
+
 def _accumulate_moments_reference(acc: Tensor, x: Tensor, shift: Tensor) -> None:
     """Add the finite values of ``x`` to the accumulator row ``acc`` and count the others, in place.
 
@@ -44,15 +50,18 @@ def _accumulate_moments_reference(acc: Tensor, x: Tensor, shift: Tensor) -> None
 
     Args:
         acc: float64 ``(6,)`` on ``x``'s device, updated in place (the layout of the module docstring).
-        x: real tensor of any shape and dtype (bool and complex excluded); empty adds nothing.
-        shift: float64 0-dim finite tensor on ``x``'s device.
+        x: real tensor of any shape and dtype (bool and complex excluded); empty adds nothing (a tensor
+            that requires grad is read as it is, nothing recorded).
+        shift: float64 0-dim tensor on ``x``'s device, finite, or NaN for a row without values yet:
+            then set in place to the first element of a non-empty ``x`` (0 if not finite) first.
 
     Reference: a float64 copy, the non-finite elements masked (no host sync), a shifted sum and a dot
     product (BLAS).
     """
     if not x.numel():
         return
-    v = x.reshape(-1).to(torch.float64)
+    _start_shift_(shift, x)
+    v = x.detach().reshape(-1).to(torch.float64)
     d = v - shift  # out of place: for float64 ``x`` the copy above is ``x`` itself
     if x.is_floating_point():
         finite = v.isfinite()
@@ -98,15 +107,16 @@ def moments_from_shifted(acc: Tensor, shift: Tensor) -> Tensor:
 
 def _moments_payload_reference(
     max_payload: Tensor, sum_payload: Tensor, rows: Tensor, shifts: Tensor, center: Tensor,
-    head: list[float], rank: int, rank_bits: int,
+    head: list[float], counted: Tensor, rank: int, rank_bits: int,
 ) -> None:  # fmt: skip
     """Write one rank's accumulator rows of ``R`` statistics as the two payloads of a flush, in place.
 
     Each row's local moments come from its shifted sums: ``mean = shift + S1 / n``, ``m2 = max(S2 -
     S1^2 / n, 0)``; then, with ``d = mean - center`` (0 where ``n = 0``; a non-finite center counts as 0):
 
-    * ``max_payload`` (MAX all-reduce) ``= [head | max_1..R | -min_1..R | mean_1..R | -mean_1..R |
-      packed_1..R]``, the means ``-inf`` where ``n = 0``; ``packed_i``: the mean with its low
+    * ``max_payload`` (MAX all-reduce) ``= [head | bound | max_1..R | -min_1..R | mean_1..R | -mean_1..R |
+      packed_1..R]``, ``bound`` the largest ``n`` of the rows ``counted`` (at least 1), the means
+      ``-inf`` where ``n = 0``; ``packed_i``: the mean with its low
       ``rank_bits`` mantissa bits replaced by ``rank`` (``-inf`` where ``n = 0``), so that the MAX names
       the rank with the largest mean (its size depends on ``R`` alone);
     * ``sum_payload`` (SUM all-reduce) ``= [n, m2, n d, n d^2, nonfinite]`` per row.
@@ -116,23 +126,25 @@ def _moments_payload_reference(
     between-rank term is exact when the center is near the rank means.
 
     Args:
-        max_payload: float64 ``(H + 5R,)``, written.
+        max_payload: float64 ``(H + 1 + 5R,)``, written.
         sum_payload: float64 ``(R, 5)``, written.
         rows: float64 ``(R, 6)`` accumulator rows (module docstring; a moment row is the case
             ``S1 = 0``, ``shift = mean``).
         shifts: float64 ``(R,)``, each row's shift.
         center: float64 ``(R,)``, the same on every rank.
         head: ``H`` floats written first, as given (the flush's fingerprints).
+        counted: int64 ``(Q,)``, the rows whose largest count is the ``bound`` (a sketch's bits).
         rank, rank_bits: this rank, and the low mantissa bits that hold it (``rank < 2**rank_bits``).
     """
-    h, r = len(head), rows.shape[0]
+    h, r = len(head) + 1, rows.shape[0]
     n, s1, s2, lo, hi, nonfinite = rows.unbind(1)
     has = n > 0
     safe = torch.where(has, n, 1.0)
     mean = torch.where(has, torch.nan_to_num(shifts, 0.0, 0.0, 0.0) + s1 / safe, 0.0)
     m2 = torch.where(has, (s2 - s1 * s1 / safe).clamp_min(0.0), 0.0)
     d = torch.where(has, mean - torch.nan_to_num(center, 0.0, 0.0, 0.0), 0.0)
-    max_payload[:h] = torch.tensor(head, dtype=torch.float64)
+    max_payload[:h] = torch.tensor([*head, 1.0], dtype=torch.float64)
+    max_payload[h - 1] = torch.cat([n[counted], max_payload[h - 1 : h]]).max()
     ninf = torch.full_like(mean, -math.inf)
     extremes = (hi, -lo, torch.where(has, mean, ninf), torch.where(has, -mean, ninf))
     torch.stack(extremes, out=max_payload[h : h + 4 * r].view(4, r))
@@ -250,6 +262,7 @@ def _accumulate_moments_triton(acc: Tensor, x: Tensor, shift: Tensor) -> None:
     Non-contiguous ``x`` is flattened with a copy first."""
     if not x.numel():
         return
+    _start_shift_(shift, x)
     x, block, blocks, programs = grid_stride(x)
     _moments_kernel[(programs,)](x, acc, shift, x.numel(), blocks, BLOCK=block)
 
@@ -257,14 +270,14 @@ def _accumulate_moments_triton(acc: Tensor, x: Tensor, shift: Tensor) -> None:
 # ---------------------------------------------------------------------------- the ops
 
 accumulate_moments_ = define_op(
-    "accumulate_moments_(Tensor(a0!) acc, Tensor x, Tensor shift) -> ()",
+    "accumulate_moments_(Tensor(a0!) acc, Tensor x, Tensor(a1!) shift) -> ()",
     _accumulate_moments_reference,
     fake=lambda *_: None,
     triton=_accumulate_moments_triton,
 )
 moments_payload_ = define_op(
     "moments_payload_(Tensor(a0!) max_payload, Tensor(a1!) sum_payload, Tensor rows, Tensor shifts, "
-    "Tensor center, float[] head, int rank, int rank_bits) -> ()",
+    "Tensor center, float[] head, Tensor counted, int rank, int rank_bits) -> ()",
     _moments_payload_reference,
     fake=lambda *_: None,
 )

@@ -4,19 +4,18 @@ what layout, and who may touch what.
 
 - An *accumulator row* (the layout of the kernel op ``accumulate_moments_``,
   :mod:`lightning_ext.kernels.moments`): float64 ``[n, S1, S2, min, max, nonfinite]``, the finite
-  values' count, sums shifted by the row's *shift* (the first value after a reset, 0 if not finite),
-  extremes, and the count of NaN and ``±inf``.
-- :class:`Store`: one collector's rows, one :class:`Slab` per device its names' values lived on.
-  ``report()``'s side asks ``wants(name)`` once per name and stage, then adds values through
-  ``accumulator(name, device).add(x)`` (an empty value only makes the row). The collector's
-  side lays the rows out in the order of its agreed names (``layout``), reads them (``extra``,
-  ``local``) and empties them after a publication (``reset``). At ``reporting._attach`` (the one call
-  of the collector's side into ``report()``'s), ``report()``'s side gives the store two functions:
-  ``settings()``, the synchronization settings (rank, collective device, process group), and
-  ``forget_routes()``, called when rows are dropped.
+  values' count, sums shifted by the row's *shift* (the first value after a reset, 0 if not finite:
+  NaN until then), extremes, and the count of NaN and ``±inf``.
+- :class:`Store`: one collector's rows in one order for every device: its agreed names (sorted), then
+  the names reported since, and the sketch counts of the sketched ones in the same order; one
+  :class:`Slab` of tensors per device its names' values lived on. ``report()``'s side asks
+  ``wants(name)`` once per name and stage, then adds values into the views ``accumulator(name,
+  device)`` gives (an empty value only makes the row) until the rows move. The collector's side lays
+  the rows out for its agreed names (``layout``), reads them (``extra``, ``local``) and empties them
+  after a publication (``reset``). At ``reporting._attach`` (the one call of the collector's side into
+  ``report()``'s), ``report()``'s side gives the store ``settings()``, the synchronization settings
+  (rank, collective device, process group), and ``forget_routes()``, called when rows move.
 - :func:`merge_moments` and :func:`check_label`, shared by both sides.
-- How a sketch's window travels in the SUM: at most ``WORDS`` float64 per name, its integer counts
-  packed several to a word (:func:`packing`, :func:`pack`, :func:`unpack`).
 
 Nothing here runs a collective or synchronizes host and device, except ``local`` when a collector's
 values lived on another device than its collectives (one copy).
@@ -28,7 +27,6 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from lightning_ext.kernels import KernelBackend, get_backend, moments_from_shifted
@@ -37,7 +35,6 @@ from lightning_ext.stats.sketch import LogHistogram
 __all__ = ["merge_moments"]  # the one public name here, re-exported by lightning_ext.stats
 
 EMPTY_ROW = (0.0, 0.0, 0.0, math.inf, -math.inf, 0.0)  # an accumulator row without values
-WORDS = 640  # float64 words of one name's sketch window in the SUM at most: 5 KiB
 _MIN_ROWS = 64  # rows of a slab at least (it doubles when full)
 _HINTS = 20  # names a store remembers having refused (for Collector.unmatched)
 
@@ -85,123 +82,51 @@ def merge_moments(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.stack([n, mean, a[..., 2] + b[..., 2] + cross, lo, hi], -1)
 
 
-def packing(bound: float) -> tuple[int, int]:
-    """``(f, k)``: bits per count and counts per float64 word for counts of at most ``bound`` (a sum over
-    ranks of integers below ``2^f`` never carries into the next field, and ``k f <= 53``)."""
-    bits = max(1, int(bound).bit_length())
-    return bits, max(1, 53 // bits)
-
-
-def pack(counts: np.ndarray, bits: int, k: int) -> np.ndarray:
-    """float64 ``(N, L / k)`` words holding the integer counts ``(N, L)`` (``L`` a multiple of ``k``),
-    ``k`` fields of ``bits`` bits each: exact, and the sum of packed words is the packed sum."""
-    fields = counts.astype(np.int64).reshape(len(counts), -1, k) << (bits * np.arange(k))
-    return fields.sum(2).astype(np.float64)
-
-
-def unpack(words: np.ndarray, bits: int, k: int) -> np.ndarray:
-    """The float64 counts ``(N, L)`` of :func:`pack`'s words ``(N, L / k)``."""
-    fields = (words.astype(np.int64)[:, :, None] >> (bits * np.arange(k))) & ((1 << bits) - 1)
-    return fields.reshape(len(words), -1).astype(np.float64)
-
-
-class Accumulator:
-    """One name's row (and sketch counts) in one slab: what ``report()`` adds a value into."""
-
-    __slots__ = ("hist", "row", "shift", "slab", "stamp")
-
-    def __init__(self, slab: Slab) -> None:
-        self.slab, self.stamp = slab, -1  # stamp: the slab's resets when the shift was set
-
-    def add(self, x: torch.Tensor) -> None:
-        """Add the non-empty countable tensor ``x`` (on the slab's device): one op, two with a sketch."""
-        slab = self.slab
-        if self.stamp != slab.resets:  # the first value since the last reset sets the shift
-            self.stamp = slab.resets
-            self.shift.copy_(x.reshape(-1)[0]).nan_to_num_(0.0, 0.0, 0.0)
-        slab.moments(self.row, x, self.shift)
-        if self.hist is not None:
-            slab.histogram(self.hist, x, slab.edges)
+# What report() adds a value into: a name's accumulator row, its shift and its sketch counts (or None)
+# in a slab: views, made again when the slab is laid out again (the routes are forgotten then)
+Accumulator = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, "Slab"]
 
 
 class Slab:
-    """A store's rows on one device: float64 ``rows`` ``(capacity, 6)`` and ``shifts`` ``(capacity,)``
-    in the order of ``names`` (the store's agreed names first, then the names new here), and the sketch
-    counts ``hist`` of the sketched ones in the order of ``sketched``. Normal tensors (not inference
-    tensors): a first value in Lightning's validation loop (inference mode) leaves rows that training
-    values may be added into."""
+    """A store's rows on one device: float64 ``rows`` ``(capacity, 6)``, ``shifts`` ``(capacity,)`` (one
+    storage, NaN: no value yet, the kernel sets it to the first value) and sketch counts ``hist``, in
+    the store's order, with the ``views`` of the agreed ones. Normal tensors (not inference tensors): a
+    first value in Lightning's validation loop (inference mode) leaves rows that training values may
+    be added into."""
 
     def __init__(self, device: torch.device, sketch: LogHistogram | None) -> None:
-        self.device, self.sketch, self.resets = device, sketch, 0
+        self.device, self.size = device, sketch.size if sketch is not None else 0
         self.backend: KernelBackend = get_backend(device=device)
         # The ops' eager kernels, called without run()'s checks (report() is never traced: it checked)
-        self.moments, self.histogram = map(
-            self.backend.kernel, ("accumulate_moments_", "accumulate_histogram_")
-        )
+        kernel = self.backend.kernel
+        self.moments, self.histogram = kernel("accumulate_moments_"), kernel("accumulate_histogram_")
         self.edges = sketch.edges(device) if sketch is not None else None
-        self.names: list[str] = []
-        self.sketched: list[str] = []
-        self.accumulators: dict[str, Accumulator] = {}
-        self.layout([], [])
+        self.rows = self.shifts = self.hist = torch.zeros(0, 0)
 
     @torch.inference_mode(False)
-    def layout(self, names: list[str], sketched: list[str], grow: bool = False) -> bool:
-        """Rows for ``names`` in this order and sketch rows for ``sketched`` (the sketched ones of
-        ``names``), their values kept; twice the rows with ``grow``. Whether a name was dropped."""
-        f64 = {"dtype": torch.float64, "device": self.device}
-        capacity = max(_MIN_ROWS, len(names), 2 * len(self.names) if grow else 0)
-        template = torch.tensor(EMPTY_ROW, **f64).repeat(capacity, 1)
-        rows, shifts = template.clone(), torch.zeros(capacity, **f64)
-        size = self.sketch.size if self.sketch is not None else 0
-        hist = torch.zeros(
-            max(8, len(sketched), 2 * len(self.sketched) if grow else 0) if size else 0, size, **f64
+    def layout(self, moved: dict[str, tuple[tuple[int, int | None], tuple[int, int | None]]],
+               capacity: tuple[int, int], agreed: tuple[int, int]) -> None:  # fmt: skip
+        """Rows for ``capacity`` names and sketches, the rows of the names ``moved`` (``{name: (old
+        place, new place)}``, a place ``(row, sketch row or None)``) kept, the others emptied."""
+        c, f64 = max(_MIN_ROWS, capacity[0]), {"dtype": torch.float64, "device": self.device}
+        self.template = torch.cat(
+            [torch.tensor(EMPTY_ROW, **f64).repeat(c), torch.full((c,), math.nan, **f64)]
         )
-        for new, old, new_names, old_names in ((rows, "rows", names, self.names),
-                                               (shifts, "shifts", names, self.names),
-                                               (hist, "hist", sketched, self.sketched)):  # fmt: skip
-            index = {n: i for i, n in enumerate(old_names)}
-            kept = [(i, index[n]) for i, n in enumerate(new_names) if n in index]
-            if kept:
-                dst, src = (torch.tensor(ix, device=self.device) for ix in zip(*kept))
-                new[dst] = getattr(self, old)[src]
-        self.rows, self.shifts, self.hist, self.template = rows, shifts, hist, template
-        self.names, self.sketched = list(names), list(sketched)
-        dropped = self.accumulators.keys() - set(names)
-        self.accumulators = {n: a for n, a in self.accumulators.items() if n not in dropped}
-        where = {n: j for j, n in enumerate(sketched)}
-        for i, name in enumerate(self.names):
-            if name in self.accumulators:
-                self._point(self.accumulators[name], i, where.get(name))
-        return bool(dropped)
+        flat = self.template.clone()
+        rows, shifts = flat[: 6 * c].view(c, 6), flat[6 * c :]
+        hist = torch.zeros(max(8, capacity[1]) if self.size else 0, self.size, **f64)
+        for new, old, k in ((rows, self.rows, 0), (shifts, self.shifts, 0), (hist, self.hist, 1)):
+            pairs = [(b[k], a[k]) for a, b in moved.values() if b[k] is not None and a[k] < len(old)]
+            if pairs:
+                new[[b for b, _ in pairs]] = old[[a for _, a in pairs]]
+        self.flat, self.rows, self.shifts, self.hist = flat, rows, shifts, hist
+        self.views = rows[: agreed[0]], shifts[: agreed[0]], hist[: agreed[1]]
 
-    def _point(self, accumulator: Accumulator, i: int, j: int | None) -> None:
-        accumulator.row, accumulator.shift = self.rows[i], self.shifts[i]
-        accumulator.hist = None if j is None else self.hist[j]
-
-    def accumulator(self, name: str, sketched: bool) -> Accumulator:
-        """``name``'s accumulator, made (a new row at the end) if it has none."""
-        accumulator = self.accumulators.get(name)
-        if accumulator is None:
-            if len(self.names) == self.rows.shape[0] or (
-                sketched and len(self.sketched) == self.hist.shape[0]
-            ):
-                self.layout(self.names, self.sketched, grow=True)
-            self.names.append(name)
-            self.sketched += [name] if sketched else []
-            accumulator = self.accumulators[name] = Accumulator(self)
-            with torch.inference_mode(False):
-                self._point(accumulator, len(self.names) - 1, len(self.sketched) - 1 if sketched else None)
-        return accumulator
-
-    def reset(self, cleared: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-        """Every row empty (on the CPU, of the sketch counts those at ``cleared``'s rows and columns,
-        where the only values were); the next value of each name sets its shift."""
-        self.rows.copy_(self.template)
-        if cleared is not None and self.device.type == "cpu":
-            self.hist.numpy()[cleared] = 0.0
-        elif self.hist.numel():
+    def reset(self, hist: bool) -> None:
+        """Every row empty, every shift NaN (the sketch counts zero too with ``hist``)."""
+        self.flat.copy_(self.template)
+        if hist and self.hist.numel():
             self.hist.zero_()
-        self.resets += 1
 
 
 class Store:
@@ -218,10 +143,11 @@ class Store:
         self, stage: str | None, wants: Callable[[str], bool], sketched: Callable[[str], bool],
         sketch: LogHistogram | None,
     ) -> None:  # fmt: skip
-        self.stage, self._wants, self.is_sketched, self.sketch = stage, wants, sketched, sketch
+        self.stage, self._wants, self.sketch = stage, wants, sketch
+        self.is_sketched = sketched if sketch is not None else lambda name: False
         self.slabs: dict[torch.device, Slab] = {}
-        self.names: list[str] = []  # the agreed names: the first rows of every slab
-        self.sketched: list[str] = []  # those with a sketch, in order
+        self.places: dict[str, tuple[int, int | None]] = {}  # name -> (row, sketch row or None)
+        self.counts = self.agreed = (0, 0)  # (names, sketched names) in all, and agreed
         self.refused: list[str] = []  # the first names of this stage the collector did not take
         self.settings: Callable[[], Any] = lambda: None  # set by reporting._attach
         self.forget_routes: Callable[[], None] = lambda: None  # set by reporting._attach
@@ -234,11 +160,24 @@ class Store:
         return wanted
 
     def accumulator(self, name: str, device: torch.device) -> Accumulator:
+        """``name``'s accumulator on ``device``, its rows made if it has none."""
         slab = self.slabs.get(device)
         if slab is None:
             slab = self.slabs[device] = Slab(device, self.sketch)
-            slab.layout(self.names, self.sketched)
-        return slab.accumulator(name, self.sketch is not None and self.is_sketched(name))
+            slab.layout({n: (p, p) for n, p in self.places.items()}, self.counts, self.agreed)
+        i, j = self.places.get(name) or self._add(name)
+        if i >= len(slab.rows) or (j is not None and j >= len(slab.hist)):
+            slab.layout({n: (p, p) for n, p in self.places.items()}, (2 * len(slab.rows), 2 * len(slab.hist)),
+                        self.agreed)  # fmt: skip
+            self.forget_routes()
+        with torch.inference_mode(False):
+            return slab.rows[i], slab.shifts[i], None if j is None else slab.hist[j], slab
+
+    def _add(self, name: str) -> tuple[int, int | None]:
+        n, q = self.counts
+        place = self.places[name] = (n, q if self.is_sketched(name) else None)
+        self.counts = (n + 1, q + (place[1] is not None))
+        return place
 
     def backend(self, device: torch.device) -> KernelBackend:
         """The kernel backend of ``device``: its slab's (resolved at its first value), else resolved now."""
@@ -246,42 +185,49 @@ class Store:
         return slab.backend if slab is not None else get_backend(device=device)
 
     def extra(self) -> list[str]:
-        """The names reported here (with values or empty) that are not agreed yet, sorted."""
-        r = len(self.names)
-        return sorted({n for slab in self.slabs.values() for n in slab.names[r:]})
+        """The names reported here (with values or empty) that are not agreed yet."""
+        return (
+            [n for n, p in self.places.items() if p[0] >= self.agreed[0]]
+            if self.counts != self.agreed
+            else []
+        )
 
     def layout(self, names: list[str]) -> None:
-        """Lay every slab out for the agreed ``names`` (sorted), dropping the rows of other names."""
-        self.names = list(names)
-        self.sketched = [n for n in names if self.is_sketched(n)] if self.sketch is not None else []
-        if any([slab.layout(self.names, self.sketched) for slab in self.slabs.values()]):
-            self.forget_routes()
+        """Lay the rows out for the agreed ``names`` (sorted), dropping the rows of other names."""
+        sketched = [n for n in names if self.is_sketched(n)]
+        where = {n: j for j, n in enumerate(sketched)}
+        places = {n: (i, where.get(n)) for i, n in enumerate(names)}
+        moved = {n: (self.places[n], p) for n, p in places.items() if n in self.places}
+        self.places, self.counts = places, (len(names), len(sketched))
+        self.agreed = self.counts
+        for slab in self.slabs.values():
+            slab.layout(moved, self.counts, self.agreed)
+        self.forget_routes()
 
-    def local(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def local(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
         """This process's accumulator rows ``(R, 6)``, shifts ``(R,)`` and sketch counts ``(Q, size)`` of
-        the agreed names on ``device``: views of the slab's rows when it is the only one and on
-        ``device``, else the merge of every slab's (Chan's merge, about each name's mean)."""
-        r, q = len(self.names), len(self.sketched)
+        the agreed names on ``device``, and whether they are the slab's own: views when it is the only
+        one and on ``device``, else the merge of every slab's (Chan's merge, about each name's mean)."""
         slabs = list(self.slabs.values())
         if len(slabs) == 1 and slabs[0].device == device:
-            return slabs[0].rows[:r], slabs[0].shifts[:r], slabs[0].hist[:q]
+            return (*slabs[0].views, True)
+        (r, q), size = self.agreed, self.sketch.size if self.sketch is not None else 0
         moments = torch.tensor(EMPTY_ROW[:5], dtype=torch.float64, device=device).repeat(r, 1)
-        nonfinite = moments.new_zeros(r)
-        hist = moments.new_zeros(q, self.sketch.size if self.sketch is not None else 0)
+        nonfinite, hist = moments.new_zeros(r), moments.new_zeros(q, size)
         for slab in slabs:
-            rows = slab.rows[:r]
-            moments = merge_moments(moments, moments_from_shifted(rows, slab.shifts[:r]).to(device))
+            rows, shifts, counts = slab.views
+            moments = merge_moments(moments, moments_from_shifted(rows, shifts).to(device))
             nonfinite += rows[:, 5].to(device)
-            hist += slab.hist[:q].to(device)
+            hist += counts.to(device)
         n, mean, m2, lo, hi = moments.unbind(1)
-        return torch.stack([n, torch.zeros_like(n), m2, lo, hi, nonfinite], 1), mean, hist
+        return torch.stack([n, torch.zeros_like(n), m2, lo, hi, nonfinite], 1), mean, hist, False
 
-    def reset(self, cleared: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-        """After a publication: every row empty (``cleared``: the sketch rows and columns that held
-        values, ``(P, 1)`` and ``(P, L)``; ``None``: every count)."""
+    def reset(self, hist: bool = True) -> None:
+        """After a publication: every row empty (the sketch counts too with ``hist``)."""
         for slab in self.slabs.values():
-            slab.reset(cleared if len(self.slabs) == 1 else None)
+            slab.reset(hist)
 
     def detach(self) -> None:
         """Forget every value (``clear_statistics``): the collector receives nothing more."""
         self.slabs.clear()
+        self.layout([n for n, (i, _) in self.places.items() if i < self.agreed[0]])

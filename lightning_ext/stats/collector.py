@@ -12,16 +12,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lightning_ext._checks import check_bool, check_int
+from lightning_ext._checks import check_bool, check_int, check_number
 from lightning_ext.distributed import all_reduce_, is_distributed
 from lightning_ext.stats import reporting
-from lightning_ext.stats._wire import WORDS, Store, check_label, pack, packing, unpack
+from lightning_ext.stats._wire import Store, check_label
 from lightning_ext.stats.sketch import LogHistogram
 
 __all__ = ["Collector", "Straggler"]
 
 _UNPUBLISHED = (0.0, math.nan, math.nan, math.nan, math.nan, 0.0)  # [n, mean, std, min, max, nonfinite]
 _HEAD = 7  # the MAX's head: [configuration, -configuration, names, -names, step, -step, count bound]
+WORDS = 640  # float64 words of one sketch row's window in the SUM at most: 5 KiB
 _CPU = torch.device("cpu")
 
 
@@ -35,14 +36,16 @@ def _compile_regex(owner: str, regex: Any, arg: str = "regex") -> re.Pattern[str
         raise ValueError(f"{owner}: `{arg}` must be a regular expression, got {regex!r} ({err})") from None
 
 
-def _fingerprint(text: str) -> float:
-    """A 48-bit hash of ``text``, never 0, as an exactly representable float64 (for MAX agreement)."""
+def _fingerprint(text: str | list[str]) -> float:
+    """A 48-bit hash of ``text`` (of a list of names: with their number), never 0, as an exactly
+    representable float64 (for MAX agreement)."""
+    text = text if isinstance(text, str) else f"{len(text)}\x00" + "\x00".join(text)
     return float(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=6).digest(), "big") + 1)
 
 
 def _host(tensor: torch.Tensor) -> np.ndarray:
     """``tensor`` as a NumPy array: a view on the CPU, else a copy (a host-device sync)."""
-    return tensor.detach().cpu().numpy()
+    return tensor.numpy() if tensor.device.type == "cpu" else tensor.cpu().numpy()
 
 
 class Straggler(NamedTuple):
@@ -66,67 +69,6 @@ def _rank_bits(world_size: int) -> int:
     return max(1, (world_size - 1).bit_length())
 
 
-class _Flush:
-    """The agreed names and what a flush keeps of them from one update to the next, on the sync device,
-    with the buffers of its two all-reduces. Over ``R`` names, of which ``N`` have a sketch row (those
-    ``quantiles`` matches, then those ``stragglers`` matches: the ranks' means)::
-
-        max_buffer (7 + 5R,)   [configuration, -c, names, -n, step, -s, bound | max | -min | mean | -mean |
-                                mean with the rank in its low bits]
-        sum_buffer (5R + N W,) [n, m2, n d, n d^2, nonfinite] per name | the N sketch windows, packed
-
-    (the kernel ops ``moments_payload_``/``moments_finish_`` write and read the moments, ``W <= 640``
-    words per window). The MAX's size depends on ``R`` alone (the configuration is checked in it), the
-    SUM's on the configuration too. Kept: ``published``, float64 ``(R, 6)`` ``[n, mean, std, min, max,
-    nonfinite]``; ``next_shift`` ``(R,)``, the center of the next SUM (each name's last mean); ``idle``
-    ``(R,)``, updates in a row without values; on the host each sketch row's ``(level, start, counts)``
-    window (:class:`~lightning_ext.stats.LogHistogram`) or ``None``, and the reduced packed rank means.
-    The buffers are scratch: a failed update leaves what was published. Normal tensors, not inference
-    tensors: an update in inference mode may make the flush that training updates.
-    """
-
-    @torch.inference_mode(False)
-    def __init__(self, names: list[str], device: torch.device, world_size: int, rows: list[tuple[str, int]]):
-        r, f64 = len(names), {"dtype": torch.float64, "device": device}
-        self.names, self.device, self.world_size = names, device, world_size
-        self.index = {n: i for i, n in enumerate(names)}
-        self.fingerprint = _fingerprint(f"{r}\x00" + "\x00".join(names))
-        self.rows, self.row = rows, {key: j for j, key in enumerate(rows)}  # sketch rows: (arg, name index)
-        self.quantiled = [i for arg, i in rows if arg == "quantiles"]
-        self.straggled = [i for arg, i in rows if arg == "stragglers"]
-        at, ranks = np.array([i for _, i in rows], np.int64), np.array([a == "stragglers" for a, _ in rows])
-        self.lo_at, self.hi_at = at + r + 2 * r * ranks, at + 2 * r * ranks  # in extremes: -min, max
-        self.published = torch.tensor(_UNPUBLISHED, **f64).repeat(r, 1)
-        self.next_shift, self.idle = torch.zeros(r, **f64), torch.zeros(r, **f64)
-        self.max_buffer = torch.full((_HEAD + 5 * r,), -math.inf, **f64)
-        self.head, self.extremes = self.max_buffer[:_HEAD], self.max_buffer[_HEAD:]
-        self.sum_buffer = torch.zeros(5 * r + len(rows) * WORDS, **f64)
-        self.moments = self.sum_buffer[: 5 * r].view(r, 5)
-        self.levels, self.starts = np.zeros((2, len(rows)), np.int64)  # the windows kept, their counts:
-        self.counts = np.zeros((len(rows), 1))
-        self.slowest = np.full(len(self.straggled), -math.inf)
-        self.values: dict[str, list[float]] | None = None  # published, read from the device once per update
-
-    def keep(self, previous: _Flush) -> None:
-        """What ``previous`` published for the names that stay."""
-        pairs = [(i, previous.index[n]) for i, n in enumerate(self.names) if n in previous.index]
-        if pairs:
-            dst, src = (torch.tensor(ix, device=self.device) for ix in zip(*pairs))
-            for name in ("published", "next_shift", "idle"):
-                getattr(self, name)[dst] = getattr(previous, name).to(self.device)[src]
-        pairs = [(j, previous.row[a, previous.index[self.names[i]]]) for j, (a, i) in enumerate(self.rows)
-                 if (a, previous.index.get(self.names[i])) in previous.row]  # fmt: skip
-        self.counts = np.zeros((len(self.rows), previous.counts.shape[1]))
-        for name in ("levels", "starts", "counts") if pairs else ():
-            getattr(self, name)[[j for j, _ in pairs]] = getattr(previous, name)[[k for _, k in pairs]]
-
-    def read(self) -> dict[str, list[float]]:
-        """``{name: [n, mean, std, min, max, nonfinite]}``, read from the device once per update."""
-        if self.values is None:
-            self.values = dict(zip(self.names, self.published.tolist()))
-        return self.values
-
-
 class Collector:
     """Collect the statistics reported with :func:`~lightning_ext.stats.report` whose names match ``regex``.
 
@@ -147,7 +89,7 @@ class Collector:
     the names ``stragglers`` matches. Both ride in the same two all-reduces.
 
     Distributed protocol, over the ``R`` names agreed at the previous update; the buffers' layout is
-    ``_Flush``'s, O(1) per name whatever the number of ranks:
+    in ``_layout``, O(1) per name whatever the number of ranks:
 
     1. *agree*: the MAX carries pairs ``[x, -x]`` of what every rank must share, equal on every rank
        iff ``max(x) == -max(-x)``: a fingerprint of the configuration (every argument), the step
@@ -162,16 +104,17 @@ class Collector:
        :mod:`lightning_ext.kernels.moments`) writes each name's extremes and rank mean (``-inf``
        without local values) for the MAX, and ``[n, m2, n d, n d^2, nonfinite]`` (``d`` the local mean
        minus the mean published by the previous update) for the SUM, after which come the sketch
-       windows, cut where the MAX says every rank's values lie. Without sketched names both
-       all-reduces run together (async), else the SUM follows the MAX.
+       windows (``pack_windows_``, :mod:`lightning_ext.kernels.histogram`), cut where the MAX says
+       every rank's values lie. Without sketched names both all-reduces run together (async), else
+       the SUM follows the MAX.
     3. *finish*: ``moments_finish_`` publishes the statistics in one pass and says whether a name lost
        precision to cancellation (then the SUM is redone around the largest rank mean: rare) and
        whether names went ``forget_after`` updates without values on any rank: they are forgotten on
        every rank alike, and come back as new names when reported again.
 
-    On the steady path (the same names as before) the flush runs no Python per name: two ops, two
-    all-reduces, two host reads. Over a gloo group on one host the all-reduces use shared memory
-    (:func:`lightning_ext.distributed.all_reduce_`). Without ``torch.distributed`` (or after
+    On the steady path (the same names as before) the flush runs no Python per name: two ops (three
+    with sketches), two all-reduces, two host reads. Over a gloo group on one host the all-reduces
+    use shared memory (:func:`lightning_ext.distributed.all_reduce_`). Without ``torch.distributed`` (or after
     ``init_multiprocessing(rank, None)``) there are no collectives.
 
     Args:
@@ -230,7 +173,9 @@ class Collector:
         check_int("Collector", "forget_after", forget_after, ge=1, optional=True)
         self.regex, self.keep_previous, self.stage = regex, keep_previous, stage
         self.quantiles, self.stragglers, self.forget_after = quantiles, stragglers, forget_after
-        self._flush = _Flush([], _CPU, 1, [])
+        self._index: dict[str, int] = {}
+        self._row: dict[tuple[str, str], int] = {}
+        self._layout([], _CPU, 1)
         self._agreed_in: Any = None  # the settings in which the ranks agreed on the configuration
         self._fingerprint = _fingerprint(self._configuration())
         self._attach()
@@ -238,7 +183,7 @@ class Collector:
     def _attach(self) -> None:
         sketch = self.sketch if self.quantiles is not None else None
         self._store = Store(self.stage, self._pattern.fullmatch, self._tracked["quantiles"].fullmatch, sketch)
-        self._store.layout(self._flush.names)
+        self._store.layout(self._names)
         reporting._attach(self, self._store)
 
     def _configuration(self) -> str:
@@ -254,12 +199,52 @@ class Collector:
         """Whether the pattern ``arg`` (``"quantiles"`` or ``"stragglers"``) tracks ``name``."""
         return self._tracked[arg].fullmatch(name) is not None
 
-    def _new_flush(self, names: list[str], device: torch.device, world_size: int) -> _Flush:
-        """A flush of ``names`` that keeps what the current one published for the names that stay."""
+    @torch.inference_mode(False)
+    def _layout(self, names: list[str], device: torch.device, world: int) -> None:
+        """Agree on ``names`` (sorted) on ``device`` among ``world`` ranks, keeping what was published
+        for the names that stay. Over ``R`` names, ``N`` sketch rows (the names ``quantiles`` matches:
+        their values, then those ``stragglers`` matches: their ranks' means; ``at``: each row's name)::
+
+            max (7 + 5R,)    [configuration, -c, names, -n, step, -s, bound | max | -min | mean | -mean |
+                              mean with the rank in its low bits]
+            sum (5R + N W,)  [n, m2, n d, n d^2, nonfinite] per name | the N sketch windows, packed
+
+        (``moments_payload_``, ``pack_windows_`` and ``moments_finish_`` write and read them, ``W <= 640``
+        words per window): the MAX's size depends on ``R`` alone (the configuration is checked in it),
+        the SUM's on the configuration too. Kept: ``published`` float64 ``(R, 6)`` ``[n, mean, std, min,
+        max, nonfinite]``; ``next_shift`` ``(R,)``, the center of the next SUM (each name's last mean);
+        ``idle`` ``(R,)``, updates in a row without values; on the host each sketch row's window
+        ``(level, start, counts)`` and the reduced packed rank means. The buffers are scratch: a failed
+        update leaves what was published. Normal tensors, not inference tensors: an update in inference
+        mode may lay out what training updates use."""
+        r, f64 = len(names), {"dtype": torch.float64, "device": device}
         rows = [(arg, i) for arg in self._tracked for i, n in enumerate(names) if self._tracks(arg, n)]
-        flush = _Flush(names, device, world_size, rows)
-        flush.keep(self._flush)
-        return flush
+        state = torch.tensor(_UNPUBLISHED, **f64).repeat(r, 1), torch.zeros(r, **f64), torch.zeros(r, **f64)
+        pairs = [(i, self._index[n]) for i, n in enumerate(names) if n in self._index]
+        if pairs:
+            dst, src = (torch.tensor(ix, device=device) for ix in zip(*pairs))
+            for new, old in zip(state, (self._published, self._next_shift, self._idle)):
+                new[dst] = old.to(device)[src]
+        self._published, self._next_shift, self._idle = state
+        sketch = np.ones((3, len(rows)), np.int64), np.zeros((len(rows), 1), np.int64)
+        pairs = [(j, self._row[a, names[i]]) for j, (a, i) in enumerate(rows) if (a, names[i]) in self._row]
+        if pairs:
+            sketch = sketch[0], np.zeros((len(rows), self._words.shape[1]), np.int64)
+            dst, src = zip(*pairs)
+            sketch[0][:, dst], sketch[1][dst, :] = self._windows[:, src], self._words[src, :]
+        self._windows, self._words = sketch  # each sketch row's level, start and bits a count; its words
+        self._unpacked: dict[int, np.ndarray] = {}
+        self._names, self._device, self._world, self._values = names, device, world, None
+        self._index, self._names_fp = {n: i for i, n in enumerate(names)}, _fingerprint(names)
+        self._row = {(a, names[i]): j for j, (a, i) in enumerate(rows)}
+        self._q = sum(a == "quantiles" for a, _ in rows)
+        self._at = torch.tensor([i for _, i in rows], dtype=torch.int64, device=device)
+        self._straggled = np.array([i for a, i in rows if a == "stragglers"], np.int64)
+        self._slowest = np.full(len(self._straggled), -math.inf)
+        self._max = torch.full((_HEAD + 5 * r,), -math.inf, **f64)
+        self._sum = torch.zeros(5 * r + len(rows) * WORDS, **f64)
+        self._extremes, self._moments = self._max[_HEAD:], self._sum[: 5 * r].view(r, 5)
+        self._counted, self._edges = self._at[: self._q], self.sketch.edges(device) if rows else None
 
     def discard(self) -> None:
         """Drop what was reported since the last update (e.g. the values of Lightning's sanity check).
@@ -272,6 +257,7 @@ class Collector:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._layout(self._names, self._device, self._world)  # the buffers' views again
         self._attach()
 
     def update(self, step: int | None = None) -> None:
@@ -299,133 +285,112 @@ class Collector:
         settings = self._store.settings()
         rank, device, group = settings
         world = dist.get_world_size(group=group) if device is not None and is_distributed() else 1
-        rank, slabs = (rank if world > 1 else 0), list(self._store.slabs)
-        device = device if device is not None else slabs[0] if len(slabs) == 1 else _CPU
-        if self._flush.device != device or self._flush.world_size != world:
-            self._flush = self._new_flush(self._flush.names, device, world)
-        self._cleared = None
-        forgettable = self._reduce(float(-1 if step is None else step), rank, world, settings)
-        self._store.reset(self._cleared)
+        if device is None:
+            slabs = list(self._store.slabs)
+            device = slabs[0] if len(slabs) == 1 else _CPU
+        if device != self._device or world != self._world:
+            self._layout(self._names, device, world)
+        forgettable = self._reduce(float(-1 if step is None else step), rank if world > 1 else 0, settings)
         if forgettable:  # the same on every rank: the idle counts come from the reduced counts
-            idle = _host(self._flush.idle)
-            self._forget([n for n, i in zip(self._flush.names, idle) if i < self.forget_after], world)
+            names = [n for n, i in zip(self._names, _host(self._idle)) if i < self.forget_after]
+            self._layout(names, self._device, self._world)
+            self._store.layout(names)
 
-    def _forget(self, names: list[str], world: int) -> None:
-        self._flush = self._new_flush(names, self._flush.device, world)
-        self._store.layout(names)
-
-    def _reduce(self, step: float, rank: int, world: int, settings: Any) -> int:
+    def _reduce(self, step: float, rank: int, settings: Any) -> int:
         """Agree, reduce and finish (class docstring); the names that may be forgotten."""
-        flush, store, group = self._flush, self._store, settings[2]
+        store, group, world = self._store, settings[2], self._world
         extra = store.extra()
-        names = sorted({*flush.names, *extra}) if extra else flush.names
-        fingerprint = _fingerprint(f"{len(names)}\x00" + "\x00".join(names)) if extra else flush.fingerprint
-        self._write(flush, flush.next_shift, rank, [fingerprint, step])
-        together = not (flush.quantiled or flush.straggled) and self._agreed_in == settings
-        works = [_all_reduce(flush.max_buffer, dist.ReduceOp.MAX, group, world, True)]
+        names = sorted({*self._names, *extra}) if extra else self._names
+        self._write(self._next_shift, rank, _fingerprint(names) if extra else self._names_fp, step)
+        together = not self._row and self._agreed_in == settings
+        works = [_all_reduce(self._max, dist.ReduceOp.MAX, group, world, True)]
         if together:
-            works.append(_all_reduce(flush.moments, dist.ReduceOp.SUM, group, world, True))
+            works.append(_all_reduce(self._moments, dist.ReduceOp.SUM, group, world, True))
         for work in works:
             if work is not None:
                 work.wait()
-        config, neg_config, names_fp, neg_names_fp, step_max, neg_step_min, _ = flush.head.tolist()
-        if config != -neg_config or step_max != -neg_step_min:
+        head = _host(self._max)[:_HEAD].tolist()  # pairs [x, -x], alike on all ranks iff max(x) == -max(-x)
+        configs, names_agree, steps = (head[i] == -head[i + 1] for i in (0, 2, 4))
+        if not (configs and steps):
             self._disagree(group, world, step)
-        self._agreed_in = settings
-        center = flush.next_shift
-        if extra or names_fp != -neg_names_fp:  # the same decision on every rank
-            if names_fp != -neg_names_fp:
+        self._agreed_in, center, bound = settings, self._next_shift, head[-1]
+        if extra or not names_agree:  # the same decision on every rank
+            if not names_agree:
                 gathered: list[Any] = [None] * world
                 dist.all_gather_object(gathered, names, group=group)
                 names = sorted(set().union(*gathered))
             store.layout(names)
-            flush = self._flush = self._new_flush(names, flush.device, world)
-            self._write(flush, flush.next_shift, rank, [flush.fingerprint, step])
-            _all_reduce(flush.max_buffer, dist.ReduceOp.MAX, group, world)
-            center, together = self._recenter(flush, rank), False
-        windows = self._windows(flush, rank) if flush.quantiled or flush.straggled else None
+            self._layout(names, self._device, world)
+            self._write(self._next_shift, rank, self._names_fp, step)
+            _all_reduce(self._max, dist.ReduceOp.MAX, group, world)
+            center, together, bound = self._recenter(rank), False, self._max[_HEAD - 1].item()
+        windows = self._pack(int(bound * world).bit_length()) if self._row else None
         if not together:
-            size = 5 * len(names) + (len(windows[0]) * windows[3] if windows else 0)
-            _all_reduce(flush.sum_buffer[:size], dist.ReduceOp.SUM, group, world)
-        again, forgettable = self._finish(flush, center)
+            size = 5 * len(self._names) + (len(self._at) * int(windows[0][-1]) if windows else 0)
+            _all_reduce(self._sum[:size], dist.ReduceOp.SUM, group, world)
+        again, forgettable = self._finish(center)
         if again:  # rare; the same on every rank
-            center = self._recenter(flush, rank)
-            _all_reduce(flush.moments, dist.ReduceOp.SUM, group, world)
-            _, forgettable = self._finish(flush, center)
+            center = self._recenter(rank)
+            _all_reduce(self._moments, dist.ReduceOp.SUM, group, world)
+            _, forgettable = self._finish(center)
         if windows is not None:
-            self._publish_sketches(flush, *windows)
+            self._publish_sketches(*windows[:2])
+        store.reset(hist=windows is None or not windows[2])
         return forgettable
 
-    def _write(self, flush: _Flush, center: torch.Tensor, rank: int, values: list[float]) -> None:
-        """Both payloads of ``flush`` from this process's rows, about ``center``; the MAX's head holds
-        the configuration's fingerprint, the pairs of ``values`` (names' fingerprint, step) and the
-        largest count of a sketched name here."""
-        rows, shifts, _ = self._store.local(flush.device)
-        bound = float(_host(rows[:, 0])[flush.quantiled].max(initial=1.0)) if flush.quantiled else 1.0
-        config = self._fingerprint
-        head = [config, -config, values[0], -values[0], values[1], -values[1], bound]
-        args = (rows, shifts, center, head, rank, _rank_bits(flush.world_size))
-        self._store.backend(flush.device).run("moments_payload_", flush.max_buffer, flush.moments, *args)
+    def _write(self, center: torch.Tensor, rank: int, names_fp: float, step: float) -> None:
+        """Both payloads from this process's rows, about ``center``; the MAX's head holds the pairs of
+        the configuration's fingerprint, ``names_fp`` and ``step``, and the largest count of a name
+        with values sketched here."""
+        rows, shifts, _, _ = self._store.local(self._device)
+        head = [self._fingerprint, -self._fingerprint, names_fp, -names_fp, step, -step]
+        args = (rows, shifts, center, head, self._counted, rank, _rank_bits(self._world))
+        self._store.backend(self._device).run("moments_payload_", self._max, self._moments, *args)
 
-    def _recenter(self, flush: _Flush, rank: int) -> torch.Tensor:
+    def _recenter(self, rank: int) -> torch.Tensor:
         """Write the SUM's moments again about the largest rank mean (inside the data), keeping the
         reduced MAX; returns that center."""
-        r = len(flush.names)
-        center, reduced = flush.extremes[2 * r : 3 * r].clone(), flush.max_buffer.clone()
-        self._write(flush, center, rank, [0.0, 0.0])
-        flush.max_buffer.copy_(reduced)
+        r = len(self._names)
+        center, reduced = self._extremes[2 * r : 3 * r].clone(), self._max.clone()
+        self._write(center, rank, 0.0, 0.0)
+        self._max.copy_(reduced)
         return center
 
-    def _finish(self, flush: _Flush, center: torch.Tensor) -> tuple[bool, int]:
-        flush.values = None
-        args = (flush.extremes, flush.moments, center, self.keep_previous, self.forget_after or 0)
-        out = self._store.backend(flush.device).run(
-            "moments_finish_", flush.published, flush.next_shift, flush.idle, *args
+    def _finish(self, center: torch.Tensor) -> tuple[bool, int]:
+        self._values = None
+        args = (self._extremes, self._moments, center, self.keep_previous, self.forget_after or 0)
+        out = self._store.backend(self._device).run(
+            "moments_finish_", self._published, self._next_shift, self._idle, *args
         )
         again, forgettable = out.tolist()
         return bool(again), int(forgettable)
 
-    def _windows(self, flush: _Flush, rank: int) -> tuple[np.ndarray, ...]:
-        """Write this rank's sketch windows after the moments in the SUM buffer, cut where the reduced
-        MAX says the values (and the ranks' means) of each sketched name lie; their layout."""
-        r, q, s, sketch = len(flush.names), len(flush.quantiled), flush.straggled, self.sketch
-        extremes, (rows, shifts, hist) = _host(flush.extremes), self._store.local(flush.device)
-        bits, k = packing(flush.head[6].item() * flush.world_size)
-        level, start, width = sketch.windows(-extremes[flush.lo_at], extremes[flush.hi_at], WORDS * k)
-        words = min(WORDS, 1 << int(-(-width.max() // k) - 1).bit_length()) if width.any() else 1
-        counts, local, span = np.zeros((len(level), words * k)), _host(hist), np.arange(words * k)
-        plain = np.flatnonzero((level[:q] == 0) & (width[:q] > 0))  # the usual rows: no collapse
-        cols = np.minimum(start[plain, None] + span, sketch.size - 1)
-        counts[plain] = np.where(span < width[plain, None], local[plain[:, None], cols], 0.0)
-        for c in set(level[:q][width[:q] > 0].tolist()) - {0}:  # the collapsed rows, by level
-            at = np.flatnonzero((level[:q] == c) & (width[:q] > 0))
-            collapsed = np.pad(sketch.collapse(local[at], c), ((0, 0), (0, words * k)))
-            counts[at] = np.take_along_axis(collapsed, start[at, None] + span, 1)
-        # what the store's reset clears: the buckets read, or every count (a collapsed row)
-        self._cleared = (plain[:, None], cols) if plain.size == np.count_nonzero(width[:q]) else None
-        rows, shifts = _host(rows)[s], _host(shifts)[s]
-        mine = np.flatnonzero(rows[:, 0] > 0)  # this rank's mean of each straggler name: counted once
-        means = np.where(np.isfinite(shifts), shifts, 0.0)[mine] + rows[mine, 1] / rows[mine, 0]
-        at = q + mine
-        counts[at, np.clip(sketch.positions(means, level[at]) - start[at], 0, words * k - 1)] = 1.0
-        segment = torch.from_numpy(pack(counts, bits, k)).reshape(-1)
-        flush.sum_buffer[5 * r : 5 * r + segment.numel()].copy_(segment)
-        return level, start, width, words, bits, k
+    def _pack(self, bits: int) -> tuple[np.ndarray, int, bool]:
+        """Write this rank's sketch windows after the moments in the SUM (``pack_windows_``), cut where the
+        reduced MAX says each row's values lie; their layout, the bits per count, and whether the
+        store's own counts were read (and zeroed)."""
+        rows, shifts, hist, own = self._store.local(self._device)
+        args = (rows, shifts, self._extremes, self._at, self._edges, bits, WORDS)
+        windows = self._sum[self._moments.numel() :]
+        layout = self._store.backend(self._device).run("pack_windows_", windows, hist, *args)
+        return _host(layout), bits, own
 
-    def _publish_sketches(self, flush: _Flush, level: np.ndarray, start: np.ndarray, width: np.ndarray,
-                          words: int, bits: int, k: int) -> None:  # fmt: skip
-        """Keep the reduced windows of the names with values (the others keep theirs with
+    def _publish_sketches(self, layout: np.ndarray, bits: int) -> None:
+        """Keep the reduced windows of the rows with values, packed (the others keep theirs with
         ``keep_previous``; a straggler name's rank means are of its last interval only)."""
-        r, n, has = len(flush.names), len(level), width > 0
-        counts = unpack(_host(flush.sum_buffer[5 * r : 5 * r + n * words]).reshape(n, words), bits, k)
-        if not has.all():  # the names without values keep their window (keep_previous) or none
-            keep = ~has & (np.arange(n) < len(flush.quantiled)) & self.keep_previous
-            kept, old = np.zeros((n, max(counts.shape[1], flush.counts.shape[1]))), flush.counts
-            kept[has, : counts.shape[1]], kept[keep, : old.shape[1]] = counts[has], old[keep]
-            level, start = np.where(has, level, flush.levels), np.where(has, start, flush.starts)
-            counts = kept
-        flush.counts, flush.levels, flush.starts = counts, level, start
-        flush.slowest = _host(flush.extremes[4 * r :])[flush.straggled]  # -inf where no rank had values
+        n, r, w = len(self._at), len(self._names), int(layout[-1])
+        words = _host(self._sum)[5 * r : 5 * r + n * w].astype(np.int64).reshape(n, w)
+        windows, has = (
+            np.concatenate([layout[: 2 * n], np.full(n, bits)]).reshape(3, n),
+            layout[2 * n : 3 * n] > 0,
+        )
+        if not has.all():  # the rows without values keep their window (keep_previous) or none
+            keep = ~has & (np.arange(n) < self._q) & self.keep_previous
+            kept, old = np.zeros((n, max(w, self._words.shape[1])), np.int64), self._words
+            kept[has, :w], kept[keep, : old.shape[1]] = words[has], old[keep]
+            windows, words = np.where(keep, self._windows, windows), kept
+        self._windows, self._words, self._unpacked = windows, words, {}
+        self._slowest = _host(self._max)[_HEAD + 4 * r :][self._straggled]  # -inf where no rank had values
 
     def _disagree(self, group: Any, world: int, step: float) -> None:
         """The rare round: every rank (each saw the same MAX) gathers each rank's configuration and step,
@@ -448,16 +413,21 @@ class Collector:
 
     def names(self) -> list[str]:
         """Sorted names known to any rank at the last ``update()`` (matching ``regex``)."""
-        return list(self._flush.names)
+        return list(self._names)
 
     def updated(self) -> list[str]:
         """Sorted names that received values (on any rank, finite or not) in the last ``update()``'s
         interval: the rest of :meth:`names` only repeat earlier statistics (``keep_previous``) or NaN."""
-        idle = _host(self._flush.idle)
-        return [n for n, i in zip(self._flush.names, idle) if i == 0]
+        return [n for n, i in zip(self._names, _host(self._idle)) if i == 0]
+
+    def _read(self) -> dict[str, list[float]]:
+        """``{name: [n, mean, std, min, max, nonfinite]}``, read from the device once per update."""
+        if self._values is None:
+            self._values = dict(zip(self._names, self._published.tolist()))
+        return self._values
 
     def _get(self, name: str) -> list[float]:
-        values = self._flush.read().get(name)
+        values = self._read().get(name)
         if values is not None:
             return values
         if not isinstance(name, str):
@@ -505,9 +475,12 @@ class Collector:
         self._get(name)  # raises for names regex excludes
         if not self._tracks(arg, name):
             raise KeyError(f"{name!r} is not matched by Collector({arg}={getattr(self, arg)!r})")
-        flush = self._flush
-        j = flush.row[arg, flush.index[name]]
-        return (flush.levels[j], flush.starts[j], flush.counts[j]) if flush.counts[j].any() else None
+        j = self._row[arg, name]
+        if j not in self._unpacked:  # the counts of the window, unpacked once per update
+            level, start, bits = self._windows[:, j]
+            fields = (self._words[j, :, None] >> (bits * np.arange(53 // bits))) & ((1 << bits) - 1)
+            self._unpacked[j] = (level, start, fields.reshape(-1).astype(np.float64))
+        return self._unpacked[j] if self._words[j].any() else None
 
     def quantile(self, name: str, q: float) -> float:
         """The ``q``-quantile of ``name``'s finite values in the last interval over all ranks (NumPy's
@@ -519,12 +492,7 @@ class Collector:
             TypeError, ValueError: ``q`` is not a number in ``(0, 1)``.
             KeyError: ``quantiles`` does not match ``name`` (or ``regex`` excludes it).
         """
-        if isinstance(q, bool) or not isinstance(q, int | float):
-            raise TypeError(
-                f"Collector.quantile: the quantile `q` must be a float, got {q!r} ({type(q).__name__})"
-            )
-        if not 0.0 < q < 1.0:
-            raise ValueError(f"Collector.quantile: the quantile `q` must be in (0, 1), got {q!r}")
+        check_number("Collector.quantile", "q", q, gt=0.0, lt=1.0)
         sketch = self._sketch("quantiles", name)
         return math.nan if sketch is None else self.sketch.quantile(*sketch, q, *self._get(name)[3:5])
 
@@ -553,11 +521,11 @@ class Collector:
         Raises:
             KeyError: ``stragglers`` does not match ``name`` (or ``regex`` excludes it).
         """
-        sketch, flush = self._sketch("stragglers", name), self._flush
+        sketch = self._sketch("stragglers", name)
         if sketch is None:
             return None
-        packed = float(flush.slowest[flush.straggled.index(flush.index[name])])
-        rank = int(np.float64(packed).view(np.int64)) & ((1 << _rank_bits(flush.world_size)) - 1)
+        packed = float(self._slowest[self._row["stragglers", name] - self._q])
+        rank = int(np.float64(packed).view(np.int64)) & ((1 << _rank_bits(self._world)) - 1)
         upper = 0.5 + 0.5 / sketch[2].sum()  # the upper middle rank: the two middle ones' mean
         median = sum(self.sketch.quantile(*sketch, q, *self._get(name)[3:5]) for q in (0.5, upper)) / 2
         return Straggler(rank, packed, median, packed / median if median else math.inf)
@@ -576,49 +544,41 @@ class Collector:
     def as_dict(self) -> dict[str, dict[str, float]]:
         """``{name: {"num", "mean", "std", "min", "max"}}`` for every name of :meth:`names`."""
         keys = ("num", "mean", "std", "min", "max")
-        return {name: {**dict(zip(keys, v)), "num": round(v[0])} for name, v in self._flush.read().items()}
+        return {name: {**dict(zip(keys, v)), "num": round(v[0])} for name, v in self._read().items()}
 
     def state_dict(self) -> dict[str, Any]:
         """The published statistics and agreed names, and the quantile sketches (what
         ``keep_previous`` needs after a resume)."""
-        flush = self._flush
-        rows = [
-            (j, i) for j, (arg, i) in enumerate(flush.rows) if arg == "quantiles" and flush.counts[j].any()
-        ]
-        sketches = {
-            flush.names[i]: (int(flush.levels[j]), int(flush.starts[j]), torch.from_numpy(flush.counts[j]))
-            for j, i in rows
-        }
-        return {"names": self.names(), "values": dict(flush.read()), "sketches": sketches}
+        sketches = {}
+        for arg, name in self._row:
+            sketch = self._sketch(arg, name) if arg == "quantiles" else None
+            if sketch is not None:
+                sketches[name] = (int(sketch[0]), int(sketch[1]), torch.from_numpy(sketch[2]))
+        return {"names": self.names(), "values": dict(self._read()), "sketches": sketches}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the same checkpoint must be loaded on every rank). Rows of five
         values (no non-finite count) load with a count of 0; a sketch saved in another layout is not
         restored."""
-        names, values, flush = sorted(state["names"]), state["values"], self._flush
+        names, values = sorted(state["names"]), state["values"]
         rows = [[*values[n], 0.0][:6] if n in values else _UNPUBLISHED for n in names]
-        self._flush = _Flush([], flush.device, flush.world_size, [])
-        self._flush = flush = self._new_flush(names, flush.device, flush.world_size)
+        self._index = {n: i for i, n in enumerate(names)}
+        self._published = published = torch.tensor(rows, dtype=torch.float64).reshape(-1, 6)
+        self._next_shift = torch.where(published[:, 0] > 0, published[:, 1], 0.0)
+        self._idle = torch.ones(len(names), dtype=torch.float64)  # no update yet: nothing updated
+        saved = {n: s for n, s in state.get("sketches", {}).items() if isinstance(s, tuple)}
+        self._row = {("quantiles", n): j for j, n in enumerate(saved)}  # one count a word
+        self._windows = np.array([[s[0], s[1], 53] for s in saved.values()], np.int64).reshape(-1, 3).T
+        counts = [s[2].long() for s in saved.values()]
+        self._words = torch.nn.utils.rnn.pad_sequence(counts, batch_first=True).numpy() if counts else None
+        self._layout(names, self._device, self._world)  # keeps what was set here
         self._store.layout(names)
         self._agreed_in = None  # the SUM's size depends on the configuration again
-        flush.published.copy_(torch.tensor(rows, dtype=torch.float64).reshape(-1, 6))
-        flush.next_shift.copy_(torch.where(flush.published[:, 0] > 0, flush.published[:, 1], 0.0))
-        flush.idle.fill_(1.0)  # no update yet: nothing updated
-        saved = {n: s for n, s in state.get("sketches", {}).items() if isinstance(s, tuple)}
-        flush.counts = np.zeros((len(flush.rows), max([1, *(s[2].numel() for s in saved.values())])))
-        for j, (arg, i) in enumerate(flush.rows):
-            if arg == "quantiles" and names[i] in saved:
-                level, start, counts = saved[names[i]]
-                flush.levels[j], flush.starts[j], flush.counts[j, : counts.numel()] = (
-                    level,
-                    start,
-                    counts.numpy(),
-                )
 
     def __repr__(self) -> str:
-        extras = "" if self.stage is None else f", stage={self.stage!r}"
-        extras += "" if self.quantiles is None else f", quantiles={self.quantiles!r}"
-        extras += "" if self.stragglers is None else f", stragglers={self.stragglers!r}"
+        extras = "".join(
+            f", {k}={getattr(self, k)!r}" for k in ("stage", "quantiles", "stragglers") if getattr(self, k)
+        )
         return f"Collector(regex={self.regex!r}, keep_previous={self.keep_previous}{extras})"
 
 

@@ -7,7 +7,7 @@ here with :func:`_attach`, the one call of the collector's side into this module
 a name's *route* (the stores that take it in the current stage, and their accumulators per device)
 with one dict lookup and adds the value into each of them with the kernel backend's
 ``accumulate_moments_``; a route is made at a name's first report in a stage and forgotten when a
-collector comes or goes, or drops names.
+collector comes or goes, or its rows move.
 
 All process-wide state is the one :class:`_State` in ``_state``; :func:`clear_statistics` replaces it.
 """
@@ -40,7 +40,8 @@ _CONVERTED = {  # dtypes the kernels do not read, and what report() converts the
     **{getattr(torch, f"uint{b}"): torch.float64 for b in (16, 32, 64)},  # (uint64 above 2^53: rounded)
     **{getattr(torch, d): torch.float32 for d in dir(torch) if d.startswith("float8_")},
 }
-_SCRATCH = torch.zeros((), dtype=torch.float64)  # a Python number's tensor on its way into the rows
+_SCRATCH = torch.zeros((), dtype=torch.float64)  # a Python number's tensor on its way into the rows,
+_SCRATCH_VALUE = _SCRATCH.numpy()  # written through NumPy (cheaper than a tensor op)
 
 
 class _SyncSettings(NamedTuple):
@@ -237,13 +238,13 @@ def _as_float(name: str, value: Any) -> float:
 
 
 def _as_tensor(name: str, value: Any) -> torch.Tensor:
-    """``value`` as a countable real tensor (detached; bool, uint16/32/64 and float8 converted as
-    ``_CONVERTED`` says), else TypeError naming ``name``."""
+    """``value`` as a countable real tensor (bool, uint16/32/64 and float8 converted as ``_CONVERTED``
+    says; the kernels read a tensor that requires grad without recording it), else TypeError naming
+    ``name``."""
     if isinstance(value, torch.Tensor):
         _check_tensor(name, value)
-        x = value.detach()
-        dtype = _CONVERTED.get(x.dtype)
-        return x if dtype is None else x.to(dtype)
+        dtype = _CONVERTED.get(value.dtype)
+        return value if dtype is None else value.detach().to(dtype)
     if _is_number(value):
         return torch.tensor(_as_float(name, value), dtype=torch.float64)
     return torch.from_numpy(_as_array(name, value))
@@ -306,17 +307,22 @@ def report(name: str, value: T) -> T:
     if not stores:
         _check_value(name, value)
         return value
-    if type(value) is float or _is_number(value):
-        x, device = _SCRATCH.fill_(value if type(value) is float else _as_float(name, value)), _CPU
-    else:
+    if isinstance(value, torch.Tensor):
         x = _as_tensor(name, value)
         device = x.device
+    elif _is_number(value):
+        _SCRATCH_VALUE[()] = value if type(value) is float else _as_float(name, value)
+        x, device = _SCRATCH, _CPU
+    else:
+        x, device = torch.from_numpy(_as_array(name, value)), _CPU
     accumulators = per_device.get(device)
     if accumulators is None:  # (an empty value makes the rows: it registers the name)
         accumulators = per_device[device] = [store.accumulator(name, device) for store in stores]
     if x.numel():
-        for accumulator in accumulators:
-            accumulator.add(x)
+        for row, shift, hist, slab in accumulators:
+            slab.moments(row, x, shift)
+            if hist is not None:
+                slab.histogram(hist, x, slab.edges)
     return value
 
 

@@ -1,6 +1,7 @@
 """``LogHistogram``: the quantile sketch of :class:`~lightning_ext.stats.Collector` (DDSketch's
-logarithmic buckets over a pinned range, merged by an element-wise sum), and how a flush sends it: a
-window of its buckets, collapsed where the window is wide, its counts packed several to a float64."""
+logarithmic buckets over a pinned range, merged by an element-wise sum) and its quantiles. A flush sends
+a window of its buckets, collapsed where the window is wide, its counts packed several to a float64
+(the kernel op ``pack_windows_``, :mod:`lightning_ext.kernels.histogram`)."""
 
 from __future__ import annotations
 
@@ -119,59 +120,20 @@ class LogHistogram:
             k = torch.arange(self.first - 1, self.first + self.buckets, dtype=torch.float64)
             return (k * math.log(self.gamma)).exp_().to(device)
 
-    # ------------------------------------------------------------------ levels and windows (NumPy)
-
     @functools.cached_property
     def _edges(self) -> np.ndarray:
         return self.edges().numpy()
 
-    def _groups(self, level: np.ndarray | int) -> np.ndarray | int:
+    def _groups(self, level: int) -> int:
         """``M_c``: the buckets per sign at collapse level ``level``."""
         return -(-self.buckets // (1 << level))
-
-    def positions(self, values: np.ndarray, level: np.ndarray | int) -> np.ndarray:
-        """The bucket of each finite value in the layout at collapse level ``level``: ``[-overflow,
-        -M_c .. -1, zero, 1 .. M_c, +overflow]``, positions ``0 .. 2 M_c + 2`` (broadcasting)."""
-        values, m = np.asarray(values, dtype=np.float64), self.buckets
-        j = np.searchsorted(self._edges, np.abs(values), side="left")  # edges below |v|
-        groups = self._groups(level)
-        g = np.where(j > m, groups + 1, -(-j // (1 << np.asarray(level))))
-        return groups + 1 + np.sign(values).astype(np.int64) * g
-
-    def windows(
-        self, lo: np.ndarray, hi: np.ndarray, slots: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per name with values in ``[lo, hi]`` (float64 ``(N,)``), the smallest collapse level whose
-        window of buckets from ``lo``'s to ``hi``'s holds at most ``slots``: ``(level, start, width)``
-        int64 ``(N,)`` (width 0 where ``lo > hi``, no values)."""
-        has = lo <= hi
-        lo, hi = np.where(has, lo, 0.0)[:, None], np.where(has, hi, 0.0)[:, None]
-        start, stop = self.positions(lo, 0), self.positions(hi, 0)
-        if (stop - start < slots).all():  # the usual case: no collapse
-            return np.zeros(len(has), np.int64), start[:, 0], np.where(has, stop[:, 0] - start[:, 0] + 1, 0)
-        levels = np.arange(max(1, self.buckets.bit_length() + 1))  # the last: one bucket per sign
-        start, stop = self.positions(lo, levels), self.positions(hi, levels)
-        level = np.argmax(stop - start < slots, axis=1)
-        rows = np.arange(len(level))
-        return level, start[rows, level], np.where(has, stop[rows, level] - start[rows, level] + 1, 0)
-
-    def collapse(self, counts: np.ndarray, level: int) -> np.ndarray:
-        """Counts ``(N, size)`` at collapse level ``level``: ``(N, 2 M_c + 3)`` (bucket ``g`` of a sign
-        sums the buckets ``(g - 1) 2^c + 1 .. g 2^c`` of level 0)."""
-        if level == 0:
-            return counts
-        m, step, groups = self.buckets, 1 << level, self._groups(level)
-        sides = [np.pad(side, ((0, 0), (0, groups * step - m))).reshape(len(counts), groups, step).sum(2)
-                 for side in (counts[:, m:0:-1], counts[:, m + 2 : 2 * m + 2])]  # fmt: skip
-        return np.concatenate([counts[:, :1], sides[0][:, ::-1], counts[:, m + 1 : m + 2], sides[1],
-                               counts[:, -1:]], axis=1)  # fmt: skip
 
     def quantile(self, level: int, start: int, window: np.ndarray, q: float, lo: float, hi: float) -> float:
         """The ``q``-quantile (inverted CDF) of the counts ``window`` of the buckets from position
         ``start`` at collapse level ``level``; NaN when they are all 0.
 
         Args:
-            level, start: the window's collapse level and first bucket (:meth:`windows`).
+            level, start: the window's collapse level and first bucket (``pack_windows_``).
             window: float64 ``(L,)`` (NumPy), merged counts.
             q: in ``(0, 1)``.
             lo, hi: the exact min and max of the values (the estimate is clipped to them).

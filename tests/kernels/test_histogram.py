@@ -1,7 +1,8 @@
 """``accumulate_histogram_`` of every backend against ``reference``, count for count: random signed
 log-normal values with zeros, infinities, NaN and the edges themselves, over every real dtype, odd sizes,
 non-contiguous views and three kinds of edges; every float16/bfloat16 bit pattern; the argument checks;
-``torch.compile(fullgraph=True)`` through the custom op."""
+``torch.compile(fullgraph=True)`` through the custom op. The flush's ``pack_windows_`` by hand and against
+``reference``, word for word."""
 
 from __future__ import annotations
 
@@ -208,3 +209,78 @@ def test_compile_fullgraph_calls_custom_op(name):
         (hist, x, edges, backend.name),
         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
     )
+
+
+# ---------------------------------------------------------------------------- pack_windows_
+
+
+def _pack(backend: KernelBackend, hist, rows, shifts, extremes, at, edges, bits, max_words):
+    """``backend``'s words, layout and zeroed counts (on the CPU) of one ``pack_windows_``."""
+    device = backend_device(backend)
+    words, hist = (
+        torch.full((len(at) * max_words,), -1.0, dtype=torch.float64, device=device),
+        hist.to(device, copy=True),  # zeroed in place
+    )
+    args = (rows, shifts, extremes, at, edges, bits, max_words)
+    layout = backend.run(
+        "pack_windows_", words, hist, *(a.to(device) if torch.is_tensor(a) else a for a in args)
+    )
+    w = int(layout[-1])
+    return words[: len(at) * w].cpu(), layout.cpu(), hist.cpu()
+
+
+def test_pack_windows_by_hand(backend):
+    """Edges 1, 2, .., 128 (8 positions a sign), values -3, 1.5 and 100 of name 0 and one rank mean
+    of 1.5 (name 1): with 8 slots the values' window (positions 6 to 15) collapses to level 1
+    (positions 4 to 9: -3, the zero bucket, 1.5, .., 100), the rank mean's fits at level 0; 2 fields
+    of 26 bits a word, 4 words a row (the power of two that holds 6 slots)."""
+    edges = 2.0 ** torch.arange(8, dtype=torch.float64)
+    hist = torch.zeros(1, 17, dtype=torch.float64)
+    get_backend("reference", device="cpu").run(
+        "accumulate_histogram_", hist[0], torch.tensor([-3.0, 1.5, 100.0]), edges
+    )
+    rows = torch.tensor(
+        [[3.0, 0.0, 0.0, -3.0, 100.0, 0.0], [2.0, 1.0, 0.5, 1.0, 2.0, 0.0]], dtype=torch.float64
+    )
+    shifts = torch.tensor([0.0, 1.0], dtype=torch.float64)  # name 1: mean 1 + 1 / 2
+    extremes = torch.tensor([100.0, 2.0, 3.0, -1.0, 0, 1.5, 0, -1.5, 0, 0], dtype=torch.float64)
+    words, layout, zeroed = _pack(backend, hist, rows, shifts, extremes, torch.tensor([0, 1]), edges, 26, 4)
+    assert layout.tolist() == [1, 0, 4, 9, 6, 1, 4]  # levels, starts, widths, words a row
+    assert words.tolist() == [1.0, 1.0, 2.0**26, 0.0, 1.0, 0.0, 0.0, 0.0] and not zeroed.any()
+
+
+@pytest.mark.parametrize(("bits", "collapsed"), [(7, False), (13, True), (27, True)])
+def test_pack_windows_equals_reference(backend, reference, bits, collapsed):
+    """Two ranks' values of five names over narrow and wide ranges of one sign or both (windows collapse
+    with 4 and 1 fields a word), a name without values, and the rank means of four names: rank 0's
+    packed words, layout and zeroed counts equal reference's (80 values a name: 7 bits hold a count)."""
+    gen = torch.Generator().manual_seed(bits)
+    edges = _geometric_edges()
+    spans = [(0.5, 2.0, 1), (1e-6, 1e6, 1), (1e-6, 1e6, -1), (1e-3, 1e6, 0), (1.0, 1.0, 1)]
+    ranks = []
+    for _ in range(2):
+        values = [lo * (hi / lo) ** torch.rand(40, generator=gen, dtype=torch.float64) for lo, hi, _ in spans]
+        values = [v * (s or 1) * (torch.randint(0, 2, v.shape, generator=gen) * 2 - 1 if not s else 1)
+                  for v, (_, _, s) in zip(values, spans)]  # fmt: skip
+        values.append(torch.zeros(0, dtype=torch.float64))  # name 5: no values
+        ranks.append(values)
+    hist = torch.zeros(6, 2 * edges.numel() + 1, dtype=torch.float64)
+    for row, v in zip(hist, ranks[0]):
+        reference.run("accumulate_histogram_", row, v, edges)
+    stats = [[torch.cat([r[i] for r in ranks]) for i in range(6)]]
+    means = torch.stack(
+        [torch.stack([v.mean() if v.numel() else torch.tensor(math.nan) for v in r]) for r in ranks]
+    )
+    hi = torch.tensor([v.max() if v.numel() else -math.inf for v in stats[0]], dtype=torch.float64)
+    lo = torch.tensor([v.min() if v.numel() else math.inf for v in stats[0]], dtype=torch.float64)
+    mean_hi, mean_lo = means.nan_to_num(-math.inf).amax(0), means.nan_to_num(math.inf).amin(0)
+    extremes = torch.cat([hi, -lo, mean_hi, -mean_lo, torch.zeros(6, dtype=torch.float64)])
+    n = torch.tensor([float(v.numel()) for v in ranks[0]], dtype=torch.float64)
+    rows = torch.stack([n, torch.zeros(6, dtype=torch.float64), n, lo, hi, n * 0], 1)
+    shifts = means[0].nan_to_num(0.0)  # rank 0's mean: its shift, S1 = 0
+    at = torch.tensor([0, 1, 2, 3, 4, 5, 0, 2, 4, 5])
+    got = _pack(backend, hist, rows, shifts, extremes, at, edges, bits, 640 if bits < 27 else 8)
+    want = _pack(reference, hist, rows, shifts, extremes, at, edges, bits, 640 if bits < 27 else 8)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w), (g, w)
+    assert (got[1][:10].max() > 0) == collapsed and not got[2].any()  # every count read and zeroed

@@ -79,12 +79,13 @@ def _published(backend, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     acc = _fresh().to(x.device)
     backend.run("accumulate_moments_", acc, x, shift)
     center = shift.reshape(1)
-    max_payload, sum_payload = torch.zeros(7, **f64), torch.zeros(1, 5, **f64)
+    max_payload, sum_payload = torch.zeros(8, **f64), torch.zeros(1, 5, **f64)
+    none = torch.zeros(0, dtype=torch.int64, device=x.device)
     backend.run(
-        "moments_payload_", max_payload, sum_payload, acc.view(1, 6), center, center, [1.0, -1.0], 0, 1
+        "moments_payload_", max_payload, sum_payload, acc.view(1, 6), center, center, [1.0, -1.0], none, 0, 1
     )
     published, next_shift, idle = torch.zeros(1, 6, **f64), torch.zeros(1, **f64), torch.zeros(1, **f64)
-    backend.run("moments_finish_", published, next_shift, idle, max_payload[2:], sum_payload, center, False,
+    backend.run("moments_finish_", published, next_shift, idle, max_payload[3:], sum_payload, center, False,
                 0)  # fmt: skip
     return published[0, :5].cpu()
 
@@ -192,6 +193,21 @@ def test_non_finite_values_are_counted_apart_and_hide_nothing(backend, dtype, n)
     assert only_bad.tolist() == [0.0, 0.0, 0.0, math.inf, -math.inf, float(bad.numel())]
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64, torch.int64], ids=str)
+def test_a_nan_shift_becomes_the_first_value(backend, dtype):
+    """A row's shift is NaN until its first value: the op sets it to the first element of ``x`` (0 when
+    that is not finite) and sums about it; an empty ``x`` leaves row and shift as they are."""
+    device = backend_device(backend)
+    cases = [([3.0, 5.0], 3.0, [2.0, 2.0, 4.0, 3.0, 5.0, 0.0]), ([], math.nan, _fresh().tolist())]
+    if dtype.is_floating_point:
+        cases.append(([math.inf, 1.0, 2.0], 0.0, [2.0, 3.0, 5.0, 1.0, 2.0, 1.0]))
+    for values, shift_want, acc_want in cases:
+        acc, shift = _fresh().to(device), torch.tensor(math.nan, dtype=torch.float64, device=device)
+        backend.run("accumulate_moments_", acc, torch.tensor(values, dtype=dtype, device=device), shift)
+        assert shift.item() == shift_want or (math.isnan(shift_want) and math.isnan(shift.item())), values
+        assert acc.tolist() == acc_want, (values, acc.tolist())
+
+
 # ---------------------------------------------------------------------------- the flush ops
 
 
@@ -221,13 +237,14 @@ def _flush_inputs(r: int, seed: int) -> dict[str, torch.Tensor]:
 def _flush(backend, i: dict[str, torch.Tensor], keep_previous: bool, device) -> list[torch.Tensor]:
     i = {k: v.to(device, copy=True) for k, v in i.items()}  # the state is updated in place
     r, head = i["rows"].shape[0], [7.0, -7.0, 2.0**52, -(2.0**52)]
-    max_payload = torch.empty(len(head) + 5 * r, dtype=torch.float64, device=device)
+    max_payload = torch.empty(len(head) + 1 + 5 * r, dtype=torch.float64, device=device)
     sum_payload = torch.empty(r, 5, dtype=torch.float64, device=device)
-    args = (i["rows"], i["shifts"], i["center"], head, 5, 3)
+    counted = torch.arange(0, r, 2, device=device)  # the bound: the largest count of every other row
+    args = (i["rows"], i["shifts"], i["center"], head, counted, 5, 3)
     backend.run("moments_payload_", max_payload, sum_payload, *args)
     payloads = (max_payload.clone(), sum_payload.clone())
     state = (i["published"], i["next_shift"], i["idle"])
-    out = backend.run("moments_finish_", *state, max_payload[4:], sum_payload, i["center"], keep_previous, 2)
+    out = backend.run("moments_finish_", *state, max_payload[5:], sum_payload, i["center"], keep_previous, 2)
     return [t.cpu() for t in (*payloads, *state, out)]
 
 
@@ -256,15 +273,17 @@ def test_flush_ops_publish_non_finite_counts_forget_idle_rows_and_pack_ranks(bac
     inf = math.inf
     rows = torch.tensor([[2, 0, 2, 1, 3, 0], [0, 0, 0, inf, -inf, 4], [0, 0, 0, inf, -inf, 0]], **f64)
     shifts, center = torch.tensor([2.0, 0.0, 0.0], **f64), torch.zeros(3, **f64)
-    max_payload, sum_payload = torch.empty(2 + 15, **f64), torch.empty(3, 5, **f64)
-    args = (rows, shifts, center, [1.0, -1.0], 3, 2)
+    max_payload, sum_payload = torch.empty(3 + 15, **f64), torch.empty(3, 5, **f64)
+    counted = torch.tensor([0, 1], device=device)
+    args = (rows, shifts, center, [1.0, -1.0], counted, 3, 2)
     backend.run("moments_payload_", max_payload, sum_payload, *args)
     packed = max_payload[-3:].cpu()
+    assert max_payload[2].item() == 2.0  # the bound: the largest count of rows 0 and 1
     assert packed[1:].tolist() == [-inf, -inf] and packed[0].view(torch.int64).item() & 3 == 3
     assert abs(packed[0].item() - 2.0) <= 4 * 2.0**-52 * 2.0
     published = torch.full((3, 6), 9.0, **f64)
     next_shift, idle = torch.zeros(3, **f64), torch.tensor([5.0, 5.0, 1.0], **f64)
-    args = (max_payload[2:], sum_payload, center, True, 2)
+    args = (max_payload[3:], sum_payload, center, True, 2)
     out = backend.run("moments_finish_", published, next_shift, idle, *args)
     got = published.cpu().tolist()
     assert got[0] == [2.0, 2.0, 1.0, 1.0, 3.0, 0.0] and got[2] == [9.0] * 6

@@ -28,6 +28,7 @@ OPS = [
     "moments_payload_",
     "moments_finish_",
     "accumulate_histogram_",
+    "pack_windows_",
 ]
 
 
@@ -50,11 +51,14 @@ def _inputs(device: torch.device, seed: int = 0) -> dict:
         # all-reduces; the MAX with a head of 2), what was published before, the idle counts
         "table": torch.cat([torch.tensor([[2.0], [0.0], [3.0]]), r(3, 4), torch.ones(3, 1)], 1).double(),
         "shifts": r(3).double(),
-        "max_payload": r(2 + 5 * 3).double(),
+        "max_payload": r(3 + 5 * 3).double(),
         "sum_payload": torch.cat([torch.tensor([[2.0], [0.0], [3.0]]), r(3, 4).abs()], 1).double(),
         "published": r(3, 6).double(),
         "next_shift": r(3).double(),
         "idle": torch.tensor([0.0, 4.0, 1.0]).double(),
+        # two sketch rows (name 0's values, name 2's rank means) of a histogram of 3 edges
+        "at": torch.tensor([0, 2]),
+        "hist": torch.zeros(1, 7).double(),
     }
     return {k: [t.to(device) for t in v] if isinstance(v, list) else v.to(device) for k, v in values.items()}
 
@@ -131,9 +135,27 @@ def test_opcheck_custom_ops(backend: KernelBackend):
         (lib.unscale_and_check_, (i["grads"], i["inv_scale"], key)),
         (lib.check_finite, (i["grads"], device, key)),
         (lib.accumulate_moments_, (i["acc"], i["x"], i["shift"], key)),
-        (lib.moments_payload_, (*payloads, i["table"], i["shifts"], i["shifts"], [7.0, -7.0], 1, 1, key)),
-        (lib.moments_finish_, (*flushed, i["max_payload"][2:], i["sum_payload"], i["shifts"], True, 3, key)),
+        (
+            lib.moments_payload_,
+            (*payloads, i["table"], i["shifts"], i["shifts"], [7.0, -7.0], i["at"][:1], 1, 1, key),
+        ),
+        (lib.moments_finish_, (*flushed, i["max_payload"][3:], i["sum_payload"], i["shifts"], True, 3, key)),
         (lib.accumulate_histogram_, (torch.zeros(7, dtype=torch.float64, device=device), i["x"], edges, key)),
+        (
+            lib.pack_windows_,
+            (
+                torch.zeros(99, dtype=torch.float64, device=device),
+                i["hist"],
+                i["table"],
+                i["shifts"],
+                i["max_payload"][3:],
+                i["at"],
+                edges,
+                5,
+                16,
+                key,
+            ),
+        ),
     ]
     assert {op._qualified_op_name.split("::")[1] for op, _ in cases} == set(OPS)
     for op, args in cases:
@@ -157,14 +179,21 @@ def _all_ops(backend, x, dy, shift_c, mean, invstd, weight, bias, grads, inv_sca
     finite = backend.run("check_finite", grads, x.device)
     found = backend.run("unscale_and_check_", grads, inv_scale)
     backend.run("accumulate_moments_", acc, y, shift)
-    extremes = max_payload[2:]
+    extremes = max_payload[3:]
     flushed = (published, next_shift, idle)
     needs = backend.run("moments_finish_", *flushed, extremes, sum_payload, shifts, False, 3)
-    backend.run("moments_payload_", max_payload, sum_payload, table, shifts, shifts, [7.0, -7.0], 1, 1)
+    at = flush["at"]
+    backend.run(
+        "moments_payload_", max_payload, sum_payload, table, shifts, shifts, [7.0, -7.0], at[:1], 1, 1
+    )
     flush = (max_payload.clone(), sum_payload.clone(), *(t.clone() for t in flushed), needs)
     hist, edges = torch.zeros(7, dtype=torch.float64, device=x.device), table.new_tensor([0.5, 1.0, 2.0])
     backend.run("accumulate_histogram_", hist, y, edges)
-    return payload, gathered_mean, *running, y, sums, dx, *flush, hist, finite, found
+    words = torch.zeros(2 * 16, dtype=torch.float64, device=x.device)
+    layout = backend.run(
+        "pack_windows_", words, hist.clone()[None], table, shifts, extremes, at, edges, 5, 16
+    )
+    return payload, gathered_mean, *running, y, sums, dx, *flush, hist, words, layout, finite, found
 
 
 @pytest.mark.parametrize("compiler", ["graph", "aot_eager"])

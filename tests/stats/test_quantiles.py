@@ -4,6 +4,7 @@ the sketch's window on the wire (at most 5 KiB per name) and its accuracy where 
 
 from __future__ import annotations
 
+import itertools
 import math
 import pickle
 
@@ -13,7 +14,6 @@ import torch
 
 from lightning_ext.stats import Collector, LogHistogram, clear_statistics, report
 from lightning_ext.stats import collector as collector_module
-from lightning_ext.stats._wire import WORDS, packing
 from tests.helpers.distributed import run_distributed
 
 ALPHA = 0.01
@@ -128,7 +128,12 @@ def _ranged(rank: int, world_size: int, per_rank: int) -> dict:
     for name, values in _draws(rank, per_rank).items():
         report(name, values)
     c.update()
-    return {"q": {n: [c.quantile(n, q) for q in QS] for n in RANGES}, "sum_words": sums[-1]}
+    levels = {}
+    for name in RANGES:  # the collapse level, from a whole group's inner edges: gamma ** (2 ** level)
+        inner = c.histogram(name)[1][1:-1]
+        ratio = max(max(b / a, a / b) for a, b in itertools.pairwise(inner) if a * b > 0)
+        levels[name] = round(math.log2(math.log(ratio) / math.log(c.sketch.gamma)))
+    return {"q": {n: [c.quantile(n, q) for q in QS] for n in RANGES}, "sum_words": sums[-1], "levels": levels}
 
 
 # The collapse level each name's window needs (0: none) with 2 ranks' counts packed 4 (1000 values per
@@ -149,13 +154,13 @@ def test_windows_fit_5_kib_per_name_and_quantiles_keep_their_accuracy(per_rank: 
     outputs = run_distributed(_ranged, 2, per_rank, timeout=300)
     assert outputs[0] == outputs[1]
     out, sketch = outputs[0], LogHistogram()
-    assert out["sum_words"] <= 5 * len(RANGES) + WORDS * len(RANGES)
-    _, k = packing(2 * per_rank)
+    assert out["sum_words"] <= 5 * len(RANGES) + 640 * len(RANGES)  # at most 5 KiB per sketched name
+    k = 53 // (2 * per_rank).bit_length()  # counts per word: of at most 2 * per_rank, bits enough
     draws = [_draws(r, per_rank) for r in range(2)]
     for name in RANGES:
         union = np.concatenate([d[name] for d in draws])
         exact = np.quantile(union, QS, method="inverted_cdf")
-        (level,), _, _ = sketch.windows(np.array([union.min()]), np.array([union.max()]), WORDS * k)
+        level = out["levels"][name]
         errors = _relative_errors(out["q"][name], exact)
         print(
             f"{name}: {per_rank} values per rank, counts {k} per word, level {level}: "
