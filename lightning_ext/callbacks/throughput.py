@@ -149,6 +149,7 @@ class Throughput(HookBase):
         self._flops_per_sample: tuple[float, float] | None = None  # (model, hardware) from the count
         self._counter: tuple[FlopCounter, Any] | None = None  # open over the counted micro-batch
         self._flushes = 0
+        self._unbooked()
         self._restart()
 
     def __repr__(self) -> str:
@@ -159,18 +160,20 @@ class Throughput(HookBase):
             f"peak_dtype={self.peak_dtype!r})"
         )
 
-    def _restart(self, ledger: bool = True) -> None:
-        """Zero the interval's counts and time (and what the ledger has not booked yet)."""
+    def _restart(self) -> None:
+        """Zero the interval's counts and seconds."""
         self._interval = dict.fromkeys(_STATES, 0.0)  # seconds by state since the last flush
         self._samples: int | Tensor = 0
         self._tokens: int | Tensor = 0
         self._flops: float | Tensor = 0.0  # with a flops_fn
         self._iterations = 0
-        if ledger:
-            self._pending = dict.fromkeys(_CAUSES, 0.0)  # seconds by state not booked yet
-            self._step_sec = 0.0  # of the current iteration's steps
-            self._taken = 0.0  # of the finished iterations' steps not booked yet
-            self._skipped: float | Tensor = 0.0  # of which in skipped steps
+
+    def _unbooked(self) -> None:
+        """Zero what the ledger has not booked yet."""
+        self._pending = dict.fromkeys(_CAUSES, 0.0)  # seconds by state
+        self._step_sec = 0.0  # of the current iteration's steps
+        self._taken = 0.0  # of the finished iterations' steps
+        self._skipped: float | Tensor = 0.0  # of which in skipped steps (float64 on the device)
 
     def _switch(self, state: str) -> str:
         """Give the time since the last switch to the current state, enter ``state``; the previous one."""
@@ -185,25 +188,22 @@ class Throughput(HookBase):
         return previous
 
     def _book(self) -> None:
-        """Book in the ledger what the finished iterations and the parts since the last booking took."""
+        """Book in the ledger the finished iterations and the parts since the last booking."""
         skipped = min(float(self._skipped), self._taken)  # a host read with a loss scaler
         self.ledger.productive(self._taken - skipped)
         self.ledger.add("skipped_steps", skipped)
         for state, cause in _CAUSES.items():
             self.ledger.add(cause, self._pending[state])
-        self._pending, self._taken, self._skipped = dict.fromkeys(_CAUSES, 0.0), 0.0, 0.0
+        step_sec = self._step_sec  # the current iteration's: booked at its end
+        self._unbooked()
+        self._step_sec = step_sec
 
     # ------------------------------------------------------------------ Lightning's hooks
 
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        self._switch("other")
-
-    @override
     def before_train(self) -> None:
         self._switch("other")
-        self._restart(ledger=False)
+        self._restart()
         self._flops_per_sample, self._peak = None, self._find_peak()
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         self._skip_flag = getattr(scaler, "last_step_skipped_tensor", None) is not None
@@ -243,14 +243,19 @@ class Throughput(HookBase):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._counter is not None:
-            (counter, samples), self._counter = self._counter, None
-            counter.__exit__(None, None, None)
-            count, samples = counter.count, float(samples)  # (a host read of a tensor, once)
-            if samples > 0:
-                self._flops_per_sample = (count.model / samples, count.hardware / samples)
+        count, samples = self._close_counter()
+        if samples:  # (a host read of a tensor, once)
+            self._flops_per_sample = (count.model / float(samples), count.hardware / float(samples))
         self._switch("data")
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def _close_counter(self) -> tuple[Any, Any]:
+        """The FLOPs counted and the samples they are of, ``(None, 0)`` without an open count."""
+        if self._counter is None:
+            return None, 0
+        (counter, samples), self._counter = self._counter, None
+        counter.__exit__(None, None, None)
+        return counter.count, samples
 
     @override
     def after_step(self) -> None:
@@ -280,28 +285,9 @@ class Throughput(HookBase):
         super().on_validation_end(trainer, pl_module)
 
     @override
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        self._switch("checkpoint")
-
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def after_train(self) -> None:  # also after a failure
+        self._close_counter()
         self._switch("other")
-        super().on_train_end(trainer, pl_module)
-
-    @override
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
-        if self._counter is not None:
-            self._counter[0].__exit__(None, None, None)
-            self._counter = None
-        self._switch("other")
-        super().on_exception(trainer, pl_module, exception)
-
-    @override
-    def after_train(self) -> None:
         self._book()
         if not self._flushes and self.exception is None:
             self._warn("Throughput: no TrainingStats flush ran, so nothing was written. HINT: add "
@@ -315,10 +301,9 @@ class Throughput(HookBase):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.ledger.load_state_dict(state_dict["goodput"])  # books the time since it was saved
-        self._restart()  # (what this process did until now is in that restart)
+        self.ledger.load_state_dict(state_dict["goodput"])  # books the time since it was saved,
         self._switch("other")
-        self._interval["other"] = 0.0
+        self._unbooked()  # which holds what this process did until now
 
     # ------------------------------------------------------------------ TrainingStats' flush
 
@@ -356,7 +341,7 @@ class Throughput(HookBase):
                 report("Throughput/peak_flops_per_sec", self._peak)
             if hardware is not None and self._flops_per_sample[1] > self._flops_per_sample[0]:
                 report("Throughput/hardware_flops", hardware)
-        self._restart(ledger=False)
+        self._restart()
 
     def stats_flush_metrics(self, collector: Collector) -> dict[str, float]:
         """The keys derived from the reduced values (see the class docstring), identical on every
