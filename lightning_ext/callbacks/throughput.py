@@ -18,10 +18,10 @@ from lightning_ext.callbacks.hook_base import HookBase
 from lightning_ext.perf import LOST_TIME_CAUSES, FlopCounter, GoodputLedger, measure_peak_flops, peak_flops
 from lightning_ext.stats import Collector, report, report0
 
-__all__ = ["SEC_PER_SAMPLE", "Throughput"]
+__all__ = ["Throughput"]
 
-#: The per-rank name whose slowest rank ``TrainingStats`` names (the largest seconds per sample).
-SEC_PER_SAMPLE = "Throughput/sec_per_sample"
+# The per-rank name whose slowest rank TrainingStats names (the largest seconds per sample)
+_SEC_PER_SAMPLE = "Throughput/sec_per_sample"
 # Where the callback is, between its hooks: the time since the last switch goes to the state's bucket.
 _STATES = ("step", "data", "validation", "checkpoint", "flush", "other")
 _CAUSES = {"data": "data_wait", "validation": "validation", "checkpoint": "checkpointing"}  # state => cause
@@ -52,16 +52,19 @@ class Throughput(HookBase):
     step, under its precision) and scales them with the samples; a callable gives a micro-batch's FLOPs
     (variable sequence lengths: a formula of the batch); ``None`` counts none.
 
-    Time. Every second of a rank between two flushes goes to one part, by the Lightning hooks of this
-    callback that open it: a training step (``on_train_batch_start`` to ``on_train_batch_end``), data
-    wait (from there to the next micro-batch, or from the start of an epoch or the end of a validation
-    run), validation (``on_validation_start`` to ``on_validation_end``, the sanity check included),
-    checkpointing (from Lightning's ``state_dict``/``on_save_checkpoint`` call, which gathers the
-    checkpoint before writing it, to the next hook of this callback, after the write and Lightning's
-    barrier: a save right before a batch holds that batch's fetch too), the statistics flush (from
-    ``before_stats_flush`` to ``stats_flush_metrics``: its reductions), and the rest (epoch ends, the
-    flush's writes to the loggers). A rank's training time is the interval less its validation,
-    checkpointing and flush time.
+    Time, host wall time. Every second of a rank goes to one part, switched by this callback's
+    Lightning hooks: a training step (``on_train_batch_start`` to ``on_train_batch_end`` of each
+    micro-batch); data wait (from there to the next micro-batch, or from the start of an epoch or the
+    end of a validation run: the loading, the transfer and the end-of-batch work of the callbacks
+    after this one); validation (``on_validation_start`` to ``on_validation_end``, the sanity check
+    included); checkpointing (from Lightning's call of ``state_dict``, when it gathers a checkpoint, to
+    this callback's next hook: the write and Lightning's barrier after it, and for a save at the end
+    of a batch the next batch's fetch; a weights-only save is not seen); the flush's reductions
+    (``before_stats_flush`` to ``stats_flush_metrics``); the rest (epoch ends). A rank's training time
+    in an interval is its wall time less validation, checkpointing and the flush. On CUDA a part ends
+    when the host leaves it (device work still queued lands in the next part), and before a flush it
+    synchronizes the device, so that an interval holds all of its device work (the flush's read would
+    wait for the same work).
 
     Per rank and flush it ``report()``-s (ordinary names: ``TrainingStats`` writes their statistics)
     ``Throughput/samples``, ``Throughput/train_sec`` and ``Throughput/sec_per_sample`` (its training
@@ -99,8 +102,8 @@ class Throughput(HookBase):
 
     Put it before ``TrainingStats`` in ``callbacks``. ``TrainingStats`` checks at ``setup`` that every
     rank has the same ``Throughput`` (its ``repr``). Host syncs: one at the first micro-batch with
-    ``flops_fn="count"`` (the samples counted, when a tensor), one at each flush with a loss scaler (the
-    skipped time). Collectives: none of its own.
+    ``flops_fn="count"`` (the samples counted, when a tensor), at each flush one on CUDA and one with a
+    loss scaler (the skipped time). Collectives: none of its own.
 
     Args:
         samples_fn: samples in a micro-batch (an int, or an integer tensor); ``None``:
@@ -142,7 +145,7 @@ class Throughput(HookBase):
         self.peak_flops_per_sec, self.peak_dtype = peak_flops_per_sec, peak_dtype
         #: the job's goodput ledger (this rank's; rank zero's is written and checkpointed).
         self.ledger = GoodputLedger()
-        #: the keys the last flush derived (identical on every rank).
+        #: the keys the last flush with an interval derived (identical on every rank).
         self.last_metrics: dict[str, float] = {}
         self._state, self._since = "other", time.perf_counter()
         self._peak: float | None = None  # this device's peak FLOP/s in use
@@ -311,6 +314,8 @@ class Throughput(HookBase):
         """``report()`` this rank's values of the interval since the last flush (see the class
         docstring); :class:`~lightning_ext.callbacks.TrainingStats` calls it on every rank right
         before its collector's update."""
+        if self.pl_module.device.type == "cuda":
+            torch.cuda.synchronize(self.pl_module.device)  # (the flush's read would wait for it)
         self._resume = self._switch("flush")
         self._book()
         self._flushes += 1
@@ -327,7 +332,7 @@ class Throughput(HookBase):
         report("Throughput/train_sec", train_sec)
         report("Throughput/samples", samples)
         if isinstance(samples, Tensor) or samples > 0:
-            report(SEC_PER_SAMPLE, train_sec / samples)
+            report(_SEC_PER_SAMPLE, train_sec / samples)
         if self.tokens_fn is not None:
             report("Throughput/tokens", self._tokens)
         flops = hardware = None
@@ -347,7 +352,8 @@ class Throughput(HookBase):
         """The keys derived from the reduced values (see the class docstring), identical on every
         rank; :class:`~lightning_ext.callbacks.TrainingStats` writes them with its own. Local."""
         self._switch(self._resume)
-        self.last_metrics = metrics = _throughput_metrics(collector)
+        metrics = _throughput_metrics(collector)
+        self.last_metrics = metrics or self.last_metrics
         return metrics
 
 
@@ -375,11 +381,11 @@ def _throughput_metrics(collector: Collector) -> dict[str, float]:
         metrics["Throughput/mfu"] = per_sec("Throughput/flops") / peaks
         if "Throughput/hardware_flops" in updated:
             metrics["Throughput/hfu"] = per_sec("Throughput/hardware_flops") / peaks
-    if SEC_PER_SAMPLE in updated and collector.num(SEC_PER_SAMPLE):
-        metrics["Throughput/rank_samples_per_sec/min"] = 1.0 / collector.max(SEC_PER_SAMPLE)
-        metrics["Throughput/rank_samples_per_sec/max"] = 1.0 / collector.min(SEC_PER_SAMPLE)
-        tracked = re.fullmatch(collector.stragglers or "(?!)", SEC_PER_SAMPLE)
-        straggler = collector.straggler(SEC_PER_SAMPLE) if tracked else None
+    if _SEC_PER_SAMPLE in updated and collector.num(_SEC_PER_SAMPLE):
+        metrics["Throughput/rank_samples_per_sec/min"] = 1.0 / collector.max(_SEC_PER_SAMPLE)
+        metrics["Throughput/rank_samples_per_sec/max"] = 1.0 / collector.min(_SEC_PER_SAMPLE)
+        tracked = re.fullmatch(collector.stragglers or "(?!)", _SEC_PER_SAMPLE)
+        straggler = collector.straggler(_SEC_PER_SAMPLE) if tracked else None
         if straggler is not None and straggler.median > 0:
             metrics["Throughput/rank_samples_per_sec/median"] = 1.0 / straggler.median
     return metrics

@@ -20,7 +20,7 @@ from lightning_ext import distributed as _dist
 from lightning_ext._checks import check_bool, check_int, check_number
 from lightning_ext.callbacks.hook_base import _iterations_done
 from lightning_ext.callbacks.iteration_timer import IterationTimer
-from lightning_ext.callbacks.throughput import SEC_PER_SAMPLE
+from lightning_ext.callbacks.throughput import _SEC_PER_SAMPLE
 from lightning_ext.stats import Collector, LogHistogram, init_multiprocessing, report, set_stage
 
 __all__ = ["TrainingStats"]
@@ -139,8 +139,18 @@ class TrainingStats(Callback):
 
     The default names are :class:`~lightning_ext.callbacks.IterationTimer`'s ``Timing/data_sec`` (a
     slow data loader) and ``Timing/compute_sec`` (a rank slow in its forward, backward or optimizer
-    step, net of the waits in the collectives, where the fast ranks wait for the slow one). Host names
-    are gathered once, at ``setup``.
+    step, net of the waits in the collectives, where the fast ranks wait for the slow one), and
+    :class:`~lightning_ext.callbacks.Throughput`'s ``Throughput/sec_per_sample``: its slowest rank
+    (the lowest samples/s) gets no line of its own, its keys, and a tail on each line printed
+    (``; slowest by throughput: rank 0 (412 samples/s = 0.87x the median rank)``). Host names are
+    gathered once, at ``setup``.
+
+    Contributors. A callback of the Trainer that defines ``before_stats_flush()`` and
+    ``stats_flush_metrics(collector)`` (:class:`~lightning_ext.callbacks.Throughput`) takes part in
+    every training flush, on every rank: the first is called right before the collector's update (it
+    ``report()``-s its values of the interval), the second after it, and returns keys derived from the
+    reduced values (identical on every rank), written with the others (behind ``prefix``). The
+    contributors' ``repr`` is among the arguments the ranks must agree on at ``setup``.
 
     Warnings, once, on rank zero: straggler names of ``IterationTimer`` asked for on several
     processes without it in the callbacks (at the start of training), and a pattern (``regex``,
@@ -498,13 +508,13 @@ class TrainingStats(Callback):
         means = [values[n]["mean"] for n in ("Timing/iteration_sec",) if n in values]
         floor = max(self.straggler_min_sec, self.straggler_excess * sum(m for m in means if m == m))  # no NaN
         stragglers = {n: collector.straggler(n) for n in collector.updated() if pattern.fullmatch(n)}
-        lines, slowest = [], stragglers.get(SEC_PER_SAMPLE)  # by throughput: said in the others' lines
+        lines, slowest = [], stragglers.get(_SEC_PER_SAMPLE)  # by throughput: said in the others' lines
         for name, straggler in stragglers.items():
             if straggler is None:
                 continue
             metrics[f"{self.prefix}{name}/straggler_rank"] = float(straggler.rank)
             metrics[f"{self.prefix}{name}/straggler_ratio"] = straggler.ratio
-            if name == SEC_PER_SAMPLE:
+            if name == _SEC_PER_SAMPLE:
                 continue
             rank, count = self._runs.get(name, (-1, 0))
             counted = straggler.mean - straggler.median >= floor
