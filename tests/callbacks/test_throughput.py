@@ -406,3 +406,77 @@ def test_goodput_adds_up_across_a_sigkill_and_a_resume(tmp_path: Path) -> None:
     assert summary["validation"] >= 2 * SLEEP and summary["checkpointing"] >= 2 * SLEEP
     assert summary["productive"] > 0.0 and 0.0 < summary["goodput"] < 1.0
     print({key: round(value, 3) for key, value in summary.items()})
+
+
+class _Checkpointed(pl.LightningModule):
+    """Two blocks under activation checkpointing, in fp16 autocast with a loss scale that overflows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(2)
+        )
+
+    def loss(self, batch):
+        h = batch["x"]
+        for block in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+        return h.float().square().mean()
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader([_batch(4, i) for i in range(8)], batch_size=None)
+
+
+def test_hfu_counts_recomputation_and_skipped_steps_are_lost_time() -> None:
+    from lightning_ext.amp import DynamicLossScaler
+    from lightning_ext.perf import count_flops
+    from lightning_ext.plugins import LossScalingPrecision
+
+    model, throughput = _Checkpointed(), Throughput(peak_flops_per_sec=PEAK)
+    count = count_flops(model.loss, _batch(4, 0))
+    model.zero_grad()
+    scaler = DynamicLossScaler("cpu", 2.0**40, growth_interval=1000)  # fp16 overflows until 2**15 or so
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=8, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, plugins=[LossScalingPrecision("16-mixed", scaler=scaler)],
+        callbacks=[throughput, TrainingStats(every_n_train_steps=8, regex="(Throughput|Goodput|AMP)/.*")],
+    )  # fmt: skip
+    trainer.fit(model)
+    written = throughput.last_metrics
+    # HFU / MFU is the recomputation's share that FlopCounter counted: one forward of each block again.
+    assert count.recomputed == count.forward > 0
+    assert written["Throughput/hfu"] / written["Throughput/mfu"] == pytest.approx(
+        count.hardware / count.model
+    )
+    # The scale backs off from 2**40 in steps the scaler skipped: their time is lost, not productive.
+    summary = throughput.ledger.summary()
+    assert scaler.skipped_steps > 0 and summary["skipped_steps"] > 0.0
+    assert trainer.callback_metrics["Goodput/skipped_steps_sec"] == pytest.approx(summary["skipped_steps"])
+
+
+def test_without_a_peak_no_mfu_and_without_a_flush_nothing_is_written() -> None:
+    throughput = Throughput(peak_dtype="fp8")  # no fp8 matmul to measure on a CPU
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[throughput, TrainingStats(every_n_train_steps=2)],
+    )  # fmt: skip
+    with pytest.warns(
+        UserWarning, match=r"Throughput: no peak for MFU \(measure_peak_flops: no 'fp8' matmul"
+    ):
+        trainer.fit(_Model(fixed=True))
+    assert (
+        "Throughput/flops_per_sec" in throughput.last_metrics
+        and "Throughput/mfu" not in throughput.last_metrics
+    )
+    lonely = pl.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[Throughput(flops_fn=None)],
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="Throughput: no TrainingStats flush ran, so nothing was written"):
+        lonely.fit(_Model(fixed=True))
