@@ -208,7 +208,7 @@ class Throughput(HookBase):
         self._switch("other")
         self._restart()
         self._flops_per_sample, self._peak = None, self._find_peak()
-        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        scaler = getattr(self.trainer.strategy.precision_plugin, "scaler", None)
         self._skip_flag = getattr(scaler, "last_step_skipped_tensor", None) is not None
 
     def _find_peak(self) -> float | None:
@@ -264,7 +264,7 @@ class Throughput(HookBase):
     def after_step(self) -> None:
         self._taken += self._step_sec
         if self._skip_flag:  # on the device: no sync
-            skipped = self.trainer.precision_plugin.scaler.last_step_skipped_tensor
+            skipped = self.trainer.strategy.precision_plugin.scaler.last_step_skipped_tensor
             self._skipped = self._skipped + skipped.to(torch.float64) * self._step_sec
         self._step_sec = 0.0
         self._iterations += 1

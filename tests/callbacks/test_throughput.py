@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,12 +24,16 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_ext.callbacks import Throughput, TrainingStats
+from lightning_ext.callbacks import IterationTimer, Throughput, TrainingStats
 from lightning_ext.perf import LOST_TIME_CAUSES
 
 LENGTH, WIDTH = 6, 8  # tokens per sequence (padded), features per token
 EVERY, ACCUMULATE, STEPS = 3, 2, 12  # flush period (iterations), micro-batches per iteration: 4 flushes
 PEAK = 1.0e9  # FLOP/s given for every device
+LINE = re.compile(
+    r"Straggler at iteration=(\d+): rank (\d+) \(host [^)]*\), Timing/compute_sec .*; slowest by throughput: "
+    r"rank (\d+) \("
+)
 SLEEP = 0.15  # seconds each validation run and each checkpoint write sleeps
 
 
@@ -52,9 +57,9 @@ def _batch(size: int, seed: int) -> dict[str, torch.Tensor]:
 class _Model(pl.LightningModule):
     """Per-token MLP, loss over the real tokens; validation sleeps ``SLEEP``; records training_step's time."""
 
-    def __init__(self, fixed: bool = False) -> None:
+    def __init__(self, fixed: bool = False, slow_rank: int | None = None) -> None:
         super().__init__()
-        self.fixed, self.step_sec = fixed, 0.0
+        self.fixed, self.slow_rank, self.step_sec = fixed, slow_rank, 0.0
         self.net = torch.nn.Sequential(torch.nn.Linear(WIDTH, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
 
     def loss(self, batch):
@@ -62,6 +67,8 @@ class _Model(pl.LightningModule):
         return (out.square() * batch["mask"]).sum() / batch["mask"].sum()
 
     def training_step(self, batch, batch_idx):
+        if self.global_rank == self.slow_rank:
+            time.sleep(0.04)  # a rank slow in its compute: the straggler line
         start = time.perf_counter()
         loss = self.loss(batch)
         self.step_sec += time.perf_counter() - start
@@ -175,21 +182,23 @@ def _samples(batch: dict[str, torch.Tensor]) -> int:
     return len(batch["x"])
 
 
-def _fit(tmp_path: Path, world: int, fixed: bool, monitor: bool = False) -> tuple[list[list[dict]], list]:
-    """Train on ``world`` ranks; each rank's rows of ``_Record`` and rank zero's logged rows."""
+def _fit(tmp_path: Path, world: int, fixed: bool, monitor: bool = False, slow_rank: int | None = None):
+    """Train on ``world`` ranks; each rank's rows of ``_Record`` and rank zero's logged rows. With
+    ``slow_rank``, IterationTimer times the steps, so that TrainingStats names that rank."""
+    first = [ThroughputMonitor(batch_size_fn=_samples, window_size=EVERY * ACCUMULATE + 1)] if monitor else []
+    first += [IterationTimer()] if slow_rank else []
     throughput = Throughput(tokens_fn=_tokens, peak_flops_per_sec=PEAK)
-    extra = [ThroughputMonitor(batch_size_fn=_samples, window_size=EVERY * ACCUMULATE + 1)]
+    stats = TrainingStats(every_n_train_steps=EVERY, on_epoch=False)
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy="ddp_spawn", max_steps=STEPS,
         accumulate_grad_batches=ACCUMULATE, use_distributed_sampler=False, val_check_interval=16,
         limit_val_batches=1, num_sanity_val_steps=0, plugins=[_SlowWrites()],
-        callbacks=[_Clock(), *(extra if monitor else []), throughput,
-                   TrainingStats(every_n_train_steps=EVERY, on_epoch=False), _Record(str(tmp_path)),
+        callbacks=[_Clock(), *first, throughput, stats, _Record(str(tmp_path)),
                    ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=7)],
         logger=_Metrics(str(tmp_path / "logged.pt")), log_every_n_steps=1,
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
-    trainer.fit(_Model(fixed))
+    trainer.fit(_Model(fixed, slow_rank))
     rows = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     return rows, torch.load(tmp_path / "logged.pt")
 
@@ -270,11 +279,20 @@ def _check_monitor(rows: list[list[dict]], logged: list, fixed: bool) -> None:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 3])
-def test_global_rates_equal_a_hand_count_with_variable_batches(tmp_path: Path, world: int) -> None:
-    rows, logged = _fit(tmp_path, world, fixed=False, monitor=world == 2)
+def test_global_rates_equal_a_hand_count_with_variable_batches(tmp_path: Path, capfd, world: int) -> None:
+    capfd.readouterr()
+    rows, logged = _fit(tmp_path, world, fixed=False, monitor=world == 2, slow_rank=1 if world == 2 else None)
     _check_flushes(rows, world)
-    if world == 2:
-        _check_monitor(rows, logged, fixed=False)
+    if world == 3:
+        return
+    _check_monitor(rows, logged, fixed=False)
+    # Rank 1 sleeps in its steps: the straggler line names it by Timing/compute_sec, and ends with the
+    # slowest rank by throughput (rank 0: the fewer samples in the same time), as written at that flush.
+    lines = LINE.findall(capfd.readouterr().err)
+    slowest = {round(step): row["Throughput/sec_per_sample/straggler_rank"] for step, row in logged
+               if "Throughput/sec_per_sample/straggler_rank" in row}  # fmt: skip
+    assert lines and all(rank == "1" and int(by) == slowest[int(step)] for step, rank, by in lines), lines
+    print(lines)
 
 
 @pytest.mark.smoke
