@@ -1,7 +1,8 @@
 """Throughput: global samples/s and tokens/s equal a hand count on 2 and 3 ``ddp_spawn`` ranks with
 variable batches and sequence lengths per rank (gradient accumulation, validation and checkpoint saves
-inside the intervals), MFU equals FlopCounterMode's FLOPs over a given peak, Lightning's
-ThroughputMonitor side by side, goodput across a SIGKILL and a resume, the ranks' agreement broken."""
+inside the intervals), MFU equals FlopCounterMode's FLOPs over a given peak, the slowest rank by
+throughput in the straggler line, Lightning's ThroughputMonitor side by side, HFU with recomputation,
+skipped steps as lost time, goodput across a SIGKILL and a resume, the ranks' agreement broken."""
 
 from __future__ import annotations
 
