@@ -16,13 +16,16 @@ no download) with ``Trainer(accelerator="cpu", devices=2, strategy="ddp")`` and:
   GPU the whole model runs under fp16 autocast;
 - :class:`~lightning_ext.callbacks.TrainingStats` — losses, accuracy, an activation statistic,
   timing and AMP telemetry ``report()``-ed from anywhere and reduced across ranks every N steps;
+- :class:`~lightning_ext.callbacks.Throughput` — global samples/s, MFU (on CPU against the float32
+  matmul rate it measures: the conv blocks, most of the FLOPs, run in float32) and goodput, written
+  with the statistics;
 - :class:`~lightning_ext.callbacks.IterationTimer`, :class:`~lightning_ext.callbacks.LossMonitor`
   and :class:`~lightning_ext.callbacks.PreciseBN` (detectron2-style hooks).
 
 It writes CSV (and TensorBoard) logs and checkpoints under ``runs/<name>/``, draws
-``runs/<name>/summary.png`` (loss, accuracy, loss scale, overflow events and the gradient norm
-over steps), prints a
-table of the collected statistics, and exits with status 1 when the validation accuracy is below
+``runs/<name>/summary.png`` (loss, accuracy, loss scale, overflow events, the gradient norm,
+throughput, MFU and goodput over steps), prints a table of the collected statistics and the
+job's throughput and goodput, and exits with status 1 when the validation accuracy is below
 ``--min-accuracy`` (0.95).
 """
 
@@ -275,7 +278,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def plot_summary(metrics_csv: str | Path, out_png: str | Path) -> Path:
-    """Draw loss, accuracy, gradient health, loss scale and overflows over optimizer steps into ``out_png``.
+    """Draw loss, accuracy, gradient health, loss scale, overflows, throughput, MFU and goodput over
+    optimizer steps into ``out_png``.
 
     Reads the CSV written by Lightning's ``CSVLogger`` (``metrics.csv``). Uses matplotlib's
     non-interactive Agg backend.
@@ -286,7 +290,7 @@ def plot_summary(metrics_csv: str | Path, out_png: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     series = read_metrics_csv(metrics_csv)
-    fig, axes = plt.subplots(2, 3, figsize=(15, 7), constrained_layout=True)
+    fig, axes = plt.subplots(3, 3, figsize=(15, 10), constrained_layout=True)
 
     def draw(ax: Any, keys: Sequence[str], title: str, **kwargs: Any) -> None:
         for key in keys:
@@ -305,8 +309,13 @@ def plot_summary(metrics_csv: str | Path, out_png: str | Path) -> Path:
     draw(axes[1, 1], ["AMP/overflow"], "Overflow frequency per flush", drawstyle="steps-post")
     draw(axes[0, 2], ["Grad/norm"], "Gradient norm (unscaled, before clipping)")
     draw(axes[1, 2], ["Grad/update_ratio"], "Update-to-weight ratio")
-    for ax in axes[:, 2]:
+    for ax in axes[:2, 2]:
         ax.set_yscale("log")
+    rates = [f"Throughput/{key}" for key in ("samples_per_sec", "rank_samples_per_sec/min",
+                                             "rank_samples_per_sec/max")]  # fmt: skip
+    draw(axes[2, 0], rates, "Throughput (samples/s: all ranks; the slowest and fastest rank)")
+    draw(axes[2, 1], ["Throughput/mfu"], "MFU (model FLOPs / peak)")
+    draw(axes[2, 2], ["Goodput/goodput"], "Goodput (productive / wall time since launch)")
     overflow = [(s, v) for s, v in series.get("AMP/overflow", []) if v > 0]
     if overflow:
         for ax in (axes[1, 0], axes[1, 1]):
@@ -322,13 +331,13 @@ def plot_summary(metrics_csv: str | Path, out_png: str | Path) -> Path:
 def build_trainer(args: argparse.Namespace, run_dir: Path) -> tuple[L.Trainer, dict[str, Any]]:
     """The Trainer of the main job with every feature configured from ``args``.
 
-    Returns the Trainer and the feature objects by name (``"stats"``, ``"timer"``,
+    Returns the Trainer and the feature objects by name (``"stats"``, ``"timer"``, ``"throughput"``,
     ``"loss_monitor"``, ``"precise_bn"``, ``"precision"``) so callers can read them after ``fit``.
     """
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_ext.amp import DynamicLossScaler
-    from lightning_ext.callbacks import IterationTimer, LossMonitor, PreciseBN, TrainingStats
+    from lightning_ext.callbacks import IterationTimer, LossMonitor, PreciseBN, Throughput, TrainingStats
     from lightning_ext.plugins import LossScalingPrecision, SyncBatchNormPlugin
 
     # StyleGAN2-ADA's log2 schedule: start high (the first steps overflow and back off), then probe
@@ -340,6 +349,9 @@ def build_trainer(args: argparse.Namespace, run_dir: Path) -> tuple[L.Trainer, d
     scaler = DynamicLossScaler(device, 2.0**20, schedule="log2", log2_increment=0.02) if fp16 else None
     features: dict[str, Any] = {
         "timer": IterationTimer(warmup_iter=3),  # first: its step brackets the other callbacks' work
+        # CPU: the peak is the float32 matmul rate measured when training starts (the conv blocks,
+        # most of the FLOPs, run in float32); GPU: the datasheet's for the precision.
+        "throughput": Throughput(peak_dtype=torch.float32 if device == "cpu" else None),
         "stats": TrainingStats(args.stats_every, stats=("mean", "std", "min", "max", "num")),
         "loss_monitor": LossMonitor(every_n_train_steps=20),
     }
@@ -385,6 +397,26 @@ def _print_table(stats: Any, accuracy: float, console: Any) -> None:
     console.print(f"Validation accuracy: [bold]{accuracy:.4f}[/bold]")
 
 
+def _print_performance(metrics: dict[str, Any], console: Any) -> None:
+    """The last flush's throughput, MFU and goodput (``trainer.callback_metrics``: all ranks')."""
+    value = {key: float(v) for key, v in metrics.items() if key.startswith(("Throughput/", "Goodput/"))}
+    if "Throughput/samples_per_sec" in value:
+        console.print(
+            f"Throughput (last interval): {value['Throughput/samples_per_sec']:.0f} samples/s, "
+            f"{value['Throughput/samples_per_sec_per_device']:.0f} per device, ranks "
+            f"{value['Throughput/rank_samples_per_sec/min']:.0f}-{value['Throughput/rank_samples_per_sec/max']:.0f}"
+            + (f"; MFU {value['Throughput/mfu']:.2%}" if "Throughput/mfu" in value else "")
+        )
+    if "Goodput/goodput" in value:
+        parts = {
+            key[8:-4]: v for key, v in value.items() if key.startswith("Goodput/") and key.endswith("_sec")
+        }
+        console.print(
+            f"Goodput: {value['Goodput/goodput']:.1%} of the wall time since the first launch, "
+            + ", ".join(f"{part} {seconds:.1f} s" for part, seconds in parts.items())
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the main job; returns the process exit status (0, or 1 when accuracy < ``--min-accuracy``)."""
     args = parse_args(argv)
@@ -404,6 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         console = Console()
         _print_table(features["stats"], accuracy, console)  # IterationTimer logged its speed summary
+        _print_performance(trainer.callback_metrics, console)
         if not args.no_plot:
             png = plot_summary(run_dir / "metrics.csv", run_dir / "summary.png")
             console.print(f"Summary figure: {png}")

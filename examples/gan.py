@@ -12,6 +12,7 @@ second discriminator step every ``--r1-interval`` batches) and:
   overflows do not drag the generator's scale down;
 - :class:`~lightning_ext.plugins.SyncBatchNormPlugin` for the generator's BatchNorm;
 - :class:`~lightning_ext.callbacks.TrainingStats`, :class:`~lightning_ext.callbacks.IterationTimer`,
+  :class:`~lightning_ext.callbacks.Throughput` (samples/s over all ranks and goodput),
   :class:`~lightning_ext.callbacks.LossMonitor`, :class:`~lightning_ext.callbacks.ResourceStats` and
   Lightning's ``LearningRateMonitor``.
 
@@ -352,7 +353,7 @@ def build_trainer(args: argparse.Namespace, run_dir: Path, fid: FID) -> L.Traine
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_ext.amp import DynamicLossScaler
-    from lightning_ext.callbacks import IterationTimer, LossMonitor, ResourceStats, TrainingStats
+    from lightning_ext.callbacks import IterationTimer, LossMonitor, ResourceStats, Throughput, TrainingStats
     from lightning_ext.plugins import LossScalingPrecision, SyncBatchNormPlugin
 
     scaler = DynamicLossScaler(
@@ -367,6 +368,7 @@ def build_trainer(args: argparse.Namespace, run_dir: Path, fid: FID) -> L.Traine
     callbacks = [
         IterationTimer(warmup_iter=3),
         ResourceStats(every_n_train_steps=args.stats_every),
+        Throughput(flops_fn=None),  # (samples and goodput: a GAN's MFU is not this job's question)
         TrainingStats(every_n_train_steps=args.stats_every, stats=("mean", "max", "num")),
         LossMonitor(every_n_train_steps=50),
         LearningRateMonitor(logging_interval="epoch"),

@@ -6,6 +6,7 @@ from lightning_ext.callbacks.iteration_timer import IterationTimer
 from lightning_ext.callbacks.loss_monitor import LossMonitor
 from lightning_ext.callbacks.precise_bn import PreciseBN
 from lightning_ext.callbacks.resource_stats import ResourceStats
+from lightning_ext.callbacks.throughput import Throughput
 from lightning_ext.callbacks.training_stats import TrainingStats
 
 __all__ = [
@@ -15,5 +16,6 @@ __all__ = [
     "LossMonitor",
     "PreciseBN",
     "ResourceStats",
+    "Throughput",
     "TrainingStats",
 ]

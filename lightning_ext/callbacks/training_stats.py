@@ -20,6 +20,7 @@ from lightning_ext import distributed as _dist
 from lightning_ext._checks import check_bool, check_int, check_number
 from lightning_ext.callbacks.hook_base import _iterations_done
 from lightning_ext.callbacks.iteration_timer import IterationTimer
+from lightning_ext.callbacks.throughput import _SEC_PER_SAMPLE
 from lightning_ext.stats import Collector, LogHistogram, init_multiprocessing, report, set_stage
 
 __all__ = ["TrainingStats"]
@@ -138,8 +139,18 @@ class TrainingStats(Callback):
 
     The default names are :class:`~lightning_ext.callbacks.IterationTimer`'s ``Timing/data_sec`` (a
     slow data loader) and ``Timing/compute_sec`` (a rank slow in its forward, backward or optimizer
-    step, net of the waits in the collectives, where the fast ranks wait for the slow one). Host names
-    are gathered once, at ``setup``.
+    step, net of the waits in the collectives, where the fast ranks wait for the slow one), and
+    :class:`~lightning_ext.callbacks.Throughput`'s ``Throughput/sec_per_sample``: its slowest rank
+    (the lowest samples/s) gets no line of its own, its keys, and a tail on each line printed
+    (``; slowest by throughput: rank 0 (412 samples/s = 0.87x the median rank)``). Host names are
+    gathered once, at ``setup``.
+
+    Contributors. A callback of the Trainer that defines ``before_stats_flush()`` and
+    ``stats_flush_metrics(collector)`` (:class:`~lightning_ext.callbacks.Throughput`) takes part in
+    every training flush, on every rank: the first is called right before the collector's update (it
+    ``report()``-s its values of the interval), the second after it, and returns keys derived from the
+    reduced values (identical on every rank), written with the others (behind ``prefix``). The
+    contributors' ``repr`` is among the arguments the ranks must agree on at ``setup``.
 
     Warnings, once, on rank zero: straggler names of ``IterationTimer`` asked for on several
     processes without it in the callbacks (at the start of training), and a pattern (``regex``,
@@ -195,7 +206,7 @@ class TrainingStats(Callback):
         quantiles: str | None = None,
         relative_accuracy: float = 0.01,
         value_range: tuple[float, float] = (1e-6, 1e6),
-        stragglers: str | None = "Timing/(data|compute)_sec",
+        stragglers: str | None = "Timing/(data|compute)_sec|Throughput/sec_per_sample",
         straggler_excess: float = 0.2,
         straggler_min_sec: float = 0.005,
         straggler_patience: int = 2,
@@ -278,6 +289,7 @@ class TrainingStats(Callback):
     def _agree(self, trainer: pl.Trainer) -> None:
         """Gather every rank's host name and arguments; raise on every rank unless the arguments agree."""
         mine = {**self._collector_args, **{arg: getattr(self, arg) for arg in _ARGUMENTS}}
+        mine["contributors"] = tuple(repr(c) for c in _contributors(trainer))  # they report into the flush
         rows: list[Any] = [None] * trainer.world_size
         torch.distributed.all_gather_object(rows, (socket.gethostname(), mine))
         self._hosts = [host for host, _ in rows]
@@ -410,12 +422,15 @@ class TrainingStats(Callback):
         collector = self.collector if stage is None else self.stage_collectors[stage]
         start = time.perf_counter()
         step = _iterations_done(trainer) if step is None else step
+        contributors = _contributors(trainer) if stage is None else []
+        for contributor in contributors:
+            contributor.before_stats_flush()
         collector.update(step=step)
         self._check_keys(collector)
         prefix = self.prefix + ("" if stage is None else STAGE_PREFIXES[stage])
         metrics = self._metrics(collector, prefix, step)
-        if stage is None and len(self._hosts) > 1:
-            metrics.update(self._stragglers(collector, step))
+        if stage is None:
+            metrics.update(self._derived(collector, step, contributors))
         self._histograms(trainer, collector, prefix, step)
         if metrics:
             for logger in trainer.loggers:
@@ -475,6 +490,15 @@ class TrainingStats(Callback):
                     )
         return metrics
 
+    def _derived(self, collector: Collector, step: int, contributors: list[Any]) -> dict[str, float]:
+        """The keys a training flush derives: the stragglers' and those of the contributors."""
+        metrics = self._stragglers(collector, step) if len(self._hosts) > 1 else {}
+        for contributor in contributors:
+            metrics.update(
+                {self.prefix + k: v for k, v in contributor.stats_flush_metrics(collector).items()}
+            )
+        return metrics
+
     def _stragglers(self, collector: Collector, step: int) -> dict[str, float]:
         """The straggler and its ratio to the median rank of each straggler name with values; the log
         line where its excess counted at ``straggler_patience`` flushes in a row."""
@@ -483,12 +507,15 @@ class TrainingStats(Callback):
         values = collector.as_dict()
         means = [values[n]["mean"] for n in ("Timing/iteration_sec",) if n in values]
         floor = max(self.straggler_min_sec, self.straggler_excess * sum(m for m in means if m == m))  # no NaN
-        for name in collector.updated():
-            straggler = collector.straggler(name) if pattern.fullmatch(name) else None
+        stragglers = {n: collector.straggler(n) for n in collector.updated() if pattern.fullmatch(n)}
+        lines, slowest = [], stragglers.get(_SEC_PER_SAMPLE)  # by throughput: said in the others' lines
+        for name, straggler in stragglers.items():
             if straggler is None:
                 continue
             metrics[f"{self.prefix}{name}/straggler_rank"] = float(straggler.rank)
             metrics[f"{self.prefix}{name}/straggler_ratio"] = straggler.ratio
+            if name == _SEC_PER_SAMPLE:
+                continue
             rank, count = self._runs.get(name, (-1, 0))
             counted = straggler.mean - straggler.median >= floor
             count = (count + 1 if rank == straggler.rank else 1) if counted else 0
@@ -498,7 +525,17 @@ class TrainingStats(Callback):
                 times = (
                     f"{straggler.mean:.4g} = {straggler.ratio:.2f}x the median rank ({straggler.median:.4g})"
                 )
-                rank_zero_info(f"Straggler at iteration={step}: {where}, {name} {times}, {count} flushes")
+                lines.append(f"Straggler at iteration={step}: {where}, {name} {times}, {count} flushes")
+        tail = (
+            ""
+            if slowest is None
+            else (
+                f"; slowest by throughput: rank {slowest.rank} ({1 / slowest.mean:.4g} samples/s = "
+                f"{1 / slowest.ratio:.2f}x the median rank)"
+            )
+        )
+        for line in lines:
+            rank_zero_info(line + tail)
         return metrics
 
     def _histograms(self, trainer: pl.Trainer, collector: Collector, prefix: str, step: int) -> None:
@@ -532,6 +569,11 @@ class TrainingStats(Callback):
         for stage, state in state_dict.get("stages", {}).items():
             if stage in self.stage_collectors:
                 self.stage_collectors[stage].load_state_dict(state)
+
+
+def _contributors(trainer: pl.Trainer) -> list[Any]:
+    """The callbacks that report into the training flush (:class:`~lightning_ext.callbacks.Throughput`)."""
+    return [c for c in trainer.callbacks if callable(getattr(c, "stats_flush_metrics", None))]
 
 
 def _log_histogram(logger: Any, collector: Collector, name: str, tag: str, step: int) -> None:

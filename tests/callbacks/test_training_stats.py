@@ -389,7 +389,7 @@ def test_rows_of_every_callback_follow_lightning_steps() -> None:
     # Every row the callbacks write carries Lightning's own step for that batch (its self.log
     # step), so the steps reaching one logger never go backwards (W&B drops rows with an older
     # step): batch-end rows, validation rows, epoch-end rows and LossMonitor's on_train_end row.
-    from lightning_ext.callbacks import IterationTimer, LossMonitor, ResourceStats
+    from lightning_ext.callbacks import IterationTimer, LossMonitor, ResourceStats, Throughput
 
     clear_statistics()
     logger = _Steps()
@@ -398,7 +398,7 @@ def test_rows_of_every_callback_follow_lightning_steps() -> None:
         val_check_interval=3, log_every_n_steps=2, logger=logger, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
         callbacks=[
-            IterationTimer(warmup_iter=1), ResourceStats(every_n_train_steps=2),
+            IterationTimer(warmup_iter=1), ResourceStats(every_n_train_steps=2), Throughput(),
             LossMonitor(every_n_train_steps=5), TrainingStats(every_n_train_steps=3, stats=("mean", "max")),
         ],
     )  # fmt: skip
@@ -424,7 +424,11 @@ def test_rows_of_every_callback_follow_lightning_steps() -> None:
     }
     # Each validation's Loss/val, written once, at that validation's step, under the stage's prefix.
     assert [s for s, _ in rows("val/Loss/val")] == [2, 5, 8, 11] and not rows("Loss/val")
-    assert rows("Timing/iteration_sec") and rows("Resources/cpu_mem_gb")
+    assert rows("Timing/iteration_sec") and rows("Resources/cpu_mem_gb") and rows("Goodput/goodput")
+    # Throughput's keys ride in the training flushes, not the validation ones, nor the epoch ends:
+    # each follows a flush after that epoch's last iteration (an interval without an iteration).
+    assert [s for s, _ in rows("Throughput/samples_per_sec")] == [s for s, _ in rows("Throughput/samples")]
+    assert [s for s, _ in rows("Throughput/samples_per_sec")] == [2, 5, 8, 11]
     # The last epoch end writes only what is new since the flush after iteration 12 (step 11): the
     # flush times of that flush and of the validation after it.
     assert max(s for s, _ in rows("Timing/iteration_sec")) == 11

@@ -35,13 +35,15 @@ def test_main_job_trains_on_two_processes_and_resumes(tmp_path):
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in out
     assert "Overall training speed:" in out
     assert "Validation accuracy:" in out
+    assert "Throughput (last interval):" in out and "; MFU " in out and "Goodput: " in out
     run_dir = tmp_path / "run"
     png = run_dir / "summary.png"
     assert png.is_file() and png.stat().st_size > 10_000
     with open(run_dir / "metrics.csv", newline="") as f:
         columns = set(next(csv.reader(f)))
     expected = ("Loss/train", "val/Accuracy", "AMP/loss_scale_log2", "AMP/overflow", "Timing/iteration_sec",
-                "Grad/norm", "Grad/update_ratio")  # fmt: skip
+                "Grad/norm", "Grad/update_ratio", "Throughput/samples_per_sec", "Throughput/mfu",
+                "Throughput/rank_samples_per_sec/min", "Goodput/goodput", "Goodput/restart_sec")  # fmt: skip
     for key in expected:
         assert key in columns, f"{key} missing from metrics.csv columns {sorted(columns)}"
     series = read_metrics_csv(run_dir / "metrics.csv")
@@ -55,8 +57,13 @@ def test_main_job_trains_on_two_processes_and_resumes(tmp_path):
     # Resume for one more epoch: the run continues from the checkpoint's step.
     resumed = _run(["--max-epochs", "4", "--min-accuracy", "0.85", "--resume", str(last), *common], tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    steps = [s for s, _ in read_metrics_csv(run_dir / "metrics.csv")["Loss/train"]]
+    series = read_metrics_csv(run_dir / "metrics.csv")
+    steps = [s for s, _ in series["Loss/train"]]
     assert max(steps) > 3 * 22, "the resumed run must train past the first run's last step"
+    # Goodput carries on from the first launch: the resumed run books the time since the checkpoint
+    # (the first run's end, the relaunch) as a restart.
+    assert series["Goodput/restart_sec"][-1][1] > 0.0
+    assert 0.0 < series["Throughput/mfu"][-1][1] < 1.0
 
 
 @pytest.mark.slow  # a whole job in new processes

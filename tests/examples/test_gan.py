@@ -42,7 +42,8 @@ def test_gan_job_trains_two_scales_and_passes_its_fid_gate(tmp_path):
     with open(run_dir / "metrics.csv", newline="") as f:
         columns = set(next(csv.reader(f)))
     expected = [f"AMP/{n}/{k}" for n in ("G", "D") for k in ("loss_scale_log2", "overflow", "skipped_steps")]
-    expected += ["Resources/cpu_mem_gb", "Resources/samples_per_sec", "Loss/D", "Loss/G", "Loss/R1"]
+    expected += ["Resources/cpu_mem_gb", "Throughput/samples_per_sec", "Goodput/goodput", "Loss/D", "Loss/G"]
+    expected += ["Loss/R1"]
     expected += ["FID/start", "lr-Adam", "lr-Adam-1", "Timing/iteration_sec"]
     assert not [k for k in expected if k not in columns], sorted(columns)
     state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["LossScalingPrecision"]

@@ -1,0 +1,391 @@
+"""``Throughput``: global samples/s and tokens/s, MFU/HFU and goodput, written by ``TrainingStats``' flush."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.data import extract_batch_size
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_ext._checks import check_number
+from lightning_ext.callbacks.hook_base import HookBase
+from lightning_ext.perf import LOST_TIME_CAUSES, FlopCounter, GoodputLedger, measure_peak_flops, peak_flops
+from lightning_ext.stats import Collector, report, report0
+
+__all__ = ["Throughput"]
+
+# The per-rank name whose slowest rank TrainingStats names (the largest seconds per sample)
+_SEC_PER_SAMPLE = "Throughput/sec_per_sample"
+# Where the callback is, between its hooks: the time since the last switch goes to the state's bucket.
+_STATES = ("step", "data", "validation", "checkpoint", "flush", "other")
+_CAUSES = {"data": "data_wait", "validation": "validation", "checkpoint": "checkpointing"}  # state => cause
+
+
+def _compute_dtype(precision: str) -> torch.dtype | str:
+    """The dtype of most matmuls under a Lightning ``precision`` (``"bf16-mixed"``, ``"16-true"``, ...)."""
+    if precision.startswith("transformer-engine"):
+        return "fp8"
+    dtypes = {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}
+    return dtypes.get(str(precision).split("-")[0], torch.float32)
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", repr(fn)) if fn is not None else "None"
+
+
+class Throughput(HookBase):
+    """Global samples/s and tokens/s, MFU (HFU) and goodput, in the flush of
+    :class:`~lightning_ext.callbacks.TrainingStats`, identical on every rank, without a host sync per
+    step or a collective of its own.
+
+    Counting, per micro-batch (gradient accumulation: every micro-batch counts): ``samples_fn(batch)``
+    samples (default Lightning's ``extract_batch_size``, a host int from the shapes), ``tokens_fn(batch)``
+    tokens when given (e.g. the non-padding count ``batch["mask"].sum()``: a tensor is summed on its device,
+    never read on the host), and the model FLOPs: ``flops_fn="count"`` counts the first micro-batch of a
+    run with :class:`~lightning_ext.perf.FlopCounter` (``FlopCounterMode``'s conventions, in the real
+    step, under its precision) and scales them with the samples; a callable gives a micro-batch's FLOPs
+    (variable sequence lengths: a formula of the batch); ``None`` counts none.
+
+    Time, host wall time. Every second of a rank goes to one part, switched by this callback's
+    Lightning hooks: a training step (``on_train_batch_start`` to ``on_train_batch_end`` of each
+    micro-batch); data wait (from there to the next micro-batch, or from the start of an epoch or the
+    end of a validation run: the loading, the transfer and the end-of-batch work of the callbacks
+    after this one); validation (``on_validation_start`` to ``on_validation_end``, the sanity check
+    included); checkpointing (from Lightning's call of ``state_dict``, when it gathers a checkpoint, to
+    this callback's next hook: the write and Lightning's barrier after it, and for a save at the end
+    of a batch the next batch's fetch; a weights-only save is not seen); the flush's reductions
+    (``before_stats_flush`` to ``stats_flush_metrics``); the rest (epoch ends). A rank's training time
+    in an interval is its wall time less validation, checkpointing and the flush. On CUDA a part ends
+    when the host leaves it (device work still queued lands in the next part), and before a flush it
+    synchronizes the device, so that an interval holds all of its device work (the flush's read would
+    wait for the same work).
+
+    Per rank and flush it ``report()``-s (ordinary names: ``TrainingStats`` writes their statistics)
+    ``Throughput/samples``, ``Throughput/train_sec`` and ``Throughput/sec_per_sample`` (its training
+    seconds over its samples: ``TrainingStats`` names the rank with the largest, the slowest by
+    throughput, as ``Throughput/sec_per_sample/straggler_rank``); with tokens ``Throughput/tokens``; with
+    FLOPs ``Throughput/flops``, ``Throughput/peak_flops_per_sec`` (its device's peak) and, when the count
+    saw activation checkpointing recompute a forward, ``Throughput/hardware_flops``. From their reduced
+    values the flush writes, identical on every rank::
+
+        Throughput/samples_per_sec = SUM over ranks of samples / T   (also tokens_per_sec, flops_per_sec)
+        T = MAX over ranks of Throughput/train_sec                    (a rank that waited counts the wait)
+        Throughput/samples_per_sec_per_device = Throughput/samples_per_sec / ranks
+        Throughput/mfu = SUM of flops / (T · SUM of peaks)            (hfu: with hardware_flops)
+        Throughput/rank_samples_per_sec/min|median|max                (1 / the ranks' sec_per_sample)
+
+    The median (from the straggler sketch, within its 1 % accuracy; with an even number of ranks the
+    harmonic mean of the two middle rates) needs ``TrainingStats``' ``stragglers`` to match
+    ``Throughput/sec_per_sample`` (its default does). A rank reports nothing at a flush without an
+    iteration since the previous one (the epoch-end flush right after a periodic one).
+
+    Goodput. A :class:`~lightning_ext.perf.GoodputLedger` made at construction (the first launch: make
+    the callback early) books the steps that updated the model as productive, those the loss scaler
+    skipped (:class:`~lightning_ext.amp.DynamicLossScaler`'s ``last_step_skipped_tensor``, read on the
+    device, summed at the flush) as ``skipped_steps``, and the data wait, validation and checkpointing
+    parts above; it rides in the checkpoint (this callback's state), and a resumed job books the time
+    since the checkpoint as ``restart``. Rank zero's ledger is the job's (the one the checkpoint
+    carries): ``report0()``-ed as ``Goodput/goodput`` and ``Goodput/<part>_sec`` (``productive``, the
+    causes of :data:`~lightning_ext.perf.LOST_TIME_CAUSES`, ``other``), which add up to the wall time
+    since the first launch.
+
+    The peak (``peak_flops_per_sec=None``): :func:`~lightning_ext.perf.peak_flops` of the CUDA device
+    for ``peak_dtype`` (default: the compute dtype of the Trainer's precision); on a CPU,
+    :func:`~lightning_ext.perf.measure_peak_flops` at the start of training (every rank at once, as they
+    share the machine while training). No peak known: no MFU, said once.
+
+    Put it before ``TrainingStats`` in ``callbacks``. ``TrainingStats`` checks at ``setup`` that every
+    rank has the same ``Throughput`` (its ``repr``). Host syncs: one at the first micro-batch with
+    ``flops_fn="count"`` (the samples counted, when a tensor), at each flush one on CUDA and one with a
+    loss scaler (the skipped time). Collectives: none of its own.
+
+    Args:
+        samples_fn: samples in a micro-batch (an int, or an integer tensor); ``None``:
+            ``extract_batch_size``.
+        tokens_fn: tokens in a micro-batch (an int, or an integer tensor); ``None``: none counted (a
+            ``report("Throughput/tokens", n)`` of your own counts too).
+        flops_fn: ``"count"``, a callable giving a micro-batch's model FLOPs, or ``None``.
+        peak_flops_per_sec: one device's peak FLOP/s (> 0); ``None``: as above.
+        peak_dtype: the dtype of the peak (``torch.float32``, ``"fp8"``, ...); ``None``: the precision's.
+
+    Raises:
+        TypeError: ``samples_fn``/``tokens_fn`` neither ``None`` nor callable, ``flops_fn`` neither
+            ``"count"``, ``None`` nor callable, ``peak_flops_per_sec`` not a finite number.
+        ValueError: ``peak_flops_per_sec <= 0``.
+
+    Example::
+
+        >>> throughput = Throughput(tokens_fn=lambda batch: batch["mask"].sum(), peak_flops_per_sec=989.4e12)
+        >>> throughput.flops_fn, throughput.ledger.restarts
+        ('count', 0)
+    """
+
+    def __init__(
+        self,
+        samples_fn: Callable[[Any], int | Tensor] | None = None,
+        tokens_fn: Callable[[Any], int | Tensor] | None = None,
+        flops_fn: Callable[[Any], float | Tensor] | Literal["count"] | None = "count",
+        peak_flops_per_sec: float | None = None,
+        peak_dtype: torch.dtype | str | None = None,
+    ) -> None:
+        super().__init__()
+        for arg, fn in (("samples_fn", samples_fn), ("tokens_fn", tokens_fn), ("flops_fn", flops_fn)):
+            if not (fn is None or callable(fn) or (arg == "flops_fn" and fn == "count")):
+                allowed = "'count', None or a callable" if arg == "flops_fn" else "None or a callable"
+                raise TypeError(f"Throughput: `{arg}` must be {allowed} (batch -> count), got {fn!r}")
+        if peak_flops_per_sec is not None:
+            check_number("Throughput", "peak_flops_per_sec", peak_flops_per_sec, gt=0.0)
+        self.samples_fn, self.tokens_fn, self.flops_fn = samples_fn, tokens_fn, flops_fn
+        self.peak_flops_per_sec, self.peak_dtype = peak_flops_per_sec, peak_dtype
+        #: the job's goodput ledger (this rank's; rank zero's is written and checkpointed).
+        self.ledger = GoodputLedger()
+        #: the keys the last flush with an interval derived (identical on every rank).
+        self.last_metrics: dict[str, float] = {}
+        self._state, self._since = "other", time.perf_counter()
+        self._peak: float | None = None  # this device's peak FLOP/s in use
+        self._flops_per_sample: tuple[float, float] | None = None  # (model, hardware) from the count
+        self._counter: tuple[FlopCounter, Any] | None = None  # open over the counted micro-batch
+        self._flushes = 0
+        self._unbooked()
+        self._restart()
+
+    def __repr__(self) -> str:
+        flops = self.flops_fn if self.flops_fn in ("count", None) else _name(self.flops_fn)
+        return (
+            f"Throughput(samples_fn={_name(self.samples_fn)}, tokens_fn={_name(self.tokens_fn)}, "
+            f"flops_fn={flops!r}, peak_flops_per_sec={self.peak_flops_per_sec!r}, "
+            f"peak_dtype={self.peak_dtype!r})"
+        )
+
+    def _restart(self) -> None:
+        """Zero the interval's counts and seconds."""
+        self._interval = dict.fromkeys(_STATES, 0.0)  # seconds by state since the last flush
+        self._samples: int | Tensor = 0
+        self._tokens: int | Tensor = 0
+        self._flops: float | Tensor = 0.0  # with a flops_fn
+        self._iterations = 0
+
+    def _unbooked(self) -> None:
+        """Zero what the ledger has not booked yet."""
+        self._pending = dict.fromkeys(_CAUSES, 0.0)  # seconds by state
+        self._step_sec = 0.0  # of the current iteration's steps
+        self._taken = 0.0  # of the finished iterations' steps
+        self._skipped: float | Tensor = 0.0  # of which in skipped steps (float64 on the device)
+
+    def _switch(self, state: str) -> str:
+        """Give the time since the last switch to the current state, enter ``state``; the previous one."""
+        now = time.perf_counter()
+        previous, elapsed = self._state, now - self._since
+        self._interval[previous] += elapsed
+        if previous == "step":
+            self._step_sec += elapsed
+        elif previous in self._pending:
+            self._pending[previous] += elapsed
+        self._state, self._since = state, now
+        return previous
+
+    def _book(self) -> None:
+        """Book in the ledger the finished iterations and the parts since the last booking."""
+        skipped = min(float(self._skipped), self._taken)  # a host read with a loss scaler
+        self.ledger.productive(self._taken - skipped)
+        self.ledger.add("skipped_steps", skipped)
+        for state, cause in _CAUSES.items():
+            self.ledger.add(cause, self._pending[state])
+        step_sec = self._step_sec  # the current iteration's: booked at its end
+        self._unbooked()
+        self._step_sec = step_sec
+
+    # ------------------------------------------------------------------ Lightning's hooks
+
+    @override
+    def before_train(self) -> None:
+        self._switch("other")
+        self._restart()
+        self._flops_per_sample, self._peak = None, self._find_peak()
+        scaler = getattr(self.trainer.strategy.precision_plugin, "scaler", None)
+        self._skip_flag = getattr(scaler, "last_step_skipped_tensor", None) is not None
+
+    def _find_peak(self) -> float | None:
+        """This device's peak FLOP/s (see the class docstring); ``None`` (said once) when unknown."""
+        if self.flops_fn is None or self.peak_flops_per_sec is not None:
+            return self.peak_flops_per_sec
+        device = self.pl_module.device
+        dtype = self.peak_dtype or _compute_dtype(self.trainer.precision)
+        try:
+            if device.type == "cuda":
+                return peak_flops(dtype, torch.cuda.get_device_name(device))
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"measure_peak_flops: no {dtype!r} matmul to measure")
+            return measure_peak_flops(dtype, str(device))
+        except ValueError as err:
+            self._warn(f"Throughput: no peak for MFU ({err}). HINT: pass peak_flops_per_sec.")
+            return None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._switch("step")
+        samples = (self.samples_fn or extract_batch_size)(batch)
+        self._samples = self._samples + samples
+        if self.tokens_fn is not None:
+            self._tokens = self._tokens + self.tokens_fn(batch)
+        if callable(self.flops_fn):
+            self._flops = self._flops + self.flops_fn(batch)
+        elif self.flops_fn == "count" and self._flops_per_sample is None and self._counter is None:
+            self._counter = (FlopCounter().__enter__(), samples)
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        count, samples = self._close_counter()
+        if samples:  # (a host read of a tensor, once)
+            self._flops_per_sample = (count.model / float(samples), count.hardware / float(samples))
+        self._switch("data")
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def _close_counter(self) -> tuple[Any, Any]:
+        """The FLOPs counted and the samples they are of, ``(None, 0)`` without an open count."""
+        if self._counter is None:
+            return None, 0
+        (counter, samples), self._counter = self._counter, None
+        counter.__exit__(None, None, None)
+        return counter.count, samples
+
+    @override
+    def after_step(self) -> None:
+        self._taken += self._step_sec
+        if self._skip_flag:  # on the device: no sync
+            skipped = self.trainer.strategy.precision_plugin.scaler.last_step_skipped_tensor
+            self._skipped = self._skipped + skipped.to(torch.float64) * self._step_sec
+        self._step_sec = 0.0
+        self._iterations += 1
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._switch("data")
+        super().on_train_epoch_start(trainer, pl_module)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._switch("other")
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._switch("validation")
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._switch("data")
+        super().on_validation_end(trainer, pl_module)
+
+    @override
+    def after_train(self) -> None:  # also after a failure
+        self._close_counter()
+        self._switch("other")
+        self._book()
+        if not self._flushes and self.exception is None:
+            self._warn("Throughput: no TrainingStats flush ran, so nothing was written. HINT: add "
+                       "TrainingStats() after it to `callbacks`.")  # fmt: skip
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        self._switch("checkpoint")  # Lightning gathers the checkpoint, then writes it
+        self._book()
+        return {"goodput": self.ledger.state_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.ledger.load_state_dict(state_dict["goodput"])  # books the time since it was saved,
+        self._switch("other")
+        self._unbooked()  # which holds what this process did until now
+
+    # ------------------------------------------------------------------ TrainingStats' flush
+
+    def before_stats_flush(self) -> None:
+        """``report()`` this rank's values of the interval since the last flush (see the class
+        docstring); :class:`~lightning_ext.callbacks.TrainingStats` calls it on every rank right
+        before its collector's update."""
+        if self.pl_module.device.type == "cuda":
+            torch.cuda.synchronize(self.pl_module.device)  # (the flush's read would wait for it)
+        self._resume = self._switch("flush")
+        self._book()
+        self._flushes += 1
+        if self._iterations:
+            self._report_interval()
+        summary = self.ledger.summary()
+        report0("Goodput/goodput", summary["goodput"])
+        for part in ("productive", *LOST_TIME_CAUSES, "other"):
+            report0(f"Goodput/{part}_sec", summary[part])
+
+    def _report_interval(self) -> None:
+        seconds, samples = self._interval, self._samples
+        train_sec = seconds["step"] + seconds["data"] + seconds["other"]
+        report("Throughput/train_sec", train_sec)
+        report("Throughput/samples", samples)
+        if isinstance(samples, Tensor) or samples > 0:
+            report(_SEC_PER_SAMPLE, train_sec / samples)
+        if self.tokens_fn is not None:
+            report("Throughput/tokens", self._tokens)
+        flops = hardware = None
+        if self._flops_per_sample is not None:
+            flops, hardware = (per_sample * samples for per_sample in self._flops_per_sample)
+        elif callable(self.flops_fn):
+            flops = self._flops
+        if flops is not None:
+            report("Throughput/flops", flops)
+            if self._peak is not None:
+                report("Throughput/peak_flops_per_sec", self._peak)
+            if hardware is not None and self._flops_per_sample[1] > self._flops_per_sample[0]:
+                report("Throughput/hardware_flops", hardware)
+        self._restart()
+
+    def stats_flush_metrics(self, collector: Collector) -> dict[str, float]:
+        """The keys derived from the reduced values (see the class docstring), identical on every
+        rank; :class:`~lightning_ext.callbacks.TrainingStats` writes them with its own. Local."""
+        self._switch(self._resume)
+        metrics = _throughput_metrics(collector)
+        self.last_metrics = metrics or self.last_metrics
+        return metrics
+
+
+def _throughput_metrics(collector: Collector) -> dict[str, float]:
+    """Global rates, MFU/HFU and the ranks' spread from the reduced per-rank values of a flush."""
+    updated = set(collector.updated())
+    if not {"Throughput/train_sec", "Throughput/samples"} <= updated:
+        return {}
+    seconds, ranks = collector.max("Throughput/train_sec"), collector.num("Throughput/train_sec")
+    if not seconds > 0:
+        return {}
+
+    def per_sec(name: str) -> float:  # the SUM over ranks (and reports) of `name` per second
+        return collector.mean(name) * collector.num(name) / seconds
+
+    metrics = {}
+    for name in ("samples", "tokens"):
+        if f"Throughput/{name}" in updated:
+            metrics[f"Throughput/{name}_per_sec"] = rate = per_sec(f"Throughput/{name}")
+            metrics[f"Throughput/{name}_per_sec_per_device"] = rate / ranks
+    if "Throughput/flops" in updated:
+        metrics["Throughput/flops_per_sec"] = per_sec("Throughput/flops")
+    if {"Throughput/flops", "Throughput/peak_flops_per_sec"} <= updated:
+        peaks = per_sec("Throughput/peak_flops_per_sec") * seconds  # the SUM of the ranks' peaks
+        metrics["Throughput/mfu"] = per_sec("Throughput/flops") / peaks
+        if "Throughput/hardware_flops" in updated:
+            metrics["Throughput/hfu"] = per_sec("Throughput/hardware_flops") / peaks
+    if _SEC_PER_SAMPLE in updated and collector.num(_SEC_PER_SAMPLE):
+        metrics["Throughput/rank_samples_per_sec/min"] = 1.0 / collector.max(_SEC_PER_SAMPLE)
+        metrics["Throughput/rank_samples_per_sec/max"] = 1.0 / collector.min(_SEC_PER_SAMPLE)
+        tracked = re.fullmatch(collector.stragglers or "(?!)", _SEC_PER_SAMPLE)
+        straggler = collector.straggler(_SEC_PER_SAMPLE) if tracked else None
+        if straggler is not None and straggler.median > 0:
+            metrics["Throughput/rank_samples_per_sec/median"] = 1.0 / straggler.median
+    return metrics

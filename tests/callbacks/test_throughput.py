@@ -1,0 +1,501 @@
+"""Throughput: global samples/s and tokens/s equal a hand count on 2 and 3 ``ddp_spawn`` ranks with
+variable batches and sequence lengths per rank (gradient accumulation, validation and checkpoint saves
+inside the intervals), MFU equals FlopCounterMode's FLOPs over a given peak, the slowest rank by
+throughput in the straggler line, Lightning's ThroughputMonitor side by side, HFU with recomputation,
+skipped steps as lost time, goodput across a SIGKILL and a resume, the ranks' agreement broken."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ThroughputMonitor
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.plugins import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_only
+from torch.utils.data import DataLoader
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_ext.callbacks import IterationTimer, Throughput, TrainingStats
+from lightning_ext.perf import LOST_TIME_CAUSES
+
+LENGTH, WIDTH = 6, 8  # tokens per sequence (padded), features per token
+EVERY, ACCUMULATE, STEPS = 3, 2, 12  # flush period (iterations), micro-batches per iteration: 4 flushes
+PEAK = 1.0e9  # FLOP/s given for every device
+LINE = re.compile(
+    r"Straggler at iteration=(\d+): rank (\d+) \(host [^)]*\), Timing/compute_sec .*; slowest by throughput: "
+    r"rank (\d+) \("
+)
+SLEEP = 0.15  # seconds each validation run and each checkpoint write sleeps
+
+
+def _batch_sizes(rank: int, fixed: bool) -> list[int]:
+    """Rank ``rank``'s micro-batch sizes: 4 everywhere (``fixed``), else varying by rank and batch."""
+    return (
+        [4] * (ACCUMULATE * STEPS)
+        if fixed
+        else [1 + rank + (3 * i + rank) % 4 for i in range(ACCUMULATE * STEPS)]
+    )
+
+
+def _batch(size: int, seed: int) -> dict[str, torch.Tensor]:
+    """``size`` sequences of ``LENGTH`` tokens, each with 1..LENGTH real tokens (the rest padding)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, LENGTH + 1, (size,), generator=generator)
+    mask = torch.arange(LENGTH) < lengths[:, None]
+    return {"x": torch.randn(size, LENGTH, WIDTH, generator=generator), "mask": mask}
+
+
+class _Model(pl.LightningModule):
+    """Per-token MLP, loss over the real tokens; validation sleeps ``SLEEP``; records training_step's time."""
+
+    def __init__(self, fixed: bool = False, slow_rank: int | None = None) -> None:
+        super().__init__()
+        self.fixed, self.slow_rank, self.step_sec = fixed, slow_rank, 0.0
+        self.net = torch.nn.Sequential(torch.nn.Linear(WIDTH, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+
+    def loss(self, batch):
+        out = self.net(batch["x"]).squeeze(-1)
+        return (out.square() * batch["mask"]).sum() / batch["mask"].sum()
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == self.slow_rank:
+            time.sleep(0.04)  # a rank slow in its compute: the straggler line
+        start = time.perf_counter()
+        loss = self.loss(batch)
+        self.step_sec += time.perf_counter() - start
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        time.sleep(SLEEP)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        rank = self.trainer.global_rank
+        sizes = _batch_sizes(rank, self.fixed)
+        return DataLoader([_batch(size, 100 * rank + i) for i, size in enumerate(sizes)], batch_size=None)
+
+    def val_dataloader(self):
+        return DataLoader([_batch(2, 0)], batch_size=None)
+
+
+class _SlowWrites(TorchCheckpointIO):
+    """Writes as torch does, after sleeping ``SLEEP`` (rank zero writes, the others wait for it)."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        time.sleep(SLEEP)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+class _Clock(Callback):
+    """First in ``callbacks``: when each micro-batch's ``on_train_batch_end`` calls begin."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.ends.append(time.perf_counter())
+
+
+class _Record(Callback):
+    """Per flush, on each rank: what the flush wrote, the reduced per-rank times, this rank's hand count
+    of the interval, its wall time between flush ends and its training_step seconds; saved per rank."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir, self.rows, self.last_flush = out_dir, [], -1
+        self.samples = self.tokens = 0
+        self.batch_ends: list[float] = []  # seconds of each on_train_batch_end, all callbacks
+
+    def on_train_start(self, trainer, pl_module):
+        self.start = time.perf_counter()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.samples += len(batch["x"])
+        self.tokens += int(batch["mask"].sum())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        stats = next(c for c in trainer.callbacks if isinstance(c, TrainingStats))
+        now = time.perf_counter()
+        self.batch_ends.append(now - next(c for c in trainer.callbacks if isinstance(c, _Clock)).ends[-1])
+        if stats.last_flush_step == self.last_flush:
+            return
+        self.last_flush = stats.last_flush_step
+        c = stats.collector
+        throughput = next(c for c in trainer.callbacks if isinstance(c, Throughput))
+        self.rows.append({
+            "written": dict(throughput.last_metrics),
+            "train_sec": (c.max("Throughput/train_sec"), c.min("Throughput/train_sec")),
+            "flush_sec": c.max("Timing/stats_flush_sec") if "Timing/stats_flush_sec" in c.names() else 0.0,
+            "samples": self.samples, "tokens": self.tokens, "wall": now - self.start,
+            "step_sec": pl_module.step_sec, "batch_ends": self.batch_ends,
+            "slowest": float(trainer.callback_metrics["Throughput/sec_per_sample/straggler_rank"]),
+        })  # fmt: skip
+        self.samples = self.tokens = 0
+        self.start, pl_module.step_sec, self.batch_ends = now, 0.0, []
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(self.rows, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
+
+
+class _Metrics(Logger):
+    """Keeps what rank zero logs (ThroughputMonitor logs through the loggers) and saves it at the end."""
+
+    @property
+    def name(self):
+        return "metrics"
+
+    @property
+    def version(self):
+        return 0
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path, self.rows = path, []
+
+    @rank_zero_only
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, {k: float(v) for k, v in metrics.items()}))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    @rank_zero_only
+    def finalize(self, status):
+        torch.save(self.rows, self.path)
+
+
+def _tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return batch["mask"].sum()  # the real tokens, a tensor (summed on its device)
+
+
+def _samples(batch: dict[str, torch.Tensor]) -> int:
+    return len(batch["x"])
+
+
+def _fit(tmp_path: Path, world: int, fixed: bool, monitor: bool = False, slow_rank: int | None = None):
+    """Train on ``world`` ranks; each rank's rows of ``_Record`` and rank zero's logged rows. With
+    ``slow_rank``, IterationTimer times the steps, so that TrainingStats names that rank."""
+    first = [ThroughputMonitor(batch_size_fn=_samples, window_size=EVERY * ACCUMULATE + 1)] if monitor else []
+    first += [IterationTimer()] if slow_rank else []
+    throughput = Throughput(tokens_fn=_tokens, peak_flops_per_sec=PEAK)
+    stats = TrainingStats(every_n_train_steps=EVERY, on_epoch=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy="ddp_spawn", max_steps=STEPS,
+        accumulate_grad_batches=ACCUMULATE, use_distributed_sampler=False, val_check_interval=16,
+        limit_val_batches=1, num_sanity_val_steps=0, plugins=[_SlowWrites()],
+        callbacks=[_Clock(), *first, throughput, stats, _Record(str(tmp_path)),
+                   ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=7)],
+        logger=_Metrics(str(tmp_path / "logged.pt")), log_every_n_steps=1,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(_Model(fixed, slow_rank))
+    rows = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    return rows, torch.load(tmp_path / "logged.pt")
+
+
+def _flops_per_sample() -> float:
+    """Model FLOPs of one sample's forward and backward, by FlopCounterMode itself."""
+    model, batch = _Model(), _batch(5, 0)
+    with FlopCounterMode(display=False) as counter:
+        model.loss(batch).backward()
+    return counter.get_total_flops() / 5
+
+
+def _check_flushes(rows: list[list[dict]], world: int) -> None:
+    """Every flush: the global rates against the hand count and the agreed time, MFU against
+    FlopCounterMode's FLOPs over PEAK, the time bounds, the same values on every rank."""
+    flops_per_sample = _flops_per_sample()
+    assert len(rows[0]) == STEPS // EVERY
+    for k, flush in enumerate(zip(*rows)):
+        written = flush[0]["written"]
+        assert all(r["written"] == written and r["train_sec"] == flush[0]["train_sec"] for r in flush)
+        seconds, shortest = flush[0]["train_sec"]
+        samples, tokens = sum(r["samples"] for r in flush), sum(r["tokens"] for r in flush)
+        assert written["Throughput/samples_per_sec"] * seconds == pytest.approx(samples, rel=1e-12)
+        assert written["Throughput/tokens_per_sec"] * seconds == pytest.approx(tokens, rel=1e-12)
+        assert written["Throughput/samples_per_sec_per_device"] * world * seconds == pytest.approx(samples)
+        assert written["Throughput/mfu"] == pytest.approx(
+            flops_per_sample * samples / seconds / (world * PEAK)
+        )
+        # A rank's training time holds its training steps and leaves out the flush (the wall time
+        # between flush ends holds one) and what slept in validation and checkpoint writes; the
+        # slowest rank's is the agreed time.
+        excluded = 2 * SLEEP * (k == 2)  # validation after micro-batch 15, a save after iteration 6
+        for r in flush:
+            assert r["step_sec"] < seconds <= r["wall"] - excluded, (k, r, seconds)
+        # The ranks' spread: each rank's samples over its training seconds, which lie in [shortest,
+        # seconds]; the slowest rank by throughput is the one with the fewest samples when that bound
+        # sets it apart from the second fewest.
+        counts = sorted((r["samples"], rank) for rank, r in enumerate(flush))
+        assert written["Throughput/rank_samples_per_sec/min"] >= counts[0][0] / seconds * (1 - 1e-6)
+        assert written["Throughput/rank_samples_per_sec/max"] <= counts[-1][0] / shortest * (1 + 1e-6)
+        if counts[0][0] / shortest < counts[1][0] / seconds:
+            assert flush[0]["slowest"] == counts[0][1], (k, counts, flush[0]["slowest"])
+
+
+def _check_monitor(rows: list[list[dict]], logged: list, fixed: bool) -> None:
+    """Lightning's ThroughputMonitor: rank zero's samples times the world size, over its window of
+    ``EVERY * ACCUMULATE`` micro-batches, which are those of the flush's intervals 2 and 4 (neither
+    holds a validation run or a checkpoint write). Its window runs from its reading in one
+    ``on_train_batch_end`` to its reading in another; the flush's interval on rank zero from the end of
+    the flush in the first to the start of the next flush in the second: both readings lie within the
+    callbacks' ``on_train_batch_end`` of their batch (``batch_ends``), and the agreed time is the
+    slowest rank's, up to the ranks' spread above rank zero's. Those bound the difference of the times."""
+    theirs = {round(m["train/samples"]): m for _, m in logged if "train/samples_per_sec" in m}
+    world, ours = len(rows), rows[0]
+    for k in (1, 3):
+        rank0 = sum(_batch_sizes(0, fixed)[: (k + 1) * EVERY * ACCUMULATE])
+        monitor = theirs[rank0]
+        assert monitor["train/samples_per_sec"] == pytest.approx(
+            world * monitor["train/device/samples_per_sec"]
+        )
+        window = sum(_batch_sizes(0, fixed)[k * EVERY * ACCUMULATE : (k + 1) * EVERY * ACCUMULATE])
+        their_sec = window / monitor["train/device/samples_per_sec"]
+        seconds, shortest = ours[k]["train_sec"]
+        total = sum(r[k]["samples"] for r in rows)
+        # theirs is off by rank zero's share of the samples times the world size: 1 with fixed batches
+        factor = world * window / total
+        assert (factor == 1.0) == fixed and ours[k]["samples"] == window
+        low = their_sec - ours[k - 1]["batch_ends"][-1]  # rank zero's interval, at least
+        high = their_sec + ours[k]["batch_ends"][-1] + (seconds - shortest)
+        assert low <= seconds <= high, (k, low, seconds, high)
+        mine = ours[k]["written"]["Throughput/samples_per_sec"]
+        assert monitor["train/samples_per_sec"] / factor == pytest.approx(mine, rel=(high - low) / seconds)
+        print(
+            f"flush {k}: ours {mine:.1f} samples/s, ThroughputMonitor {monitor['train/samples_per_sec']:.1f} "
+            f"(factor {factor:.3f}), times {seconds:.4f} vs {their_sec:.4f} s"
+        )
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_global_rates_equal_a_hand_count_with_variable_batches(tmp_path: Path, capfd, world: int) -> None:
+    capfd.readouterr()
+    rows, logged = _fit(tmp_path, world, fixed=False, monitor=world == 2, slow_rank=1 if world == 2 else None)
+    _check_flushes(rows, world)
+    if world == 3:
+        return
+    _check_monitor(rows, logged, fixed=False)
+    # Rank 1 sleeps in its steps: the straggler line names it by Timing/compute_sec, and ends with the
+    # slowest rank by throughput (rank 0: the fewer samples in the same time), as written at that flush.
+    lines = LINE.findall(capfd.readouterr().err)
+    slowest = {round(step): row["Throughput/sec_per_sample/straggler_rank"] for step, row in logged
+               if "Throughput/sec_per_sample/straggler_rank" in row}  # fmt: skip
+    assert lines and all(rank == "1" and int(by) == slowest[int(step)] for step, rank, by in lines), lines
+    print(lines)
+
+
+@pytest.mark.smoke
+@pytest.mark.timeout(300)
+def test_fixed_batches_agree_with_lightning_throughput_monitor(tmp_path: Path) -> None:
+    rows, logged = _fit(tmp_path, 2, fixed=True, monitor=True)
+    _check_flushes(rows, 2)
+    _check_monitor(rows, logged, fixed=True)
+
+
+class _Disagreeing(Callback):
+    """First in ``callbacks``: rank 1's Throughput counts tokens, rank 0's does not."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        if trainer.global_rank == 1:
+            next(c for c in trainer.callbacks if isinstance(c, Throughput)).tokens_fn = _tokens
+
+
+@pytest.mark.timeout(240)
+def test_ranks_with_another_throughput_raise_at_setup_naming_them() -> None:
+    """A rank that counts tokens beside one that does not would sum its tokens alone: TrainingStats'
+    setup raises on every rank first, naming the ranks and their Throughput."""
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=2, logger=False,
+        callbacks=[_Disagreeing(), Throughput(), TrainingStats(every_n_train_steps=1)],
+        use_distributed_sampler=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    # The ValueError of rank 0, or of rank 1 wrapped by torch.multiprocessing (whichever fails first)
+    with pytest.raises(
+        Exception,
+        match=r"TrainingStats: the ranks' arguments differ: contributors=\(\"Throughput\(samples_fn=None, "
+        r"tokens_fn=None, .*\) on ranks \[0\], \(\"Throughput\(samples_fn=None, tokens_fn=_tokens, "
+        r".* on ranks \[1\]",
+    ):
+        trainer.fit(_Model())
+
+
+def test_bad_arguments_raise() -> None:
+    with pytest.raises(
+        TypeError, match=r"^Throughput: `samples_fn` must be None or a callable \(batch -> count\), got 3$"
+    ):
+        Throughput(samples_fn=3)
+    with pytest.raises(
+        TypeError, match=r"^Throughput: `tokens_fn` must be None or a callable .*, got 'count'$"
+    ):
+        Throughput(tokens_fn="count")
+    with pytest.raises(
+        TypeError, match=r"^Throughput: `flops_fn` must be 'count', None or a callable .*, got 'counted'"
+    ):
+        Throughput(flops_fn="counted")
+    with pytest.raises(ValueError, match=r"^Throughput: `peak_flops_per_sec` must be .*> 0.*, got 0\.0"):
+        Throughput(peak_flops_per_sec=0.0)
+    with pytest.raises(TypeError, match=r"`peak_flops_per_sec` must be a finite number.*got 'fast'"):
+        Throughput(peak_flops_per_sec="fast")
+
+
+# ---------------------------------------------------------------------------------- goodput
+
+KILL_AT, SAVE_EVERY, GOODPUT_STEPS = 6, 4, 12
+
+
+class _KillAt(Callback):
+    """SIGKILLs this process after iteration ``KILL_AT`` (the checkpoint of ``SAVE_EVERY`` written)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == KILL_AT:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Dump(Callback):
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module):
+        throughput = next(c for c in trainer.callbacks if isinstance(c, Throughput))
+        summary = throughput.ledger.summary()
+        Path(self.path).write_text(
+            json.dumps({**summary, "first_launch": throughput.ledger.first_launch, "now": time.time()})
+        )
+
+
+def goodput_job(root: str, resume: str | None) -> None:
+    """One process of the job: 12 iterations (a validation run and a slow checkpoint write every
+    4), killed after iteration 6 unless ``resume`` (a checkpoint to resume from)."""
+    throughput = Throughput(tokens_fn=_tokens)  # the first launch: now
+    last = _KillAt() if resume is None else _Dump(f"{root}/summary.json")
+    checkpoint = ModelCheckpoint(f"{root}/ckpt", every_n_train_steps=SAVE_EVERY, save_top_k=-1)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=GOODPUT_STEPS, plugins=[_SlowWrites()],
+        val_check_interval=SAVE_EVERY * ACCUMULATE, accumulate_grad_batches=ACCUMULATE, limit_val_batches=1,
+        num_sanity_val_steps=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[throughput, TrainingStats(every_n_train_steps=2), last, checkpoint],
+    )  # fmt: skip
+    trainer.fit(_Model(fixed=True), ckpt_path=resume)
+
+
+def _launch(root: Path, resume: str | None) -> subprocess.CompletedProcess:
+    code = f"from tests.callbacks.test_throughput import goodput_job; goodput_job({str(root)!r}, {resume!r})"
+    repository = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{repository}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run([sys.executable, "-c", code], cwd=repository, env=env, capture_output=True,
+                          text=True, timeout=240)  # fmt: skip
+
+
+@pytest.mark.slow  # two jobs in new processes
+@pytest.mark.timeout(600)
+def test_goodput_adds_up_across_a_sigkill_and_a_resume(tmp_path: Path) -> None:
+    launched = time.time()
+    first = _launch(tmp_path, None)
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    killed = time.time()
+    time.sleep(1.0)  # the queue
+    checkpoint = tmp_path / "ckpt" / f"epoch=0-step={SAVE_EVERY}.ckpt"
+    relaunched = time.time()
+    second = _launch(tmp_path, str(checkpoint))
+    assert second.returncode == 0, second.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    parts = ["productive", *LOST_TIME_CAUSES, "other"]
+    # The parts add up to the wall time since the first launch, which the first process made.
+    assert sum(summary[p] for p in parts) == pytest.approx(summary["wall"], rel=1e-12)
+    assert launched < summary["first_launch"] < killed
+    assert summary["wall"] == pytest.approx(summary["now"] - summary["first_launch"], abs=1e-2)
+    assert summary["restarts"] == 1 and min(summary[p] for p in parts) >= 0.0
+    # The restart holds the work after the checkpoint, the kill and the queue, up to the load.
+    assert relaunched - killed < summary["restart"] < summary["now"] - launched
+    # Validation runs after iterations 8 and 12 (the one after 4 follows the save at 4: in the
+    # restart); slow writes at 8 and 12 (the one at 4 follows the taking of its own state).
+    assert summary["validation"] >= 2 * SLEEP and summary["checkpointing"] >= 2 * SLEEP
+    assert summary["productive"] > 0.0 and 0.0 < summary["goodput"] < 1.0
+    print({key: round(value, 3) for key, value in summary.items()})
+
+
+class _Checkpointed(pl.LightningModule):
+    """Two blocks under activation checkpointing, in fp16 autocast with a loss scale that overflows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(2)
+        )
+
+    def loss(self, batch):
+        h = batch["x"]
+        for block in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+        return h.float().square().mean()
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader([_batch(4, i) for i in range(8)], batch_size=None)
+
+
+def test_hfu_counts_recomputation_and_skipped_steps_are_lost_time() -> None:
+    from lightning_ext.amp import DynamicLossScaler
+    from lightning_ext.perf import count_flops
+    from lightning_ext.plugins import LossScalingPrecision
+
+    model, throughput = _Checkpointed(), Throughput(peak_flops_per_sec=PEAK)
+    count = count_flops(model.loss, _batch(4, 0))
+    model.zero_grad()
+    scaler = DynamicLossScaler("cpu", 2.0**40, growth_interval=1000)  # fp16 overflows until 2**15 or so
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=8, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, plugins=[LossScalingPrecision("16-mixed", scaler=scaler)],
+        callbacks=[throughput, TrainingStats(every_n_train_steps=8, regex="(Throughput|Goodput|AMP)/.*")],
+    )  # fmt: skip
+    trainer.fit(model)
+    written = throughput.last_metrics
+    # HFU / MFU is the recomputation's share that FlopCounter counted: one forward of each block again.
+    assert count.recomputed == count.forward > 0
+    assert written["Throughput/hfu"] / written["Throughput/mfu"] == pytest.approx(
+        count.hardware / count.model
+    )
+    # The scale backs off from 2**40 in steps the scaler skipped: their time is lost, not productive.
+    summary = throughput.ledger.summary()
+    assert scaler.skipped_steps > 0 and summary["skipped_steps"] > 0.0
+    assert trainer.callback_metrics["Goodput/skipped_steps_sec"] == pytest.approx(summary["skipped_steps"])
+
+
+def test_without_a_peak_no_mfu_and_without_a_flush_nothing_is_written() -> None:
+    throughput = Throughput(peak_dtype="fp8")  # no fp8 matmul to measure on a CPU
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[throughput, TrainingStats(every_n_train_steps=2)],
+    )  # fmt: skip
+    with pytest.warns(
+        UserWarning, match=r"Throughput: no peak for MFU \(measure_peak_flops: no 'fp8' matmul"
+    ):
+        trainer.fit(_Model(fixed=True))
+    assert (
+        "Throughput/flops_per_sec" in throughput.last_metrics
+        and "Throughput/mfu" not in throughput.last_metrics
+    )
+    lonely = pl.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[Throughput(flops_fn=None)],
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="Throughput: no TrainingStats flush ran, so nothing was written"):
+        lonely.fit(_Model(fixed=True))
