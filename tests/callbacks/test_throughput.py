@@ -230,10 +230,12 @@ def _check_flushes(rows: list[list[dict]], world: int) -> None:
         )
         # A rank's training time holds its training steps and leaves out the flush (the wall time
         # between flush ends holds one) and what slept in validation and checkpoint writes; the
-        # slowest rank's is the agreed time.
+        # slowest rank's is the agreed time. (Each rank's own time is within its own wall time; the
+        # ranks leave a flush's collective at slightly different times, so the agreed time is bounded
+        # by the longest wall time, not by every rank's.)
         excluded = 2 * SLEEP * (k == 2)  # validation after micro-batch 15, a save after iteration 6
-        for r in flush:
-            assert r["step_sec"] < seconds <= r["wall"] - excluded, (k, r, seconds)
+        assert all(r["step_sec"] < seconds for r in flush), (k, flush, seconds)
+        assert seconds <= max(r["wall"] for r in flush) - excluded, (k, flush, seconds)
         # The ranks' spread: each rank's samples over its training seconds, which lie in [shortest,
         # seconds]; the slowest rank by throughput is the one with the fewest samples when that bound
         # sets it apart from the second fewest.
