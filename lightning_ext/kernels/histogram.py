@@ -91,24 +91,20 @@ def _pack_windows_reference(
 
     Args:
         words: float64 ``(>= N W,)``, its first ``N W`` written (row-major ``(N, W)``).
-        hist: float64 ``(Q, 2m + 3)`` contiguous, level-0 counts whose values lie between ``lo`` and
-            ``hi``; zeroed.
-        rows, shifts: float64 ``(R, 6)`` accumulator rows and ``(R,)`` shifts
-            (:mod:`lightning_ext.kernels.moments`): this rank's means.
+        hist: float64 ``(Q, 2m + 3)`` contiguous level-0 counts (of values in ``[lo, hi]``); zeroed.
+        rows, shifts: float64 ``(R, 6)`` accumulator rows, ``(R,)`` shifts (this rank's means).
         extremes: float64 ``(5R,)``, a reduced flush MAX after its head (``moments_payload_``).
         at: int64 ``(N,)``, each row's name.
         edges: float64 ``(m + 1,)``, the histogram's edges.
         bits: bits per count, 1 to 53.
-        max_words: words per row at most, with ``max_words k >= 5`` (every window then fits at some
-            level).
+        max_words: words per row at most, ``max_words k >= 5`` (every window then fits at some level).
 
     Returns:
         int64 ``(3N + 1,)``: each row's level, first position and width (0: no values), then ``W``.
     """
     q, n, r, m = hist.shape[0], at.numel(), rows.shape[0], edges.numel() - 1
     k, ranks = 53 // bits, torch.arange(n, device=at.device) >= q
-    hi = extremes[at + 2 * r * ranks]
-    lo = -extremes[at + 2 * r * ranks + r]
+    hi, lo = extremes[at + 2 * r * ranks], -extremes[at + 2 * r * ranks + r]
     has = lo <= hi
     lo, hi = (torch.where(has, v, 0.0)[:, None] for v in (lo, hi))
     levels = torch.arange(max(1, m.bit_length() + 1), device=at.device)  # the last: one group a sign
@@ -128,9 +124,8 @@ def _pack_windows_reference(
     mine = n_r > 0
     mean = (shifts[at[q:]].nan_to_num(0.0, 0.0, 0.0) + s1 / torch.where(mine, n_r, 1.0))[:, None]
     slot = _positions(torch.searchsorted(edges, mean.abs()), mean.sign().long(), m, level[q:, None])
-    counts[q:].scatter_(
-        1, (slot - start[q:, None]).clamp(0, w * k - 1), (mine & (width[q:] > 0)).double()[:, None]
-    )
+    one = (mine & (width[q:] > 0)).double()[:, None]
+    counts[q:].scatter_(1, (slot - start[q:, None]).clamp(0, w * k - 1), one)
     fields = 2.0 ** (bits * torch.arange(k, device=hist.device, dtype=torch.float64))
     packed = (counts.view(n, w, k) * fields).sum(2)
     words[: n * w] = packed.reshape(-1)

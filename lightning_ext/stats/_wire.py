@@ -186,11 +186,9 @@ class Store:
 
     def extra(self) -> list[str]:
         """The names reported here (with values or empty) that are not agreed yet."""
-        return (
-            [n for n, p in self.places.items() if p[0] >= self.agreed[0]]
-            if self.counts != self.agreed
-            else []
-        )
+        if self.counts == self.agreed:  # the steady state: no Python per name
+            return []
+        return [n for n, p in self.places.items() if p[0] >= self.agreed[0]]
 
     def layout(self, names: list[str]) -> None:
         """Lay the rows out for the agreed ``names`` (sorted), dropping the rows of other names."""

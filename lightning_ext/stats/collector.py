@@ -177,7 +177,7 @@ class Collector:
         self._row: dict[tuple[str, str], int] = {}
         self._layout([], _CPU, 1)
         self._agreed_in: Any = None  # the settings in which the ranks agreed on the configuration
-        self._fingerprint = _fingerprint(self._configuration())
+        self._fingerprint = _fingerprint(repr(self))
         self._attach()
 
     def _attach(self) -> None:
@@ -186,8 +186,8 @@ class Collector:
         self._store.layout(self._names)
         reporting._attach(self, self._store)
 
-    def _configuration(self) -> str:
-        """What the ranks' collectors must share: every argument (what is reduced and published)."""
+    def __repr__(self) -> str:
+        """Every argument: what the ranks' collectors must share (what is reduced and published)."""
         return (
             f"Collector(regex={self.regex!r}, keep_previous={self.keep_previous}, stage={self.stage!r}, "
             f"quantiles={self.quantiles!r}, relative_accuracy={self.sketch.relative_accuracy!r}, "
@@ -285,9 +285,8 @@ class Collector:
         settings = self._store.settings()
         rank, device, group = settings
         world = dist.get_world_size(group=group) if device is not None and is_distributed() else 1
-        if device is None:
-            slabs = list(self._store.slabs)
-            device = slabs[0] if len(slabs) == 1 else _CPU
+        if device is None:  # single process: where the values are
+            device = next(iter(self._store.slabs)) if len(self._store.slabs) == 1 else _CPU
         if device != self._device or world != self._world:
             self._layout(self._names, device, world)
         forgettable = self._reduce(float(-1 if step is None else step), rank if world > 1 else 0, settings)
@@ -304,11 +303,9 @@ class Collector:
         self._write(self._next_shift, rank, _fingerprint(names) if extra else self._names_fp, step)
         together = not self._row and self._agreed_in == settings
         works = [_all_reduce(self._max, dist.ReduceOp.MAX, group, world, True)]
-        if together:
-            works.append(_all_reduce(self._moments, dist.ReduceOp.SUM, group, world, True))
-        for work in works:
-            if work is not None:
-                work.wait()
+        works += [_all_reduce(self._moments, dist.ReduceOp.SUM, group, world, True)] if together else []
+        for work in filter(None, works):
+            work.wait()
         head = _host(self._max)[:_HEAD].tolist()  # pairs [x, -x], alike on all ranks iff max(x) == -max(-x)
         configs, names_agree, steps = (head[i] == -head[i + 1] for i in (0, 2, 4))
         if not (configs and steps):
@@ -359,10 +356,9 @@ class Collector:
     def _finish(self, center: torch.Tensor) -> tuple[bool, int]:
         self._values = None
         args = (self._extremes, self._moments, center, self.keep_previous, self.forget_after or 0)
-        out = self._store.backend(self._device).run(
-            "moments_finish_", self._published, self._next_shift, self._idle, *args
-        )
-        again, forgettable = out.tolist()
+        outputs = (self._published, self._next_shift, self._idle)
+        out = self._store.backend(self._device).run("moments_finish_", *outputs, *args)
+        again, forgettable = out.tolist()  # one host read
         return bool(again), int(forgettable)
 
     def _pack(self, bits: int) -> tuple[np.ndarray, int, bool]:
@@ -396,13 +392,12 @@ class Collector:
         """The rare round: every rank (each saw the same MAX) gathers each rank's configuration and step,
         then raises naming them; nothing was published."""
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(
-            gathered, (self._configuration(), None if step < 0 else int(step)), group=group
+        mine = (repr(self), None if step < 0 else int(step))
+        dist.all_gather_object(gathered, mine, group=group)
+        said = "; ".join(  # each distinct (configuration, step) with its first ranks
+            f"ranks {[r for r, v in enumerate(gathered) if v == (config, at)][:16]}: {config} at step={at}"
+            for config, at in dict.fromkeys(gathered)
         )
-        groups: dict[Any, list[int]] = {}
-        for rank, value in enumerate(gathered):
-            groups.setdefault(value, []).append(rank)
-        said = "; ".join(f"ranks {r[:16]}: {config} at step={step}" for (config, step), r in groups.items())
         raise RuntimeError(
             f"Collector.update: the ranks disagree ({said}); nothing was published, the values stay for "
             "the next update. HINT: create the Collector (or TrainingStats) with the same arguments on "
@@ -433,12 +428,11 @@ class Collector:
         if not isinstance(name, str):
             raise TypeError(f"statistic name must be a str, got {type(name).__name__} {name!r}")
         close = difflib.get_close_matches(name, self.names(), n=5, cutoff=0.5)
-        why, hint = ("is not collected by", "widen the regex or create another Collector for it")
-        if self._pattern.fullmatch(name):
-            why, hint = (
-                "was never reported to (or was forgotten by)",
-                "check the spelling, or update() after it",
-            )
+        why, hint = (
+            ("was never reported to (or was forgotten by)", "check the spelling, or update() after it")
+            if self._pattern.fullmatch(name)
+            else ("is not collected by", "widen the regex or create another Collector for it")
+        )
         raise KeyError(f"{name!r} {why} Collector(regex={self.regex!r}); close names: {close}. HINT: {hint}.")
 
     def num(self, name: str) -> int:
@@ -538,13 +532,13 @@ class Collector:
         names = self.names()
         if not names:
             return {"regex": sorted(self._store.refused)}
-        asked = [arg for arg in self._tracked if getattr(self, arg) is not None]
+        asked = [arg for arg in self._tracked if getattr(self, arg) is not None]  # (None: nothing asked)
         return {arg: names for arg in asked if not any(self._tracks(arg, n) for n in names)}
 
     def as_dict(self) -> dict[str, dict[str, float]]:
         """``{name: {"num", "mean", "std", "min", "max"}}`` for every name of :meth:`names`."""
         keys = ("num", "mean", "std", "min", "max")
-        return {name: {**dict(zip(keys, v)), "num": round(v[0])} for name, v in self._read().items()}
+        return {name: dict(zip(keys, [round(v[0]), *v[1:5]])) for name, v in self._read().items()}
 
     def state_dict(self) -> dict[str, Any]:
         """The published statistics and agreed names, and the quantile sketches (what
@@ -574,12 +568,6 @@ class Collector:
         self._layout(names, self._device, self._world)  # keeps what was set here
         self._store.layout(names)
         self._agreed_in = None  # the SUM's size depends on the configuration again
-
-    def __repr__(self) -> str:
-        extras = "".join(
-            f", {k}={getattr(self, k)!r}" for k in ("stage", "quantiles", "stragglers") if getattr(self, k)
-        )
-        return f"Collector(regex={self.regex!r}, keep_previous={self.keep_previous}{extras})"
 
 
 def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, world: int, async_op: bool = False) -> Any:

@@ -203,21 +203,16 @@ def _check_value(name: str, value: Any) -> None:
 
 def _as_array(name: str, value: Any) -> np.ndarray:
     """Flat float64 array of a list/tuple/ndarray of numbers, else TypeError naming ``name``."""
-    if isinstance(value, list | tuple | np.ndarray | np.generic):
-        try:
-            array = np.asarray(value)
-        except (ValueError, TypeError) as err:
-            raise TypeError(
-                f"report({name!r}, value): cannot read {value!r:.80} as numbers ({err})"
-            ) from None
-        if array.dtype.kind in "biuf":
-            return np.ascontiguousarray(array, dtype=np.float64).reshape(-1)
-        if array.size == 0:
-            return np.zeros(0)
-    raise TypeError(
-        f"report({name!r}, value): value must be a number, a list/tuple of numbers, a numeric NumPy "
-        f"array or a real tensor, got {type(value).__name__} {value!r:.80}"
-    )
+    try:
+        array = np.asarray(value) if isinstance(value, list | tuple | np.ndarray | np.generic) else None
+    except (ValueError, TypeError) as err:  # a ragged list, ...
+        raise TypeError(f"report({name!r}, value): cannot read {value!r:.80} as numbers ({err})") from None
+    if array is None or (array.dtype.kind not in "biuf" and array.size):
+        raise TypeError(
+            f"report({name!r}, value): value must be a number, a list/tuple of numbers, a numeric NumPy "
+            f"array or a real tensor, got {type(value).__name__} {value!r:.80}"
+        )
+    return np.ascontiguousarray(array, dtype=np.float64).reshape(-1)
 
 
 def _is_number(value: Any) -> bool:
@@ -255,35 +250,28 @@ def _route(name: Any) -> _Route:
     check_label("report(name, value)", "name", name)
     state = _state
     stores = [store for _, store in state.stores if store.stage == state.stage and store.wants(name)]
-    route = state.current[name] = (stores, {})
-    return route
+    return state.current.setdefault(name, (stores, {}))
 
 
 def report(name: str, value: T) -> T:
     """Accumulate ``value`` under ``name`` for every collector whose regex matches; return ``value``.
 
-    Callable anywhere (under autocast, ``torch.no_grad`` or inference mode) on any subset of ranks,
-    in any order; not thread-safe. A name nobody collects costs a dict lookup and a type check; else
-    the value is accumulated where it lives (numbers and NumPy data on the CPU) by the kernel
-    backend's ``accumulate_moments_``, once per collector that takes it: float64 count and sums of the
-    finite elements shifted by the first value (16/32-bit elements may be squared in float32 first),
-    min, max, and the count of NaN and ``±inf`` elements. The backend is resolved once per collector and
-    device, not per call. A name's first report in a stage checks it. No host-device sync, no
-    collective. An empty value registers the name (NaN until it has values).
-
-    Under ``torch.compile`` (``fullgraph=True`` included) a tensor or number is one opaque graph node,
-    the custom op ``lightning_ext::report_``, running this eager path: a flush does not retrace the
-    model (lists and NumPy arrays break the graph where dynamo cannot trace NumPy).
+    Callable anywhere (under autocast, ``torch.no_grad`` or inference mode) on any subset of ranks, in
+    any order; not thread-safe. A name nobody collects costs a dict lookup and a type check; else the
+    value is accumulated where it lives (numbers and NumPy data on the CPU) by the kernel backend's
+    ``accumulate_moments_`` (resolved once per collector and device), once per collector that takes
+    it: float64 count and sums of the finite elements shifted by the first value (16/32-bit elements
+    may be squared in float32 first), min, max, and the count of NaN and ``±inf`` elements. A name's
+    first report in a stage checks it; an empty value registers it (NaN until it has values). No
+    host-device sync, no collective. Under ``torch.compile`` (``fullgraph=True`` included) a tensor or
+    number is one opaque graph node, the custom op ``lightning_ext::report_``, running this eager
+    path: a flush does not retrace the model (lists and NumPy arrays break the graph).
 
     Args:
         name: statistic name, printable, conventionally ``"Group/quantity_unit"`` (``"Loss/total"``).
-        value: a Python number (bool/int/float, NumPy scalar), a list/tuple of numbers, a NumPy
-            array of a numeric dtype, or a real tensor of any shape, dtype (bool, uint16/32/64 and
-            float8 are converted) and device whose elements are stored (strided layout, not on
-            ``meta``, not nested, not quantized).
-
-    Returns:
-        ``value`` itself, unchanged.
+        value: a Python number (bool/int/float, NumPy scalar), a list/tuple of numbers, a numeric
+            NumPy array, or a real tensor of any shape, dtype (bool, uint16/32/64 and float8 are
+            converted) and device, strided (not on ``meta``, not nested, not quantized).
 
     Raises:
         TypeError: ``name`` is not a str, or ``value`` is not numeric (str, object, complex, ...), or a
@@ -358,9 +346,8 @@ def report0(name: str, value: T) -> T:
     """
     if (_state.settings.rank if _state.settings is not None else distributed.get_rank()) == 0:
         return report(name, value)
-    check_label("report(name, value)", "name", name)
     _check_value(name, value)
-    report(name, [])
+    report(name, [])  # (checks the name)
     return value
 
 

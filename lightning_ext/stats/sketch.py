@@ -81,9 +81,8 @@ class LogHistogram:
         object.__setattr__(self, "value_range", (float(pair[0]), float(pair[1])))
         if self.size > _MAX_SIZE:
             raise ValueError(
-                f"{owner}: relative_accuracy={self.relative_accuracy!r} over "
-                f"value_range={self.value_range!r} "
-                f"needs {self.size} counts ({self.size * 8 / 2**20:.4g} MiB per name and device); at most "
+                f"{owner}: relative_accuracy={self.relative_accuracy!r} over value_range={pair!r} needs "
+                f"{self.size} counts ({self.size * 8 / 2**20:.4g} MiB per name and device); at most "
                 f"{_MAX_SIZE} are allowed. HINT: a larger relative_accuracy or a narrower value_range"
             )
 

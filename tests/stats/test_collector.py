@@ -611,7 +611,10 @@ def test_updated_names_and_stages_keep_values_apart() -> None:
     restored = Collector(regex="L.*", stage="validate")
     restored.load_state_dict(val.state_dict())
     assert restored.as_dict() == val.as_dict() and restored.updated() == []
-    assert repr(val) == "Collector(regex='L.*', keep_previous=True, stage='validate')"
+    assert repr(val) == (  # every argument: what the ranks agree on
+        "Collector(regex='L.*', keep_previous=True, stage='validate', quantiles=None, "
+        "relative_accuracy=0.01, value_range=(1e-06, 1000000.0), stragglers=None, forget_after=100)"
+    )
 
 
 @pytest.mark.parametrize(
