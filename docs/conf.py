@@ -122,6 +122,6 @@ nitpick_ignore_regex.append((r"py:class", r"lightning_ext\.amp\.dynamic_loss_sca
 html_theme = "furo"
 html_title = f"lightning_ext {release}"
 html_static_path = ["_static"]
-html_css_files = ["side_by_side.css"]  # the two columns of the "Coming from" pages
+html_css_files = ["side_by_side.css", "tables.css"]  # "Coming from" columns; tables that fit the page
 html_show_sourcelink = False
 html_copy_source = False
