@@ -460,19 +460,21 @@ def _flush_worker(rank: int, world_size: int, init_file: str, config: dict, out_
         distributed.shm_available()
         results = {}
         for case in config["cases"]:
-            k, sketched, straggled = (*case, 0)[:3]
+            k, sketched, straggled, throughput = (*case, 0, 0)[:4]
             clear_statistics()
-            collector = Collector(quantiles="Sketched/.*", stragglers="Straggled/.*")
+            tracked = "Straggled/.*|Throughput/sec_per_sample"  # TrainingStats' default tracks the latter
+            collector = Collector(quantiles="Sketched/.*", stragglers=tracked)
             names = [f"Sketched/{i}" if i < sketched else f"Metric/{i}" for i in range(k - straggled)]
             names += [f"Straggled/{i}" for i in range(straggled)]
             gen = torch.Generator().manual_seed(rank)
             values = [torch.rand((), generator=gen) for _ in range(k)]
             flush = _signal_flush(collector, names, config["tmp"], rank) if straggled else collector.update
+            flush = _throughput_flush(collector, rank) if throughput else flush
             for _ in range(2):  # the first update agrees on the names; the second is the steady state
                 for name, value in zip(names, values):
                     report(name, value)
                 with _Recorder() as recorder:
-                    collector.update()
+                    flush()
             floor, nbytes = _floor(recorder.calls)
             floor()
             times: dict[str, list[float]] = {"flush": [], "floor": []}
@@ -498,7 +500,39 @@ def _flush_worker(rank: int, world_size: int, init_file: str, config: dict, out_
 
 
 _SIGNAL_CASE = (100, 10, 2)  # K names, sketched (histograms written), with the straggler tracked
-_FLUSH_CASES = ((10, 0), (100, 0), (1000, 0), (100, 100), _SIGNAL_CASE)
+_THROUGHPUT_CASE = (100, 0, 0, 1)  # K names and what Throughput adds to the flush
+_FLUSH_CASES = ((10, 0), (100, 0), (1000, 0), (100, 100), _SIGNAL_CASE, _THROUGHPUT_CASE)
+
+
+def _throughput_flush(collector, rank: int):
+    """What ``Throughput`` adds to a flush (``before_stats_flush`` and ``stats_flush_metrics``, without
+    a Trainer): its per-rank values of the interval reported, rank zero's goodput ledger ``report0``-ed,
+    the slowest rank by throughput read and the global rates, MFU and spread derived after the update.
+    Its names ride in the same two all-reduces (the floor carries them too)."""
+    from lightning_ext.callbacks.throughput import _throughput_metrics
+    from lightning_ext.perf import LOST_TIME_CAUSES, GoodputLedger
+    from lightning_ext.stats import report, report0
+
+    ledger = GoodputLedger()
+    samples = 32 + 16 * rank
+
+    def flush() -> None:
+        ledger.productive(0.01)
+        train_sec = 0.05 + 0.01 * rank
+        report("Throughput/train_sec", train_sec)
+        report("Throughput/samples", samples)
+        report("Throughput/sec_per_sample", train_sec / samples)
+        report("Throughput/tokens", 128 * samples)
+        report("Throughput/flops", 1e9 * samples)
+        report("Throughput/peak_flops_per_sec", 1e12)
+        summary = ledger.summary()
+        report0("Goodput/goodput", summary["goodput"])
+        for part in ("productive", *LOST_TIME_CAUSES, "other"):
+            report0(f"Goodput/{part}_sec", summary[part])
+        collector.update()
+        _throughput_metrics(collector)
+
+    return flush
 
 
 def _signal_flush(collector, names: list[str], tmp: str, rank: int):
@@ -544,8 +578,9 @@ def run_flush_floor(
 
 
 def _case_label(case: tuple[int, ...]) -> str:
-    k, sketched, straggled = (*case, 0)[:3]
+    k, sketched, straggled, throughput = (*case, 0, 0)[:4]
     extra = f", {sketched} sketched" if sketched else ""
+    extra += " + Throughput's fields (14 names, its straggler, the derived rates)" if throughput else ""
     return f"{k}{extra}{f' + histograms, {straggled} with the straggler' if straggled else ''}"
 
 
@@ -559,8 +594,9 @@ def format_flush_floor(floors: dict[str, dict], calls: dict[str, float], rounds:
         "`lightning_ext.distributed.all_reduce_`, the asynchronous ones together as the flush issues them, "
         f"interleaved in the same run; medians over {rounds} flushes, slower rank; ranks aligned (untimed) "
         "before each. `shm`: the shared-memory path of `all_reduce_`; `gloo`: the process group's "
-        "(`LIGHTNING_EXT_SHM_COLLECTIVES=0`). The last case is `TrainingStats`' flush with the straggler "
-        "of 2 names and the 10 sketched names' histograms written to a `TensorBoardLogger` on rank zero.",
+        "(`LIGHTNING_EXT_SHM_COLLECTIVES=0`). The case with histograms is `TrainingStats`' flush with the "
+        "straggler of 2 names and the 10 sketched names' histograms written to a `TensorBoardLogger` on "
+        "rank zero; the one with Throughput's fields times what `Throughput` adds to `TrainingStats`' flush.",
         "",
         "| transport | K | bytes / rank | collectives | flush ms | floor ms | flush / floor |",
         "|---|---|---:|---:|---:|---:|---:|",
