@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_ext._checks import check_int
+from lightning_ext._clock import elapsed, now
 from lightning_ext.callbacks.hook_base import HookBase
 from lightning_ext.distributed import collective_seconds
 from lightning_ext.distributed.ddp_sync_timer import DDPSyncTimer
@@ -159,7 +160,7 @@ class IterationTimer(HookBase):
                 self._launches = sync.launches
                 waits.append((sync.last_launch, None))
         if self._timed():
-            self._marks.append((phase, _now_or_event(self._cuda), collective_seconds(), waits))
+            self._marks.append((phase, now(self._cuda), collective_seconds(), waits))
 
     @override
     def before_step(self) -> None:
@@ -212,8 +213,8 @@ class IterationTimer(HookBase):
             parts = dict.fromkeys(_PARTS, 0.0)
             for (phase, start, waited, _), (_, end, waited_end, waits) in itertools.pairwise(marks):
                 if phase != "data":  # (no overlap: the package's collectives in a backward end before DDP's)
-                    ddp = sum(_elapsed(a, end if b is None else b) for a, b in waits)
-                    parts[phase] += _elapsed(start, end)
+                    ddp = sum(elapsed(a, end if b is None else b) for a, b in waits)
+                    parts[phase] += elapsed(start, end)
                     parts["collective"] += waited_end - waited + ddp
             busy = parts["forward"] + parts["backward"] + parts["optimizer"]
             parts.update(data=data, compute=busy - parts["collective"], iteration=data + busy)
@@ -237,20 +238,6 @@ class IterationTimer(HookBase):
         self.summary = "\n".join(lines)
         for line in lines:
             rank_zero_info(line)
-
-
-def _now_or_event(cuda: bool) -> Any:
-    """A CUDA event recorded now (``cuda``), else the host's ``perf_counter()``."""
-    if not cuda:
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
-def _elapsed(start: Any, end: Any) -> float:
-    """Seconds from ``start`` to ``end``: two ``perf_counter()`` readings or two completed CUDA events."""
-    return end - start if isinstance(start, float) else start.elapsed_time(end) / 1000.0
 
 
 def _completed(mark: Any) -> bool:

@@ -2,7 +2,6 @@
 
 # No ``from __future__ import annotations`` here: DDP checks a communication hook's annotations and
 # refuses them as strings.
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -12,18 +11,10 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_ext._clock import now
 from lightning_ext._compat import ddp_comm_hooks
 
 __all__ = ["DDPSyncTimer"]
-
-
-def _now(cuda: bool) -> Any:
-    """A CUDA event recorded now on the current stream (``cuda``), else ``time.perf_counter()``."""
-    if not cuda:
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
 
 
 class DDPSyncTimer:
@@ -93,7 +84,7 @@ class DDPSyncTimer:
     def hook(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """The communication hook DDP calls for each bucket: ``self.inner(state, bucket)``."""
         if bucket.is_last():
-            self.last_launch = _now(bucket.buffer().is_cuda)
+            self.last_launch = now(bucket.buffer().is_cuda)
             self.launches += 1
         return self.inner(state, bucket)
 
@@ -119,8 +110,8 @@ class DDPSyncTimer:
         if model not in timer._models:
             timer._models.add(model)
             cuda = next(model.parameters()).is_cuda
-            model.register_forward_pre_hook(lambda *_: timer._forward(_now(cuda), start=True))
-            model.module.register_forward_pre_hook(lambda *_: timer._forward(_now(cuda), start=False))
+            model.register_forward_pre_hook(lambda *_: timer._forward(now(cuda), start=True))
+            model.module.register_forward_pre_hook(lambda *_: timer._forward(now(cuda), start=False))
         return timer
 
     def _forward(self, now: Any, start: bool) -> None:

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
+from lightning_ext import _clock as timestamps
 from lightning_ext.callbacks import HookRunner, IterationTimer, TrainingStats, hook_base, iteration_timer
 from lightning_ext.distributed.ddp_sync_timer import DDPSyncTimer
 from lightning_ext.plugins import SyncBatchNormPlugin
@@ -62,7 +63,7 @@ def clock(monkeypatch):
     global _clock
     _clock = FakeClock()
     fake = types.SimpleNamespace(perf_counter=_clock.perf_counter)
-    for module in (iteration_timer, hook_base):  # step time and the hooks' one data-time clock
+    for module in (iteration_timer, hook_base, timestamps):  # step and phase times, the hooks' data time
         monkeypatch.setattr(module, "time", fake)
     monkeypatch.setattr(iteration_timer, "collective_seconds", _clock.collective_seconds)
     return _clock
