@@ -148,9 +148,10 @@ def test_a_slow_rank_is_named_at_every_flush_after_the_first_two(phase, world, s
     name = {"step": "Timing/compute_sec", "data": "Timing/data_sec"}[slow]
     assert len(rows) == PHASE // EVERY
     assert all(float(row[name + "/straggler_rank"]) == SLOW_RANK for row in rows[1:]), rows
-    # Named from the second flush of the phase (patience 2), at every flush then (one may miss).
+    # Named from the second flush of the phase (patience 2), at every flush then; a flush that misses
+    # the excess costs two lines (its own and the next one's).
     named = [i for i, rank, n in lines if n == name and rank == SLOW_RANK]
-    assert len(named) >= len(rows) - 2, lines
+    assert len(named) >= len(rows) - 3, lines
     assert all(rank == SLOW_RANK for _, rank, _ in every_line), every_line
     print(f"{world} ranks, slow {slow}, SyncBatchNorm {sync_bn}: named at {len(named)}/{len(rows)} flushes")
 
