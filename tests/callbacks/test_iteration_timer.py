@@ -1,6 +1,6 @@
 """``IterationTimer``: the parts of an iteration add up to its wall time (exactly on a fake clock, within
 the time inside the timer's hooks on the real one), the wait in DDP's gradient all-reduce leaves
-``compute_sec``, and a rank slow in its backward is named in ``ddp_spawn`` jobs on 2 and 3 ranks."""
+``compute_sec``, and a rank slow in its backward is named in DDP Trainer jobs on 2 and 3 ranks."""
 
 import csv
 import itertools
@@ -26,6 +26,7 @@ from lightning_ext.distributed.ddp_sync_timer import DDPSyncTimer
 from lightning_ext.plugins import SyncBatchNormPlugin
 from lightning_ext.stats import Collector, init_multiprocessing
 from tests.helpers.distributed import run_distributed
+from tests.helpers.lightning_ddp import ddp_trainer, rank_zero_output
 
 # The timer reads a fake clock that only the data set, the training step, the backward, the optimizer
 # step, a later callback and a fake collective advance, by these exact binary fractions: the measured
@@ -387,34 +388,40 @@ class _Model(L.LightningModule):
         return DataLoader(_Data(), batch_size=BATCH)
 
 
-def run_job(tmp_path: Path, capfd, world: int, sync_bn: bool):
-    """Train ``STEPS`` steps on ``world`` ``ddp_spawn`` ranks; the steps of the flushes' CSV rows and
-    their straggler ranks, and the straggler lines ``(iteration, rank, name)`` printed on rank zero."""
-    logger = CSVLogger(tmp_path, name="csv", version=0)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy="ddp_spawn",
+def _trainer_job(rank: int, world: int, sync_bn: bool, log_dir: str) -> list[str]:
+    """Train ``STEPS`` steps on ``world`` ranks (Lightning's ``"ddp"`` on the harness's workers),
+    logging to a CSV file in ``log_dir``; what this rank logged (rank zero's straggler lines)."""
+    trainer = ddp_trainer(
+        rank,
+        world,
         plugins=[SyncBatchNormPlugin()] if sync_bn else None,
         max_steps=STEPS,
         callbacks=[IterationTimer(warmup_iter=WARMUP), TrainingStats(every_n_train_steps=EVERY)],
-        logger=logger,
+        logger=CSVLogger(log_dir, name="csv", version=0),
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
     )
-    capfd.readouterr()
-    trainer.fit(_Model())
-    with open(Path(logger.log_dir) / "metrics.csv") as f:
+    with rank_zero_output() as (logged, _):
+        trainer.fit(_Model())
+    return logged
+
+
+def run_job(tmp_path: Path, world: int, sync_bn: bool):
+    """Train ``STEPS`` steps on ``world`` DDP ranks; the steps of the flushes' CSV rows and their
+    straggler ranks, and the straggler lines ``(iteration, rank, name)`` printed on rank zero."""
+    logged = run_distributed(_trainer_job, world, sync_bn, str(tmp_path), timeout=200)
+    assert all(lines == [] for lines in logged[1:])  # rank zero's lines only
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
         key = "Timing/compute_sec/straggler_rank"
         rows = [(int(row["step"]), int(float(row[key]))) for row in csv.DictReader(f) if row.get(key)]
-    return rows, [(int(i), int(r), name) for i, r, name in LINE.findall(capfd.readouterr().err)]
+    return rows, [(int(i), int(r), name) for text in logged[0] for i, r, name in LINE.findall(text)]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("world", "sync_bn"), [(2, False), (3, True)])
-def test_a_rank_slow_in_its_backward_is_named_and_a_quiet_job_names_nobody(tmp_path, capfd, world, sync_bn):
-    rows, lines = run_job(tmp_path, capfd, world, sync_bn)
+def test_a_rank_slow_in_its_backward_is_named_and_a_quiet_job_names_nobody(tmp_path, world, sync_bn):
+    rows, lines = run_job(tmp_path, world, sync_bn)
     assert [step for step, _ in rows] == list(range(EVERY - 1, STEPS, EVERY))
     assert [line for line in lines if line[0] < SLOW_FROM] == []  # quiet: no line
     # Slow: its rank is the straggler of every flush, named from the second such flush (patience 2)

@@ -1,4 +1,4 @@
-"""Throughput: global samples/s and tokens/s equal a hand count on 2 and 3 ``ddp_spawn`` ranks with
+"""Throughput: global samples/s and tokens/s equal a hand count on 2 and 3 DDP ranks with
 variable batches and sequence lengths per rank (gradient accumulation, validation and checkpoint saves
 inside the intervals), MFU equals FlopCounterMode's FLOPs over a given peak, the slowest rank by
 throughput in the straggler line, Lightning's ThroughputMonitor side by side, HFU with recomputation,
@@ -27,6 +27,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ext.callbacks import IterationTimer, Throughput, TrainingStats
 from lightning_ext.perf import LOST_TIME_CAUSES
+from tests.helpers.distributed import run_distributed
+from tests.helpers.lightning_ddp import ddp_trainer, rank_zero_output
 
 LENGTH, WIDTH = 6, 8  # tokens per sequence (padded), features per token
 EVERY, ACCUMULATE, STEPS = 3, 2, 12  # flush period (iterations), micro-batches per iteration: 4 flushes
@@ -183,25 +185,36 @@ def _samples(batch: dict[str, torch.Tensor]) -> int:
     return len(batch["x"])
 
 
-def _fit(tmp_path: Path, world: int, fixed: bool, monitor: bool = False, slow_rank: int | None = None):
-    """Train on ``world`` ranks; each rank's rows of ``_Record`` and rank zero's logged rows. With
-    ``slow_rank``, IterationTimer times the steps, so that TrainingStats names that rank."""
+def _fit_job(
+    rank: int, world: int, out_dir: str, fixed: bool, monitor: bool, slow_rank: int | None
+) -> list[str]:
+    """One rank of :func:`_fit` (Lightning's ``"ddp"`` on the harness's workers); what it logged."""
     first = [ThroughputMonitor(batch_size_fn=_samples, window_size=EVERY * ACCUMULATE + 1)] if monitor else []
     first += [IterationTimer()] if slow_rank else []
     throughput = Throughput(tokens_fn=_tokens, peak_flops_per_sec=PEAK)
     stats = TrainingStats(every_n_train_steps=EVERY, on_epoch=False)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy="ddp_spawn", max_steps=STEPS,
+    trainer = ddp_trainer(
+        rank, world, max_steps=STEPS,
         accumulate_grad_batches=ACCUMULATE, use_distributed_sampler=False, val_check_interval=16,
         limit_val_batches=1, num_sanity_val_steps=0, plugins=[_SlowWrites()],
-        callbacks=[_Clock(), *first, throughput, stats, _Record(str(tmp_path)),
-                   ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=7)],
-        logger=_Metrics(str(tmp_path / "logged.pt")), log_every_n_steps=1,
+        callbacks=[_Clock(), *first, throughput, stats, _Record(out_dir),
+                   ModelCheckpoint(Path(out_dir) / "ckpt", every_n_train_steps=7)],
+        logger=_Metrics(str(Path(out_dir) / "logged.pt")), log_every_n_steps=1,
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
-    trainer.fit(_Model(fixed, slow_rank))
+    with rank_zero_output() as (logged, _):
+        trainer.fit(_Model(fixed, slow_rank))
+    return logged
+
+
+def _fit(tmp_path: Path, world: int, fixed: bool, monitor: bool = False, slow_rank: int | None = None):
+    """Train on ``world`` DDP ranks; each rank's rows of ``_Record``, rank zero's logged rows and the
+    straggler lines it printed. With ``slow_rank``, IterationTimer times the steps, so that
+    TrainingStats names that rank."""
+    logged = run_distributed(_fit_job, world, str(tmp_path), fixed, monitor, slow_rank, timeout=200)
+    assert all(lines == [] for lines in logged[1:])  # rank zero's lines only
     rows = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    return rows, torch.load(tmp_path / "logged.pt")
+    return rows, torch.load(tmp_path / "logged.pt"), LINE.findall("\n".join(logged[0]))
 
 
 def _flops_per_sample() -> float:
@@ -282,16 +295,16 @@ def _check_monitor(rows: list[list[dict]], logged: list, fixed: bool) -> None:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 3])
-def test_global_rates_equal_a_hand_count_with_variable_batches(tmp_path: Path, capfd, world: int) -> None:
-    capfd.readouterr()
-    rows, logged = _fit(tmp_path, world, fixed=False, monitor=world == 2, slow_rank=1 if world == 2 else None)
+def test_global_rates_equal_a_hand_count_with_variable_batches(tmp_path: Path, world: int) -> None:
+    rows, logged, lines = _fit(
+        tmp_path, world, fixed=False, monitor=world == 2, slow_rank=1 if world == 2 else None
+    )
     _check_flushes(rows, world)
     if world == 3:
         return
     _check_monitor(rows, logged, fixed=False)
     # Rank 1 sleeps in its steps: the straggler line names it by Timing/compute_sec, and ends with the
     # slowest rank by throughput (rank 0: the fewer samples in the same time), as written at that flush.
-    lines = LINE.findall(capfd.readouterr().err)
     slowest = {round(step): row["Throughput/sec_per_sample/straggler_rank"] for step, row in logged
                if "Throughput/sec_per_sample/straggler_rank" in row}  # fmt: skip
     assert lines and all(rank == "1" and int(by) == slowest[int(step)] for step, rank, by in lines), lines
@@ -301,7 +314,7 @@ def test_global_rates_equal_a_hand_count_with_variable_batches(tmp_path: Path, c
 @pytest.mark.smoke
 @pytest.mark.timeout(300)
 def test_fixed_batches_agree_with_lightning_throughput_monitor(tmp_path: Path) -> None:
-    rows, logged = _fit(tmp_path, 2, fixed=True, monitor=True)
+    rows, logged, _ = _fit(tmp_path, 2, fixed=True, monitor=True)
     _check_flushes(rows, 2)
     _check_monitor(rows, logged, fixed=True)
 
@@ -314,24 +327,33 @@ class _Disagreeing(Callback):
             next(c for c in trainer.callbacks if isinstance(c, Throughput)).tokens_fn = _tokens
 
 
-@pytest.mark.timeout(240)
-def test_ranks_with_another_throughput_raise_at_setup_naming_them() -> None:
-    """A rank that counts tokens beside one that does not would sum its tokens alone: TrainingStats'
-    setup raises on every rank first, naming the ranks and their Throughput."""
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=2, logger=False,
+def _disagreeing_fit(rank: int, world: int) -> str:
+    """A fit in which rank 1's Throughput counts tokens (Lightning's ``"ddp"`` on the harness's
+    workers); the error it raised on this rank."""
+    trainer = ddp_trainer(
+        rank, world, max_steps=2, logger=False,
         callbacks=[_Disagreeing(), Throughput(), TrainingStats(every_n_train_steps=1)],
         use_distributed_sampler=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False,
     )  # fmt: skip
-    # The ValueError of rank 0, or of rank 1 wrapped by torch.multiprocessing (whichever fails first)
-    with pytest.raises(
-        Exception,
-        match=r"TrainingStats: the ranks' arguments differ: contributors=\(\"Throughput\(samples_fn=None, "
-        r"tokens_fn=None, .*\) on ranks \[0\], \(\"Throughput\(samples_fn=None, tokens_fn=_tokens, "
-        r".* on ranks \[1\]",
-    ):
+    try:
         trainer.fit(_Model())
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.timeout(240)
+def test_ranks_with_another_throughput_raise_at_setup_naming_them() -> None:
+    """A rank that counts tokens beside one that does not would sum its tokens alone: TrainingStats'
+    setup raises on every rank first, naming the ranks and their Throughput."""
+    for message in run_distributed(_disagreeing_fit, 2, timeout=200):
+        assert re.match(
+            r"TrainingStats: the ranks' arguments differ: contributors=\(\"Throughput\(samples_fn=None, "
+            r"tokens_fn=None, .*\) on ranks \[0\], \(\"Throughput\(samples_fn=None, tokens_fn=_tokens, "
+            r".* on ranks \[1\]",
+            message,
+        ), message
 
 
 def test_bad_arguments_raise() -> None:

@@ -1,9 +1,10 @@
-"""TrainingStats in real Trainer runs: 2-process ddp_spawn vs a float64 computation, checkpoints, periods."""
+"""TrainingStats in real Trainer runs: 2-process DDP vs a float64 computation, checkpoints, periods."""
 
 from __future__ import annotations
 
 import csv
 import math
+import re
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -15,7 +16,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ext.callbacks import TrainingStats
 from lightning_ext.stats import clear_statistics, report, report0
+from tests.helpers.distributed import run_distributed
 from tests.helpers.float64_reference import Reference, reference_moments
+from tests.helpers.lightning_ddp import ddp_trainer, rank_zero_output
 
 SAMPLES = 48  # 24 per rank: 8 micro-batches of 3, i.e. 4 optimizer steps with accumulate_grad_batches=2
 BATCH = 3
@@ -93,29 +96,36 @@ def _expect(ref: Reference, suffix: str) -> tuple[float, float]:
     return {"/min": ref.min, "/max": ref.max, "/num": ref.num}[suffix], 0.0
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
-def test_ddp_spawn_logs_match_float64_and_checkpoint_round_trips(tmp_path: Path, capfd) -> None:
+def _logging_fit(rank: int, world: int, out_dir: str) -> tuple[list[str], str]:
+    """2 ranks (Lightning's ``"ddp"`` on the harness's workers) of the job of the test below; what
+    this rank warned, and TrainingStats' state key."""
     clear_statistics()
     stats = TrainingStats(every_n_train_steps=EVERY, stats=("mean", "std", "min", "max", "num"))
-    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="Data/x", mode="max", save_top_k=1)
-    logger = CSVLogger(tmp_path, name="csv", version=0)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp_spawn",
+    checkpoint = ModelCheckpoint(dirpath=Path(out_dir) / "ckpt", monitor="Data/x", mode="max", save_top_k=1)
+    trainer = ddp_trainer(
+        rank,
+        world,
         max_epochs=1,
         accumulate_grad_batches=ACCUMULATE,
         callbacks=[stats, checkpoint],
-        logger=logger,
+        logger=CSVLogger(out_dir, name="csv", version=0),
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
     )
-    trainer.fit(ReportingModule(str(tmp_path)))
-    records = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    with rank_zero_output() as (_, warned):
+        trainer.fit(ReportingModule(out_dir))
+    return warned, stats.state_key
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
+def test_ddp_logs_match_float64_and_checkpoint_round_trips(tmp_path: Path) -> None:
+    (warned, state_key), (warned1, _) = run_distributed(_logging_fit, 2, str(tmp_path), timeout=200)
     # The default straggler names without IterationTimer: said once, on rank zero.
-    assert capfd.readouterr().err.count("asks for IterationTimer's timings, but the Trainer has none") == 1
+    said = "asks for IterationTimer's timings, but the Trainer has none"
+    assert sum(said in w for w in warned) == 1 and not any(said in w for w in warned1), (warned, warned1)
+    records = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
     # Single-process float64 reference over both ranks' data, per flush interval (4 micro-batches).
     micro_per_flush = EVERY * ACCUMULATE
@@ -133,7 +143,7 @@ def test_ddp_spawn_logs_match_float64_and_checkpoint_round_trips(tmp_path: Path,
             for name, data in values.items()
         }
         assert expected[step]["Data/x"].num == 2 * micro_per_flush * BATCH * 2
-    rows = _read_csv(logger.log_dir)
+    rows = _read_csv(tmp_path / "csv" / "version_0")
     by_step: dict[int, list[dict[str, str]]] = {}
     for row in rows:
         if row.get("Data/x"):
@@ -164,7 +174,7 @@ def test_ddp_spawn_logs_match_float64_and_checkpoint_round_trips(tmp_path: Path,
     ckpt = torch.load(ckpt_path, weights_only=False)
     (mc_state,) = [v for k, v in ckpt["callbacks"].items() if k.startswith("ModelCheckpoint")]
     assert abs(float(mc_state["best_model_score"]) - data_x.mean) <= data_x.tol_mean + F32 * abs(data_x.mean)
-    saved = ckpt["callbacks"][stats.state_key]
+    saved = ckpt["callbacks"][state_key]
     assert saved["last_flush_step"] == 4
     assert abs(saved["collector"]["values"]["Data/x"][1] - data_x.mean) <= data_x.tol_mean
 
@@ -678,21 +688,30 @@ class _Disagreeing(Callback):
             next(c for c in trainer.callbacks if isinstance(c, TrainingStats)).every_n_train_steps = 3
 
 
-@pytest.mark.timeout(240)
-def test_ranks_with_other_arguments_raise_at_setup_naming_them(tmp_path: Path) -> None:
-    """Issue 44's case: every_n_train_steps=2 on rank 0 and 3 on rank 1 would flush at other steps, where
-    DDP's gradient all-reduce stands in between (a hang to the timeout): setup raises on every rank
-    first, naming the ranks and their arguments."""
+def _disagreeing_fit(rank: int, world: int) -> str:
+    """A fit in which rank 1's TrainingStats has another period (Lightning's ``"ddp"`` on the harness's
+    workers); the error it raised on this rank."""
     clear_statistics()
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=6, logger=False,
+    trainer = ddp_trainer(
+        rank, world, max_steps=6, logger=False,
         callbacks=[_Disagreeing(), TrainingStats(every_n_train_steps=2)], enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
-    # The ValueError of rank 0, or of rank 1 wrapped by torch.multiprocessing (whichever fails first)
-    with pytest.raises(
-        Exception,
-        match=r"TrainingStats: the ranks' arguments differ: "
-        r"every_n_train_steps=2 on ranks \[0\], 3 on ranks \[1\]; their flushes would not meet",
-    ):
+    try:
         trainer.fit(_Colliding("Other"))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.timeout(240)
+def test_ranks_with_other_arguments_raise_at_setup_naming_them() -> None:
+    """Issue 44's case: every_n_train_steps=2 on rank 0 and 3 on rank 1 would flush at other steps, where
+    DDP's gradient all-reduce stands in between (a hang to the timeout): setup raises on every rank
+    first, naming the ranks and their arguments."""
+    for message in run_distributed(_disagreeing_fit, 2, timeout=200):
+        assert re.match(
+            r"TrainingStats: the ranks' arguments differ: "
+            r"every_n_train_steps=2 on ranks \[0\], 3 on ranks \[1\]; their flushes would not meet",
+            message,
+        ), message

@@ -20,6 +20,8 @@ from typing_extensions import override
 
 from lightning_ext.amp import DynamicLossScaler
 from lightning_ext.plugins import LossScalingPrecision
+from tests.helpers.distributed import run_distributed
+from tests.helpers.lightning_ddp import ddp_trainer
 
 INIT_SCALE = 2.0**12
 
@@ -144,12 +146,20 @@ def _check_scales(state, d_steps, poison, g_steps):
     assert g["steps"] == g_steps and g["skipped_steps"] == 0 and g["scale"] == INIT_SCALE
 
 
-def _ddp_run(tmp_path: Path, model: _Gan, batches: int):
-    model.out_dir = str(tmp_path)
-    trainer = _trainer(
-        _plugin(), batches, strategy="ddp_spawn_find_unused_parameters_true", devices=2, num_nodes=1
-    )
+def _ddp_fit(rank: int, world: int, out_dir: str, batches: int, **gan: object) -> None:
+    """One rank of a DDP fit of ``_Gan(**gan)`` (Lightning's ``"ddp"`` on the harness's workers)."""
+    model = _Gan(**gan)
+    model.out_dir = out_dir
+    trainer = ddp_trainer(
+        rank, world, "ddp_find_unused_parameters_true", plugins=[_plugin()], max_epochs=1,
+        limit_train_batches=batches, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
     trainer.fit(model, _data())
+
+
+def _ddp_run(tmp_path: Path, batches: int, **gan: object):
+    run_distributed(_ddp_fit, 2, str(tmp_path), batches, timeout=200, **gan)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
     assert r0["state"] == r1["state"]
     for p, q in zip(r0["weights"], r1["weights"]):
@@ -161,7 +171,7 @@ def _ddp_run(tmp_path: Path, model: _Gan, batches: int):
 @pytest.mark.timeout(240)
 def test_critic_loop_on_two_ranks_skips_exactly_the_poisoned_critic_steps(tmp_path: Path):
     poison = {(0, "Dmain", 1), (1, "Dmain", 4), (2, "Dmain", 0), (2, "Dmain", 3)}
-    r0 = _ddp_run(tmp_path, _Gan(n_critic=5, poison=poison, poison_rank=1), batches=3)
+    r0 = _ddp_run(tmp_path, batches=3, n_critic=5, poison=poison, poison_rank=1)
     _check_records(r0["records"], poison)
     _check_scales(r0["state"], d_steps=15, poison=poison, g_steps=3)
 
@@ -169,7 +179,7 @@ def test_critic_loop_on_two_ranks_skips_exactly_the_poisoned_critic_steps(tmp_pa
 @pytest.mark.timeout(240)
 def test_lazy_regularization_on_two_ranks_skips_exactly_the_poisoned_steps(tmp_path: Path):
     poison = {(0, "Dreg", 0), (3, "Dmain", 0), (4, "Dreg", 0)}
-    r0 = _ddp_run(tmp_path, _Gan(reg_interval=4, poison=poison, poison_rank=0), batches=6)
+    r0 = _ddp_run(tmp_path, batches=6, reg_interval=4, poison=poison, poison_rank=0)
     assert [b for b, phase, *_ in r0["records"] if phase == "Dreg"] == [0, 4]
     _check_records(r0["records"], poison)
     _check_scales(r0["state"], d_steps=6 + 2, poison=poison, g_steps=6)

@@ -18,6 +18,8 @@ from typing_extensions import override
 from lightning_ext.amp import DynamicLossScaler
 from lightning_ext.plugins import LossScalingPrecision
 from lightning_ext.stats import Collector
+from tests.helpers.distributed import run_distributed
+from tests.helpers.lightning_ddp import ddp_trainer
 
 
 def _data(n=96, batch_size=16):
@@ -472,14 +474,21 @@ class _RankResults(Callback):
         )
 
 
-@pytest.mark.timeout(240)
-def test_ddp_spawn_one_poisoned_rank_skips_on_both(tmp_path: Path):
+def _poisoned_fit(rank: int, world: int, out_dir: str) -> None:
+    """One rank of a 2-rank DDP fit (Lightning's ``"ddp"`` on the harness's workers), rank 1's local
+    gradient poisoned at steps 1 and 2."""
     model = _Regression(poison={1: float("inf"), 2: float("nan")}, poison_rank=1)
     plugin = LossScalingPrecision("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
-    trainer = _trainer(
-        plugin, [_RankResults(str(tmp_path))], max_steps=4, strategy="ddp_spawn", devices=2, num_nodes=1
-    )
+    trainer = ddp_trainer(
+        rank, world, plugins=[plugin], callbacks=[_RankResults(out_dir)], max_steps=4, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
     trainer.fit(model, _data(n=64))
+
+
+@pytest.mark.timeout(240)
+def test_ddp_one_poisoned_rank_skips_on_both(tmp_path: Path):
+    run_distributed(_poisoned_fit, 2, str(tmp_path), timeout=200)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
     assert r0["skipped"] == r1["skipped"] == [False, True, True, False]
     assert r0["scaler"] == r1["scaler"] and r0["scaler"]["scale"] == 2.0**6

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning import Callback, LightningModule, Trainer
+from lightning import Callback, LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -14,6 +14,7 @@ from lightning_ext.kernels import available_backends
 from lightning_ext.nn import SyncBatchNorm
 from lightning_ext.plugins import SyncBatchNormPlugin
 from tests.helpers.distributed import run_distributed
+from tests.helpers.lightning_ddp import ddp_trainer
 
 N, F = 16, 4
 
@@ -119,25 +120,36 @@ def _float32_bounds(per_rank_batches, momentum: float = 0.1) -> tuple[torch.Tens
     return tol_mean, tol_var
 
 
-@pytest.mark.timeout(240)
-def test_trainer_ddp_spawn_on_cpu_synchronizes_and_reverts(tmp_path):
-    # Rank 1 starts from other running stats: the plugin broadcasts rank 0's once at apply and
-    # removes the layers' buffers from DDP's per-forward broadcast (they stay equal by themselves).
+def _plugin_fit(rank: int, world: int, out_dir: str) -> dict:
+    """One rank of a 2-rank DDP fit with the plugin (Lightning's ``"ddp"`` on the harness's workers);
+    what the user's module holds after it."""
     model = PerturbedOnRank1()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp_spawn",
+    trainer = ddp_trainer(
+        rank,
+        world,
         plugins=[SyncBatchNormPlugin(group_size=2)],
         max_epochs=1,
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
         logger=False,
-        callbacks=[RecordStats(str(tmp_path))],
+        callbacks=[RecordStats(out_dir)],
     )
     trainer.fit(model)
+    return {
+        "classes": [type(m) for m in model.net],
+        "running_var": model.net[0].running_var.clone(),
+        "trained": not torch.equal(model.net[1].weight, initial["net.1.weight"]),
+        "finite": bool(torch.isfinite(model.net[3].weight).all()),
+    }
+
+
+@pytest.mark.timeout(240)
+def test_trainer_ddp_on_cpu_synchronizes_and_reverts(tmp_path):
+    # Rank 1 starts from other running stats: the plugin broadcasts rank 0's once at apply and
+    # removes the layers' buffers from DDP's per-forward broadcast (they stay equal by themselves).
+    models = run_distributed(_plugin_fit, 2, str(tmp_path), timeout=200)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     reference = _reference_running_stats([rec["batches"] for rec in ranks])
     tol_mean, tol_var = _float32_bounds([rec["batches"] for rec in ranks])
@@ -150,11 +162,11 @@ def test_trainer_ddp_spawn_on_cpu_synchronizes_and_reverts(tmp_path):
         assert ((rec["running_mean"].double() - reference.running_mean).abs() <= tol_mean).all()
         assert ((rec["running_var"].double() - reference.running_var).abs() <= tol_var).all()
     assert torch.equal(ranks[0]["running_var"], ranks[1]["running_var"])
-    # The user's module keeps its classes and received the trained state.
-    assert [type(m) for m in model.net] == [nn.BatchNorm1d, nn.Linear, nn.BatchNorm1d, nn.Linear]
-    torch.testing.assert_close(model.net[0].running_var, ranks[0]["running_var"])
-    assert not torch.equal(model.net[1].weight, initial["net.1.weight"])
-    assert torch.isfinite(model.net[3].weight).all()
+    # The user's module, on every rank, has its classes back (reverted) and the trained state.
+    for model, rec in zip(models, ranks):
+        assert model["classes"] == [nn.BatchNorm1d, nn.Linear, nn.BatchNorm1d, nn.Linear]
+        torch.testing.assert_close(model["running_var"], rec["running_var"])
+        assert model["trained"] and model["finite"]
 
 
 class WithExtraBuffer(nn.Module):
