@@ -40,6 +40,7 @@ TRANSPORTS = [
     ),
     "process group",
 ]
+BROKEN_TRANSPORTS = ["shm", "process group"] if X86 else ["process group"]  # the fresh job's
 SEGMENTS = "/dev/shm/lightning_ext_shm_*"
 
 
@@ -127,28 +128,41 @@ def test_sync_batch_norm_of_different_widths_raises_on_every_rank(world_size: in
         assert running_mean == [0.0] * len(running_mean), rank  # nothing updated from stale bytes
 
 
-def _late_peer(rank: int, world_size: int, transport: str, timeout: float) -> tuple[str, float]:
-    """A group created with ``timeout`` seconds; the last rank sleeps 4x longer before reducing."""
+WAIT_TIMEOUT = 2.0  # seconds: the timeout of the group in which a peer comes late
+PEER_PATIENCE = 30.0  # seconds the late peer waits for rank 0 to give up before it reduces anyway
+
+
+def _late_peer(rank: int, transport: str, marker: str) -> tuple[str, float] | None:
+    """Ranks 0 and 1 in a group created with ``WAIT_TIMEOUT`` seconds (every rank creates it): rank 1
+    reduces only once rank 0's reduction gave up (rank 0 then writes ``marker``), so rank 0's wait can
+    only end by the timeout; rank 0's message and the seconds it waited. Were there no timeout, rank 1
+    would reduce after ``PEER_PATIENCE`` seconds and rank 0's reduction would succeed."""
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=WAIT_TIMEOUT))
+    if rank > 1:
+        return None
     _use(transport)
-    group = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=timeout))
     all_reduce_(torch.ones(2), group=group)  # sets the route up together
-    if rank == world_size - 1:
-        time.sleep(4 * timeout)
+    if rank == 1:
+        deadline = time.monotonic() + PEER_PATIENCE
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.01)
     start = time.monotonic()
     message = _error_of(lambda: all_reduce_(torch.ones(2), group=group))
-    return message, time.monotonic() - start
+    waited = time.monotonic() - start
+    if rank == 0:
+        open(marker, "w").close()
+    return message, waited
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.slow  # the fixture's job starts processes
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_wait_ends_with_the_groups_timeout(transport: str) -> None:
-    timeout = 3.0
-    results = run_distributed(_late_peer, 2, transport, timeout, timeout=90, fresh=True)
-    message, waited = results[0]
+def test_a_wait_ends_with_the_groups_timeout(breaking_job: list[dict], transport: str) -> None:
+    message, waited = breaking_job[0]["late", transport]
     assert message != "no error"
-    assert timeout - 0.5 <= waited <= timeout + 5, (waited, message)  # not gloo's default 1800 s
+    assert WAIT_TIMEOUT - 0.5 <= waited <= WAIT_TIMEOUT + 5, (waited, message)  # not gloo's default 1800 s
     if transport == "shm":
-        assert "timed out after 3s" in message and "[1]" in message, message
+        assert f"timed out after {WAIT_TIMEOUT:.0f}s" in message and "[1]" in message, message
 
 
 def _exit_during_set_up(rank: int, world_size: int) -> str:
@@ -325,15 +339,18 @@ def _recovers(group: Any) -> bool:
     return torch.equal(y, torch.full((3,), float(dist.get_world_size(group))))
 
 
-def _diverge(rank: int, world_size: int, transports: list[str]) -> dict[tuple[str, str], tuple]:
-    """Every scenario over every transport, each on a fresh route of a group with a 60 s timeout. Per
-    (transport, scenario): the message the diverging step raised, the seconds it took, the collectives
-    it issued, and whether an agreed reduction afterwards gave the right sum."""
-    odd = rank == world_size - 1
+def _diverge(rank: int, size: int, transports: list[str]) -> dict[tuple[str, str], tuple]:
+    """Every scenario over every transport in a group of ranks ``0 .. size - 1`` (every rank creates
+    it), each on a fresh route of a group with a 60 s timeout. Per (transport, scenario): the message
+    the diverging step raised, the seconds it took, the collectives it issued, and whether an agreed
+    reduction afterwards gave the right sum."""
+    odd = rank == size - 1
     results = {}
     for transport in transports:
+        group = dist.new_group(list(range(size)), timeout=timedelta(seconds=GROUP_TIMEOUT))
+        if rank >= size:
+            continue
         _use(transport)
-        group = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=GROUP_TIMEOUT))
         for name, (scenario, *_) in SCENARIOS.items():
             close_shared_memory()  # every rank alike: a new route, with no history
             assert shm_available(group) == (transport == "shm")  # the route set up outside the count
@@ -348,15 +365,34 @@ def _diverge(rank: int, world_size: int, transports: list[str]) -> dict[tuple[st
     return results
 
 
+def _breaking(rank: int, world_size: int, transports: list[str], markers: str) -> dict[tuple, Any]:
+    """The tests that break collectives, in one job of 3 fresh ranks: the issue's sequences in a group
+    of all 3 and in one of ranks 0 and 1, then a late peer on each transport (last: its group timed out)."""
+    results: dict[tuple, Any] = {("issues", size): _diverge(rank, size, transports) for size in (3, 2)}
+    for transport in transports:
+        results["late", transport] = _late_peer(rank, transport, os.path.join(markers, transport))
+    return results
+
+
+@pytest.fixture(scope="module")
+def breaking_job(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The per-rank results of ``_breaking`` on fresh processes (so the harness also checks that every
+    rank exits with status 0, no SIGABRT), and ``"segments left"``: the shared-memory files it left."""
+    before = _segments()
+    markers = str(tmp_path_factory.mktemp("late_peer"))
+    results = run_distributed(_breaking, 3, BROKEN_TRANSPORTS, markers, timeout=300, fresh=True)
+    return [{**result, "segments left": _segments() - before} for result in results]
+
+
+@pytest.mark.slow  # the fixture's job starts processes
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_the_issues_sequences_raise_on_every_rank_naming_each_ranks_reduction(world_size: int) -> None:
-    # Fresh processes, so the harness also checks that every rank exits with status 0 (no SIGABRT).
-    transports = ["shm", "process group"] if X86 else ["process group"]
-    before = _segments()
-    results = run_distributed(_diverge, world_size, transports, timeout=300, fresh=True)
+def test_the_issues_sequences_raise_on_every_rank_naming_each_ranks_reduction(
+    breaking_job: list[dict], world_size: int
+) -> None:
+    results = [result["issues", world_size] for result in breaking_job[:world_size]]
     last = world_size - 1
-    for transport in transports:
+    for transport in BROKEN_TRANSPORTS:
         words = "shared memory" if transport == "shm" else "process group"
         for name, (_, mine, theirs, count) in SCENARIOS.items():
             per_rank = [result[transport, name] for result in results]
@@ -372,7 +408,7 @@ def test_the_issues_sequences_raise_on_every_rank_naming_each_ranks_reduction(wo
                 assert calls == (["all_reduce"] * (count - 1) + ["all_gather"] if pg else []), where
         for message, _, _, recovered in (result[transport, "float8 everywhere"] for result in results):
             assert message != "no error" and "disagree" not in message and recovered, (transport, message)
-    assert _segments() <= before
+    assert not breaking_job[0]["segments left"]
 
 
 def _collectives_per_reduction(rank: int, world_size: int, check: tuple[str | None, ...]) -> list[list[str]]:
