@@ -62,10 +62,9 @@ def _error_of(fn) -> str:
     return "no error"
 
 
-def _disagree(rank: int, world_size: int, transport: str, what: str) -> tuple[str, bool]:
+def _disagree(rank: int, world_size: int, what: str) -> tuple[str, bool]:
     """The last rank reduces a tensor that differs from the others' in ``what``; every rank reports
     its error. A second reduction afterwards, alike on every rank, still works (nothing is stuck)."""
-    _use(transport)
     odd = rank == world_size - 1
     x, op = torch.ones(4), dist.ReduceOp.SUM
     if odd and what == "numel":
@@ -82,7 +81,47 @@ def _disagree(rank: int, world_size: int, transport: str, what: str) -> tuple[st
     return message, bool(torch.equal(y, torch.full((3,), float(world_size))))
 
 
-@pytest.mark.timeout(120)
+def _sync_batch_norm_widths(rank: int, world_size: int) -> tuple[str, list[float]]:
+    """``SyncBatchNorm(4)`` on every rank but the last, ``SyncBatchNorm(8)`` there (a width from a flag)."""
+    channels = 8 if rank == world_size - 1 else 4
+    layer = SyncBatchNorm(channels)
+    x = torch.randn(3, channels, 5, 5, generator=torch.Generator().manual_seed(rank))
+    message = _error_of(lambda: layer(x))
+    return message, layer.running_mean.tolist()
+
+
+WHATS = ("numel", "dtype", "op", "slot")
+
+
+def _one_rank_differs(rank: int, world_size: int, transports: list[str]) -> dict[tuple[str, str], tuple]:
+    """Per (transport, what): ``_disagree``'s result, and per (transport, "widths")
+    ``_sync_batch_norm_widths``'s; each case on a new route of the default group, taken with
+    ``transport`` (so one call of the pool serves every case; a case that left anything stuck would
+    fail the next ones)."""
+    results = {}
+    for transport in transports:
+        _use(transport)
+        for what in (*WHATS, "widths"):
+            close_shared_memory()  # every rank alike: the next reduction takes a new route
+            case = _sync_batch_norm_widths if what == "widths" else functools.partial(_disagree, what=what)
+            results[transport, what] = case(rank, world_size)
+    return results
+
+
+@pytest.fixture(scope="module")
+def one_rank_differs() -> dict[int, Any]:
+    """Per world size: the per-rank results of ``_one_rank_differs`` on the pool; under ``"segments
+    left"`` the shared-memory files left after both calls."""
+    before = _segments()
+    results: dict[Any, Any] = {
+        n: run_distributed(_one_rank_differs, n, BROKEN_TRANSPORTS, timeout=90) for n in (2, 3)
+    }
+    results["segments left"] = _segments() - before
+    return results
+
+
+@pytest.mark.slow  # the fixture's calls start processes
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize(
@@ -95,33 +134,24 @@ def _disagree(rank: int, world_size: int, transport: str, what: str) -> tuple[st
     ],
 )
 def test_a_reduction_that_differs_on_one_rank_raises_on_every_rank(
-    world_size: int, transport: str, what: str, mine: str, theirs: str
+    one_rank_differs: dict, world_size: int, transport: str, what: str, mine: str, theirs: str
 ) -> None:
-    before = _segments()
-    results = run_distributed(_disagree, world_size, transport, what, timeout=90)
     last = world_size - 1
-    for message, recovered in results:
+    for message, recovered in (result[transport, what] for result in one_rank_differs[world_size]):
         assert "disagree on what they reduce" in message, message
         assert f"rank 0: {mine}" in message and f"rank {last}: {theirs}" in message, message
         assert recovered
-    assert _segments() <= before
+    assert not one_rank_differs["segments left"]
 
 
-def _sync_batch_norm_widths(rank: int, world_size: int, transport: str) -> tuple[str, list[float]]:
-    """``SyncBatchNorm(4)`` on every rank but the last, ``SyncBatchNorm(8)`` there (a width from a flag)."""
-    _use(transport)
-    channels = 8 if rank == world_size - 1 else 4
-    layer = SyncBatchNorm(channels)
-    x = torch.randn(3, channels, 5, 5, generator=torch.Generator().manual_seed(rank))
-    message = _error_of(lambda: layer(x))
-    return message, layer.running_mean.tolist()
-
-
-@pytest.mark.timeout(120)
+@pytest.mark.slow  # the fixture's calls start processes
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_sync_batch_norm_of_different_widths_raises_on_every_rank(world_size: int, transport: str) -> None:
-    results = run_distributed(_sync_batch_norm_widths, world_size, transport, timeout=90)
+def test_sync_batch_norm_of_different_widths_raises_on_every_rank(
+    one_rank_differs: dict, world_size: int, transport: str
+) -> None:
+    results = [result[transport, "widths"] for result in one_rank_differs[world_size]]
     for rank, (message, running_mean) in enumerate(results):
         assert "disagree on what they reduce" in message and "channel count" in message, message
         assert f"rank {world_size - 1}: SUM of " in message
