@@ -27,6 +27,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -275,31 +276,59 @@ def test_a_truncated_build_is_rebuilt_then_loads_whichever_ninja_is_on_path(tmp_
     assert not second.exists() and library.stat().st_mtime_ns == built
 
 
-def _read_only(root: Path) -> list[str]:
+def _read_only(root: Path) -> list[str] | None:
     """The command prefix of a process that sees ``root`` read-only: as root (who writes through any
-    mode) a read-only bind mount in a mount namespace of its own; else ``root`` made read-only."""
+    mode) a read-only bind mount in a mount namespace of its own (None without ``unshare -m``); else
+    ``root`` made read-only."""
     if os.geteuid() != 0:
         for path in (root, *root.rglob("*")):
             path.chmod(path.stat().st_mode & ~0o222)
         return []
     if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"]).returncode:
-        pytest.skip("running as root without `unshare -m`: no read-only mount to test with")
+        return None
     mount = 'mount --bind "$0" "$0" && mount -o remount,ro,bind "$0" "$0" && exec "$@"'
     return ["unshare", "-m", "sh", "-c", mount, str(root)]
 
 
+_PIPES = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+
+
+@pytest.fixture(scope="module")
+def entry_point(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Path]]:
+    """``python -m lightning_ext.kernels`` in new interpreters that run side by side: with ``-W default``
+    on this environment's cache (``"ahead of time"``), on a read-only copy of its build
+    (``"complete"``), and on a read-only one whose library is truncated to 200000 bytes
+    (``"truncated"``); each run (None: no read-only mount here) with the build directory it was given."""
+    require_cpu_backend()
+    command = [sys.executable, "-W", "default", "-m", "lightning_ext.kernels"]
+    directory = _compat.extension_build_directory(cpu._extension_name())
+    runs = {"ahead of time": (subprocess.Popen(command, **_PIPES), directory)}
+    for case in ("complete", "truncated"):
+        directory = _cache_copy(tmp_path_factory.mktemp(case))
+        if case == "truncated":
+            _library(directory).write_bytes(_library(directory).read_bytes()[:200_000])
+        prefix = _read_only(directory.parent)
+        command = [*(prefix or []), sys.executable, "-m", "lightning_ext.kernels"]
+        process = None if prefix is None else subprocess.Popen(command, env=_environ(directory), **_PIPES)
+        runs[case] = (process, directory)
+    results = {}
+    for case, (process, directory) in runs.items():
+        if process is not None:
+            stdout, stderr = process.communicate(timeout=600)
+            process = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+        results[case] = (process, directory)
+    return results
+
+
+@pytest.mark.slow  # its fixture starts processes
 @pytest.mark.parametrize("truncated", [False, True], ids=["complete", "truncated"])
-def test_a_read_only_cache_loads_a_complete_build_and_refuses_a_truncated_one(tmp_path, truncated):
+def test_a_read_only_cache_loads_a_complete_build_and_refuses_a_truncated_one(entry_point, truncated):
     """A shared cache is usually read-only: a verified build loads from it (no lock, nothing written);
     a truncated one cannot be rebuilt there, and ``python -m lightning_ext.kernels`` says so in one line
     naming the file and why, exit status 1 (never SIGBUS)."""
-    directory = _cache_copy(tmp_path)
-    library = _library(directory)
-    size = library.stat().st_size
-    if truncated:
-        library.write_bytes(library.read_bytes()[:200_000])
-    command = [*_read_only(directory.parent), sys.executable, "-m", "lightning_ext.kernels"]
-    result = _run(command, directory)
+    result, directory = entry_point["truncated" if truncated else "complete"]
+    if result is None:
+        pytest.skip("running as root without `unshare -m`: no read-only mount to test with")
     if not truncated:
         assert result.returncode == 0, result.stderr
         assert result.stdout.startswith("lightning_ext: cpu kernels cached, loaded in "), result.stdout
@@ -308,6 +337,7 @@ def test_a_read_only_cache_loads_a_complete_build_and_refuses_a_truncated_one(tm
             and not (directory / "lightning_ext.lock").exists()
         )
         return
+    library, size = _library(directory), _library(entry_point["complete"][1]).stat().st_size
     assert result.returncode == 1 and result.stderr.count("\n") == 1, result
     assert result.stderr.startswith(
         f"lightning_ext: cannot build the cpu kernels: {library} is 200000 bytes, {size} when built "
@@ -532,20 +562,15 @@ def test_a_blocking_build_is_announced_once_on_every_rank(monkeypatch, tmp_path,
     ]
 
 
-def test_the_ahead_of_time_build_runs_cleanly():
+@pytest.mark.slow  # its fixture starts processes
+def test_the_ahead_of_time_build_runs_cleanly(entry_point):
     """``python -m lightning_ext.kernels`` (the build is cached here, so it is quick) exits 0 without
     runpy's RuntimeWarning and prints the build directory and the time it took."""
-    require_cpu_backend()
-    result = subprocess.run(
-        [sys.executable, "-W", "default", "-m", "lightning_ext.kernels"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result, directory = entry_point["ahead of time"]
     assert result.returncode == 0, result.stderr
     assert "RuntimeWarning" not in result.stderr, result.stderr  # (torch 2.5's dynamo import leaves a
     # ResourceWarning of its own under -W default)
-    directory = re.escape(str(_compat.extension_build_directory(cpu._extension_name())))
+    directory = re.escape(str(directory))
     printed = rf"lightning_ext: cpu kernels (built|cached, loaded) in \d+\.\d s (in|from) {directory}\n"
     assert re.fullmatch(printed, result.stdout), result.stdout
 
