@@ -6,6 +6,9 @@ breaks, so a new torch or Lightning release that moves one says what to update a
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import gc
 import inspect
 import os
 import re
@@ -13,6 +16,7 @@ import stat
 import subprocess
 import sys
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
 
@@ -29,7 +33,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils import cpp_extension
 
 from lightning_ext import _compat
-from tests.helpers.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH, LIGHTNING = f"torch {torch.__version__}", f"Lightning {lightning.__version__}"
@@ -91,21 +94,40 @@ def test_the_corners_and_the_documents_state_one_range():
             assert re.search(stated, text), f"{path} does not state the range {label} {low}–{high}"
 
 
-@pytest.mark.parametrize(
-    ("patch", "message"),
-    [
-        ("import torch; torch.__version__ = '2.3.1+cu121'",
-         "ImportError: torch 2.3.1+cu121 is installed, lightning_ext needs torch>=2.5"),
-        ("import importlib.metadata as m; v = m.version; "
-         "m.version = lambda name: '2.2.5' if name == 'lightning' else v(name)",
-         "ImportError: lightning 2.2.5 is installed, lightning_ext needs lightning>=2.4"),
-    ],
-)  # fmt: skip
-def test_importing_with_an_old_release_installed_raises_importerror(patch, message):
-    result = subprocess.run(
-        [sys.executable, "-c", f"{patch}; import lightning_ext"], cwd=ROOT, capture_output=True, text=True
-    )
-    assert result.returncode == 1 and message in result.stderr, result.stderr
+OLD_RELEASES = [  # a patch that makes an old release look installed; the error importing then names it
+    ("import torch; torch.__version__ = '2.3.1+cu121'",
+     "ImportError: torch 2.3.1+cu121 is installed, lightning_ext needs torch>=2.5"),
+    ("import importlib.metadata as m; v = m.version; "
+     "m.version = lambda name: '2.2.5' if name == 'lightning' else v(name)",
+     "ImportError: lightning 2.2.5 is installed, lightning_ext needs lightning>=2.4"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def imports_with_old_releases() -> dict[str, tuple[int, str]]:
+    """Per patch of ``OLD_RELEASES``: the exit status and stderr of ``import lightning_ext`` after it,
+    in new interpreters that run side by side."""
+    processes = {
+        patch: subprocess.Popen(
+            [sys.executable, "-c", f"{patch}; import lightning_ext"],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for patch, _ in OLD_RELEASES
+    }
+    stderrs = {patch: p.communicate(timeout=120)[1] for patch, p in processes.items()}
+    return {patch: (processes[patch].returncode, stderr) for patch, stderr in stderrs.items()}
+
+
+@pytest.mark.slow  # its fixture starts processes
+@pytest.mark.parametrize(("patch", "message"), OLD_RELEASES)
+def test_importing_with_an_old_release_installed_raises_importerror(
+    patch, message, imports_with_old_releases
+):
+    returncode, stderr = imports_with_old_releases[patch]
+    assert returncode == 1 and message in stderr, stderr
 
 
 # -------------------------------------------------------------------------------------- differing APIs
@@ -226,19 +248,31 @@ def test_module_tables_move_parameters_buffers_and_persistence_whole():
     assert "scratch" not in target.state_dict() and target.scratch is source.scratch
 
 
-def _ddp_ignores(rank: int, world_size: int) -> list[str]:
+@contextlib.contextmanager
+def _one_rank_group(tmp_path: Path, timeout: float = 60.0) -> Iterator[None]:
+    """A gloo process group of this process alone (what DistributedDataParallel needs), created with
+    ``timeout`` seconds and destroyed after the block (its gloo threads end once nothing holds it)."""
+    import torch._dynamo  # noqa: F401  (imported while a group exists, it would keep that group alive)
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+        timeout=datetime.timedelta(seconds=timeout),
+    )  # fmt: skip
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        gc.collect()  # a DDP model's cycles hold the group and its gloo threads
+
+
+def test_ddp_ignores_the_names_a_model_lists(tmp_path):
     model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
     _compat.set_ddp_ignored(model, ["1.running_mean"])
     assert _compat.ddp_ignored(model) == ["1.running_mean"]
-    ignored = sorted(DistributedDataParallel(model).parameters_to_ignore)
+    with _one_rank_group(tmp_path):
+        ignored = sorted(DistributedDataParallel(model).parameters_to_ignore)
     _compat.set_ddp_ignored(model, None)
     assert _compat.ddp_ignored(model) is None and _compat.DDP_IGNORE_ATTR not in model.__dict__
-    dist.barrier()
-    return ignored
-
-
-def test_ddp_ignores_the_names_a_model_lists():
-    (ignored,) = run_distributed(_ddp_ignores, 1, timeout=120)
     assert ignored == ["1.running_mean"], (
         f"{TORCH}: DistributedDataParallel no longer reads {_compat.DDP_IGNORE_ATTR} (ignored {ignored}): "
         "SyncBatchNormPlugin's buffers would be broadcast by DDP at every forward"
@@ -338,22 +372,9 @@ def test_assume_constant_result_marks_a_function_as_torch_compiler_does():
 def test_group_timeout_reads_the_timeout_a_gloo_group_was_created_with(tmp_path):
     """A process group backend's private ``options._timeout`` (``ProcessGroupGloo.Options``) holds the
     ``timeout`` given to ``init_process_group``/``new_group``."""
-    import datetime
-
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp_path / 'store'}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=7),
-    )
-    try:
+    with _one_rank_group(tmp_path, timeout=7.0):
         assert _compat.group_timeout(dist.group.WORLD, torch.device("cpu")) == 7.0
         assert _compat.group_timeout(object(), torch.device("cpu")) == 1800.0  # torch's default
-    finally:
-        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------- DDP communication hooks (timer)
@@ -363,17 +384,13 @@ def _comm_hook(state, bucket):  # no annotations: DDP refuses them as strings (f
     return allreduce_hook(state, bucket)
 
 
-def _registered_comm_hooks(rank: int, world_size: int) -> tuple[int, bool]:
-    model = DistributedDataParallel(nn.Linear(2, 2))
-    before = len(_compat.ddp_comm_hooks(model))
-    model.register_comm_hook(None, _comm_hook)
-    hooks = _compat.ddp_comm_hooks(model)
-    dist.barrier()
-    return before, hooks == [(_comm_hook, None)]
-
-
-def test_ddp_comm_hooks_lists_the_registered_hook():
-    (before, found) = run_distributed(_registered_comm_hooks, 1, timeout=120)[0]
+def test_ddp_comm_hooks_lists_the_registered_hook(tmp_path):
+    with _one_rank_group(tmp_path):
+        model = DistributedDataParallel(nn.Linear(2, 2))
+        before = len(_compat.ddp_comm_hooks(model))
+        model.register_comm_hook(None, _comm_hook)
+        found = _compat.ddp_comm_hooks(model) == [(_comm_hook, None)]
+        del model
     assert (before, found) == (0, True), (
         f"{TORCH}: DistributedDataParallel no longer lists its communication hook in `_comm_hooks` "
         f"(before registering: {before} hooks; found after: {found}): IterationTimer cannot tell its "

@@ -40,6 +40,7 @@ TRANSPORTS = [
     ),
     "process group",
 ]
+BROKEN_TRANSPORTS = ["shm", "process group"] if X86 else ["process group"]  # each job below runs both
 SEGMENTS = "/dev/shm/lightning_ext_shm_*"
 
 
@@ -61,10 +62,9 @@ def _error_of(fn) -> str:
     return "no error"
 
 
-def _disagree(rank: int, world_size: int, transport: str, what: str) -> tuple[str, bool]:
+def _disagree(rank: int, world_size: int, what: str) -> tuple[str, bool]:
     """The last rank reduces a tensor that differs from the others' in ``what``; every rank reports
     its error. A second reduction afterwards, alike on every rank, still works (nothing is stuck)."""
-    _use(transport)
     odd = rank == world_size - 1
     x, op = torch.ones(4), dist.ReduceOp.SUM
     if odd and what == "numel":
@@ -81,7 +81,47 @@ def _disagree(rank: int, world_size: int, transport: str, what: str) -> tuple[st
     return message, bool(torch.equal(y, torch.full((3,), float(world_size))))
 
 
-@pytest.mark.timeout(120)
+def _sync_batch_norm_widths(rank: int, world_size: int) -> tuple[str, list[float]]:
+    """``SyncBatchNorm(4)`` on every rank but the last, ``SyncBatchNorm(8)`` there (a width from a flag)."""
+    channels = 8 if rank == world_size - 1 else 4
+    layer = SyncBatchNorm(channels)
+    x = torch.randn(3, channels, 5, 5, generator=torch.Generator().manual_seed(rank))
+    message = _error_of(lambda: layer(x))
+    return message, layer.running_mean.tolist()
+
+
+WHATS = ("numel", "dtype", "op", "slot")
+
+
+def _one_rank_differs(rank: int, world_size: int, transports: list[str]) -> dict[tuple[str, str], tuple]:
+    """Per (transport, what): ``_disagree``'s result, and per (transport, "widths")
+    ``_sync_batch_norm_widths``'s; each case on a new route of the default group, taken with
+    ``transport`` (so one call of the pool serves every case; a case that left anything stuck would
+    fail the next ones)."""
+    results = {}
+    for transport in transports:
+        _use(transport)
+        for what in (*WHATS, "widths"):
+            close_shared_memory()  # every rank alike: the next reduction takes a new route
+            case = _sync_batch_norm_widths if what == "widths" else functools.partial(_disagree, what=what)
+            results[transport, what] = case(rank, world_size)
+    return results
+
+
+@pytest.fixture(scope="module")
+def one_rank_differs() -> dict[int, Any]:
+    """Per world size: the per-rank results of ``_one_rank_differs`` on the pool; under ``"segments
+    left"`` the shared-memory files left after both calls."""
+    before = _segments()
+    results: dict[Any, Any] = {
+        n: run_distributed(_one_rank_differs, n, BROKEN_TRANSPORTS, timeout=90) for n in (2, 3)
+    }
+    results["segments left"] = _segments() - before
+    return results
+
+
+@pytest.mark.slow  # the fixture's calls start processes
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize(
@@ -94,61 +134,69 @@ def _disagree(rank: int, world_size: int, transport: str, what: str) -> tuple[st
     ],
 )
 def test_a_reduction_that_differs_on_one_rank_raises_on_every_rank(
-    world_size: int, transport: str, what: str, mine: str, theirs: str
+    one_rank_differs: dict, world_size: int, transport: str, what: str, mine: str, theirs: str
 ) -> None:
-    before = _segments()
-    results = run_distributed(_disagree, world_size, transport, what, timeout=90)
     last = world_size - 1
-    for message, recovered in results:
+    for message, recovered in (result[transport, what] for result in one_rank_differs[world_size]):
         assert "disagree on what they reduce" in message, message
         assert f"rank 0: {mine}" in message and f"rank {last}: {theirs}" in message, message
         assert recovered
-    assert _segments() <= before
+    assert not one_rank_differs["segments left"]
 
 
-def _sync_batch_norm_widths(rank: int, world_size: int, transport: str) -> tuple[str, list[float]]:
-    """``SyncBatchNorm(4)`` on every rank but the last, ``SyncBatchNorm(8)`` there (a width from a flag)."""
-    _use(transport)
-    channels = 8 if rank == world_size - 1 else 4
-    layer = SyncBatchNorm(channels)
-    x = torch.randn(3, channels, 5, 5, generator=torch.Generator().manual_seed(rank))
-    message = _error_of(lambda: layer(x))
-    return message, layer.running_mean.tolist()
-
-
-@pytest.mark.timeout(120)
+@pytest.mark.slow  # the fixture's calls start processes
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_sync_batch_norm_of_different_widths_raises_on_every_rank(world_size: int, transport: str) -> None:
-    results = run_distributed(_sync_batch_norm_widths, world_size, transport, timeout=90)
+def test_sync_batch_norm_of_different_widths_raises_on_every_rank(
+    one_rank_differs: dict, world_size: int, transport: str
+) -> None:
+    results = [result[transport, "widths"] for result in one_rank_differs[world_size]]
     for rank, (message, running_mean) in enumerate(results):
         assert "disagree on what they reduce" in message and "channel count" in message, message
         assert f"rank {world_size - 1}: SUM of " in message
         assert running_mean == [0.0] * len(running_mean), rank  # nothing updated from stale bytes
 
 
-def _late_peer(rank: int, world_size: int, transport: str, timeout: float) -> tuple[str, float]:
-    """A group created with ``timeout`` seconds; the last rank sleeps 4x longer before reducing."""
+# Seconds: the timeout of the group in which a peer comes late. Its ranks leave new_group together and
+# meet in its set-up reduction within milliseconds, far within it. Rank 0's wait must then end within
+# [WAIT_TIMEOUT - 0.5, WAIT_TIMEOUT + 5] s: 5 s for the shared-memory waiter's spin before its clock
+# starts and for the scheduling of a loaded machine.
+WAIT_TIMEOUT = 2.0
+PEER_PATIENCE = 30.0  # seconds the late peer waits for rank 0 to give up before it reduces anyway
+
+
+def _late_peer(rank: int, transport: str, marker: str) -> tuple[str, float] | None:
+    """Ranks 0 and 1 in a group created with ``WAIT_TIMEOUT`` seconds (every rank creates it): rank 1
+    reduces only once rank 0's reduction gave up (rank 0 then writes ``marker``), so rank 0's wait can
+    only end by the timeout; rank 0's message and the seconds it waited. Were there no timeout, rank 1
+    would reduce after ``PEER_PATIENCE`` seconds and rank 0's reduction would succeed."""
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=WAIT_TIMEOUT))
+    if rank > 1:
+        return None
     _use(transport)
-    group = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=timeout))
     all_reduce_(torch.ones(2), group=group)  # sets the route up together
-    if rank == world_size - 1:
-        time.sleep(4 * timeout)
+    if rank == 1:
+        deadline = time.monotonic() + PEER_PATIENCE
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.01)
     start = time.monotonic()
     message = _error_of(lambda: all_reduce_(torch.ones(2), group=group))
-    return message, time.monotonic() - start
+    waited = time.monotonic() - start
+    if rank == 0:
+        open(marker, "w").close()
+    return message, waited
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.slow  # the fixture's job starts processes
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_wait_ends_with_the_groups_timeout(transport: str) -> None:
-    timeout = 3.0
-    results = run_distributed(_late_peer, 2, transport, timeout, timeout=90, fresh=True)
-    message, waited = results[0]
+def test_a_wait_ends_with_the_groups_timeout(breaking_job: list[dict], transport: str) -> None:
+    message, waited = breaking_job[0]["late", transport]
     assert message != "no error"
-    assert timeout - 0.5 <= waited <= timeout + 5, (waited, message)  # not gloo's default 1800 s
+    assert WAIT_TIMEOUT - 0.5 <= waited <= WAIT_TIMEOUT + 5, (waited, message)  # not gloo's default 1800 s
     if transport == "shm":
-        assert "timed out after 3s" in message and "[1]" in message, message
+        assert f"timed out after {WAIT_TIMEOUT:.0f}s" in message and "[1]" in message, message
 
 
 def _exit_during_set_up(rank: int, world_size: int) -> str:
@@ -325,15 +373,18 @@ def _recovers(group: Any) -> bool:
     return torch.equal(y, torch.full((3,), float(dist.get_world_size(group))))
 
 
-def _diverge(rank: int, world_size: int, transports: list[str]) -> dict[tuple[str, str], tuple]:
-    """Every scenario over every transport, each on a fresh route of a group with a 60 s timeout. Per
-    (transport, scenario): the message the diverging step raised, the seconds it took, the collectives
-    it issued, and whether an agreed reduction afterwards gave the right sum."""
-    odd = rank == world_size - 1
+def _diverge(rank: int, size: int, transports: list[str]) -> dict[tuple[str, str], tuple]:
+    """Every scenario over every transport in a group of ranks ``0 .. size - 1`` (every rank creates
+    it), each on a fresh route of a group with a 60 s timeout. Per (transport, scenario): the message
+    the diverging step raised, the seconds it took, the collectives it issued, and whether an agreed
+    reduction afterwards gave the right sum."""
+    odd = rank == size - 1
     results = {}
     for transport in transports:
+        group = dist.new_group(list(range(size)), timeout=timedelta(seconds=GROUP_TIMEOUT))
+        if rank >= size:
+            continue
         _use(transport)
-        group = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=GROUP_TIMEOUT))
         for name, (scenario, *_) in SCENARIOS.items():
             close_shared_memory()  # every rank alike: a new route, with no history
             assert shm_available(group) == (transport == "shm")  # the route set up outside the count
@@ -348,15 +399,35 @@ def _diverge(rank: int, world_size: int, transports: list[str]) -> dict[tuple[st
     return results
 
 
+def _breaking(rank: int, world_size: int, transports: list[str], markers: str) -> dict[tuple, Any]:
+    """The tests that break collectives, in one job of 3 fresh ranks: the issue's sequences in a group
+    of all 3 and in one of ranks 0 and 1, then a late peer on each transport (last, as its groups time
+    out)."""
+    results: dict[tuple, Any] = {("issues", size): _diverge(rank, size, transports) for size in (3, 2)}
+    for transport in transports:
+        results["late", transport] = _late_peer(rank, transport, os.path.join(markers, transport))
+    return results
+
+
+@pytest.fixture(scope="module")
+def breaking_job(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The per-rank results of ``_breaking`` on fresh processes (so the harness also checks that every
+    rank exits with status 0, no SIGABRT), and ``"segments left"``: the shared-memory files it left."""
+    before = _segments()
+    markers = str(tmp_path_factory.mktemp("late_peer"))
+    results = run_distributed(_breaking, 3, BROKEN_TRANSPORTS, markers, timeout=300, fresh=True)
+    return [{**result, "segments left": _segments() - before} for result in results]
+
+
+@pytest.mark.slow  # the fixture's job starts processes
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_the_issues_sequences_raise_on_every_rank_naming_each_ranks_reduction(world_size: int) -> None:
-    # Fresh processes, so the harness also checks that every rank exits with status 0 (no SIGABRT).
-    transports = ["shm", "process group"] if X86 else ["process group"]
-    before = _segments()
-    results = run_distributed(_diverge, world_size, transports, timeout=300, fresh=True)
+def test_the_issues_sequences_raise_on_every_rank_naming_each_ranks_reduction(
+    breaking_job: list[dict], world_size: int
+) -> None:
+    results = [result["issues", world_size] for result in breaking_job[:world_size]]
     last = world_size - 1
-    for transport in transports:
+    for transport in BROKEN_TRANSPORTS:
         words = "shared memory" if transport == "shm" else "process group"
         for name, (_, mine, theirs, count) in SCENARIOS.items():
             per_rank = [result[transport, name] for result in results]
@@ -372,7 +443,7 @@ def test_the_issues_sequences_raise_on_every_rank_naming_each_ranks_reduction(wo
                 assert calls == (["all_reduce"] * (count - 1) + ["all_gather"] if pg else []), where
         for message, _, _, recovered in (result[transport, "float8 everywhere"] for result in results):
             assert message != "no error" and "disagree" not in message and recovered, (transport, message)
-    assert _segments() <= before
+    assert not breaking_job[0]["segments left"]
 
 
 def _collectives_per_reduction(rank: int, world_size: int, check: tuple[str | None, ...]) -> list[list[str]]:

@@ -417,50 +417,70 @@ def _set(name: str, value: str | None) -> None:
         os.environ[name] = value
 
 
-def _shm_switch(rank: int, world_size: int, values: tuple[str | None, ...]) -> tuple[bool, float]:
-    _set(SHM_ENV_VAR, values[rank])
-    x = torch.ones(2)
-    all_reduce_(x)
-    return shm_available(), float(x[0])
+SHM_SWITCHES = [  # LIGHTNING_EXT_SHM_COLLECTIVES on ranks 0 and 1; whether shared memory is on
+    (("false", "false"), False),
+    (("OFF", "off"), False),
+    (("No", "no"), False),
+    (("off", None), False),  # off on one rank: off on every rank
+    (("yes", "0"), False),
+    ((" True ", "ON"), True),
+    (("1", None), True),
+    (("", None), True),  # empty: unset
+]
+BAD_SWITCHES = [("maybe", "maybe"), (None, "2")]  # values not allowed on ranks 0 and 1
 
 
+def _switches(rank: int, world_size: int) -> dict[tuple, tuple]:
+    """Each case of the two tests below on a new route of the default group (so one call of the pool
+    serves them all): per values of ``SHM_SWITCHES``, whether shared memory is on and a reduced value;
+    per (variable, values of ``BAD_SWITCHES``), the error and a reduced value once every rank unset it."""
+    results = {}
+    for values, _ in SHM_SWITCHES:
+        close_shared_memory()  # every rank alike: the next reduction decides the route anew
+        _set(SHM_ENV_VAR, values[rank])
+        x = torch.ones(2)
+        all_reduce_(x)
+        results[values] = (shm_available(), float(x[0]))
+    _set(SHM_ENV_VAR, None)
+    for name in (SHM_ENV_VAR, CHECK_ENV_VAR):
+        for values in BAD_SWITCHES:
+            close_shared_memory()
+            _set(name, values[rank])
+            try:
+                all_reduce_(torch.ones(2))
+                message = "no error"
+            except ValueError as err:
+                message = str(err)
+            _set(name, None)
+            x = torch.ones(2)
+            all_reduce_(x)
+            results[name, values] = (message, float(x[0]))
+    return results
+
+
+@pytest.fixture(scope="module")
+def switches() -> list[dict[tuple, tuple]]:
+    """The per-rank results of ``_switches`` on 2 ranks."""
+    return run_distributed(_switches, 2, timeout=90)
+
+
+@pytest.mark.slow  # its fixture starts processes
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    ("values", "on"),
-    [
-        (("false", "false"), False),
-        (("OFF", "off"), False),
-        (("No", "no"), False),
-        (("off", None), False),  # off on one rank: off on every rank
-        (("yes", "0"), False),
-        ((" True ", "ON"), True),
-        (("1", None), True),
-        (("", None), True),  # empty: unset
-    ],
-)
-def test_the_shared_memory_switch_reads_the_usual_words_and_every_rank_takes_one_path(values, on) -> None:
-    assert run_distributed(_shm_switch, 2, values, timeout=90) == [(on and X86, 2.0)] * 2
+@pytest.mark.parametrize(("values", "on"), SHM_SWITCHES)
+def test_the_shared_memory_switch_reads_the_usual_words_and_every_rank_takes_one_path(
+    switches, values, on
+) -> None:
+    assert [result[values] for result in switches] == [(on and X86, 2.0)] * 2
 
 
-def _bad_switch(rank: int, world_size: int, name: str, values: tuple[str | None, ...]) -> tuple[str, float]:
-    """``name`` = ``values[rank]``; then, set right on every rank, a reduction works."""
-    _set(name, values[rank])
-    try:
-        all_reduce_(torch.ones(2))
-        message = "no error"
-    except ValueError as err:
-        message = str(err)
-    _set(name, None)
-    x = torch.ones(2)
-    all_reduce_(x)
-    return message, float(x[0])
-
-
+@pytest.mark.slow  # its fixture starts processes
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", [SHM_ENV_VAR, CHECK_ENV_VAR])
-@pytest.mark.parametrize("values", [("maybe", "maybe"), (None, "2")])
-def test_a_switch_value_not_allowed_raises_on_every_rank_naming_the_ranks(name: str, values: tuple) -> None:
-    for message, total in run_distributed(_bad_switch, 2, name, values, timeout=90):
+@pytest.mark.parametrize("values", BAD_SWITCHES)
+def test_a_switch_value_not_allowed_raises_on_every_rank_naming_the_ranks(
+    switches, name: str, values: tuple
+) -> None:
+    for message, total in (result[name, values] for result in switches):
         named = [f"rank {rank}: {name}={value!r}" for rank, value in enumerate(values) if value is not None]
         assert re.match(
             rf"all_reduce_: environment variables with values not allowed \({re.escape('; '.join(named))}\): "

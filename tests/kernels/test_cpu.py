@@ -24,8 +24,10 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -112,19 +114,20 @@ def test_the_extension_name_follows_this_environment(monkeypatch, tmp_path):
     assert cpu._extension_name() == name
 
 
-def test_two_environments_share_the_cache_without_rebuilding_each_other(tmp_path):
+def test_two_environments_share_the_cache_without_rebuilding_each_other(tmp_path, forks):
     """Two virtual environments with the same torch at different paths (here: this interpreter, and
     a venv of it that sees the same packages) build under different names in one shared cache."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
                    check=True, timeout=120)  # fmt: skip
-    script = "import sys; sys.path[:0] = sys.argv[1:]; from lightning_ext.kernels import cpu; "
+    paths = [p for p in sys.path if p]
+    script = f"import sys; sys.path[:0] = {paths!r}; from lightning_ext.kernels import cpu; "
     script += "print(cpu._extension_name())"
-    run = [script, *(p for p in sys.path if p)]
-    names = {
-        subprocess.run([python, "-c", *run], capture_output=True, text=True, check=True, timeout=120).stdout
-        for python in (sys.executable, str(venv / "bin" / "python"))
-    }
+    here = _python(forks, script, dict(os.environ))  # another process of this interpreter
+    python = venv / "bin" / "python"
+    there = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=120)
+    assert here.returncode == there.returncode == 0, here.stderr + there.stderr
+    names = {here.stdout, there.stdout}
     assert len(names) == 2 and all(n.startswith("lightning_ext_kernels_cpu_") for n in names), names
     assert cpu._extension_name() + "\n" in names
 
@@ -162,11 +165,69 @@ def _library(directory: Path) -> Path:
     return directory / f"{directory.name}.so"
 
 
-def _run(command: list[str], directory: Path, **env: str) -> subprocess.CompletedProcess:
-    """``command`` with the cache of the build directory ``directory``, the environment plus ``env``."""
+def _environ(directory: Path, **env: str) -> dict[str, str]:
+    """This process's environment with the cache of the build directory ``directory``, plus ``env``."""
     environ = {**os.environ, "TORCH_EXTENSIONS_DIR": str(directory.parent), **env}
     environ.pop(registry.BACKEND_ENV_VAR, None)
+    return environ
+
+
+def _run(command: list[str], directory: Path, **env: str) -> subprocess.CompletedProcess:
+    """``command`` with the cache of the build directory ``directory``, the environment plus ``env``."""
+    environ = _environ(directory, **env)
     return subprocess.run(command, capture_output=True, text=True, env=environ, timeout=600)
+
+
+# A new interpreter spends seconds importing torch and tearing it down, a fork milliseconds: this server
+# imports torch once (with one OpenMP thread: it forks no other thread), then runs each ``[script,
+# environment]`` it reads in a child forked from it, which behaves as ``python -c script`` started in
+# that environment with torch imported first, except that a script that succeeds exits without the
+# interpreter's teardown; it answers ``[exit status, stdout, stderr]`` (``-N``: killed by signal N).
+_FORK_SERVER = """
+import json, os, sys, tempfile
+import torch
+for line in sys.stdin:
+    script, environ = json.loads(line)
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    if os.fork() == 0:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        os.environ.clear()
+        os.environ.update(environ)
+        exec(compile(script, "<string>", "exec"), {"__name__": "__main__"})
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)
+    returncode = os.waitstatus_to_exitcode(os.wait()[1])
+    out.seek(0), err.seek(0)
+    print(json.dumps([returncode, out.read().decode(), err.read().decode()]), flush=True)
+    out.close(), err.close()
+"""
+
+
+@pytest.fixture(scope="module")
+def forks() -> Iterator[subprocess.Popen]:
+    """The fork server of this module's tests (``_python`` sends it scripts)."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", _FORK_SERVER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    yield server
+    server.stdin.close()
+    server.wait(timeout=60)
+
+
+def _python(forks: subprocess.Popen, script: str, environ: dict[str, str]) -> subprocess.CompletedProcess:
+    """``python -c script`` in ``environ``, as a child of the fork server ``forks``."""
+    forks.stdin.write(json.dumps([script, environ]) + "\n")
+    forks.stdin.flush()
+    answer = forks.stdout.readline()
+    if not answer:
+        raise RuntimeError(f"the fork server exited with status {forks.wait(timeout=60)}")
+    returncode, stdout, stderr = json.loads(answer)
+    return subprocess.CompletedProcess(["python", "-c", script], returncode, stdout, stderr)
 
 
 def _ninja(directory: Path, log: Path, real: bool = True) -> str:
@@ -179,18 +240,18 @@ def _ninja(directory: Path, log: Path, real: bool = True) -> str:
     return f"{directory}{os.pathsep}{os.environ['PATH']}" if real else str(directory)
 
 
-def test_a_prebuilt_cache_loads_without_a_compiler_or_ninja(tmp_path):
+def test_a_prebuilt_cache_loads_without_a_compiler_or_ninja(tmp_path, forks):
     """A verified build loads with neither a compiler nor ``ninja`` on ``PATH`` (only a ``ninja``
     that fails, and logs that it was asked)."""
     directory = _cache_copy(tmp_path)
     log = tmp_path / "ninja.log"
-    result = _run([sys.executable, "-c", _LOAD], directory, PATH=_ninja(tmp_path / "bin", log, real=False))
+    result = _python(forks, _LOAD, _environ(directory, PATH=_ninja(tmp_path / "bin", log, real=False)))
     assert (result.returncode, result.stdout) == (0, _LOADED), result.stderr
     assert not log.exists() and shutil.which("c++", path=str(tmp_path / "bin")) is None
 
 
 @pytest.mark.slow
-def test_a_truncated_build_is_rebuilt_then_loads_whichever_ninja_is_on_path(tmp_path):
+def test_a_truncated_build_is_rebuilt_then_loads_whichever_ninja_is_on_path(tmp_path, forks):
     """A truncated library (an interrupted copy) where a build can run is rebuilt, through the first
     ``ninja`` on ``PATH``, not loaded; the rebuilt cache then loads with ANOTHER ``ninja`` first on
     ``PATH`` without calling it (torch's own load rebuilds at each switch of ``ninja``). Under umask 002
@@ -201,7 +262,7 @@ def test_a_truncated_build_is_rebuilt_then_loads_whichever_ninja_is_on_path(tmp_
     library.write_bytes(library.read_bytes()[:200_000])
     first, second = tmp_path / "first.log", tmp_path / "second.log"
     script = "import os; os.umask(0o002)\n" + _LOAD
-    result = _run([sys.executable, "-c", script], directory, PATH=_ninja(tmp_path / "1", first))
+    result = _python(forks, script, _environ(directory, PATH=_ninja(tmp_path / "1", first)))
     assert (result.returncode, result.stdout) == (0, _LOADED), result.stderr
     assert first.read_text().strip(), "rebuilt without calling the ninja first on PATH"
     data, manifest = library.read_bytes(), directory / "manifest.json"
@@ -210,36 +271,64 @@ def test_a_truncated_build_is_rebuilt_then_loads_whichever_ninja_is_on_path(tmp_
     }  # fmt: skip
     assert not (library.stat().st_mode | manifest.stat().st_mode) & 0o022
     built = library.stat().st_mtime_ns
-    result = _run([sys.executable, "-c", _LOAD], directory, PATH=_ninja(tmp_path / "2", second))
+    result = _python(forks, _LOAD, _environ(directory, PATH=_ninja(tmp_path / "2", second)))
     assert (result.returncode, result.stdout) == (0, _LOADED), result.stderr
     assert not second.exists() and library.stat().st_mtime_ns == built
 
 
-def _read_only(root: Path) -> list[str]:
+def _read_only(root: Path) -> list[str] | None:
     """The command prefix of a process that sees ``root`` read-only: as root (who writes through any
-    mode) a read-only bind mount in a mount namespace of its own; else ``root`` made read-only."""
+    mode) a read-only bind mount in a mount namespace of its own (None without ``unshare -m``); else
+    ``root`` made read-only."""
     if os.geteuid() != 0:
         for path in (root, *root.rglob("*")):
             path.chmod(path.stat().st_mode & ~0o222)
         return []
     if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"]).returncode:
-        pytest.skip("running as root without `unshare -m`: no read-only mount to test with")
+        return None
     mount = 'mount --bind "$0" "$0" && mount -o remount,ro,bind "$0" "$0" && exec "$@"'
     return ["unshare", "-m", "sh", "-c", mount, str(root)]
 
 
+_PIPES = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+
+
+@pytest.fixture(scope="module")
+def entry_point(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Path]]:
+    """``python -m lightning_ext.kernels`` in new interpreters that run side by side: with ``-W default``
+    on this environment's cache (``"ahead of time"``), on a read-only copy of its build
+    (``"complete"``), and on a read-only one whose library is truncated to 200000 bytes
+    (``"truncated"``); each run (None: no read-only mount here) with the build directory it was given."""
+    require_cpu_backend()
+    command = [sys.executable, "-W", "default", "-m", "lightning_ext.kernels"]
+    directory = _compat.extension_build_directory(cpu._extension_name())
+    runs = {"ahead of time": (subprocess.Popen(command, **_PIPES), directory)}
+    for case in ("complete", "truncated"):
+        directory = _cache_copy(tmp_path_factory.mktemp(case))
+        if case == "truncated":
+            _library(directory).write_bytes(_library(directory).read_bytes()[:200_000])
+        prefix = _read_only(directory.parent)
+        command = [*(prefix or []), sys.executable, "-m", "lightning_ext.kernels"]
+        process = None if prefix is None else subprocess.Popen(command, env=_environ(directory), **_PIPES)
+        runs[case] = (process, directory)
+    results = {}
+    for case, (process, directory) in runs.items():
+        if process is not None:
+            stdout, stderr = process.communicate(timeout=600)
+            process = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+        results[case] = (process, directory)
+    return results
+
+
+@pytest.mark.slow  # its fixture starts processes
 @pytest.mark.parametrize("truncated", [False, True], ids=["complete", "truncated"])
-def test_a_read_only_cache_loads_a_complete_build_and_refuses_a_truncated_one(tmp_path, truncated):
+def test_a_read_only_cache_loads_a_complete_build_and_refuses_a_truncated_one(entry_point, truncated):
     """A shared cache is usually read-only: a verified build loads from it (no lock, nothing written);
     a truncated one cannot be rebuilt there, and ``python -m lightning_ext.kernels`` says so in one line
     naming the file and why, exit status 1 (never SIGBUS)."""
-    directory = _cache_copy(tmp_path)
-    library = _library(directory)
-    size = library.stat().st_size
-    if truncated:
-        library.write_bytes(library.read_bytes()[:200_000])
-    command = [*_read_only(directory.parent), sys.executable, "-m", "lightning_ext.kernels"]
-    result = _run(command, directory)
+    result, directory = entry_point["truncated" if truncated else "complete"]
+    if result is None:
+        pytest.skip("running as root without `unshare -m`: no read-only mount to test with")
     if not truncated:
         assert result.returncode == 0, result.stderr
         assert result.stdout.startswith("lightning_ext: cpu kernels cached, loaded in "), result.stdout
@@ -248,6 +337,7 @@ def test_a_read_only_cache_loads_a_complete_build_and_refuses_a_truncated_one(tm
             and not (directory / "lightning_ext.lock").exists()
         )
         return
+    library, size = _library(directory), _library(entry_point["complete"][1]).stat().st_size
     assert result.returncode == 1 and result.stderr.count("\n") == 1, result
     assert result.stderr.startswith(
         f"lightning_ext: cannot build the cpu kernels: {library} is 200000 bytes, {size} when built "
@@ -280,14 +370,14 @@ def _damage(directory: Path, damage: str) -> str:
 @pytest.mark.parametrize(
     "damage", ["truncated", "garbage", "no manifest", "garbage manifest", "foreign manifest"]
 )
-def test_a_damaged_build_never_reaches_the_loader_and_is_refused_in_one_line(tmp_path, damage):
+def test_a_damaged_build_never_reaches_the_loader_and_is_refused_in_one_line(tmp_path, forks, damage):
     """Where no build can run (no compiler), a damaged build is refused: automatic selection takes
     ``reference`` with ONE warning naming the file and why; nothing is loaded (the truncated library
     itself, loaded, kills the process with SIGBUS)."""
     directory = _cache_copy(tmp_path)
     library = _library(directory)
     reason = _damage(directory, damage)
-    result = _run([sys.executable, "-c", _AUTO], directory, CXX=_NO_CXX)
+    result = _python(forks, _AUTO, _environ(directory, CXX=_NO_CXX))
     assert result.returncode == 0, result.stderr
     name, *lines = result.stdout.splitlines()
     assert name == "reference" and len(lines) == 1, result.stdout
@@ -299,7 +389,7 @@ def test_a_damaged_build_never_reaches_the_loader_and_is_refused_in_one_line(tmp
     if damage == "truncated":  # what the verification prevents
         spec = f"u.spec_from_file_location('m', {str(library)!r})"
         load = f"import torch, importlib.util as u; u.module_from_spec({spec})"
-        assert _run([sys.executable, "-c", load], directory).returncode == -signal.SIGBUS
+        assert _python(forks, load, _environ(directory)).returncode == -signal.SIGBUS
 
 
 def _refusing_to_read(read, root: Path):
@@ -472,20 +562,15 @@ def test_a_blocking_build_is_announced_once_on_every_rank(monkeypatch, tmp_path,
     ]
 
 
-def test_the_ahead_of_time_build_runs_cleanly():
+@pytest.mark.slow  # its fixture starts processes
+def test_the_ahead_of_time_build_runs_cleanly(entry_point):
     """``python -m lightning_ext.kernels`` (the build is cached here, so it is quick) exits 0 without
     runpy's RuntimeWarning and prints the build directory and the time it took."""
-    require_cpu_backend()
-    result = subprocess.run(
-        [sys.executable, "-W", "default", "-m", "lightning_ext.kernels"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result, directory = entry_point["ahead of time"]
     assert result.returncode == 0, result.stderr
     assert "RuntimeWarning" not in result.stderr, result.stderr  # (torch 2.5's dynamo import leaves a
     # ResourceWarning of its own under -W default)
-    directory = re.escape(str(_compat.extension_build_directory(cpu._extension_name())))
+    directory = re.escape(str(directory))
     printed = rf"lightning_ext: cpu kernels (built|cached, loaded) in \d+\.\d s (in|from) {directory}\n"
     assert re.fullmatch(printed, result.stdout), result.stdout
 
@@ -511,12 +596,12 @@ def test_the_ahead_of_time_build_without_a_compiler_says_so(monkeypatch, tmp_pat
     )
 
 
-def test_a_missing_compiler_is_one_short_warning_with_the_cause_first(tmp_path):
+def test_a_missing_compiler_is_one_short_warning_with_the_cause_first(tmp_path, forks):
     """A fresh process whose compiler is missing (and whose cache holds no build) selects ``reference``
     with ONE line of at most 300 characters that names the cause early, without torch's banner (torch
     is not asked to build)."""
     directory = tmp_path / cpu._extension_name()
-    result = _run([sys.executable, "-c", _AUTO], directory, CXX=_NO_CXX)
+    result = _python(forks, _AUTO, _environ(directory, CXX=_NO_CXX))
     assert result.returncode == 0, result.stderr
     name, *lines = result.stdout.splitlines()
     assert name == "reference" and len(lines) == 1, result.stdout
