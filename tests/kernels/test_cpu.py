@@ -172,12 +172,6 @@ def _environ(directory: Path, **env: str) -> dict[str, str]:
     return environ
 
 
-def _run(command: list[str], directory: Path, **env: str) -> subprocess.CompletedProcess:
-    """``command`` with the cache of the build directory ``directory``, the environment plus ``env``."""
-    environ = _environ(directory, **env)
-    return subprocess.run(command, capture_output=True, text=True, env=environ, timeout=600)
-
-
 # A new interpreter spends seconds importing torch and tearing it down, a fork milliseconds: this server
 # imports torch once (with one OpenMP thread: it forks no other thread), then runs each ``[script,
 # environment]`` it reads in a child forked from it, which behaves as ``python -c script`` started in
@@ -215,8 +209,11 @@ def forks() -> Iterator[subprocess.Popen]:
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     yield server
-    server.stdin.close()
-    server.wait(timeout=60)
+    server.stdin.close()  # it leaves at the end of its input
+    try:
+        server.wait(timeout=60)
+    finally:
+        server.kill()  # (a no-op once it left)
 
 
 def _python(forks: subprocess.Popen, script: str, environ: dict[str, str]) -> subprocess.CompletedProcess:
