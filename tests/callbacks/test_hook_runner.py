@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from lightning_ext import _clock as timestamps
 from lightning_ext.callbacks import (
     HookBase,
     IterationTimer,
@@ -259,7 +260,7 @@ def test_state_dict_round_trip_continues_the_iterations():
 
 def test_iteration_timer_data_time_step_time_and_summary(monkeypatch, caplog):
     now = [1000.0]
-    for module in (iteration_timer, hook_base):  # step time and the hooks' one data-time clock
+    for module in (iteration_timer, hook_base, timestamps):  # step and phase times, the hooks' data time
         monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     data_sec, step_sec, validation_sec = 2.0**-5, 2.0**-6, 4.0
 
