@@ -22,11 +22,12 @@ def _free_port() -> int:
 def test_two_torchrun_agents_train_the_digits_job(tmp_path: Path):
     # What `torchrun --nnodes=2 --nproc_per_node=1` runs on each of two machines, here both on
     # 127.0.0.1 with a c10d rendezvous; Lightning reads the world from torchrun's environment.
+    # 2 epochs reach ~0.99 validation accuracy on 2 processes (1 epoch ~0.94): the gate's 0.85 holds.
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
         "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{_free_port()}", "--rdzv_id=digits",
         "-m", "examples.digits", "--devices", "1", "--num-nodes", "2", "--strategy", "ddp",
-        "--max-epochs", "3", "--min-accuracy", "0.85", "--precise-bn-iters", "4", "--no-plot",
+        "--max-epochs", "2", "--min-accuracy", "0.85", "--precise-bn-iters", "4", "--no-plot",
         "--root", str(tmp_path),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

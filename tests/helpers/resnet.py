@@ -1,20 +1,25 @@
-"""torchvision's ``resnet18`` architecture, written out (torchvision is not a test dependency).
+"""torchvision's ResNet with ``BasicBlock``\\ s, written out (torchvision is not a test dependency).
 
-Same layers, order, names and initialisation as ``torchvision.models.resnet18(num_classes=...)``:
-a 7x7/2 convolution stem with batch norm and a 3x3/2 max pool, four stages of two ``BasicBlock``\\ s
-(the first block of stages 2-4 strides by 2 and has a 1x1 convolution + batch norm ``downsample``),
-global average pool and a linear classifier; 20 ``BatchNorm2d`` layers. ``width`` scales the channels
+Same layers, order, names and initialisation as torchvision's ``ResNet(BasicBlock, blocks,
+num_classes=...)``: a 7x7/2 convolution stem with batch norm and a 3x3/2 max pool, four stages of
+``blocks[i]`` ``BasicBlock``\\ s (the first block of stages 2-4 strides by 2 and has a 1x1 convolution
++ batch norm ``downsample``), global average pool and a linear classifier. ``blocks=(2, 2, 2, 2)`` is
+``resnet18``; ``(1, 1, 1, 1)`` (ResNet-10) keeps every kind of layer: the stem, a block with an
+identity shortcut (stage 1) and blocks with a downsample (stages 2-4). ``width`` scales the channels
 (64 is torchvision's). With 32x32 inputs the stages run on 8x8, 4x4, 2x2 and 1x1 maps.
 
-For layer-by-layer comparisons ``forward`` returns a list: the output of the stem, of each of the 8
-blocks, and the logits last.
+For layer-by-layer comparisons ``forward`` returns a list: the output of the stem, of each block
+and the logits last, named in order by ``output_names`` (``"stem"``, ``"layer{stage}.{block}"``,
+``"fc"``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import Tensor, nn
 
-__all__ = ["resnet18"]
+__all__ = ["resnet"]
 
 
 def _conv(c_in: int, c_out: int, kernel: int, stride: int = 1) -> nn.Conv2d:
@@ -38,20 +43,25 @@ class BasicBlock(nn.Module):
         return self.relu(out + (x if self.downsample is None else self.downsample(x)))
 
 
-class ResNet18(nn.Module):
-    """torchvision's ``ResNet(BasicBlock, [2, 2, 2, 2])``: stem, ``layer1``-``layer4``, ``fc``."""
+class ResNet(nn.Module):
+    """torchvision's ``ResNet(BasicBlock, blocks)``: stem, ``layer1``-``layer4``, ``fc``."""
 
-    def __init__(self, num_classes: int, width: int) -> None:
+    def __init__(self, blocks: Sequence[int], num_classes: int, width: int) -> None:
         super().__init__()
         self.conv1, self.bn1 = _conv(3, width, 7, 2), nn.BatchNorm2d(width)
         self.relu = nn.ReLU(inplace=True)
         self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
         widths = [width, 2 * width, 4 * width, 8 * width]
-        for i, (c_in, c_out) in enumerate(zip([width, *widths[:-1]], widths), start=1):
-            blocks = [BasicBlock(c_in, c_out, 1 if i == 1 else 2), BasicBlock(c_out, c_out, 1)]
-            setattr(self, f"layer{i}", nn.Sequential(*blocks))
+        c_in, self.output_names = width, ["stem"]
+        for i, (c_out, n) in enumerate(zip(widths, blocks, strict=True), start=1):
+            stage = [BasicBlock(c_in, c_out, 1 if i == 1 else 2)]
+            stage += [BasicBlock(c_out, c_out, 1) for _ in range(n - 1)]
+            setattr(self, f"layer{i}", nn.Sequential(*stage))
+            self.output_names += [f"layer{i}.{b}" for b in range(n)]
+            c_in = c_out
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(widths[-1], num_classes)
+        self.output_names.append("fc")
         for m in self.modules():  # torchvision's initialisation
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
@@ -64,7 +74,7 @@ class ResNet18(nn.Module):
         return [*outputs, self.fc(self.avgpool(outputs[-1]).flatten(1))]
 
 
-def resnet18(num_classes: int = 10, width: int = 64) -> nn.Module:
-    """torchvision's ``resnet18(num_classes=num_classes)`` with ``width`` channels in the first stage
-    (``forward``: the module docstring)."""
-    return ResNet18(num_classes, width)
+def resnet(blocks: Sequence[int] = (2, 2, 2, 2), num_classes: int = 10, width: int = 64) -> nn.Module:
+    """torchvision's ``ResNet(BasicBlock, blocks, num_classes=num_classes)`` with ``width`` channels in
+    the first stage (``forward``: the module docstring); the default ``blocks`` is ``resnet18``'s."""
+    return ResNet(blocks, num_classes, width)

@@ -1,10 +1,12 @@
 """A compiled LightningModule on 2 CPU processes (``ddp_spawn``) with every feature on, vs eager.
 
 The module's ``configure_model`` compiles its network (conv net with SyncBatchNorm layers) with
-``fullgraph=True`` and the default (inductor) backend; ``LossScalingPrecision("16-mixed")`` scales
-the loss (fp16 autocast on CPU), ``TrainingStats`` collects what ``training_step`` reports. The same
-run without compiling gives the reference: per-step losses, the final weights and running
-statistics, the loss scale and the collected statistics.
+``fullgraph=True`` and the default (inductor) backend, in each fresh ``ddp_spawn`` worker;
+``LossScalingPrecision("16-mixed")`` scales the loss (fp16 autocast on CPU), ``TrainingStats``
+collects what ``training_step`` reports. The same run without compiling gives the reference:
+per-step losses, the final weights and running statistics, the loss scale and the collected
+statistics. The reference runs Lightning's DDP inside the test harness's two gloo workers (as under
+torchrun; the same DDP, data and steps) rather than in two more spawned processes.
 
 Tolerance: inductor fuses the pointwise ops around the convolutions and SyncBatchNorm's kernels and
 keeps the fused intermediates in float32, where eager autocast rounds each op's output to float16
@@ -16,6 +18,7 @@ difference (a missed collective changes the statistics by tens of percent).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -30,6 +33,7 @@ from lightning_ext.callbacks import TrainingStats
 from lightning_ext.nn import SyncBatchNorm, convert_sync_batchnorm
 from lightning_ext.plugins import LossScalingPrecision
 from lightning_ext.stats import report
+from tests.helpers.distributed import run_distributed
 
 STEPS = 3
 RTOL = ATOL = 4e-3  # module docstring
@@ -83,6 +87,11 @@ class _Record(Callback):
     def __init__(self, path: str) -> None:
         self.path = path
         self.losses: list[torch.Tensor] = []
+        self.graphs = 0  # dynamo's count before the fit (a harness worker may have compiled before)
+
+    @override
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -98,19 +107,18 @@ class _Record(Callback):
                 "classes": sorted({type(m).__name__ for m in net.modules()}),
                 "scale": torch.as_tensor(trainer.precision_plugin.scaler.get_scale()),
                 "metrics": {k: v.detach().clone() for k, v in trainer.callback_metrics.items()},
-                "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+                "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - self.graphs,
             },
             Path(self.path) / f"rank{trainer.global_rank}.pt",
         )
 
 
-def _fit(tmp_path: Path, compiled: bool, optimize_ddp: bool | None = None) -> list[dict]:
-    out = tmp_path / f"{'compiled' if compiled else 'eager'}-{optimize_ddp}"
-    out.mkdir()
-    trainer = Trainer(
+def _trainer(out: Path, strategy: str) -> Trainer:
+    """The Trainer of both runs, on 2 CPU processes, recording into ``out``."""
+    return Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="ddp_spawn",
+        strategy=strategy,
         plugins=[LossScalingPrecision("16-mixed")],
         callbacks=[TrainingStats(every_n_train_steps=STEPS), _Record(str(out))],
         max_steps=STEPS,
@@ -119,25 +127,45 @@ def _fit(tmp_path: Path, compiled: bool, optimize_ddp: bool | None = None) -> li
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(_ConvNet(compiled, optimize_ddp))
+
+
+def _records(out: Path) -> list[dict]:
     return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
 
 
-def _fit_compiled(tmp_path: Path) -> list[dict]:
-    """The compiled run; where dynamo's DDPOptimizer rejects the graph (torch 2.5: it cannot split a
-    graph holding a higher-order op, which SyncBatchNorm's autograd.Function becomes, pytorch#104674),
-    again with the workaround torch's error names and the guide documents."""
+def _fit_eager_worker(rank: int, world_size: int, out: str) -> None:
+    """Lightning DDP inside the harness's process group (as under torchrun), without compiling."""
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size), RANK=str(rank))
+    trainer = _trainer(Path(out), strategy="ddp")
+    assert trainer.global_rank == rank
+    trainer.fit(_ConvNet(compiled=False))
+
+
+def _fit_eager(tmp_path: Path) -> list[dict]:
+    out = tmp_path / "eager"
+    out.mkdir()
+    run_distributed(_fit_eager_worker, 2, str(out), timeout=150)
+    return _records(out)
+
+
+def _fit_compiled(tmp_path: Path, optimize_ddp: bool | None = None) -> list[dict]:
+    """The compiled run (``ddp_spawn``); where dynamo's DDPOptimizer rejects the graph (torch 2.5: it
+    cannot split a graph holding a higher-order op, which SyncBatchNorm's autograd.Function becomes,
+    pytorch#104674), again with the workaround torch's error names and the guide documents."""
+    out = tmp_path / f"compiled-{optimize_ddp}"
+    out.mkdir()
     try:
-        return _fit(tmp_path, compiled=True)
+        _trainer(out, strategy="ddp_spawn").fit(_ConvNet(compiled=True, optimize_ddp=optimize_ddp))
     except Exception as exc:
-        if "DDPOptimizer backend: Found a higher order op" not in str(exc):
+        if optimize_ddp is not None or "DDPOptimizer backend: Found a higher order op" not in str(exc):
             raise
-    return _fit(tmp_path, compiled=True, optimize_ddp=False)
+        return _fit_compiled(tmp_path, optimize_ddp=False)
+    return _records(out)
 
 
 @pytest.mark.timeout(300)
 def test_compiled_module_trains_like_eager_with_loss_scaling_and_training_stats(tmp_path: Path) -> None:
-    eager, compiled = _fit(tmp_path, compiled=False), _fit_compiled(tmp_path)
+    eager, compiled = _fit_eager(tmp_path), _fit_compiled(tmp_path)
     for rank in range(2):
         ours, ref = compiled[rank], eager[rank]
         assert ours["classes"] == ref["classes"] and SyncBatchNorm.__name__ in ours["classes"]
