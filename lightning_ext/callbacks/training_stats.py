@@ -468,13 +468,15 @@ class TrainingStats(Callback):
         metrics: dict[str, float] = {}
         values = collector.as_dict()
         sketched = re.compile(self.quantiles or "(?!)")
+        percentiles = [stat for stat in self.stats if stat not in _STATS]
         for name in collector.updated():
             for stat in self.stats:
                 key = prefix + name if stat == "mean" else f"{prefix}{name}/{stat}"
                 if stat in _STATS:
                     metrics[key] = float(values[name][stat])
-                elif sketched.fullmatch(name):
-                    metrics[key] = collector.quantile(name, float(stat[1:]) / 100.0)
+            if percentiles and sketched.fullmatch(name):  # one pass over the sketch for all of them
+                qs = collector.quantile(name, [float(stat[1:]) / 100.0 for stat in percentiles])
+                metrics.update((f"{prefix}{name}/{stat}", q) for stat, q in zip(percentiles, qs))
             bad = collector.nonfinite(name)
             if bad:
                 metrics[f"{prefix}{name}/nonfinite"] = float(bad)

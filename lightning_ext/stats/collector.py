@@ -413,7 +413,7 @@ class Collector:
     def updated(self) -> list[str]:
         """Sorted names that received values (on any rank, finite or not) in the last ``update()``'s
         interval: the rest of :meth:`names` only repeat earlier statistics (``keep_previous``) or NaN."""
-        return [n for n, i in zip(self._names, _host(self._idle)) if i == 0]
+        return [self._names[i] for i in np.flatnonzero(_host(self._idle) == 0)]
 
     def _read(self) -> dict[str, list[float]]:
         """``{name: [n, mean, std, min, max, nonfinite]}``, read from the device once per update."""
@@ -422,8 +422,7 @@ class Collector:
         return self._values
 
     def _get(self, name: str) -> list[float]:
-        values = self._read().get(name)
-        if values is not None:
+        if (values := self._read().get(name)) is not None:
             return values
         if not isinstance(name, str):
             raise TypeError(f"statistic name must be a str, got {type(name).__name__} {name!r}")
@@ -471,24 +470,27 @@ class Collector:
             raise KeyError(f"{name!r} is not matched by Collector({arg}={getattr(self, arg)!r})")
         j = self._row[arg, name]
         if j not in self._unpacked:  # the counts of the window, unpacked once per update
-            level, start, bits = self._windows[:, j]
-            fields = (self._words[j, :, None] >> (bits * np.arange(53 // bits))) & ((1 << bits) - 1)
-            self._unpacked[j] = (level, start, fields.reshape(-1).astype(np.float64))
-        return self._unpacked[j] if self._words[j].any() else None
+            level, start, bits = self._windows[:, j].tolist()
+            fields = (self._words[j, :, None] >> np.arange(0, 53 // bits * bits, bits)) & ((1 << bits) - 1)
+            counts = fields.reshape(-1).astype(np.float64)
+            self._unpacked[j] = (level, start, counts) if counts.any() else None
+        return self._unpacked[j]
 
-    def quantile(self, name: str, q: float) -> float:
+    def quantile(self, name: str, q: Any) -> Any:
         """The ``q``-quantile of ``name``'s finite values in the last interval over all ranks (NumPy's
         ``method="inverted_cdf"``), within the sketch's relative accuracy for values in ``value_range``
         (:class:`~lightning_ext.stats.LogHistogram` says where it collapses and what happens outside
-        the range); NaN without values. Local: no sync beyond the update's.
+        the range); NaN without values. A list or tuple ``q`` gives a list (one pass over the sketch).
+        Local: no sync beyond the update's.
 
         Raises:
-            TypeError, ValueError: ``q`` is not a number in ``(0, 1)``.
+            TypeError, ValueError: ``q`` (or one of them) is not a number in ``(0, 1)``.
             KeyError: ``quantiles`` does not match ``name`` (or ``regex`` excludes it).
         """
-        check_number("Collector.quantile", "q", q, gt=0.0, lt=1.0)
-        sketch = self._sketch("quantiles", name)
-        return math.nan if sketch is None else self.sketch.quantile(*sketch, q, *self._get(name)[3:5])
+        for p in q if isinstance(q, list | tuple) else [q]:
+            check_number("Collector.quantile", "q", p, gt=0.0, lt=1.0)
+        sketch = self._sketch("quantiles", name) or (0, 0, np.zeros(0))
+        return self.sketch.quantile(*sketch, q, *self._get(name)[3:5])
 
     def histogram(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """``name``'s sketch of the last update, merged over all ranks, as :func:`numpy.histogram`
@@ -515,13 +517,12 @@ class Collector:
         Raises:
             KeyError: ``stragglers`` does not match ``name`` (or ``regex`` excludes it).
         """
-        sketch = self._sketch("stragglers", name)
-        if sketch is None:
+        if (sketch := self._sketch("stragglers", name)) is None:
             return None
         packed = float(self._slowest[self._row["stragglers", name] - self._q])
         rank = int(np.float64(packed).view(np.int64)) & ((1 << _rank_bits(self._world)) - 1)
-        upper = 0.5 + 0.5 / sketch[2].sum()  # the upper middle rank: the two middle ones' mean
-        median = sum(self.sketch.quantile(*sketch, q, *self._get(name)[3:5]) for q in (0.5, upper)) / 2
+        upper = 0.5 + 0.5 / float(sketch[2].sum())  # the upper middle rank: the two middle ones' mean
+        median = sum(self.sketch.quantile(*sketch, (0.5, upper), *self._get(name)[3:5])) / 2
         return Straggler(rank, packed, median, packed / median if median else math.inf)
 
     def unmatched(self) -> dict[str, list[str]]:

@@ -196,9 +196,8 @@ def _check_tensor(name: str, value: torch.Tensor) -> None:
 def _check_value(name: str, value: Any) -> None:
     """TypeError naming ``name`` unless ``value`` can be counted (checked without converting a tensor)."""
     if isinstance(value, torch.Tensor):
-        _check_tensor(name, value)
-    else:
-        _as_float(name, value) if _is_number(value) else _as_array(name, value)
+        return _check_tensor(name, value)
+    _as_float(name, value) if _is_number(value) else _as_array(name, value)
 
 
 def _as_array(name: str, value: Any) -> np.ndarray:
@@ -344,7 +343,7 @@ def report0(name: str, value: T) -> T:
     Raises:
         TypeError, ValueError, OverflowError: as :func:`report`.
     """
-    if (_state.settings.rank if _state.settings is not None else distributed.get_rank()) == 0:
+    if _sync_settings().rank == 0:
         return report(name, value)
     _check_value(name, value)
     report(name, [])  # (checks the name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -127,30 +128,34 @@ class LogHistogram:
         """``M_c``: the buckets per sign at collapse level ``level``."""
         return -(-self.buckets // (1 << level))
 
-    def quantile(self, level: int, start: int, window: np.ndarray, q: float, lo: float, hi: float) -> float:
+    def quantile(self, level: int, start: int, window: np.ndarray, q: Any, lo: float, hi: float) -> Any:
         """The ``q``-quantile (inverted CDF) of the counts ``window`` of the buckets from position
-        ``start`` at collapse level ``level``; NaN when they are all 0.
+        ``start`` at collapse level ``level``; NaN when they are all 0. A list or tuple ``q`` gives a list,
+        from one pass over the counts.
 
         Args:
             level, start: the window's collapse level and first bucket (``pack_windows_``).
             window: float64 ``(L,)`` (NumPy), merged counts.
-            q: in ``(0, 1)``.
+            q: in ``(0, 1)``, or a list or tuple of them.
             lo, hi: the exact min and max of the values (the estimate is clipped to them).
         """
+        qs = q if isinstance(q, list | tuple) else [q]
         cumulative = np.cumsum(window)
-        n = cumulative[-1] if cumulative.size else 0.0
-        if n <= 0:
-            return math.nan
-        index = n * q - 1  # NumPy's inverted_cdf: the value of 0-based rank ceil(n q - 1), clipped
-        rank = min(max(math.ceil(index), 0), n - 1)
-        g = start + int(np.searchsorted(cumulative, rank + 1, side="left")) - self._groups(level) - 1
-        if abs(g) > self._groups(level):  # an overflow bucket
+        n = float(cumulative[-1]) if cumulative.size else 0.0  # (Python numbers from here: cheaper)
+        # NumPy's inverted_cdf: the value of 0-based rank ceil(n q - 1), clipped
+        ranks = [min(max(math.ceil(n * p - 1), 0), n - 1) + 1 for p in qs]
+        found = np.searchsorted(cumulative, ranks, side="left").tolist() if n > 0 else [None] * len(qs)
+        values = [math.nan if b is None else self._value(level, start + b, lo, hi) for b in found]
+        return values if qs is q else values[0]
+
+    def _value(self, level: int, position: int, lo: float, hi: float) -> float:
+        """The estimate of the bucket at ``position`` (clipped to ``[lo, hi]``; 0 in the zero bucket)."""
+        step, groups = 1 << level, self._groups(level)
+        g = position - groups - 1
+        if abs(g) > groups:  # an overflow bucket
             return lo if g < 0 else hi
-        step = 1 << level
-        value = math.copysign(
-            2.0 * self.gamma ** (self.first - 1 + abs(g) * step) / (self.gamma**step + 1.0), g
-        )
-        return min(max(value, lo), hi) if g else 0.0
+        value = 2.0 * self.gamma ** (self.first - 1 + abs(g) * step) / (self.gamma**step + 1.0)
+        return min(max(math.copysign(value, g), lo), hi) if g else 0.0
 
     def limits(self, level: int) -> np.ndarray:
         """float64 ``(2 M_c + 4,)``: the bucket limits of the layout at ``level``, ``-inf .. +inf`` (bucket

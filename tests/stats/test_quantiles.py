@@ -64,7 +64,9 @@ def _flushes(rank: int, world_size: int) -> dict:
             for part in np.array_split(values, 3):  # several reports, a tensor and a list
                 report(name, torch.from_numpy(part) if len(part) % 2 else part.tolist())
         collector.update()
-        results.append({n: [collector.quantile(n, q) for q in QS] for n in collector.names()})
+        results.append({n: collector.quantile(n, QS) for n in collector.names()})  # one pass for all
+        for n, quantiles in results[-1].items():  # the same as one call per q
+            np.testing.assert_equal(quantiles, [collector.quantile(n, q) for q in QS])
     return {"results": results, "names": collector.names()}
 
 
@@ -181,12 +183,15 @@ def test_quantile_edge_cases_single_process() -> None:
     assert c.quantile("x", 0.1) == 0.0 and c.quantile("x", 0.6) == 0.0
     assert c.quantile("x", 0.7) == pytest.approx(2.0, rel=0.05)
     assert c.quantile("x", 0.99) == 1e9  # the overflow bucket reads as the max
-    assert math.isnan(c.quantile("z", 0.5))
+    assert math.isnan(c.quantile("z", 0.5)) and np.isnan(c.quantile("z", [0.5, 0.9])).all()
+    assert c.quantile("x", [0.1, 0.7, 0.99]) == [0.0, c.quantile("x", 0.7), 1e9]  # one pass, in order
     with pytest.raises(KeyError, match=r"'y' is not matched by Collector\(quantiles='x\|z'\)"):
         report("y", 1.0), c.update(), c.quantile("y", 0.5)
     for bad, error in ((0.0, ValueError), (1.0, ValueError), (1.5, ValueError), ("0.5", TypeError)):
         with pytest.raises(error, match=r"Collector.quantile: .*`q`"):
             c.quantile("x", bad)
+        with pytest.raises(error, match=r"Collector.quantile: .*`q`"):
+            c.quantile("x", [0.5, bad])
 
 
 def test_overflow_reads_as_the_exact_extreme() -> None:
