@@ -636,7 +636,10 @@ def format_world_sizes(curve: dict[int, dict], rounds: int) -> str:
         "W gloo ranks on this host (shared memory), one thread each, as the flush above; bytes per rank of "
         "one steady-state flush exactly (the float64 elements of its all-reduces), time as flush / floor "
         f"(medians over {rounds} flushes, slowest rank). The host's cores are shared by the W ranks: "
-        "absolute times grow with W, the ratio is what the flush adds.",
+        "absolute times grow with W, the ratio is what the flush adds. The bytes of the names without a "
+        "sketch do not depend on W. A sketched name's window is the buckets between the min and max over "
+        "every rank's values (more ranks' draws span more of them) with `log2(W n)` bits per count: it "
+        "grows with W until it reaches its cap, 640 words (5 KiB) whatever W, where the sketch collapses.",
         "",
         "| W | K | bytes / rank | collectives | flush / floor |",
         "|---:|---|---:|---:|---:|",
@@ -795,6 +798,7 @@ def main() -> int:
     flush_rounds = 50 if args.quick else 300
     if args.cost_model:
         print(cost_model(), flush=True)
+        write_result("stats_cost_model", cost_model(), quick=False)  # a model: nothing measured
         return 0
     if args.world_sizes:
         sizes = [int(w) for w in args.world_sizes.split(",")]

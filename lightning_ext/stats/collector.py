@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import itertools
 import math
 import re
 from typing import Any, NamedTuple
@@ -413,7 +414,7 @@ class Collector:
     def updated(self) -> list[str]:
         """Sorted names that received values (on any rank, finite or not) in the last ``update()``'s
         interval: the rest of :meth:`names` only repeat earlier statistics (``keep_previous``) or NaN."""
-        return [self._names[i] for i in np.flatnonzero(_host(self._idle) == 0)]
+        return list(itertools.compress(self._names, (_host(self._idle) == 0).tolist()))
 
     def _read(self) -> dict[str, list[float]]:
         """``{name: [n, mean, std, min, max, nonfinite]}``, read from the device once per update."""

@@ -132,8 +132,7 @@ def init_multiprocessing(
     check_int("init_multiprocessing", "rank", rank, ge=0)
     if sync_device is not None and not isinstance(sync_device, torch.device | str):
         raise TypeError(
-            "init_multiprocessing: `sync_device` must be a torch.device, a string or None, "
-            f"got {sync_device!r}"
+            f"init_multiprocessing: `sync_device` must be a torch.device, a str or None, got {sync_device!r}"
         )
     device = torch.device(sync_device) if sync_device is not None else None
     _state.settings = _SyncSettings(rank, device, process_group)
@@ -169,9 +168,8 @@ def set_stage(stage: str | None) -> str | None:
     """
     if stage is not None:
         check_label("set_stage", "stage", stage)
-    state = _state
-    previous, state.stage = state.stage, stage
-    state.current = state.routes.setdefault(stage, {})
+    previous, _state.stage = _state.stage, stage
+    _state.current = _state.routes.setdefault(stage, {})
     return previous
 
 
@@ -346,7 +344,8 @@ def report0(name: str, value: T) -> T:
     if _sync_settings().rank == 0:
         return report(name, value)
     _check_value(name, value)
-    report(name, [])  # (checks the name)
+    if type(name) is not str or name not in _state.current:  # registered (and checked) once per stage
+        report(name, [])
     return value
 
 

@@ -318,7 +318,7 @@ def test_init_multiprocessing_validates_arguments() -> None:
     with pytest.raises(ValueError, match=r"^init_multiprocessing: `rank` must be an int >= 0, got -1$"):
         init_multiprocessing(-1, None)
     with pytest.raises(
-        TypeError, match=r"processing: `sync_device` must be a torch.device, a string or None, got 3"
+        TypeError, match=r"processing: `sync_device` must be a torch.device, a str or None, got 3"
     ):
         init_multiprocessing(0, 3)
     init_multiprocessing(0, "cpu")  # a world of one: update() still works without collectives
