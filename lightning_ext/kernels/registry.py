@@ -204,7 +204,8 @@ def _automatic(device: torch.device) -> KernelBackend:
             backend = _instantiate(entry)
             break
         except Exception as exc:
-            failed.append(f"kernel backend {entry.name!r} failed to load ({exc!s:.300})")
+            # (cut at 2000 characters: whole with the paths of a deep checkout or temporary directory)
+            failed.append(f"kernel backend {entry.name!r} failed to load ({exc!s:.2000})")
     else:  # no preferred backend loads: `reference`, which always does
         backend = _instantiate(_entries["reference"])
     if failed and not _fallback_warned:

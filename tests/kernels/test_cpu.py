@@ -369,9 +369,12 @@ def _damage(directory: Path, damage: str) -> str:
 )
 def test_a_damaged_build_never_reaches_the_loader_and_is_refused_in_one_line(tmp_path, forks, damage):
     """Where no build can run (no compiler), a damaged build is refused: automatic selection takes
-    ``reference`` with ONE warning naming the file and why; nothing is loaded (the truncated library
-    itself, loaded, kills the process with SIGBUS)."""
-    directory = _cache_copy(tmp_path)
+    ``reference`` with ONE warning naming the file and why, whole, from a cache deep in directories
+    (a checkout deep in a home directory, a test runner's temporary directory); nothing is loaded (the
+    truncated library itself, loaded, kills the process with SIGBUS)."""
+    deep = tmp_path.joinpath(*["a-deep-directory"] * 12)
+    deep.mkdir(parents=True)
+    directory = _cache_copy(deep)
     library = _library(directory)
     reason = _damage(directory, damage)
     result = _python(forks, _AUTO, _environ(directory, CXX=_NO_CXX))
