@@ -66,8 +66,8 @@ class _ShmGroup:
         self.world_size = world_size
         self.pids = pids
         header = world_size * _LINE
-        # (W, 8) int64 header words as NumPy (a scalar store or a column read costs 0.1-0.2 us, torch's
-        # indexing 1.5-2.5 us, on the path of every reduction)
+        # (W, 8) int64 header words as NumPy: a scalar store or a column read there costs a fraction of
+        # torch's indexing, on the path of every reduction
         self.words = storage[:header].numpy().view(np.int64).reshape(world_size, _LINE // 8)
         self.counters = self.words[:, 0]  # (W,) int64, 64 bytes apart
         self.data = storage[header:].view(2, world_size, _SLOT_BYTES)  # (buffer, rank, bytes) uint8

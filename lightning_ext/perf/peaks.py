@@ -192,7 +192,7 @@ def measure_peak_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", 
     key = (str(where), dtype, size)
     if key not in _measured:
         a, b = (torch.randn(size, size, device=where).to(dtype) for _ in range(2))
-        repeats = max(1, min(1000, round(0.02 / _time_matmuls(a, b, 1))))  # rounds of about 20 ms
+        repeats = max(1, min(1000, round(0.02 / _time_matmuls(a, b, 1))))  # rounds of 0.02 s
         best = min(_time_matmuls(a, b, repeats) for _ in range(3))
         _measured[key] = 2.0 * size**3 * repeats / best
     return _measured[key]
