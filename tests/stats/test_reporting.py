@@ -310,6 +310,27 @@ def test_report0_keeps_only_rank_zero_values_and_registers_elsewhere() -> None:
     assert "Only1" in c.names() and c.num("Only1") == 0
 
 
+def test_report0_off_rank_zero_registers_for_collectors_and_stages_that_come_later() -> None:
+    """Off rank zero a name is registered once per stage: a collector created later (a validation
+    collector made at the first validation) and another stage still get it, and a bad value still
+    raises after the name is known."""
+    init_multiprocessing(rank=1, sync_device=None)
+    train = Collector()
+    for _ in range(3):
+        report0("LR", 0.25)
+    train.update()
+    late, val = Collector(), Collector(stage="validate")
+    report0("LR", 0.25)
+    previous = set_stage("validate")
+    report0("LR", 0.25)
+    set_stage(previous)
+    for collector in (train, late, val):
+        collector.update()
+        assert collector.names() == ["LR"] and collector.num("LR") == 0
+    with pytest.raises(TypeError, match="report\\('LR', value\\)"):
+        report0("LR", "0.25")
+
+
 def test_init_multiprocessing_validates_arguments() -> None:
     with pytest.raises(TypeError, match=r"^init_multiprocessing: `rank` must be an int >= 0, got '0' \(str"):
         init_multiprocessing("0", None)
