@@ -31,9 +31,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <tuple>
 #include <vector>
 
@@ -972,11 +974,25 @@ double max_nan(double a, double b) {  // torch.maximum: NaN if either is NaN
 
 double clamp_min_zero(double v) { return v < 0.0 ? 0.0 : v; }  // clamp_min(0): NaN stays NaN
 
+// The flush ops read and write their tensors through raw pointers: each must be contiguous and of its
+// dtype (a strided view would be read as the wrong elements, silently).
+void check_flat(const char* op, std::initializer_list<std::pair<const char*, const Tensor*>> args,
+                at::ScalarType dtype = at::kDouble) {
+  for (const auto& [name, t] : args) {
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == dtype && t->device().is_cpu(), op, ": `", name,
+                "` must be a contiguous ", dtype, " CPU tensor, got ", t->scalar_type(), " on ", t->device(),
+                " with strides ", t->strides());
+  }
+}
+
 // max_payload (H + 5R,) = [head | bound | max | -min | mean | -mean | mean with the rank in its low bits];
 // sum_payload (R, 5) = [n, m2, n d, n d^2, nonfinite]; rows (R, 6) = [n, S1, S2, min, max, nonfinite].
 void moments_payload_(Tensor& max_payload, Tensor& sum_payload, const Tensor& rows, const Tensor& shifts,
                       const Tensor& center, const std::vector<double>& head, const Tensor& counted,
                       int64_t rank, int64_t rank_bits) {
+  check_flat("moments_payload_", {{"max_payload", &max_payload}, {"sum_payload", &sum_payload},
+                                  {"rows", &rows}, {"shifts", &shifts}, {"center", &center}});
+  check_flat("moments_payload_", {{"counted", &counted}}, at::kLong);
   const int64_t r = rows.size(0), h = static_cast<int64_t>(head.size()) + 1;
   const double* s = rows.const_data_ptr<double>();
   const double* a = shifts.const_data_ptr<double>();
@@ -1018,6 +1034,8 @@ void moments_payload_(Tensor& max_payload, Tensor& sum_payload, const Tensor& ro
 // payloads; returns [whether a row needs another reduction around max(mean), rows idle >= forget_after].
 Tensor moments_finish_(Tensor& published, Tensor& next_shift, Tensor& idle, const Tensor& extremes,
                        const Tensor& sum_payload, const Tensor& center, bool keep_previous, int64_t forget_after) {
+  check_flat("moments_finish_", {{"published", &published}, {"next_shift", &next_shift}, {"idle", &idle},
+                                 {"extremes", &extremes}, {"sum_payload", &sum_payload}, {"center", &center}});
   const int64_t r = sum_payload.size(0);
   const double* mx = extremes.const_data_ptr<double>();
   const double *hi = mx, *neg_lo = hi + r, *mean_max = neg_lo + r, *neg_mean_min = mean_max + r;
@@ -1079,6 +1097,9 @@ Tensor pack_windows_(Tensor& words, Tensor& hist, const Tensor& rows, const Tens
   const int64_t q = hist.size(0), size = hist.size(1), n = at.numel(), r = rows.size(0);
   const int64_t m = edges.numel() - 1, k = 53 / bits, slots = max_words * k;
   TORCH_CHECK(bits >= 1 && bits <= 53 && slots >= 5, "pack_windows_: 1 to 53 bits and 5 fields at least");
+  check_flat("pack_windows_", {{"words", &words}, {"hist", &hist}, {"rows", &rows}, {"shifts", &shifts},
+                              {"extremes", &extremes}, {"edges", &edges}});
+  check_flat("pack_windows_", {{"at", &at}}, at::kLong);
   const double *e = edges.const_data_ptr<double>(), *x = extremes.const_data_ptr<double>();
   const double *s = rows.const_data_ptr<double>(), *a = shifts.const_data_ptr<double>();
   const int64_t* name = at.const_data_ptr<int64_t>();

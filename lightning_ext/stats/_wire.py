@@ -204,8 +204,9 @@ class Store:
 
     def local(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
         """This process's accumulator rows ``(R, 6)``, shifts ``(R,)`` and sketch counts ``(Q, size)`` of
-        the agreed names on ``device``, and whether they are the slab's own: views when it is the only
-        one and on ``device``, else the merge of every slab's (Chan's merge, about each name's mean)."""
+        the agreed names on ``device``, contiguous, and whether they are the slab's own: views when it is
+        the only one and on ``device``, else the merge of every slab's (Chan's merge, about each name's
+        mean)."""
         slabs = list(self.slabs.values())
         if len(slabs) == 1 and slabs[0].device == device:
             return (*slabs[0].views, True)
@@ -218,7 +219,8 @@ class Store:
             nonfinite += rows[:, 5].to(device)
             hist += counts.to(device)
         n, mean, m2, lo, hi = moments.unbind(1)
-        return torch.stack([n, torch.zeros_like(n), m2, lo, hi, nonfinite], 1), mean, hist, False
+        rows = torch.stack([n, torch.zeros_like(n), m2, lo, hi, nonfinite], 1)
+        return rows, mean.contiguous(), hist, False  # (the cpu kernels read contiguous tensors)
 
     def reset(self, hist: bool = True) -> None:
         """After a publication: every row empty (the sketch counts too with ``hist``)."""

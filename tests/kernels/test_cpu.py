@@ -718,3 +718,31 @@ def test_the_one_defer_rule_sends_float16_batch_norm_ops_to_reference(monkeypatc
     finally:
         monkeypatch.undo()
         cpu.CpuBackend()  # the live instance the custom ops find is an unpatched one again
+
+
+@pytest.mark.parametrize("op", ["moments_payload_", "moments_finish_", "pack_windows_"])
+def test_the_flush_kernels_refuse_a_strided_tensor_naming_it(op):
+    """The flush's compiled kernels read raw pointers: a strided view (a column of a table) would be read
+    as the wrong elements, so each raises instead, naming the argument."""
+    backend = require_cpu_backend()
+    f64 = {"dtype": torch.float64}
+    r = 3
+    strided = torch.zeros(r, 5, **f64)[:, 1]  # a column: stride 5
+    rows = torch.zeros(r, 6, **f64)
+    calls = {
+        "moments_payload_": lambda: backend.run(
+            op, torch.zeros(1 + 5 * r, **f64), torch.zeros(r, 5, **f64), rows, strided,
+            torch.zeros(r, **f64), [], torch.zeros(0, dtype=torch.int64), 0, 1,
+        ),
+        "moments_finish_": lambda: backend.run(
+            op, torch.zeros(r, 6, **f64), strided, torch.zeros(r, **f64), torch.zeros(4 * r, **f64),
+            torch.zeros(r, 5, **f64), torch.zeros(r, **f64), True, 0,
+        ),
+        "pack_windows_": lambda: backend.run(
+            op, torch.zeros(8, **f64), torch.zeros(1, 7, **f64), rows, strided, torch.zeros(4 * r, **f64),
+            torch.zeros(1, dtype=torch.int64), torch.ones(3, **f64), 8, 2,
+        ),
+    }  # fmt: skip
+    argument = {"moments_payload_": "shifts", "moments_finish_": "next_shift", "pack_windows_": "shifts"}[op]
+    with pytest.raises(RuntimeError, match=rf"{op}: `{argument}` must be a contiguous Double CPU tensor"):
+        calls[op]()

@@ -384,6 +384,34 @@ def test_report_of_cuda_tensors_never_syncs_host_and_device() -> None:
     _check(c, "G", values.double().cpu())
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_and_python_numbers_of_one_process_publish_every_name_right() -> None:
+    """A one-GPU job reports CUDA tensors (its loss) and Python numbers (a rate, a peak): the rows of
+    both devices merge at the flush, and every name comes out as one accumulator over all its values
+    would give (the merged means were once read as a strided view: only the first name was right)."""
+    clear_statistics()
+    c = Collector(quantiles="Loss/.*")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    loss = 3.0 + torch.rand(64, device="cuda", generator=gen, dtype=torch.float64)
+    values = {"Loss/train": [*loss.tolist(), 2.5], "Peak/flops": [989.4e12], "Rate/samples": [1e15, 2e15]}
+    report("Loss/train", loss)
+    for name, numbers in values.items():
+        for v in numbers[-1:] if name == "Loss/train" else numbers:
+            report(name, v)
+    report("Other/cuda", loss[:3].float())
+    values["Other/cuda"] = loss[:3].float().tolist()
+    c.update()
+    for name, v in values.items():
+        assert_moments_close(
+            {stat: getattr(c, stat)(name) for stat in ("num", "mean", "std", "min", "max")},
+            torch.tensor(v, dtype=torch.float64), name, merges=1,
+        )  # fmt: skip
+    median = float(torch.tensor(values["Loss/train"]).median())  # of 65 values: the middle one
+    assert c.quantile("Loss/train", 0.5) == pytest.approx(median, rel=0.01)
+    clear_statistics()
+
+
 def test_rows_are_reused_across_intervals_for_changing_name_sets() -> None:
     """Each interval's statistics are exactly its own values, whatever the names do between drains:
     the same names again (rows reused), a subset (rows gathered), more names than a block holds

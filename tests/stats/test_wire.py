@@ -77,22 +77,31 @@ def test_rows_of_another_device_than_the_collectives_merge_about_each_mean() -> 
     """Values that lived on another device than the collectives' (CUDA values and Python numbers on
     the CPU, reduced on CUDA; here ``cpu`` values reduced on ``cpu:0``, another device to torch) are
     merged into one row per name about its mean (Chan's merge), the sketch counts added: the same
-    statistics and quantiles as on one device."""
+    statistics and quantiles as on one device, for every name (the merged means are a strided view:
+    the compiled kernels once read them as the wrong elements, and only the first name came out
+    right)."""
     from lightning_ext.stats import init_multiprocessing
 
     clear_statistics()
     init_multiprocessing(0, "cpu:0")  # a world of one whose collective device differs from the values'
     c = Collector(quantiles="x")
     gen = torch.Generator().manual_seed(0)
-    x = 1e6 + torch.randn(101, generator=gen, dtype=torch.float64)
-    report("x", x[:50])
-    report("x", [float(v) for v in x[50:]] + [math.inf])
+    values = {
+        "x": 1e6 + torch.randn(101, generator=gen, dtype=torch.float64),
+        "y": -5.0 + torch.randn(7, generator=gen, dtype=torch.float64),
+        "z": 3e14 * (1 + torch.rand(3, generator=gen, dtype=torch.float64)),
+    }
+    for name, x in values.items():
+        report(name, x[:50])
+        report(name, [float(v) for v in x[50:]] + [math.inf])
     c.update()
-    assert_moments_close(
-        {k: getattr(c, k)("x") for k in ("num", "mean", "std", "min", "max")}, x, "x", merges=1
-    )
-    assert c.nonfinite("x") == 1 and c.histogram("x")[0].sum() == 101
-    assert c.quantile("x", 0.5) == pytest.approx(float(x.median()), rel=0.01)
+    for name, x in values.items():
+        assert_moments_close(
+            {k: getattr(c, k)(name) for k in ("num", "mean", "std", "min", "max")}, x, name, merges=1
+        )
+        assert c.nonfinite(name) == 1
+    assert c.histogram("x")[0].sum() == 101
+    assert c.quantile("x", 0.5) == pytest.approx(float(values["x"].median()), rel=0.01)
     clear_statistics()
 
 
