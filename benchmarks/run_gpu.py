@@ -2,15 +2,15 @@
 
 Runs, each in its own process and in this order: ``pytest -m cuda`` over ``tests`` (every test marked
 ``cuda``, ``tests/kernels/test_cuda.py`` among them), ``bench_kernels.py --gpu-only``,
-``bench_syncbn.py --gpu-only`` and ``bench_loss_scaling.py --device cuda``. The benchmarks print their
-tables and write their GPU sections of ``benchmarks/RESULTS.md``. Without CUDA it says so and exits 0.
-The checkout is put on ``PYTHONPATH``, so any Python with a CUDA build of torch, Triton, Lightning,
-torchmetrics and pytest runs it without installing the package.
+``bench_syncbn.py --gpu-only``, ``bench_loss_scaling.py --device cuda`` and ``bench_mfu_gpu.py``. The
+benchmarks print their tables and write their GPU sections of ``benchmarks/RESULTS.md``. Without
+CUDA it says so and exits 0. The checkout is put on ``PYTHONPATH``, so any Python with a CUDA build of
+torch, Triton, Lightning, torchmetrics and pytest runs it without installing the package.
 
 Usage: ``python benchmarks/run_gpu.py [--quick] [--skip-tests] [--only NAME ...] [--timeout 1800]``;
-``NAME`` is ``tests``, ``kernels``, ``syncbn`` or ``loss_scaling``; ``--quick`` passes ``--quick`` to
-the benchmarks (smoke run: they write only where ``$BENCH_RESULTS`` points). Exits non-zero when a
-step failed, after running the others.
+``NAME`` is ``tests``, ``kernels``, ``syncbn``, ``loss_scaling`` or ``mfu``; ``--quick`` passes
+``--quick`` to the benchmarks (smoke run: they write only where ``$BENCH_RESULTS`` points). Exits
+non-zero when a step failed, after running the others.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def steps(quick: bool) -> dict[str, list[str]]:
         "kernels": [py, str(HERE / "bench_kernels.py"), "--gpu-only", *flag],
         "syncbn": [py, str(HERE / "bench_syncbn.py"), "--gpu-only", *flag],
         "loss_scaling": [py, str(HERE / "bench_loss_scaling.py"), "--device", "cuda", *flag],
+        "mfu": [py, str(HERE / "bench_mfu_gpu.py"), *flag],
     }
 
 

@@ -59,7 +59,7 @@ def _batch_norm_moments_reference(x: Tensor, shift: Tensor) -> Tensor:
     c = x.shape[1]
     payload = torch.zeros(2 * c + 1, dtype=torch.float64, device=x.device)
     n = x.numel() // c
-    payload[0] = n
+    payload[:1].fill_(n)  # a kernel with the count as its argument: no host-to-device copy (CUDA graphs)
     if n == 0:
         return payload
     if x.dtype in (torch.float32, torch.float64):
@@ -408,7 +408,7 @@ def _batch_norm_moments_triton(x: Tensor, shift: Tensor) -> Tensor:
     out = torch.zeros(2 * c + 1, dtype=torch.float64, device=x.device)
     if x.numel() == 0:
         return out
-    out[0] = x.numel() // c
+    out[:1].fill_(x.numel() // c)  # no host-to-device copy: capturable in a CUDA graph
     return _channel_sums(x, x, shift, out, shift)
 
 

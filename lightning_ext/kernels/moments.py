@@ -69,7 +69,7 @@ def _accumulate_moments_reference(acc: Tensor, x: Tensor, shift: Tensor) -> None
         d = torch.where(finite, d, 0.0)
         lo, hi = torch.where(finite, v, math.inf).min(), torch.where(finite, v, -math.inf).max()
     else:
-        count, (lo, hi) = torch.tensor(float(v.numel()), dtype=torch.float64, device=v.device), v.aminmax()
+        count, (lo, hi) = v.new_full((), float(v.numel())), v.aminmax()  # a fill: no host-to-device copy
     acc[0:3].add_(torch.stack((count, d.sum(), torch.dot(d, d))))
     torch.minimum(acc[3], lo, out=acc[3])
     torch.maximum(acc[4], hi, out=acc[4])

@@ -213,7 +213,7 @@ def _unscale_and_check_triton(tensors: list[Tensor], inv_scale: Tensor) -> Tenso
 
 def _check_finite_triton(tensors: list[Tensor], device: torch.device) -> Tensor:
     """The multi-tensor kernel with its stores off (half the bytes of unscaling). No host sync."""
-    return _multi_tensor_pass(tensors, None, device)
+    return _multi_tensor_pass(tensors, None, torch.device(device))  # (the schema's Device: a str too)
 
 
 # ---------------------------------------------------------------------------- the ops

@@ -68,8 +68,8 @@ def test_triton_matches_reference_on_gpu(backends, shape, fmt, dtype, atol, rtol
 def test_triton_multi_tensor_unscale_compiled(dtype):
     """The compiled multi-tensor kernel over every tensor: full and partial blocks, views of one storage
     on either side of the base tensor, a transposed (dense, not contiguous) tensor, a poison in the first
-    element of a full block, the last element of a tensor or nowhere; bit-identical to ATen's op, the
-    check read-only."""
+    element of a full block, the last element of a tensor or nowhere; bit-identical to ATen's op (for
+    bfloat16, which ATen's CUDA op does not take, to its float32 arithmetic), the check read-only."""
     from lightning_ext.kernels.unscale import _BLOCK, _check_finite_triton, _unscale_and_check_triton
 
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -91,7 +91,11 @@ def test_triton_multi_tensor_unscale_compiled(dtype):
                 tensors[i][0, k] = value
         expected = [t.clone() for t in tensors]
         flag = torch.zeros((), device="cuda")
-        torch._amp_foreach_non_finite_check_and_unscale_(expected, flag, inv)
+        if dtype == torch.bfloat16:  # ATen's CUDA op takes no bfloat16: its arithmetic, in float32
+            flag.fill_(float(not all(t.isfinite().all() for t in expected)))
+            expected = [(t.float() * inv).to(dtype) for t in expected]
+        else:
+            torch._amp_foreach_non_finite_check_and_unscale_(expected, flag, inv)
         before = [t.clone() for t in tensors]
         assert _check_finite_triton(tensors, torch.device("cuda")).item() == flag.item()
         for t, b in zip(tensors, before):
@@ -134,3 +138,67 @@ def test_triton_unscale_check_and_moments_on_gpu(backends):
     for i, terms in ((1, d), (2, d * d)):
         bound = x.numel() * eps * terms.abs().sum().item()
         torch.testing.assert_close(acc_t[i], acc_r[i], rtol=0, atol=bound)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_every_op_is_captured_in_a_cuda_graph_and_replays_its_eager_result(backend):
+    """A training step captured in a CUDA graph (``torch.compile(mode="reduce-overhead")``, or by hand)
+    captures the ops too: none may copy between host and device (batch_norm_moments once wrote its count
+    from the host and broke capture); each replay gives the eager result."""
+    from lightning_ext.kernels import get_backend
+    from lightning_ext.stats import LogHistogram
+
+    be = get_backend(backend, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(8, 16, 5, 5, device="cuda", generator=gen) + 1
+    dy = torch.randn(8, 16, 5, 5, device="cuda", generator=gen)
+    mean, invstd = torch.batch_norm_stats(x, 1e-5)
+    w, b = torch.randn(16, device="cuda", generator=gen), torch.randn(16, device="cuda", generator=gen)
+    count = torch.tensor(float(x.numel() // 16), device="cuda")
+    s1, s2, _, _ = torch.batch_norm_backward_reduce(dy, x, mean, invstd, w, True, False, False)
+    sums, shift = torch.cat([s1, s2]).float(), torch.zeros(16, device="cuda", dtype=torch.float64)
+    grads = [torch.randn(1000, device="cuda", generator=gen), torch.randn(7, 3, device="cuda", generator=gen)]
+    inv = torch.tensor(0.5, device="cuda")
+    edges = LogHistogram(0.01, (1e-3, 1e3)).edges().cuda()
+    hist = torch.zeros(2 * edges.numel() + 1, device="cuda", dtype=torch.float64)
+    empty = torch.tensor([0, 0, 0, float("inf"), -float("inf")], device="cuda", dtype=torch.float64)
+    acc, center = empty.clone(), torch.tensor(1.0, device="cuda", dtype=torch.float64)
+    work = [g.clone() for g in grads]  # static addresses, as a captured step's gradients have
+
+    def unscale():
+        for w, g in zip(work, grads):
+            w.copy_(g)
+        return be.run("unscale_and_check_", work, inv), *work
+
+    calls = {
+        "batch_norm_moments": lambda: be.run("batch_norm_moments", x, shift),
+        "batch_norm_elemt": lambda: be.run("batch_norm_elemt", x, mean, invstd, w, b),
+        "batch_norm_backward_reduce": lambda: be.run("batch_norm_backward_reduce", dy, x, mean),
+        "batch_norm_backward_elemt": lambda: be.run(
+            "batch_norm_backward_elemt", dy, x, mean, invstd, w, sums, count
+        ),
+        "unscale_and_check_": unscale,
+        "check_finite": lambda: be.run("check_finite", grads, torch.device("cuda")),
+        "accumulate_moments_": lambda: (
+            acc.copy_(empty),
+            be.run("accumulate_moments_", acc, x, center),
+            acc.clone(),
+        )[-1],
+        "accumulate_histogram_": lambda: (
+            hist.zero_(),
+            be.run("accumulate_histogram_", hist, x, edges),
+            hist.clone(),
+        )[-1],
+    }
+    for op, call in calls.items():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            eager = call()  # warm-up outside the capture: compilation, caches
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = call()
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(captured, eager, msg=lambda m, op=op: f"{op}: {m}")

@@ -101,6 +101,7 @@ def test_fsdp_strategy_trains_with_our_scaling_and_skips_a_poisoned_step(tmp_pat
             super().__init__()
             self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
             self.snapshots = []
+            self.trace = []  # (global_step after the batch, skipped, scale): said when an assert fails
 
         def training_step(self, batch, batch_idx):
             x, y = batch
@@ -111,6 +112,8 @@ def test_fsdp_strategy_trains_with_our_scaling_and_skips_a_poisoned_step(tmp_pat
 
         def on_train_batch_end(self, outputs, batch, batch_idx):
             self.snapshots.append([p.detach().clone() for p in self.parameters()])
+            scaler = self.trainer.strategy.precision_plugin.scaler
+            self.trace.append((self.global_step, scaler.last_step_skipped, scaler.get_scale()))
 
         def configure_optimizers(self):
             opt = torch.optim.SGD(self.parameters(), lr=0.05)
@@ -126,8 +129,9 @@ def test_fsdp_strategy_trains_with_our_scaling_and_skips_a_poisoned_step(tmp_pat
         logger=False, enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
     )  # fmt: skip
     trainer.fit(model, loader)
-    assert plugin.scaler.steps == STEPS and plugin.scaler.skipped_steps == 1
-    assert plugin.scaler.get_scale() == 2.0**7
+    trace = model.trace
+    assert plugin.scaler.steps == STEPS and plugin.scaler.skipped_steps == 1, trace
+    assert plugin.scaler.get_scale() == 2.0**7, trace
     assert all(
         torch.equal(a, b) for a, b in zip(model.snapshots[POISON_STEP - 1], model.snapshots[POISON_STEP])
     )
