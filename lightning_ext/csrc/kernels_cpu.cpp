@@ -1123,10 +1123,12 @@ Tensor pack_windows_(Tensor& words, Tensor& hist, const Tensor& rows, const Tens
     slot = std::clamp<int64_t>(slot, 0, w * k - 1);
     packed[i * w + slot / k] += count << (bits * (slot % k));
   };
-  for (int64_t i = 0; i < q; ++i) {
+  for (int64_t i = 0; i < q; ++i) {  // the buckets between this rank's own min and max: its counts
     double* row = hist.data_ptr<double>() + i * size;
-    if (!width[i]) continue;
-    for (int64_t b = value_position(e, m, lo[i], 0); b <= value_position(e, m, hi[i], 0); ++b) {
+    const double* v = s + 6 * name[i];
+    if (!width[i] || !(v[3] <= v[4])) continue;
+    const int64_t last = value_position(e, m, v[4], 0);
+    for (int64_t b = value_position(e, m, v[3], 0); b <= last; ++b) {
       if (row[b] == 0.0) continue;
       const int64_t d = b - (m + 1);
       put(i, window_position(d > 0 ? 1 : d < 0 ? -1 : 0, std::abs(d), m, level[i]) - start[i],

@@ -91,7 +91,9 @@ def _pack_windows_reference(
 
     Args:
         words: float64 ``(>= N W,)``, its first ``N W`` written (row-major ``(N, W)``).
-        hist: float64 ``(Q, 2m + 3)`` contiguous level-0 counts (of values in ``[lo, hi]``); zeroed.
+        hist: float64 ``(Q, 2m + 3)`` contiguous level-0 counts, of values between the row's own min
+            and max in ``rows`` (so also in ``[lo, hi]``); zeroed (the compiled kernel reads and zeroes
+            the buckets between those two, where the counts are).
         rows, shifts: float64 ``(R, 6)`` accumulator rows, ``(R,)`` shifts (this rank's means).
         extremes: float64 ``(5R,)``, a reduced flush MAX after its head (``moments_payload_``).
         at: int64 ``(N,)``, each row's name.

@@ -253,7 +253,8 @@ def test_pack_windows_by_hand(backend):
 def test_pack_windows_equals_reference(backend, reference, bits, collapsed):
     """Two ranks' values of five names over narrow and wide ranges of one sign or both (windows collapse
     with 4 and 1 fields a word), a name without values, and the rank means of four names: rank 0's
-    packed words, layout and zeroed counts equal reference's (80 values a name: 7 bits hold a count)."""
+    packed words, layout and zeroed counts equal reference's (80 values a name: 7 bits hold a count),
+    its rows holding its own extremes, narrower than all ranks'."""
     gen = torch.Generator().manual_seed(bits)
     edges = _geometric_edges()
     spans = [(0.5, 2.0, 1), (1e-6, 1e6, 1), (1e-6, 1e6, -1), (1e-3, 1e6, 0), (1.0, 1.0, 1)]
@@ -276,7 +277,12 @@ def test_pack_windows_equals_reference(backend, reference, bits, collapsed):
     mean_hi, mean_lo = means.nan_to_num(-math.inf).amax(0), means.nan_to_num(math.inf).amin(0)
     extremes = torch.cat([hi, -lo, mean_hi, -mean_lo, torch.zeros(6, dtype=torch.float64)])
     n = torch.tensor([float(v.numel()) for v in ranks[0]], dtype=torch.float64)
-    rows = torch.stack([n, torch.zeros(6, dtype=torch.float64), n, lo, hi, n * 0], 1)
+    own_lo, own_hi = (  # rank 0's own extremes: its counts lie between them (the kernel reads there)
+        torch.tensor([f(v) if v.numel() else inf for v in ranks[0]], dtype=torch.float64)
+        for f, inf in ((torch.min, math.inf), (torch.max, -math.inf))
+    )
+    assert ((own_lo > lo) | (own_hi < hi)).any()  # narrower than all ranks' somewhere
+    rows = torch.stack([n, torch.zeros(6, dtype=torch.float64), n, own_lo, own_hi, n * 0], 1)
     shifts = means[0].nan_to_num(0.0)  # rank 0's mean: its shift, S1 = 0
     at = torch.tensor([0, 1, 2, 3, 4, 5, 0, 2, 4, 5])
     got = _pack(backend, hist, rows, shifts, extremes, at, edges, bits, 640 if bits < 27 else 8)
