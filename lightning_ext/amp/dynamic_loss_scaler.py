@@ -508,7 +508,10 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
         found_infs = [f.to(device, non_blocking=True) for f in found_infs]
         for found in found_infs:
             schedules._count_(*(self._device_state[key] for key in _COUNTERS), found)
-        combined = sum(found_infs, torch.zeros((), dtype=torch.float32, device=device))
+        if found_infs:  # (one optimizer's flag itself: no kernel)
+            combined = sum(found_infs[1:], found_infs[0])
+        else:  # update(new_scale) without a step since the last update
+            combined = torch.zeros((), dtype=torch.float32, device=device)
         self._device_state["found_inf"].copy_(combined)
         if self._enabled and new_scale is not None:
             self._set_scale(new_scale)
@@ -531,6 +534,8 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
                 self._growth_factor, self._backoff_factor, self._growth_interval, self.hysteresis,
                 self.consecutive_hysteresis,
             )  # fmt: skip
+        if self.min_scale is None and self.max_scale is None:  # unbounded: no kernel more
+            return
         log2 = s["log2_scale"] if self.schedule == "log2" else None
         hit_floor = schedules._clamp_(self._scale, log2, back_off, self.min_scale, self.max_scale)
         if self.min_scale is None or self.on_min_scale == "clamp":

@@ -130,7 +130,7 @@ def _clamp_(scale: Tensor, log2_scale: Tensor | None, back_off: Tensor, min_scal
 def _count_(steps: Tensor, skipped_steps: Tensor, consecutive_overflows: Tensor, found_inf: Tensor) -> None:
     """Count one optimizer step (float64 0-dim counters, in place): taken or skipped, and the run of
     skipped steps ending here."""
-    overflow = (found_inf > 0).to(steps.dtype)
+    overflow = found_inf > 0  # bool: added to the float64 counters as 0/1
     steps.add_(1)
     skipped_steps.add_(overflow)
     consecutive_overflows.mul_(overflow).add_(overflow)
