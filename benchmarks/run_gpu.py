@@ -1,14 +1,16 @@
 """The CUDA tests and the GPU sections of the benchmarks, on a machine with a CUDA GPU (``make bench-gpu``).
 
 Runs, each in its own process and in this order: ``pytest -m cuda`` over ``tests`` (every test marked
-``cuda``, ``tests/kernels/test_cuda.py`` among them), ``bench_kernels.py --gpu-only``,
+``cuda``, ``tests/kernels/test_cuda.py`` among them), the main job on one GPU for two epochs
+(``python -m examples.digits --accelerator gpu --devices 1``, its run in ``runs/digits_gpu``),
+``bench_kernels.py --gpu-only``,
 ``bench_syncbn.py --gpu-only``, ``bench_loss_scaling.py --device cuda`` and ``bench_mfu_gpu.py``. The
 benchmarks print their tables and write their GPU sections of ``benchmarks/RESULTS.md``. Without
 CUDA it says so and exits 0. The checkout is put on ``PYTHONPATH``, so any Python with a CUDA build of
 torch, Triton, Lightning, torchmetrics and pytest runs it without installing the package.
 
 Usage: ``python benchmarks/run_gpu.py [--quick] [--skip-tests] [--only NAME ...] [--timeout 1800]``;
-``NAME`` is ``tests``, ``kernels``, ``syncbn``, ``loss_scaling`` or ``mfu``; ``--quick`` passes
+``NAME`` is ``tests``, ``main_job``, ``kernels``, ``syncbn``, ``loss_scaling`` or ``mfu``; ``--quick`` passes
 ``--quick`` to the benchmarks (smoke run: they write only where ``$BENCH_RESULTS`` points). Exits
 non-zero when a step failed, after running the others.
 """
@@ -27,6 +29,7 @@ ROOT = HERE.parent
 
 PYTEST_NO_TESTS = 5  # pytest's exit status when it collected nothing
 TEST_PATHS = ("tests/kernels/test_cuda.py", "tests")  # pytest collects a file named twice once
+MAIN_JOB_ARGS = "--accelerator gpu --devices 1 --max-epochs 2 --min-accuracy 0 --name digits_gpu".split()
 
 
 def steps(quick: bool) -> dict[str, list[str]]:
@@ -35,6 +38,7 @@ def steps(quick: bool) -> dict[str, list[str]]:
     py = sys.executable
     return {
         "tests": [py, "-m", "pytest", "-m", "cuda", "-p", "no:cacheprovider", "-q", "-rfE", *TEST_PATHS],
+        "main_job": [py, "-m", "examples.digits", *MAIN_JOB_ARGS],
         "kernels": [py, str(HERE / "bench_kernels.py"), "--gpu-only", *flag],
         "syncbn": [py, str(HERE / "bench_syncbn.py"), "--gpu-only", *flag],
         "loss_scaling": [py, str(HERE / "bench_loss_scaling.py"), "--device", "cuda", *flag],
@@ -45,7 +49,7 @@ def steps(quick: bool) -> dict[str, list[str]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="pass --quick to the benchmarks")
-    parser.add_argument("--skip-tests", action="store_true", help="only the benchmarks")
+    parser.add_argument("--skip-tests", action="store_true", help="only the main job and the benchmarks")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these steps")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per step")
     args = parser.parse_args()
