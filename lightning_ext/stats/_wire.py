@@ -218,9 +218,8 @@ class Store:
             moments = merge_moments(moments, moments_from_shifted(rows, shifts).to(device))
             nonfinite += rows[:, 5].to(device)
             hist += counts.to(device)
-        n, mean, m2, lo, hi = moments.unbind(1)
-        rows = torch.stack([n, torch.zeros_like(n), m2, lo, hi, nonfinite], 1)
-        return rows, mean.contiguous(), hist, False  # (the cpu kernels read contiguous tensors)
+        n, mean, m2, lo, hi = moments.unbind(1)  # (mean: a strided view, made contiguous below)
+        return torch.stack([n, torch.zeros_like(n), m2, lo, hi, nonfinite], 1), mean.contiguous(), hist, False
 
     def reset(self, hist: bool = True) -> None:
         """After a publication: every row empty (the sketch counts too with ``hist``)."""
