@@ -103,9 +103,10 @@ test-matrix: .venv-oldest/.installed .venv-newest/.installed $(VENV)/.dev-instal
 bench: $(VENV)/.dev-installed $(VENV)/.cpu-extension
 	$(PY) benchmarks/run_all.py
 
-# The CUDA tests and the GPU sections of the benchmarks, on a CUDA machine (elsewhere it says so and
-# exits 0). GPU_PYTHON: an interpreter with a CUDA build of torch, e.g. `make bench-gpu GPU_PYTHON=python3`
-# for the machine's own (the checkout goes on its PYTHONPATH); by default the development environment.
+# The CUDA tests, the main job on one GPU and the GPU sections of the benchmarks, on a CUDA machine
+# (elsewhere it says so and exits 0). GPU_PYTHON: an interpreter with a CUDA build of torch, e.g.
+# `make bench-gpu GPU_PYTHON=python3` for the machine's own (the checkout goes on its PYTHONPATH); by
+# default the development environment.
 GPU_PYTHON ?= $(PY)
 bench-gpu: $(if $(filter $(PY),$(GPU_PYTHON)),$(VENV)/.dev-installed)
 	$(GPU_PYTHON) benchmarks/run_gpu.py
