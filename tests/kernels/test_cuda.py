@@ -168,7 +168,7 @@ def test_every_op_is_captured_in_a_cuda_graph_and_replays_its_eager_result():
     def unscale():
         for w, g in zip(work, grads):
             w.copy_(g)
-        return be.run("unscale_and_check_", work, inv), *work
+        return be.run("unscale_and_check_", work, inv), *(w.clone() for w in work)
 
     calls = {
         "batch_norm_moments": lambda: be.run("batch_norm_moments", x, shift),
