@@ -122,15 +122,13 @@ def _pack_windows_reference(
     slot = _positions(b.abs(), b.sign(), m, level[:q, None]) - start[:q, None]
     counts[:q].scatter_add_(1, slot.clamp(0, w * k - 1), hist)
     hist.zero_()
-    n_r, s1 = rows[at[q:], 0], rows[at[q:], 1]  # this rank's means
-    mine = n_r > 0
-    mean = (shifts[at[q:]].nan_to_num(0.0, 0.0, 0.0) + s1 / torch.where(mine, n_r, 1.0))[:, None]
+    n_r, s1 = rows[at[q:], 0], rows[at[q:], 1]  # this rank's means (counts: 0 or >= 1)
+    mean = (shifts[at[q:]].nan_to_num(0.0, 0.0, 0.0) + s1 / n_r.clamp_min(1.0))[:, None]
     slot = _positions(torch.searchsorted(edges, mean.abs()), mean.sign().long(), m, level[q:, None])
-    one = (mine & (width[q:] > 0)).double()[:, None]
+    one = ((n_r > 0) & (width[q:] > 0)).double()[:, None]
     counts[q:].scatter_(1, (slot - start[q:, None]).clamp(0, w * k - 1), one)
     fields = 2.0 ** (bits * torch.arange(k, device=hist.device, dtype=torch.float64))
-    packed = (counts.view(n, w, k) * fields).sum(2)
-    words[: n * w] = packed.reshape(-1)
+    words[: n * w] = (counts.view(n, w, k) * fields).sum(2).reshape(-1)
     return torch.cat([level, start, width, torch.tensor([w], device=at.device)])
 
 
