@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from lightning.pytorch.callbacks import Callback
 
 HERE = Path(__file__).resolve().parent
 for _path in (HERE.parent, HERE):
@@ -57,7 +58,7 @@ def _model():
     return Stack()
 
 
-class _WallClock:
+class _WallClock(Callback):
     """Wall time of the steps after ``skip`` up to the end of the last one, synchronized at both ends
     (not after ``fit``: Lightning's teardown then moves the model to the CPU, seconds for this one)."""
 
@@ -85,14 +86,13 @@ def main() -> int:
         print("bench_mfu_gpu.py needs a CUDA GPU: nothing run")
         return 0
     import lightning as L
-    from lightning.pytorch.callbacks import Callback
 
     from lightning_ext.callbacks import Throughput, TrainingStats
     from lightning_ext.perf import peak_flops
 
     steps, every = (20, 5) if args.quick else (60, 10)
     peak = peak_flops(torch.bfloat16)
-    clock = type("Clock", (_WallClock, Callback), {})(skip=every)
+    clock = _WallClock(skip=every)
     throughput = Throughput(samples_fn=lambda batch: BATCH)
     trainer = L.Trainer(
         accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=steps, logger=False,
