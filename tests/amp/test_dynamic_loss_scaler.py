@@ -142,6 +142,34 @@ def test_max_scale_clamps_growth_and_min_scale_clamps_backoff():
     assert log2s == [3.5, 4.0, 4.0, 4.0] and scales[1:] == [16, 16, 16]
 
 
+@pytest.mark.parametrize("telemetry", [False, True])
+def test_update_launches_few_kernels(telemetry):
+    """Each ATen op of ``update()`` is a kernel launch on a GPU, about 10 us of host time each on an
+    H200 (GradScaler's update is one): ours stays at 8 without telemetry (the counters, the flag and
+    GradScaler's own op), counted through the dispatcher on CPU, where the same ops run."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = DynamicLossScaler("cpu", telemetry=telemetry)
+    for _ in range(2):
+        scaler.scale(model(torch.randn(4, 8)).square().mean()).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        with Count() as count:
+            scaler.update()
+    assert len(count.ops) <= (12 if telemetry else 8), count.ops
+
+
 def test_count_counts_steps_skips_and_runs():
     steps, skipped, run = (torch.zeros((), dtype=torch.float64) for _ in range(3))
     seen = []
