@@ -44,11 +44,6 @@ def _fingerprint(text: str | list[str]) -> float:
     return float(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=6).digest(), "big") + 1)
 
 
-def _host(tensor: torch.Tensor) -> np.ndarray:
-    """``tensor`` as a NumPy array: a view on the CPU, else a copy (a host-device sync)."""
-    return tensor.numpy() if tensor.device.type == "cpu" else tensor.cpu().numpy()
-
-
 class Straggler(NamedTuple):
     """The rank whose mean of a statistic was the largest in an interval (:meth:`Collector.straggler`).
 
@@ -246,6 +241,17 @@ class Collector:
         self._sum = torch.zeros(5 * r + len(rows) * WORDS, **f64)
         self._extremes, self._moments = self._max[_HEAD:], self._sum[: 5 * r].view(r, 5)
         self._counted, self._edges = self._at[: self._q], self.sketch.edges(device) if rows else None
+        self._packed = self._sum[5 * r :]  # the sketch windows' part of the SUM
+        # NumPy views of the buffers read on the host, made once: a fresh tensor.numpy() costs several
+        # times a NumPy read in a flush that starts with cold caches (bench_stats.py)
+        host = ("max", "sum", "idle") if device.type == "cpu" else ()
+        self._views = {key: getattr(self, f"_{key}").numpy() for key in host}
+
+    def _host(self, key: str) -> np.ndarray:
+        """The buffer ``_<key>`` (``"max"``, ``"sum"`` or ``"idle"``) as NumPy: the view kept on the
+        CPU, else a copy (a host-device sync)."""
+        view = self._views.get(key)
+        return view if view is not None else getattr(self, f"_{key}").cpu().numpy()
 
     def discard(self) -> None:
         """Drop what was reported since the last update (e.g. the values of Lightning's sanity check).
@@ -292,7 +298,7 @@ class Collector:
             self._layout(self._names, device, world)
         forgettable = self._reduce(float(-1 if step is None else step), rank if world > 1 else 0, settings)
         if forgettable:  # the same on every rank: the idle counts come from the reduced counts
-            names = [n for n, i in zip(self._names, _host(self._idle)) if i < self.forget_after]
+            names = [n for n, i in zip(self._names, self._host("idle")) if i < self.forget_after]
             self._layout(names, self._device, self._world)
             self._store.layout(names)
 
@@ -307,7 +313,7 @@ class Collector:
         works += [_all_reduce(self._moments, dist.ReduceOp.SUM, group, world, True)] if together else []
         for work in filter(None, works):
             work.wait()
-        head = _host(self._max)[:_HEAD].tolist()  # pairs [x, -x], alike on all ranks iff max(x) == -max(-x)
+        head = self._host("max")[:_HEAD].tolist()  # pairs [x, -x], alike on all ranks iff max(x) == -max(-x)
         configs, names_agree, steps = (head[i] == -head[i + 1] for i in (0, 2, 4))
         if not (configs and steps):
             self._disagree(group, world, step)
@@ -368,26 +374,23 @@ class Collector:
         store's own counts were read (and zeroed)."""
         rows, shifts, hist, own = self._store.local(self._device)
         args = (rows, shifts, self._extremes, self._at, self._edges, bits, WORDS)
-        windows = self._sum[self._moments.numel() :]
-        layout = self._store.backend(self._device).run("pack_windows_", windows, hist, *args)
-        return _host(layout), bits, own
+        layout = self._store.backend(self._device).run("pack_windows_", self._packed, hist, *args)
+        return layout.cpu().numpy(), bits, own
 
     def _publish_sketches(self, layout: np.ndarray, bits: int) -> None:
         """Keep the reduced windows of the rows with values, packed (the others keep theirs with
         ``keep_previous``; a straggler name's rank means are of its last interval only)."""
         n, r, w = len(self._at), len(self._names), int(layout[-1])
-        words = _host(self._sum)[5 * r : 5 * r + n * w].astype(np.int64).reshape(n, w)
-        windows, has = (
-            np.concatenate([layout[: 2 * n], np.full(n, bits)]).reshape(3, n),
-            layout[2 * n : 3 * n] > 0,
-        )
-        if not has.all():  # the rows without values keep their window (keep_previous) or none
+        words = self._host("sum")[5 * r : 5 * r + n * w].astype(np.int64).reshape(n, w)
+        windows = np.concatenate([layout[: 2 * n], np.full(n, bits)]).reshape(3, n)
+        if not layout[2 * n : 3 * n].all():  # the rows without values keep their window (keep_previous)
+            has = layout[2 * n : 3 * n] > 0
             keep = ~has & (np.arange(n) < self._q) & self.keep_previous
             kept, old = np.zeros((n, max(w, self._words.shape[1])), np.int64), self._words
             kept[has, :w], kept[keep, : old.shape[1]] = words[has], old[keep]
             windows, words = np.where(keep, self._windows, windows), kept
         self._windows, self._words, self._unpacked = windows, words, {}
-        self._slowest = _host(self._max)[_HEAD + 4 * r :][self._straggled]  # -inf where no rank had values
+        self._slowest = self._host("max")[_HEAD + 4 * r :][self._straggled]  # -inf where no rank had values
 
     def _disagree(self, group: Any, world: int, step: float) -> None:
         """The rare round: every rank (each saw the same MAX) gathers each rank's configuration and step,
@@ -414,7 +417,7 @@ class Collector:
     def updated(self) -> list[str]:
         """Sorted names that received values (on any rank, finite or not) in the last ``update()``'s
         interval: the rest of :meth:`names` only repeat earlier statistics (``keep_previous``) or NaN."""
-        return list(itertools.compress(self._names, (_host(self._idle) == 0).tolist()))
+        return list(itertools.compress(self._names, (self._host("idle") == 0).tolist()))
 
     def _read(self) -> dict[str, list[float]]:
         """``{name: [n, mean, std, min, max, nonfinite]}``, read from the device once per update."""
