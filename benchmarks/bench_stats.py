@@ -35,16 +35,19 @@ compute; >= 50x cheaper per step than ``sync_dist=True`` at K=10.
 Part 3, the flush near its floor (2 gloo ranks, spawned): ``Collector.update()`` of K in {10, 100,
 1000} names, one value each, against its floor: the same two async all_reduces (MAX of ``2 + 4K``
 float64, SUM of ``4K`` float64) through ``lightning_ext.distributed.all_reduce_``, timed in the same
-run, interleaved; medians of the slower rank. Target: flush <= 3x floor. Also ``report()`` per call
-(µs, best of 5 ``timeit`` repeats) of a Python float, a 0-dim tensor and ``torch.ones(20)``: target
-<= 3 µs each.
+run, interleaved; medians of the slower rank. Each timed region, flush and floor alike, starts after
+the same K ``report()`` calls (untimed): a flush follows training work, whose memory traffic leaves
+the caches cold, and a floor timed right after the flush would find the collective's code and segment
+warm instead, and look cheaper than the same all-reduces inside the flush. Target: flush <= 2x floor.
+Also ``report()`` per call (µs, best of 5 ``timeit`` repeats) of a Python float, a 0-dim tensor and
+``torch.ones(20)``: target <= 3 µs each.
 
 Part 4, quantile sketches: the flush of part 3 at K=100 with 0, 10 and 100 names sketched for
 quantiles (their float64 counts in the SUM all-reduce; the floor grows with them), and ``report()`` of
 a 2**20-element float32 tensor with and without its sketch, interleaved; and ``TrainingStats``' flush
 with the slowest rank of 2 names (read with ``straggler()``) and the 10 sketched names' histograms
 written to a ``TensorBoardLogger`` on rank zero. Target: the K=100 flush with no sketched name, and
-the one with the slowest rank and the histograms, keep flush <= 3x floor. ``--quantiles-only`` runs
+the one with the slowest rank and the histograms, keep flush <= 2x floor. ``--quantiles-only`` runs
 this part alone.
 
 Usage: ``python benchmarks/bench_stats.py [--quick] [--sweep-only | --flush-only]``.
@@ -479,9 +482,9 @@ def _flush_worker(rank: int, world_size: int, init_file: str, config: dict, out_
             floor()
             times: dict[str, list[float]] = {"flush": [], "floor": []}
             for _ in range(config["rounds"]):
-                for name, value in zip(names, values):  # untimed
-                    report(name, value)
                 for key, fn in (("flush", flush), ("floor", floor)):
+                    for name, value in zip(names, values):  # untimed, before each: the same cache state
+                        report(name, value)
                     align_ranks()
                     t0 = time.perf_counter()
                     fn()
@@ -589,7 +592,8 @@ def format_flush_floor(floors: dict[str, dict], calls: dict[str, float], rounds:
         "## Flush vs its floor, and `report()` per call (`bench_stats.py`)",
         "",
         "2 gloo ranks on CPU, one thread each: `Collector.update()` of K names (one 0-dim value each, "
-        "reported untimed before each flush), some sketched for quantiles, against its floor: the "
+        "reported untimed before each timed region, flush and floor alike, so that both start from the same "
+        "cache state), some sketched for quantiles, against its floor: the "
         "all-reduces the flush issued (recorded in its steady state), with the same sizes and ops through "
         "`lightning_ext.distributed.all_reduce_`, the asynchronous ones together as the flush issues them, "
         f"interleaved in the same run; medians over {rounds} flushes, slower rank; ranks aligned (untimed) "
