@@ -583,11 +583,16 @@ def test_state_dict_and_pickle_round_trip() -> None:
     restored = Collector(regex="L.*")
     restored.load_state_dict(pickle.loads(pickle.dumps(c.state_dict())))
     restored.update()  # nothing new: keep_previous keeps the restored values
-    assert restored.as_dict() == c.as_dict()
+    assert restored.as_dict() == c.as_dict() and restored.updated() == []
+    report("Loss", 4.0)
+    restored.update()
+    assert restored.updated() == ["Loss"]  # read through the host views made again at the load
+    c.update()  # "Loss" idle once: the pickled idle count is 1
     clone = pickle.loads(pickle.dumps(c))  # e.g. a callback sent to ddp_spawn workers
     report("Loss", 5.0)
     clone.update()
     assert clone.mean("Loss") == 5.0 and clone.regex == "L.*"
+    assert clone.updated() == ["Loss"]  # the views follow the unpickled buffers, not pickled copies
 
 
 def test_updated_names_and_stages_keep_values_apart() -> None:
