@@ -63,6 +63,8 @@ docs: $(VENV)/.dev-installed $(VENV)/.cpu-extension
 #   oldest  .venv-oldest  constraints-oldest.txt  the floors of pyproject.toml (alone: `make test-oldest`)
 #   newest  .venv-newest  constraints-newest.txt  the newest releases supported (alone: `make test-newest`)
 #   ci      .venv         constraints.txt         the CPU build of torch CI tests (`make test` adds the rest)
+# Kept: a pattern rule's prerequisite is an intermediate file, which make would delete after the build
+.PRECIOUS: .venv-%/bin/python
 .venv-%/bin/python:
 	$(PYTHON) -m venv .venv-$*
 	$@ -m pip install --disable-pip-version-check -q --upgrade pip "setuptools>=77"
