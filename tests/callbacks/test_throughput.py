@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import lightning
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -25,6 +26,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_ext._compat import at_least
 from lightning_ext.callbacks import IterationTimer, Throughput, TrainingStats
 from lightning_ext.perf import LOST_TIME_CAUSES
 from tests.helpers.distributed import run_distributed
@@ -38,6 +40,9 @@ LINE = re.compile(
     r"rank (\d+) \("
 )
 SLEEP = 0.15  # seconds each validation run and each checkpoint write sleeps
+# ThroughputMonitor takes variable batch sizes from Lightning 2.6.0 (#20236); before, it raises
+# "Expected the value to increase" once a batch is smaller than the first (#20235)
+MONITOR_TAKES_VARIABLE_BATCHES = at_least(lightning.__version__, "2.6")
 
 
 def _batch_sizes(rank: int, fixed: bool) -> list[int]:
@@ -296,13 +301,14 @@ def _check_monitor(rows: list[list[dict]], logged: list, fixed: bool) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 3])
 def test_global_rates_equal_a_hand_count_with_variable_batches(tmp_path: Path, world: int) -> None:
-    rows, logged, lines = _fit(
-        tmp_path, world, fixed=False, monitor=world == 2, slow_rank=1 if world == 2 else None
-    )
+    monitor = world == 2 and MONITOR_TAKES_VARIABLE_BATCHES
+    slow_rank = 1 if world == 2 else None
+    rows, logged, lines = _fit(tmp_path, world, fixed=False, monitor=monitor, slow_rank=slow_rank)
     _check_flushes(rows, world)
     if world == 3:
         return
-    _check_monitor(rows, logged, fixed=False)
+    if monitor:
+        _check_monitor(rows, logged, fixed=False)
     # Rank 1 sleeps in its steps: the straggler line names it by Timing/compute_sec, and ends with the
     # slowest rank by throughput (rank 0: the fewer samples in the same time), as written at that flush.
     slowest = {round(step): row["Throughput/sec_per_sample/straggler_rank"] for step, row in logged
