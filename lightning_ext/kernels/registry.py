@@ -255,7 +255,10 @@ def get_backend(name: str | None = None, device: torch.device | str | None = Non
         raise TypeError(f"`device` must be a torch.device, str or None, got {device!r}")
     device = torch.get_default_device() if device is None else torch.device(device)
     if torch.compiler.is_compiling():
-        return _cache[_selection(name, device.type), device.type]
+        # The key first: dynamo runs _selection outside the graph, which may fill _cache, and torch 2.5's
+        # dynamo reads a dict as it is when its name is loaded (loaded first, it missed the new entry)
+        key = _selection(name, device.type), device.type
+        return _cache[key]
     return _lookup(name, device)
 
 
