@@ -340,6 +340,20 @@ def _assert_matches_torch(
     assert bool(((ours.double() - ref.double()).abs() <= bound).all()), (x.dtype, tuple(x.shape), ours, ref)
 
 
+def _gloo_ops() -> list:
+    """The ops of ``_CASES`` that the default (gloo) group reduces: AVG only where torch's gloo has it
+    (pytorch#149781; torch 2.5 refuses it on every rank alike, before any communication)."""
+    ops = []
+    for op in dict.fromkeys(op for _, op in _CASES):
+        try:
+            dist.all_reduce(torch.ones(1), op=op)
+        except RuntimeError as err:
+            assert op == dist.ReduceOp.AVG and "Cannot use ReduceOp.AVG with Gloo" in str(err), err
+            continue
+        ops.append(op)
+    return ops
+
+
 def _matches_torch_over_the_process_group(rank: int, world_size: int) -> list[list[int]]:
     """Three passes over float32/float64/int64 x SUM/MAX/MIN/PRODUCT/AVG on random data (a transposed
     tensor among them), each against ``torch.distributed.all_reduce`` of the same data; per pass, the
@@ -347,10 +361,11 @@ def _matches_torch_over_the_process_group(rank: int, world_size: int) -> list[li
     os.environ[SHM_ENV_VAR] = "0"
     assert not shm_available()  # the route set up outside the count
     generator = torch.Generator().manual_seed(100 + rank)
+    cases = [(case, shape) for case, shape in zip(_CASES, _SHAPES * 3) if case[1] in _gloo_ops()]
     passes = []
     for _ in range(3):
         counts = []
-        for (dtype, op), shape in zip(_CASES, _SHAPES * 3):
+        for (dtype, op), shape in cases:
             x = _random(shape, dtype, generator)
             if len(shape) == 2:
                 x = x.t()  # not contiguous: staged in the caller's element order, written back in place
@@ -369,8 +384,9 @@ def _matches_torch_over_the_process_group(rank: int, world_size: int) -> list[li
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_process_group_path_matches_torch_checked_and_predicted(world_size: int) -> None:
     for first, _, third in run_distributed(_matches_torch_over_the_process_group, world_size, timeout=150):
-        assert first == [2] * len(_CASES)  # nothing predicted yet: the slow path
-        assert third == [1] * len(_CASES)  # every context seen: the predicted wire
+        assert len(first) >= len(_CASES) - 2  # without AVG where gloo has none (its two float dtypes)
+        assert first == [2] * len(first)  # nothing predicted yet: the slow path
+        assert third == [1] * len(first)  # every context seen: the predicted wire
 
 
 def _special_tensors(rank: int, world_size: int) -> tuple[list[int], list[int]]:
