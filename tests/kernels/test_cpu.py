@@ -335,8 +335,11 @@ def test_a_read_only_cache_loads_a_complete_build_and_refuses_a_truncated_one(en
         )
         return
     library, size = _library(directory), _library(entry_point["complete"][1]).stat().st_size
-    assert result.returncode == 1 and result.stderr.count("\n") == 1, result
-    assert result.stderr.startswith(
+    # torch's own line, printed when torch.utils.cpp_extension is imported on a CUDA build without CUDA
+    lines = result.stderr.splitlines(True)
+    ours = "".join(line for line in lines if not line.startswith("No CUDA runtime is found"))
+    assert result.returncode == 1 and ours.count("\n") == 1, result
+    assert ours.startswith(
         f"lightning_ext: cannot build the cpu kernels: {library} is 200000 bytes, {size} when built "
         f"(truncated or incomplete); cannot rebuild: {directory} is read-only (its owner builds there: "
         "`python -m lightning_ext.kernels`). "
