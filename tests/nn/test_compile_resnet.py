@@ -14,9 +14,10 @@ synchronize through the kernels. There the network is ResNet-10, ``resnet18`` wi
 of layer of ``resnet18`` (a block with an identity shortcut, blocks with a strided 1x1 downsample, a
 last stage on 1x1 maps), half the blocks for inductor to build on each rank. Without a process
 group (as with a group of one rank) the layers are ATen's batch norm: there the network is
-``resnet18`` itself, the compiled and eager runs equal those of torch's own ``BatchNorm2d``, the
-anchor of what compilation alone changes, and the eval forward with the running statistics is
-compared too.
+``resnet18`` itself, the compiled and eager runs equal those of torch's own ``BatchNorm2d`` bitwise,
+and the eval forward with the running statistics is compared too. How far the compiled run is from
+float64 there is inductor's alone (torch 2.5's rounds resnet18's first loss 6.7x farther than eager):
+it is asserted only on the ranks, where the layers are ours.
 
 Tolerance (the house rule for low precision): a float32 run differs from float64 by its own rounding
 ``u = 2**-24`` per operation, amplified by the conditioning of the network; compiled and eager run the
@@ -45,9 +46,7 @@ from lightning_ext.nn import convert_sync_batchnorm
 from tests.helpers.distributed import run_distributed
 from tests.helpers.resnet import resnet
 
-# BasicBlocks per stage (module docstring). In one process resnet18: with ResNet-10 there, inductor
-# rounds one gradient of torch's own batch norm (layer1.0.bn1.weight) 2.2x farther from float64 than
-# eager does, outside the 2x bound of the module docstring.
+# BasicBlocks per stage (module docstring): resnet18 in one process, ResNet-10 on the ranks.
 RESNET18, RESNET10 = (2, 2, 2, 2), (1, 1, 1, 1)
 WIDTH, BATCH, STEPS = 8, 4, 3  # first-stage channels; samples per rank; SGD steps
 RUNS = {"float64": (torch.float64, False), "eager": (torch.float32, False), "compiled": (torch.float32, True)}
@@ -141,7 +140,7 @@ def _worker(rank: int, world_size: int) -> dict[str, dict[str, Tensor]]:
 @pytest.mark.timeout(600)
 def test_compiled_resnet_without_process_group_rounds_as_torch_batch_norm_does():
     """No process group: SyncBatchNorm is ATen's batch norm, in training and eval, compiled or not:
-    the same numbers as torch's ``BatchNorm2d``; compiled is no farther from float64 than eager."""
+    the same numbers as torch's ``BatchNorm2d``, bitwise."""
     batches = _batches(0, 1)
     ours, theirs = (
         _runs(True, RESNET18, batches, eval_too=True),
@@ -150,7 +149,6 @@ def test_compiled_resnet_without_process_group_rounds_as_torch_batch_norm_does()
     for run in RUNS:
         for key, value in ours[run].items():
             assert torch.equal(value, theirs[run][key]), f"{run}: {key} differs from torch's BatchNorm2d"
-    _assert_no_farther_than_eager(ours, "one process")
 
 
 @pytest.mark.timeout(600)
