@@ -250,8 +250,7 @@ class Collector:
     def _host(self, key: str) -> np.ndarray:
         """The buffer ``_<key>`` (``"max"``, ``"sum"`` or ``"idle"``) as NumPy: the view kept on the
         CPU, else a copy (a host-device sync)."""
-        view = self._views.get(key)
-        return view if view is not None else getattr(self, f"_{key}").cpu().numpy()
+        return self._views[key] if key in self._views else getattr(self, f"_{key}").cpu().numpy()
 
     def discard(self) -> None:
         """Drop what was reported since the last update (e.g. the values of Lightning's sanity check).
