@@ -45,7 +45,7 @@ __all__: list[str] = []  # the transport of all_reduce_: private, used through i
 
 _SLOT_BYTES = 1 << 17  # 128 KiB per rank and buffer: larger tensors go through the process group
 _LINE = 64  # bytes per rank header line: int64 sequence counter, pid, descriptor by sequence parity (2)
-_SPIN_YIELDS = 20_000  # sched_yield polls before a waiter starts sleeping
+_SPIN_SECONDS = 0.02  # a waiter polls with sched_yield this long, then sleeps between polls
 _LIVENESS_PERIOD = 0.5  # seconds between checks, while sleeping, that the missing ranks still run
 
 
@@ -121,17 +121,15 @@ class _ShmGroup:
         return views
 
     def _wait_all(self, seq: int) -> None:
-        polls = 0
-        deadline = next_check = 0.0
-        sleep = 1e-5
+        """Until every rank's counter reached ``seq``; the timeout counts from the call, whatever the
+        load (a count of polls would not: on a busy host each ``sched_yield`` can take milliseconds)."""
+        start = time.monotonic()
+        deadline, next_check, sleep = start + self.timeout, start + _SPIN_SECONDS, 1e-5
         while min(self.counters.tolist()) < seq:
-            polls += 1
-            if polls < _SPIN_YIELDS:
+            now = time.monotonic()
+            if now < start + _SPIN_SECONDS:
                 os.sched_yield()
                 continue
-            now = time.monotonic()
-            if polls == _SPIN_YIELDS:
-                deadline, next_check = now + self.timeout, now
             missing = [r for r, s in enumerate(self.counters.tolist()) if s < seq]
             if now >= next_check:  # a dead peer fails the wait now, as a closed gloo socket would
                 next_check = now + _LIVENESS_PERIOD

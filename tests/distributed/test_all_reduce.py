@@ -288,6 +288,20 @@ def test_waiting_for_a_rank_whose_process_exited_raises_at_once() -> None:
         group.all_reduce_(torch.ones(3), dist.ReduceOp.SUM, descriptor=0)
 
 
+@pytest.mark.timeout(60)
+def test_a_wait_on_a_busy_host_ends_with_its_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host so busy that every ``sched_yield`` gives the core away for a millisecond: the wait for a
+    rank that never joins still ends after the segment's timeout, counted from the call."""
+    world_size, timeout = 2, 1.0
+    storage = torch.zeros(world_size * shm._LINE + 2 * world_size * shm._SLOT_BYTES, dtype=torch.uint8)
+    group = shm._ShmGroup(storage, 0, world_size, [os.getpid(), os.getpid()], timeout=timeout)
+    monkeypatch.setattr(os, "sched_yield", lambda: time.sleep(1e-3))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"timed out after 1s waiting for group ranks \[1\]"):
+        group.all_reduce_(torch.ones(3), dist.ReduceOp.SUM, descriptor=0)
+    assert timeout <= time.monotonic() - start < timeout + 2.0  # a count of 20,000 polls waited 20 s more
+
+
 def _waits(rank: int, world_size: int) -> float:
     """Rank 1 computes for 1 s before a reduction; rank 0 waits for it inside ``all_reduce_``."""
     all_reduce_(torch.ones(2))  # the route set up outside the measured stretch
