@@ -76,7 +76,7 @@ class _Model(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         if self.global_rank == self.slow_rank:
-            time.sleep(0.04)  # a rank slow in its compute: the straggler line
+            time.sleep(0.1)  # a rank slow in its compute: the straggler line, also on a loaded host
         start = time.perf_counter()
         loss = self.loss(batch)
         self.step_sec += time.perf_counter() - start
