@@ -375,7 +375,8 @@ def _matches_torch_over_the_process_group(rank: int, world_size: int) -> list[li
     os.environ[SHM_ENV_VAR] = "0"
     assert not shm_available()  # the route set up outside the count
     generator = torch.Generator().manual_seed(100 + rank)
-    cases = [(case, shape) for case, shape in zip(_CASES, _SHAPES * 3) if case[1] in _gloo_ops()]
+    ops = _gloo_ops()
+    cases = [(case, shape) for case, shape in zip(_CASES, _SHAPES * 3) if case[1] in ops]
     passes = []
     for _ in range(3):
         counts = []
