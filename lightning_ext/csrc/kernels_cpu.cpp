@@ -886,6 +886,16 @@ void histogram_range(const T* p, int64_t n, const C* ext, int64_t m, HistGuess g
   }
 }
 
+// The number of the edges e[0..m] below a >= 0 (torch.bucketize): the guess, settled by neighbour
+// steps, else by a binary search.
+inline int64_t edge_index(const double* e, int64_t m, const HistGuess& g, double a) {
+  int64_t j = hist_guess_of(static_cast<float>(a), g);
+  for (int s = 0; s < HIST_STEPS && j <= m && e[j] < a; ++s) ++j;
+  for (int s = 0; s < HIST_STEPS && j > 0 && e[j - 1] >= a; ++s) --j;
+  if ((j <= m && e[j] < a) || (j > 0 && e[j - 1] >= a)) j = std::lower_bound(e, e + m + 1, a) - e;
+  return j;
+}
+
 // hist += the counts of p[0..n), n <= HIST_SMALL, from float64 comparisons with the edges e themselves.
 template <typename T>
 void histogram_small(const T* p, int64_t n, const double* e, int64_t m, HistGuess g, double* hist) {
@@ -894,11 +904,7 @@ void histogram_small(const T* p, int64_t n, const double* e, int64_t m, HistGues
   for (int64_t i = 0; i < n; ++i) {
     const double v = hist_value<double>(p, i);
     if (!std::isfinite(v)) continue;
-    const double a = std::fabs(v);
-    int64_t j = hist_guess_of(static_cast<float>(a), g);
-    for (int s = 0; s < HIST_STEPS && j <= m && e[j] < a; ++s) ++j;
-    for (int s = 0; s < HIST_STEPS && j > 0 && e[j - 1] >= a; ++s) --j;
-    if ((j <= m && e[j] < a) || (j > 0 && e[j - 1] >= a)) j = std::lower_bound(e, e + m + 1, a) - e;
+    const int64_t j = edge_index(e, m, g, std::fabs(v));
     pos[k++] = m + 1 + (v < 0.0 ? -j : j);
   }
   std::sort(pos, pos + k);  // one float64 add per bucket, as the large path
@@ -1086,10 +1092,16 @@ int64_t window_position(int64_t s, int64_t j, int64_t m, int64_t c) {
   return groups + 1 + s * (j > m ? groups + 1 : (j + step - 1) >> c);
 }
 
-int64_t value_position(const double* e, int64_t m, double v, int64_t c) {
-  const int64_t j = std::lower_bound(e, e + m + 1, std::abs(v)) - e;
-  return window_position(v > 0 ? 1 : v < 0 ? -1 : 0, j, m, c);
+// The sign and magnitude index of v (the edges below |v|): its position is window_position(s, j, m, c).
+struct Place {
+  int64_t s, j;
+};
+
+Place place_of(const double* e, int64_t m, const HistGuess& g, double v) {
+  return {v > 0 ? 1 : v < 0 ? -1 : 0, edge_index(e, m, g, std::abs(v))};
 }
+
+int64_t position(Place p, int64_t m, int64_t c) { return window_position(p.s, p.j, m, c); }
 
 Tensor pack_windows_(Tensor& words, Tensor& hist, const Tensor& rows, const Tensor& shifts,
                      const Tensor& extremes, const Tensor& at, const Tensor& edges, int64_t bits,
@@ -1103,17 +1115,20 @@ Tensor pack_windows_(Tensor& words, Tensor& hist, const Tensor& rows, const Tens
   const double *e = edges.const_data_ptr<double>(), *x = extremes.const_data_ptr<double>();
   const double *s = rows.const_data_ptr<double>(), *a = shifts.const_data_ptr<double>();
   const int64_t* name = at.const_data_ptr<int64_t>();
-  Tensor out = at::zeros({3 * n + 1}, at::TensorOptions().dtype(at::kLong));
-  int64_t *level = out.data_ptr<int64_t>(), *start = level + n, *width = start + n, widest = 0;
-  std::vector<double> lo(n), hi(n);
+  Tensor out = at::zeros({3 * n + 2}, at::TensorOptions().dtype(at::kLong));
+  int64_t *level = out.data_ptr<int64_t>(), *start = level + n, *fields = start + n, widest = 0;
+  std::vector<int64_t> width(n, 0);
+  const HistGuess g = hist_guess(e, m);
   for (int64_t i = 0; i < n; ++i) {  // values: [max | -min] of the name; rank means: [mean | -mean]
     const int64_t base = i < q ? 0 : 2 * r;
-    hi[i] = x[base + name[i]], lo[i] = -x[base + r + name[i]];
-    if (!(lo[i] <= hi[i])) continue;
+    const double hi = x[base + name[i]], lo = -x[base + r + name[i]];
+    if (!(lo <= hi)) continue;
+    const Place first = place_of(e, m, g, lo), last = place_of(e, m, g, hi);
     int64_t c = 0;
-    while (value_position(e, m, hi[i], c) - value_position(e, m, lo[i], c) >= slots) ++c;
-    level[i] = c, start[i] = value_position(e, m, lo[i], c);
-    width[i] = value_position(e, m, hi[i], c) - start[i] + 1, widest = std::max(widest, width[i]);
+    while (position(last, m, c) - position(first, m, c) >= slots) ++c;
+    level[i] = c, start[i] = position(first, m, c);
+    width[i] = position(last, m, c) - start[i] + 1, widest = std::max(widest, width[i]);
+    fields[i] = bits, ++level[3 * n + 1];
   }
   int64_t w = 1;
   while (w < max_words && w * k < widest) w <<= 1;
@@ -1127,8 +1142,8 @@ Tensor pack_windows_(Tensor& words, Tensor& hist, const Tensor& rows, const Tens
     double* row = hist.data_ptr<double>() + i * size;
     const double* v = s + 6 * name[i];
     if (!width[i] || !(v[3] <= v[4])) continue;
-    const int64_t last = value_position(e, m, v[4], 0);
-    for (int64_t b = value_position(e, m, v[3], 0); b <= last; ++b) {
+    const int64_t last = position(place_of(e, m, g, v[4]), m, 0);
+    for (int64_t b = position(place_of(e, m, g, v[3]), m, 0); b <= last; ++b) {
       if (row[b] == 0.0) continue;
       const int64_t d = b - (m + 1);
       put(i, window_position(d > 0 ? 1 : d < 0 ? -1 : 0, std::abs(d), m, level[i]) - start[i],
@@ -1139,7 +1154,7 @@ Tensor pack_windows_(Tensor& words, Tensor& hist, const Tensor& rows, const Tens
   for (int64_t i = q; i < n; ++i) {  // this rank's mean of the name, if it had values
     const double* v = s + 6 * name[i];
     const double mean = v[0] > 0 ? finite_or_zero(a[name[i]]) + v[1] / v[0] : 0.0;
-    if (width[i] && v[0] > 0) put(i, value_position(e, m, mean, level[i]) - start[i], 1);
+    if (width[i] && v[0] > 0) put(i, position(place_of(e, m, g, mean), m, level[i]) - start[i], 1);
   }
   double* wd = words.data_ptr<double>();
   for (int64_t j = 0; j < n * w; ++j) wd[j] = static_cast<double>(packed[j]);

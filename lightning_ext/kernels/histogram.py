@@ -102,7 +102,8 @@ def _pack_windows_reference(
         max_words: words per row at most, ``max_words k >= 5`` (every window then fits at some level).
 
     Returns:
-        int64 ``(3N + 1,)``: each row's level, first position and width (0: no values), then ``W``.
+        int64 ``(3N + 2,)``: each row's level, first position and bits a count (``bits``; 0 where no rank
+        had values), then ``W`` and the number of rows with values.
     """
     q, n, r, m = hist.shape[0], at.numel(), rows.shape[0], edges.numel() - 1
     k, ranks = 53 // bits, torch.arange(n, device=at.device) >= q
@@ -129,7 +130,8 @@ def _pack_windows_reference(
     counts[q:].scatter_(1, (slot - start[q:, None]).clamp(0, w * k - 1), one)
     fields = 2.0 ** (bits * torch.arange(k, device=hist.device, dtype=torch.float64))
     words[: n * w] = (counts.view(n, w, k) * fields).sum(2).reshape(-1)
-    return torch.cat([level, start, width, torch.tensor([w], device=at.device)])
+    bits_a_count = torch.where(has, bits, 0)
+    return torch.cat([level, start, bits_a_count, torch.tensor([w], device=at.device), has.sum()[None]])
 
 
 # ---------------------------------------------------------------------------- Triton kernel
@@ -183,7 +185,7 @@ pack_windows_ = define_op(
     "pack_windows_(Tensor(a0!) words, Tensor(a1!) hist, Tensor rows, Tensor shifts, Tensor extremes, "
     "Tensor at, Tensor edges, int bits, int max_words) -> Tensor",
     _pack_windows_reference,
-    fake=lambda words, hist, rows, shifts, extremes, at, *_: at.new_empty(3 * at.numel() + 1),
+    fake=lambda words, hist, rows, shifts, extremes, at, *_: at.new_empty(3 * at.numel() + 2),
     clone=True,
 )
 accumulate_histogram_ = define_op(

@@ -329,7 +329,7 @@ class Collector:
             center, together, bound = self._recenter(rank), False, self._max[_HEAD - 1].item()
         windows = self._pack(int(bound * world).bit_length()) if self._row else None
         if not together:
-            size = 5 * len(self._names) + (len(self._at) * int(windows[0][-1]) if windows else 0)
+            size = 5 * len(self._names) + (len(self._at) * int(windows[0][-2]) if windows else 0)
             _all_reduce(self._sum[:size], dist.ReduceOp.SUM, group, world)
         again, forgettable = self._finish(center)
         if again:  # rare; the same on every rank
@@ -374,16 +374,17 @@ class Collector:
         rows, shifts, hist, own = self._store.local(self._device)
         args = (rows, shifts, self._extremes, self._at, self._edges, bits, WORDS)
         layout = self._store.backend(self._device).run("pack_windows_", self._packed, hist, *args)
-        return layout.cpu().numpy(), bits, own
+        return layout.numpy() if layout.device.type == "cpu" else layout.cpu().numpy(), bits, own
 
     def _publish_sketches(self, layout: np.ndarray, bits: int) -> None:
         """Keep the reduced windows of the rows with values, packed (the others keep theirs with
         ``keep_previous``; a straggler name's rank means are of its last interval only)."""
-        n, r, w = len(self._at), len(self._names), int(layout[-1])
+        n, r = len(self._at), len(self._names)
+        w, full = layout[-2:].tolist()
         words = self._host("sum")[5 * r : 5 * r + n * w].astype(np.int64).reshape(n, w)
-        windows = np.concatenate([layout[: 2 * n], np.full(n, bits)]).reshape(3, n)
-        if not layout[2 * n : 3 * n].all():  # the rows without values keep their window (keep_previous)
-            has = layout[2 * n : 3 * n] > 0
+        windows = layout[: 3 * n].reshape(3, n)  # level, start, bits a count (0: no values)
+        if full < n:  # the rows without values keep their window (keep_previous)
+            has = windows[2] > 0
             keep = ~has & (np.arange(n) < self._q) & self.keep_previous
             kept, old = np.zeros((n, max(w, self._words.shape[1])), np.int64), self._words
             kept[has, :w], kept[keep, : old.shape[1]] = words[has], old[keep]
@@ -474,8 +475,10 @@ class Collector:
         j = self._row[arg, name]
         if j not in self._unpacked:  # the counts of the window, unpacked once per update
             level, start, bits = self._windows[:, j].tolist()
-            fields = (self._words[j, :, None] >> np.arange(0, 53 // bits * bits, bits)) & ((1 << bits) - 1)
-            counts = fields.reshape(-1).astype(np.float64)
+            counts = np.zeros(0)
+            if bits:  # (0: no rank had values)
+                fields = self._words[j, :, None] >> np.arange(0, 53 // bits * bits, bits)
+                counts = (fields & ((1 << bits) - 1)).reshape(-1).astype(np.float64)
             self._unpacked[j] = (level, start, counts) if counts.any() else None
         return self._unpacked[j]
 

@@ -225,7 +225,7 @@ def _pack(backend: KernelBackend, hist, rows, shifts, extremes, at, edges, bits,
     layout = backend.run(
         "pack_windows_", words, hist, *(a.to(device) if torch.is_tensor(a) else a for a in args)
     )
-    w = int(layout[-1])
+    w = int(layout[-2])
     return words[: len(at) * w].cpu(), layout.cpu(), hist.cpu()
 
 
@@ -245,7 +245,7 @@ def test_pack_windows_by_hand(backend):
     shifts = torch.tensor([0.0, 1.0], dtype=torch.float64)  # name 1: mean 1 + 1 / 2
     extremes = torch.tensor([100.0, 2.0, 3.0, -1.0, 0, 1.5, 0, -1.5, 0, 0], dtype=torch.float64)
     words, layout, zeroed = _pack(backend, hist, rows, shifts, extremes, torch.tensor([0, 1]), edges, 26, 4)
-    assert layout.tolist() == [1, 0, 4, 9, 6, 1, 4]  # levels, starts, widths, words a row
+    assert layout.tolist() == [1, 0, 4, 9, 26, 26, 4, 2]  # levels, starts, bits; W, rows with values
     assert words.tolist() == [1.0, 1.0, 2.0**26, 0.0, 1.0, 0.0, 0.0, 0.0] and not zeroed.any()
 
 
