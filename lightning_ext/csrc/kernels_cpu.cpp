@@ -1103,20 +1103,21 @@ Place place_of(const double* e, int64_t m, const HistGuess& g, double v) {
 
 int64_t position(Place p, int64_t m, int64_t c) { return window_position(p.s, p.j, m, c); }
 
-Tensor pack_windows_(Tensor& words, Tensor& hist, const Tensor& rows, const Tensor& shifts,
-                     const Tensor& extremes, const Tensor& at, const Tensor& edges, int64_t bits,
-                     int64_t max_words) {
+void pack_windows_(Tensor& words, Tensor& hist, Tensor& layout, const Tensor& rows, const Tensor& shifts,
+                   const Tensor& extremes, const Tensor& at, const Tensor& edges, int64_t bits,
+                   int64_t max_words) {
   const int64_t q = hist.size(0), size = hist.size(1), n = at.numel(), r = rows.size(0);
   const int64_t m = edges.numel() - 1, k = 53 / bits, slots = max_words * k;
   TORCH_CHECK(bits >= 1 && bits <= 53 && slots >= 5, "pack_windows_: 1 to 53 bits and 5 fields at least");
   check_flat("pack_windows_", {{"words", &words}, {"hist", &hist}, {"rows", &rows}, {"shifts", &shifts},
                               {"extremes", &extremes}, {"edges", &edges}});
-  check_flat("pack_windows_", {{"at", &at}}, at::kLong);
+  check_flat("pack_windows_", {{"at", &at}, {"layout", &layout}}, at::kLong);
+  TORCH_CHECK(layout.numel() == 3 * n + 2, "pack_windows_: `layout` must hold 3 N + 2 elements");
   const double *e = edges.const_data_ptr<double>(), *x = extremes.const_data_ptr<double>();
   const double *s = rows.const_data_ptr<double>(), *a = shifts.const_data_ptr<double>();
   const int64_t* name = at.const_data_ptr<int64_t>();
-  Tensor out = at::zeros({3 * n + 2}, at::TensorOptions().dtype(at::kLong));
-  int64_t *level = out.data_ptr<int64_t>(), *start = level + n, *fields = start + n, widest = 0;
+  int64_t *level = layout.data_ptr<int64_t>(), *start = level + n, *fields = start + n, widest = 0;
+  std::fill(level, level + 3 * n + 2, int64_t{0});
   std::vector<int64_t> width(n, 0);
   const HistGuess g = hist_guess(e, m);
   for (int64_t i = 0; i < n; ++i) {  // values: [max | -min] of the name; rank means: [mean | -mean]
@@ -1158,7 +1159,6 @@ Tensor pack_windows_(Tensor& words, Tensor& hist, const Tensor& rows, const Tens
   }
   double* wd = words.data_ptr<double>();
   for (int64_t j = 0; j < n * w; ++j) wd[j] = static_cast<double>(packed[j]);
-  return out;
 }
 
 }  // namespace

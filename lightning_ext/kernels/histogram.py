@@ -71,9 +71,9 @@ def _positions(j: Tensor, sign: Tensor, m: int, level: Tensor) -> Tensor:
 
 
 def _pack_windows_reference(
-    words: Tensor, hist: Tensor, rows: Tensor, shifts: Tensor, extremes: Tensor, at: Tensor, edges: Tensor,
-    bits: int, max_words: int,
-) -> Tensor:  # fmt: skip
+    words: Tensor, hist: Tensor, layout: Tensor, rows: Tensor, shifts: Tensor, extremes: Tensor, at: Tensor,
+    edges: Tensor, bits: int, max_words: int,
+) -> None:  # fmt: skip
     """A flush's sketch windows: per sketch row, the buckets between its min and max over all ranks at
     the smallest collapse level where they fit in ``max_words`` words, their counts packed, in place.
 
@@ -94,16 +94,14 @@ def _pack_windows_reference(
         hist: float64 ``(Q, 2m + 3)`` contiguous level-0 counts, of values between the row's own min
             and max in ``rows`` (so also in ``[lo, hi]``); zeroed (the compiled kernel reads and zeroes
             the buckets between those two, where the counts are).
+        layout: int64 ``(3N + 2,)`` contiguous, written: each row's level, first position and bits a
+            count (``bits``; 0 where no rank had values), then ``W`` and the number of rows with values.
         rows, shifts: float64 ``(R, 6)`` accumulator rows, ``(R,)`` shifts (this rank's means).
         extremes: float64 ``(5R,)``, a reduced flush MAX after its head (``moments_payload_``).
         at: int64 ``(N,)``, each row's name.
         edges: float64 ``(m + 1,)``, the histogram's edges.
         bits: bits per count, 1 to 53.
         max_words: words per row at most, ``max_words k >= 5`` (every window then fits at some level).
-
-    Returns:
-        int64 ``(3N + 2,)``: each row's level, first position and bits a count (``bits``; 0 where no rank
-        had values), then ``W`` and the number of rows with values.
     """
     q, n, r, m = hist.shape[0], at.numel(), rows.shape[0], edges.numel() - 1
     k, ranks = 53 // bits, torch.arange(n, device=at.device) >= q
@@ -130,8 +128,8 @@ def _pack_windows_reference(
     counts[q:].scatter_(1, (slot - start[q:, None]).clamp(0, w * k - 1), one)
     fields = 2.0 ** (bits * torch.arange(k, device=hist.device, dtype=torch.float64))
     words[: n * w] = (counts.view(n, w, k) * fields).sum(2).reshape(-1)
-    bits_a_count = torch.where(has, bits, 0)
-    return torch.cat([level, start, bits_a_count, torch.tensor([w], device=at.device), has.sum()[None]])
+    layout[: 3 * n] = torch.cat([level, start, torch.where(has, bits, 0)])
+    layout[3 * n :] = torch.stack([torch.tensor(w, device=at.device), has.sum()])
 
 
 # ---------------------------------------------------------------------------- Triton kernel
@@ -182,11 +180,10 @@ def _accumulate_histogram_triton(hist: Tensor, x: Tensor, edges: Tensor) -> None
 
 
 pack_windows_ = define_op(
-    "pack_windows_(Tensor(a0!) words, Tensor(a1!) hist, Tensor rows, Tensor shifts, Tensor extremes, "
-    "Tensor at, Tensor edges, int bits, int max_words) -> Tensor",
+    "pack_windows_(Tensor(a0!) words, Tensor(a1!) hist, Tensor(a2!) layout, Tensor rows, Tensor shifts, "
+    "Tensor extremes, Tensor at, Tensor edges, int bits, int max_words) -> ()",
     _pack_windows_reference,
-    fake=lambda words, hist, rows, shifts, extremes, at, *_: at.new_empty(3 * at.numel() + 2),
-    clone=True,
+    fake=lambda *_: None,
 )
 accumulate_histogram_ = define_op(
     "accumulate_histogram_(Tensor(a0!) hist, Tensor x, Tensor edges) -> ()",

@@ -242,14 +242,15 @@ class Collector:
         self._extremes, self._moments = self._max[_HEAD:], self._sum[: 5 * r].view(r, 5)
         self._counted, self._edges = self._at[: self._q], self.sketch.edges(device) if rows else None
         self._packed = self._sum[5 * r :]  # the sketch windows' part of the SUM
+        self._cut = torch.zeros(3 * len(rows) + 2, dtype=torch.int64, device=device)  # pack_windows_'s layout
         # NumPy views of the buffers read on the host, made once: a fresh tensor.numpy() costs several
         # times a NumPy read in a flush that starts with cold caches (bench_stats.py)
-        host = ("max", "sum", "idle") if device.type == "cpu" else ()
+        host = ("max", "sum", "idle", "cut") if device.type == "cpu" else ()
         self._views = {key: getattr(self, f"_{key}").numpy() for key in host}
 
     def _host(self, key: str) -> np.ndarray:
-        """The buffer ``_<key>`` (``"max"``, ``"sum"`` or ``"idle"``) as NumPy: the view kept on the
-        CPU, else a copy (a host-device sync)."""
+        """The buffer ``_<key>`` (``"max"``, ``"sum"``, ``"idle"`` or ``"cut"``) as NumPy: the view kept
+        on the CPU, else a copy (a host-device sync)."""
         return self._views[key] if key in self._views else getattr(self, f"_{key}").cpu().numpy()
 
     def discard(self) -> None:
@@ -373,8 +374,8 @@ class Collector:
         store's own counts were read (and zeroed)."""
         rows, shifts, hist, own = self._store.local(self._device)
         args = (rows, shifts, self._extremes, self._at, self._edges, bits, WORDS)
-        layout = self._store.backend(self._device).run("pack_windows_", self._packed, hist, *args)
-        return layout.numpy() if layout.device.type == "cpu" else layout.cpu().numpy(), bits, own
+        self._store.backend(self._device).run("pack_windows_", self._packed, hist, self._cut, *args)
+        return self._host("cut"), bits, own
 
     def _publish_sketches(self, layout: np.ndarray, bits: int) -> None:
         """Keep the reduced windows of the rows with values, packed (the others keep theirs with
@@ -382,7 +383,7 @@ class Collector:
         n, r = len(self._at), len(self._names)
         w, full = layout[-2:].tolist()
         words = self._host("sum")[5 * r : 5 * r + n * w].astype(np.int64).reshape(n, w)
-        windows = layout[: 3 * n].reshape(3, n)  # level, start, bits a count (0: no values)
+        windows = layout[: 3 * n].reshape(3, n).copy()  # level, start, bits a count (0: no values)
         if full < n:  # the rows without values keep their window (keep_previous)
             has = windows[2] > 0
             keep = ~has & (np.arange(n) < self._q) & self.keep_previous

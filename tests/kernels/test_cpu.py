@@ -743,8 +743,8 @@ def test_the_flush_kernels_refuse_a_strided_tensor_naming_it(op):
             torch.zeros(r, 5, **f64), torch.zeros(r, **f64), True, 0,
         ),
         "pack_windows_": lambda: backend.run(
-            op, torch.zeros(8, **f64), torch.zeros(1, 7, **f64), rows, strided, torch.zeros(4 * r, **f64),
-            torch.zeros(1, dtype=torch.int64), torch.ones(3, **f64), 8, 2,
+            op, torch.zeros(8, **f64), torch.zeros(1, 7, **f64), torch.zeros(5, dtype=torch.int64), rows,
+            strided, torch.zeros(4 * r, **f64), torch.zeros(1, dtype=torch.int64), torch.ones(3, **f64), 8, 2,
         ),
     }  # fmt: skip
     argument = {"moments_payload_": "shifts", "moments_finish_": "next_shift", "pack_windows_": "shifts"}[op]

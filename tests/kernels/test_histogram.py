@@ -221,9 +221,10 @@ def _pack(backend: KernelBackend, hist, rows, shifts, extremes, at, edges, bits,
         torch.full((len(at) * max_words,), -1.0, dtype=torch.float64, device=device),
         hist.to(device, copy=True),  # zeroed in place
     )
+    layout = torch.full((3 * len(at) + 2,), -1, dtype=torch.int64, device=device)
     args = (rows, shifts, extremes, at, edges, bits, max_words)
-    layout = backend.run(
-        "pack_windows_", words, hist, *(a.to(device) if torch.is_tensor(a) else a for a in args)
+    backend.run(
+        "pack_windows_", words, hist, layout, *(a.to(device) if torch.is_tensor(a) else a for a in args)
     )
     w = int(layout[-2])
     return words[: len(at) * w].cpu(), layout.cpu(), hist.cpu()

@@ -146,6 +146,7 @@ def test_opcheck_custom_ops(backend: KernelBackend):
             (
                 torch.zeros(99, dtype=torch.float64, device=device),
                 i["hist"],
+                torch.zeros(3 * i["at"].numel() + 2, dtype=torch.int64, device=device),
                 i["table"],
                 i["shifts"],
                 i["max_payload"][3:],
@@ -190,9 +191,8 @@ def _all_ops(backend, x, dy, shift_c, mean, invstd, weight, bias, grads, inv_sca
     hist, edges = torch.zeros(7, dtype=torch.float64, device=x.device), table.new_tensor([0.5, 1.0, 2.0])
     backend.run("accumulate_histogram_", hist, y, edges)
     words = torch.zeros(2 * 16, dtype=torch.float64, device=x.device)
-    layout = backend.run(
-        "pack_windows_", words, hist.clone()[None], table, shifts, extremes, at, edges, 5, 16
-    )
+    layout = torch.zeros(3 * at.numel() + 2, dtype=torch.int64, device=x.device)
+    backend.run("pack_windows_", words, hist.clone()[None], layout, table, shifts, extremes, at, edges, 5, 16)
     return payload, gathered_mean, *running, y, sums, dx, *flush, hist, words, layout, finite, found
 
 
