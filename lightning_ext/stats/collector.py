@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import itertools
 import math
@@ -58,6 +59,12 @@ class Straggler(NamedTuple):
     mean: float
     median: float
     ratio: float
+
+
+@functools.cache
+def _field_scales(bits: int) -> np.ndarray:
+    """float64 ``(53 // bits,)``: the scale ``2^(f bits)`` of each field ``f`` of a packed word."""
+    return 2.0 ** np.arange(0, 53 // bits * bits, bits)
 
 
 def _rank_bits(world_size: int) -> int:
@@ -222,13 +229,14 @@ class Collector:
             for new, old in zip(state, (self._published, self._next_shift, self._idle)):
                 new[dst] = old.to(device)[src]
         self._published, self._next_shift, self._idle = state
-        sketch = np.ones((3, len(rows)), np.int64), np.zeros((len(rows), 1), np.int64)
+        sketch = np.ones((3, len(rows)), np.int64), np.zeros((len(rows), 1))
         pairs = [(j, self._row[a, names[i]]) for j, (a, i) in enumerate(rows) if (a, names[i]) in self._row]
         if pairs:
-            sketch = sketch[0], np.zeros((len(rows), self._words.shape[1]), np.int64)
+            sketch = sketch[0], np.zeros((len(rows), self._words.shape[1]))
             dst, src = zip(*pairs)
             sketch[0][:, dst], sketch[1][dst, :] = self._windows[:, src], self._words[src, :]
         self._windows, self._words = sketch  # each sketch row's level, start and bits a count; its words
+        # (float64 words: their integers, below 2^53, are exact)
         self._unpacked: dict[int, np.ndarray] = {}
         self._names, self._device, self._world, self._values = names, device, world, None
         self._index, self._names_fp = {n: i for i, n in enumerate(names)}, _fingerprint(names)
@@ -245,12 +253,12 @@ class Collector:
         self._cut = torch.zeros(3 * len(rows) + 2, dtype=torch.int64, device=device)  # pack_windows_'s layout
         # NumPy views of the buffers read on the host, made once: a fresh tensor.numpy() costs several
         # times a NumPy read in a flush that starts with cold caches (bench_stats.py)
-        host = ("max", "sum", "idle", "cut") if device.type == "cpu" else ()
+        host = ("max", "sum", "idle", "cut", "published") if device.type == "cpu" else ()
         self._views = {key: getattr(self, f"_{key}").numpy() for key in host}
 
     def _host(self, key: str) -> np.ndarray:
-        """The buffer ``_<key>`` (``"max"``, ``"sum"``, ``"idle"`` or ``"cut"``) as NumPy: the view kept
-        on the CPU, else a copy (a host-device sync)."""
+        """The buffer ``_<key>`` (``"max"``, ``"sum"``, ``"idle"``, ``"cut"`` or ``"published"``) as NumPy:
+        the view kept on the CPU, else a copy (a host-device sync)."""
         return self._views[key] if key in self._views else getattr(self, f"_{key}").cpu().numpy()
 
     def discard(self) -> None:
@@ -382,12 +390,12 @@ class Collector:
         ``keep_previous``; a straggler name's rank means are of its last interval only)."""
         n, r = len(self._at), len(self._names)
         w, full = layout[-2:].tolist()
-        words = self._host("sum")[5 * r : 5 * r + n * w].astype(np.int64).reshape(n, w)
+        words = self._host("sum")[5 * r : 5 * r + n * w].reshape(n, w).copy()
         windows = layout[: 3 * n].reshape(3, n).copy()  # level, start, bits a count (0: no values)
         if full < n:  # the rows without values keep their window (keep_previous)
             has = windows[2] > 0
             keep = ~has & (np.arange(n) < self._q) & self.keep_previous
-            kept, old = np.zeros((n, max(w, self._words.shape[1])), np.int64), self._words
+            kept, old = np.zeros((n, max(w, self._words.shape[1]))), self._words
             kept[has, :w], kept[keep, : old.shape[1]] = words[has], old[keep]
             windows, words = np.where(keep, self._windows, windows), kept
         self._windows, self._words, self._unpacked = windows, words, {}
@@ -423,7 +431,7 @@ class Collector:
     def _read(self) -> dict[str, list[float]]:
         """``{name: [n, mean, std, min, max, nonfinite]}``, read from the device once per update."""
         if self._values is None:
-            self._values = dict(zip(self._names, self._published.tolist()))
+            self._values = dict(zip(self._names, self._host("published").tolist()))
         return self._values
 
     def _get(self, name: str) -> list[float]:
@@ -478,8 +486,7 @@ class Collector:
             level, start, bits = self._windows[:, j].tolist()
             counts = np.zeros(0)
             if bits:  # (0: no rank had values)
-                fields = self._words[j, :, None] >> np.arange(0, 53 // bits * bits, bits)
-                counts = (fields & ((1 << bits) - 1)).reshape(-1).astype(np.float64)
+                counts = (self._words[j, :, None] // _field_scales(bits) % 2.0**bits).reshape(-1)
             self._unpacked[j] = (level, start, counts) if counts.any() else None
         return self._unpacked[j]
 
@@ -571,7 +578,7 @@ class Collector:
         saved = {n: s for n, s in state.get("sketches", {}).items() if isinstance(s, tuple)}
         self._row = {("quantiles", n): j for j, n in enumerate(saved)}  # one count a word
         self._windows = np.array([[s[0], s[1], 53] for s in saved.values()], np.int64).reshape(-1, 3).T
-        counts = [s[2].long() for s in saved.values()]
+        counts = [s[2].double() for s in saved.values()]
         self._words = torch.nn.utils.rnn.pad_sequence(counts, batch_first=True).numpy() if counts else None
         self._layout(names, self._device, self._world)  # keeps what was set here
         self._store.layout(names)
