@@ -5,7 +5,6 @@ from __future__ import annotations
 import difflib
 import functools
 import hashlib
-import itertools
 import math
 import re
 from typing import Any, NamedTuple
@@ -426,7 +425,7 @@ class Collector:
     def updated(self) -> list[str]:
         """Sorted names that received values (on any rank, finite or not) in the last ``update()``'s
         interval: the rest of :meth:`names` only repeat earlier statistics (``keep_previous``) or NaN."""
-        return list(itertools.compress(self._names, (self._host("idle") == 0).tolist()))
+        return [name for name, idle in zip(self._names, self._host("idle").tolist()) if not idle]
 
     def _read(self) -> dict[str, list[float]]:
         """``{name: [n, mean, std, min, max, nonfinite]}``, read from the device once per update."""
