@@ -62,8 +62,9 @@ class Straggler(NamedTuple):
 
 @functools.cache
 def _field_scales(bits: int) -> np.ndarray:
-    """float64 ``(53 // bits,)``: the scale ``2^(f bits)`` of each field ``f`` of a packed word."""
-    return 2.0 ** np.arange(0, 53 // bits * bits, bits)
+    """float64 ``(53 // bits,)``: the scale ``2^(f bits)`` of each field ``f`` of a packed word (none
+    for 0 bits: a row without values)."""
+    return 2.0 ** np.arange(0, 53 // bits * bits, bits) if bits else np.zeros(0)
 
 
 def _rank_bits(world_size: int) -> int:
@@ -361,8 +362,7 @@ class Collector:
     def _recenter(self, rank: int) -> torch.Tensor:
         """Write the SUM's moments again about the largest rank mean (inside the data), keeping the
         reduced MAX; returns that center."""
-        r = len(self._names)
-        center, reduced = self._extremes[2 * r : 3 * r].clone(), self._max.clone()
+        center, reduced = self._extremes.view(5, -1)[2].clone(), self._max.clone()  # the ranks' largest means
         self._write(center, rank, 0.0, 0.0)
         self._max.copy_(reduced)
         return center
@@ -370,10 +370,9 @@ class Collector:
     def _finish(self, center: torch.Tensor) -> tuple[bool, int]:
         self._values = None
         args = (self._extremes, self._moments, center, self.keep_previous, self.forget_after or 0)
-        outputs = (self._published, self._next_shift, self._idle)
-        out = self._store.backend(self._device).run("moments_finish_", *outputs, *args)
-        again, forgettable = out.tolist()  # one host read
-        return bool(again), int(forgettable)
+        out = (self._published, self._next_shift, self._idle)
+        again, forgettable = self._store.backend(self._device).run("moments_finish_", *out, *args).tolist()
+        return bool(again), int(forgettable)  # (one host read)
 
     def _pack(self, bits: int) -> tuple[np.ndarray, int, bool]:
         """Write this rank's sketch windows after the moments in the SUM (``pack_windows_``), cut where the
@@ -387,15 +386,13 @@ class Collector:
     def _publish_sketches(self, layout: np.ndarray, bits: int) -> None:
         """Keep the reduced windows of the rows with values, packed (the others keep theirs with
         ``keep_previous``; a straggler name's rank means are of its last interval only)."""
-        n, r = len(self._at), len(self._names)
-        w, full = layout[-2:].tolist()
+        n, r, (w, full) = len(self._at), len(self._names), layout[-2:].tolist()
         words = self._host("sum")[5 * r : 5 * r + n * w].reshape(n, w).copy()
         windows = layout[: 3 * n].reshape(3, n).copy()  # level, start, bits a count (0: no values)
         if full < n:  # the rows without values keep their window (keep_previous)
-            has = windows[2] > 0
-            keep = ~has & (np.arange(n) < self._q) & self.keep_previous
+            keep = (windows[2] == 0) & (np.arange(n) < self._q) & self.keep_previous
             kept, old = np.zeros((n, max(w, self._words.shape[1]))), self._words
-            kept[has, :w], kept[keep, : old.shape[1]] = words[has], old[keep]
+            kept[:, :w], kept[keep, : old.shape[1]] = words, old[keep]  # (words without values: 0)
             windows, words = np.where(keep, self._windows, windows), kept
         self._windows, self._words, self._unpacked = windows, words, {}
         self._slowest = self._host("max")[_HEAD + 4 * r :][self._straggled]  # -inf where no rank had values
@@ -483,9 +480,7 @@ class Collector:
         j = self._row[arg, name]
         if j not in self._unpacked:  # the counts of the window, unpacked once per update
             level, start, bits = self._windows[:, j].tolist()
-            counts = np.zeros(0)
-            if bits:  # (0: no rank had values)
-                counts = (self._words[j, :, None] // _field_scales(bits) % 2.0**bits).reshape(-1)
+            counts = (self._words[j, :, None] // _field_scales(bits) % 2.0**bits).reshape(-1)
             self._unpacked[j] = (level, start, counts) if counts.any() else None
         return self._unpacked[j]
 
