@@ -346,8 +346,8 @@ class Collector:
             _all_reduce(self._moments, dist.ReduceOp.SUM, group, world)
             _, forgettable = self._finish(center)
         if windows is not None:
-            self._publish_sketches(*windows[:2])
-        store.reset(hist=windows is None or not windows[2])
+            self._publish_sketches(windows[0])
+        store.reset(hist=windows is None or not windows[1])
         return forgettable
 
     def _write(self, center: torch.Tensor, rank: int, names_fp: float, step: float) -> None:
@@ -374,16 +374,16 @@ class Collector:
         again, forgettable = self._store.backend(self._device).run("moments_finish_", *out, *args).tolist()
         return bool(again), int(forgettable)  # (one host read)
 
-    def _pack(self, bits: int) -> tuple[np.ndarray, int, bool]:
+    def _pack(self, bits: int) -> tuple[np.ndarray, bool]:
         """Write this rank's sketch windows after the moments in the SUM (``pack_windows_``), cut where the
-        reduced MAX says each row's values lie; their layout, the bits per count, and whether the
+        reduced MAX says each row's values lie; their layout (``pack_windows_``'s) and whether the
         store's own counts were read (and zeroed)."""
         rows, shifts, hist, own = self._store.local(self._device)
         args = (rows, shifts, self._extremes, self._at, self._edges, bits, WORDS)
         self._store.backend(self._device).run("pack_windows_", self._packed, hist, self._cut, *args)
-        return self._host("cut"), bits, own
+        return self._host("cut"), own
 
-    def _publish_sketches(self, layout: np.ndarray, bits: int) -> None:
+    def _publish_sketches(self, layout: np.ndarray) -> None:
         """Keep the reduced windows of the rows with values, packed (the others keep theirs with
         ``keep_previous``; a straggler name's rank means are of its last interval only)."""
         n, r, (w, full) = len(self._at), len(self._names), layout[-2:].tolist()
