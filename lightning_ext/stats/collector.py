@@ -362,7 +362,7 @@ class Collector:
     def _recenter(self, rank: int) -> torch.Tensor:
         """Write the SUM's moments again about the largest rank mean (inside the data), keeping the
         reduced MAX; returns that center."""
-        center, reduced = self._extremes.view(5, -1)[2].clone(), self._max.clone()  # the ranks' largest means
+        center, reduced = self._extremes.view(5, len(self._names))[2].clone(), self._max.clone()  # rank means
         self._write(center, rank, 0.0, 0.0)
         self._max.copy_(reduced)
         return center
