@@ -582,45 +582,40 @@ inline Acc value(const T* p, int64_t i) {
   }
 }
 
-// Shifted sums and extremes of the finite values of p[0..n) and the count of the others: per-lane
-// partial sums in Acc, flushed into float64 totals. `v - v == 0` is false exactly for NaN and +-inf.
-template <typename T, typename Acc = MomentAcc<T>>
+// Shifted sums and extremes of p[0..n): per-lane partial sums in Acc, flushed into float64 totals.
+// Careful: of its finite values only, and the count of the others (`v - v == 0` is false exactly for NaN
+// and +-inf), every value selected after its arithmetic (with -fno-trapping-math the loop vectorizes).
+// Otherwise every value counts: any NaN or +-inf makes s1 non-finite, and the careful pass follows.
+template <bool Careful, typename T, typename Acc = MomentAcc<T>>
 LE_CLONES Moments moments_range(const T* p, int64_t n, Acc shift) {
   constexpr int kLanes = std::is_same_v<Acc, float> ? 16 : 8;
   constexpr int64_t kBlock = std::is_same_v<Acc, float> ? 32 * kLanes : std::numeric_limits<int64_t>::max();
+  constexpr Acc kInf = std::numeric_limits<Acc>::infinity();
   Acc lo[kLanes], hi[kLanes];
   for (int j = 0; j < kLanes; ++j) {
-    lo[j] = std::numeric_limits<Acc>::infinity();
-    hi[j] = -std::numeric_limits<Acc>::infinity();
+    lo[j] = kInf;
+    hi[j] = -kInf;
   }
   double t1[kLanes] = {}, t2[kLanes] = {}, tb[kLanes] = {};  // float64 totals per lane
+  auto add = [&](Acc v, Acc* s1, Acc* s2, Acc* bad, int j) {
+    const bool finite = !Careful || v - v == Acc(0);
+    const Acc d0 = v - shift, d = finite ? d0 : Acc(0);
+    const Acc vlo = finite ? v : kInf, vhi = finite ? v : -kInf;
+    s1[j] += d;
+    s2[j] += d * d;
+    lo[j] = vlo < lo[j] ? vlo : lo[j];
+    hi[j] = vhi > hi[j] ? vhi : hi[j];
+    bad[j] += finite ? Acc(0) : Acc(1);
+  };
   for (int64_t b0 = 0; b0 < n; b0 = (kBlock >= n - b0) ? n : b0 + kBlock) {
     const int64_t end = (kBlock >= n - b0) ? n : b0 + kBlock;
     const int64_t body = end - (end - b0) % kLanes;
     Acc s1[kLanes] = {}, s2[kLanes] = {}, bad[kLanes] = {};
     for (int64_t i = b0; i < body; i += kLanes) {
 #pragma omp simd
-      for (int j = 0; j < kLanes; ++j) {
-        const Acc v = value<Acc>(p, i + j);
-        const bool finite = v - v == Acc(0);
-        const Acc d = finite ? v - shift : Acc(0);
-        s1[j] += d;
-        s2[j] += d * d;
-        lo[j] = finite && v < lo[j] ? v : lo[j];
-        hi[j] = finite && v > hi[j] ? v : hi[j];
-        bad[j] += finite ? Acc(0) : Acc(1);
-      }
+      for (int j = 0; j < kLanes; ++j) add(value<Acc>(p, i + j), s1, s2, bad, j);
     }
-    for (int64_t i = body; i < end; ++i) {
-      const Acc v = value<Acc>(p, i);
-      const bool finite = v - v == Acc(0);
-      const Acc d = finite ? v - shift : Acc(0);
-      s1[0] += d;
-      s2[0] += d * d;
-      lo[0] = finite && v < lo[0] ? v : lo[0];
-      hi[0] = finite && v > hi[0] ? v : hi[0];
-      bad[0] += finite ? Acc(0) : Acc(1);
-    }
+    for (int64_t i = body; i < end; ++i) add(value<Acc>(p, i), s1, s2, bad, 0);
 #pragma omp simd
     for (int j = 0; j < kLanes; ++j) {
       t1[j] += s1[j];
@@ -640,7 +635,7 @@ LE_CLONES Moments moments_range(const T* p, int64_t n, Acc shift) {
 }
 
 // Shifted sums and extremes of p[0..n) in fixed-order thread chunks, summed about `shift` in Acc.
-template <typename T, typename Acc>
+template <bool Careful, typename T, typename Acc>
 Moments moments_of(const T* p, int64_t n, Acc shift) {
   const int chunks = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n >> 15, 1)));
   std::vector<Moments> parts(chunks);
@@ -648,7 +643,7 @@ Moments moments_of(const T* p, int64_t n, Acc shift) {
   at::parallel_for(0, chunks, 1, [&](int64_t k0, int64_t k1) {
     for (int64_t k = k0; k < k1; ++k) {
       const int64_t i0 = k * per, i1 = std::min(n, i0 + per);
-      if (i0 < i1) parts[k] = moments_range<T, Acc>(p + i0, i1 - i0, shift);
+      if (i0 < i1) parts[k] = moments_range<Careful, T, Acc>(p + i0, i1 - i0, shift);
     }
   });
   Moments total;
@@ -660,6 +655,13 @@ Moments moments_of(const T* p, int64_t n, Acc shift) {
     total.hi = std::max(total.hi, m.hi);
   }
   return total;
+}
+
+// The careful pass where the plain one met a non-finite value (or a square beyond Acc's range).
+template <typename T, typename Acc>
+Moments finite_moments_of(const T* p, int64_t n, Acc shift) {
+  const Moments plain = moments_of<false, T, Acc>(p, n, shift);
+  return std::isfinite(plain.s1) && std::isfinite(plain.s2) ? plain : moments_of<true, T, Acc>(p, n, shift);
 }
 
 // Whether float32 partial sums about `shift` (a float32 value) are as accurate as documented for the
@@ -694,10 +696,10 @@ void accumulate_moments_(Tensor& acc, const Tensor& x, Tensor& shift) {
       c = *shift_at = std::isfinite(first) ? first : 0.0;
     }
     used_shift = static_cast<double>(static_cast<Acc>(c));
-    total = moments_of<scalar_t, Acc>(p, xd.numel(), static_cast<Acc>(c));
+    total = finite_moments_of<scalar_t, Acc>(p, xd.numel(), static_cast<Acc>(c));
     if (!std::is_same_v<Acc, double> && !float32_sums_hold(total, used_shift)) {
       used_shift = c;
-      total = moments_of<scalar_t, double>(p, xd.numel(), c);
+      total = finite_moments_of<scalar_t, double>(p, xd.numel(), c);
     }
   });
   const double count = static_cast<double>(xd.numel()) - total.nonfinite, d = used_shift - c;

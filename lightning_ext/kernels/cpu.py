@@ -79,8 +79,10 @@ _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "kernels_cpu.cpp"
 _NAME = "lightning_ext_kernels_cpu"  # + "_<build key>" (see the module docstring)
 # -fopenmp: ATen's at::parallel_for is inline OpenMP code, serial unless compiled with OpenMP; the
 # runtime (libgomp.so.1) is the one torch already loaded. No -march: the build must run on any CPU
-# that shares the extension cache (target_clones picks AVX2 at load time).
-_CFLAGS = ["-O3", "-fopenmp"]
+# that shares the extension cache (target_clones picks AVX2 at load time). -fno-trapping-math: no
+# floating-point trap is observed (IEEE results are unchanged), so a loop that selects between values
+# it computed vectorizes (the moments' careful pass, per element, is ~6x faster with it).
+_CFLAGS = ["-O3", "-fopenmp", "-fno-trapping-math"]
 _MANIFEST = "manifest.json"  # beside the library: {"name", "bytes", "sha256"} of the build
 _LOCK = "lightning_ext.lock"  # in the build directory: flock-ed by the process that builds there
 _ANNOUNCE_AFTER_SECONDS = 3.0  # a load taking longer than this is a build: say so
