@@ -222,7 +222,7 @@ def bench_cpu(quick: bool) -> None:
     for case, x in [*(inputs[:1] if quick else inputs), ("scalar (per-call overhead)", torch.ones(()))]:
         xf = x if x.dtype == torch.float64 else x.float()
         t_a = cpu_time(lambda: (xf.sum(), (xf * xf).sum(), torch.aminmax(xf))) if x.dim() else None
-        acc = torch.tensor([0, 0, 0, math.inf, -math.inf], dtype=torch.float64)
+        acc = torch.tensor([0, 0, 0, math.inf, -math.inf, 0], dtype=torch.float64)  # an empty row
         times = guarded(backends, {"acc": lambda be: be.run("accumulate_moments_", acc, x, shift)}, case)
         for be in backends:
             add("cpu", "accumulate_moments_", be.name, case, times[be.name]["acc"], nbytes(x), t_a, copy_gbs)
@@ -437,7 +437,7 @@ def bench_gpu(quick: bool) -> None:
         del sets
     sets = [(torch.randn(2**24, device="cuda"),) for _ in range(_n_sets(2**26))]
     shift = torch.tensor(0.0, device="cuda", dtype=torch.float64)
-    acc = torch.tensor([0, 0, 0, math.inf, -math.inf], device="cuda", dtype=torch.float64)
+    acc = torch.tensor([0, 0, 0, math.inf, -math.inf, 0], device="cuda", dtype=torch.float64)  # an empty row
     aten_fn = lambda a: (a[0].sum(), (a[0] * a[0]).sum(), torch.aminmax(a[0]))
     t_a = gpu_device_time(aten_fn, sets)
     for be in (tri, ref):

@@ -681,6 +681,10 @@ bool float32_sums_hold(const Moments& m, double shift) {
 // squares take a float64 pass instead. A NaN shift (a row without values yet) becomes the first value
 // of x (0 if not finite).
 void accumulate_moments_(Tensor& acc, const Tensor& x, Tensor& shift) {
+  TORCH_CHECK(acc.numel() == 6 && acc.scalar_type() == at::kDouble && acc.is_contiguous() && shift.numel() == 1 &&
+                  shift.scalar_type() == at::kDouble,
+              "accumulate_moments_: `acc` must be a contiguous float64 row of 6 and `shift` one float64, got ",
+              acc.scalar_type(), " ", acc.sizes(), " and ", shift.scalar_type(), " ", shift.sizes());
   if (x.numel() == 0) return;
   Guards guards;
   const Tensor xd = x.contiguous();

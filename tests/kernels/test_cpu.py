@@ -724,6 +724,16 @@ def test_the_one_defer_rule_sends_float16_batch_norm_ops_to_reference(monkeypatc
         cpu.CpuBackend()  # the live instance the custom ops find is an unpatched one again
 
 
+@pytest.mark.parametrize("size", [5, 7])
+def test_accumulate_moments_refuses_a_row_of_another_size(size):
+    """The kernel writes six float64 through a raw pointer: a row of another size (a benchmark kept the
+    five-element row of an older layout) raises instead of writing past its end."""
+    backend = require_cpu_backend()
+    acc, shift = torch.zeros(size, dtype=torch.float64), torch.tensor(float("nan"), dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=rf"`acc` must be a contiguous float64 row of 6 .*\[{size}\]"):
+        backend.run("accumulate_moments_", acc, torch.ones(3), shift)
+
+
 @pytest.mark.parametrize("op", ["moments_payload_", "moments_finish_", "pack_windows_"])
 def test_the_flush_kernels_refuse_a_strided_tensor_naming_it(op):
     """The flush's compiled kernels read raw pointers: a strided view (a column of a table) would be read
