@@ -634,6 +634,14 @@ LE_CLONES Moments moments_range(const T* p, int64_t n, Acc shift) {
   return m;
 }
 
+inline void merge(Moments& total, const Moments& m) {
+  total.s1 += m.s1;
+  total.s2 += m.s2;
+  total.nonfinite += m.nonfinite;
+  total.lo = std::min(total.lo, m.lo);
+  total.hi = std::max(total.hi, m.hi);
+}
+
 // Shifted sums and extremes of p[0..n) in fixed-order thread chunks, summed about `shift` in Acc.
 template <bool Careful, typename T, typename Acc>
 Moments moments_of(const T* p, int64_t n, Acc shift) {
@@ -647,13 +655,7 @@ Moments moments_of(const T* p, int64_t n, Acc shift) {
     }
   });
   Moments total;
-  for (const Moments& m : parts) {  // fixed order: the same result for the same thread count
-    total.s1 += m.s1;
-    total.s2 += m.s2;
-    total.nonfinite += m.nonfinite;
-    total.lo = std::min(total.lo, m.lo);
-    total.hi = std::max(total.hi, m.hi);
-  }
+  for (const Moments& m : parts) merge(total, m);  // fixed order: the same result for the same thread count
   return total;
 }
 
@@ -662,6 +664,21 @@ template <typename T, typename Acc>
 Moments finite_moments_of(const T* p, int64_t n, Acc shift) {
   const Moments plain = moments_of<false, T, Acc>(p, n, shift);
   return std::isfinite(plain.s1) && std::isfinite(plain.s2) ? plain : moments_of<true, T, Acc>(p, n, shift);
+}
+
+// float16 values summed as float32 (their exact values) from blocks that ATen converts with F16C: the
+// compiler's _Float16 conversions keep moments_range's loop scalar (about 10x slower); below kSmall
+// values the conversion's own call costs more than it saves.
+Moments half_moments_of(const Tensor& x, float shift) {
+  constexpr int64_t kBlock = int64_t{1} << 16, kSmall = 4096;
+  if (x.numel() < kSmall) return finite_moments_of<c10::Half, float>(x.const_data_ptr<c10::Half>(), x.numel(), shift);
+  const Tensor flat = x.reshape(-1);
+  Moments total;
+  for (int64_t b0 = 0; b0 < flat.numel(); b0 += kBlock) {
+    const Tensor block = flat.narrow(0, b0, std::min(kBlock, flat.numel() - b0)).to(at::kFloat);
+    merge(total, finite_moments_of<float, float>(block.const_data_ptr<float>(), block.numel(), shift));
+  }
+  return total;
 }
 
 // Whether float32 partial sums about `shift` (a float32 value) are as accurate as documented for the
@@ -700,7 +717,11 @@ void accumulate_moments_(Tensor& acc, const Tensor& x, Tensor& shift) {
       c = *shift_at = std::isfinite(first) ? first : 0.0;
     }
     used_shift = static_cast<double>(static_cast<Acc>(c));
-    total = finite_moments_of<scalar_t, Acc>(p, xd.numel(), static_cast<Acc>(c));
+    if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+      total = half_moments_of(xd, static_cast<float>(c));
+    } else {
+      total = finite_moments_of<scalar_t, Acc>(p, xd.numel(), static_cast<Acc>(c));
+    }
     if (!std::is_same_v<Acc, double> && !float32_sums_hold(total, used_shift)) {
       used_shift = c;
       total = finite_moments_of<scalar_t, double>(p, xd.numel(), c);
