@@ -506,8 +506,7 @@ class TrainingStats(Callback):
         line where its excess counted at ``straggler_patience`` flushes in a row."""
         metrics: dict[str, float] = {}
         pattern = re.compile(self.stragglers or "(?!)")
-        values = collector.as_dict()
-        means = [values[n]["mean"] for n in ("Timing/iteration_sec",) if n in values]
+        means = [collector.mean(n) for n in ("Timing/iteration_sec",) if n in collector.names()]
         floor = max(self.straggler_min_sec, self.straggler_excess * sum(m for m in means if m == m))  # no NaN
         stragglers = {n: collector.straggler(n) for n in collector.updated() if pattern.fullmatch(n)}
         lines, slowest = [], stragglers.get(_SEC_PER_SAMPLE)  # by throughput: said in the others' lines

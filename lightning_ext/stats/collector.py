@@ -237,8 +237,8 @@ class Collector:
             sketch[0][:, dst], sketch[1][dst, :] = self._windows[:, src], self._words[src, :]
         self._windows, self._words = sketch  # each sketch row's level, start and bits a count; its words
         # (float64 words: their integers, below 2^53, are exact)
-        self._unpacked: dict[int, np.ndarray] = {}
-        self._names, self._device, self._world, self._values = names, device, world, None
+        self._memo: dict[Any, Any] = {}  # what the queries read from the last update, read once (_once)
+        self._names, self._device, self._world = names, device, world
         self._index, self._names_fp = {n: i for i, n in enumerate(names)}, _fingerprint(names)
         self._row = {(a, names[i]): j for j, (a, i) in enumerate(rows)}
         self._q = sum(a == "quantiles" for a, _ in rows)
@@ -368,7 +368,7 @@ class Collector:
         return center
 
     def _finish(self, center: torch.Tensor) -> tuple[bool, int]:
-        self._values = None
+        self._memo = {}
         args = (self._extremes, self._moments, center, self.keep_previous, self.forget_after or 0)
         out = (self._published, self._next_shift, self._idle)
         again, forgettable = self._store.backend(self._device).run("moments_finish_", *out, *args).tolist()
@@ -394,7 +394,7 @@ class Collector:
             kept, old = np.zeros((n, max(w, self._words.shape[1]))), self._words
             kept[:, :w], kept[keep, : old.shape[1]] = words, old[keep]  # (words without values: 0)
             windows, words = np.where(keep, self._windows, windows), kept
-        self._windows, self._words, self._unpacked = windows, words, {}
+        self._windows, self._words = windows, words
         self._slowest = self._host("max")[_HEAD + 4 * r :][self._straggled]  # -inf where no rank had values
 
     def _disagree(self, group: Any, world: int, step: float) -> None:
@@ -422,13 +422,15 @@ class Collector:
     def updated(self) -> list[str]:
         """Sorted names that received values (on any rank, finite or not) in the last ``update()``'s
         interval: the rest of :meth:`names` only repeat earlier statistics (``keep_previous``) or NaN."""
-        return [name for name, idle in zip(self._names, self._host("idle").tolist()) if not idle]
+        return [n for n, idle in zip(self._names, self._once("idle", self._host("idle").tolist)) if not idle]
+
+    def _once(self, key: Any, read: Any) -> Any:
+        """``read()``, called once per update (a host read of its buffers, or what is derived from one)."""
+        return self._memo[key] if key in self._memo else self._memo.setdefault(key, read())
 
     def _read(self) -> dict[str, list[float]]:
         """``{name: [n, mean, std, min, max, nonfinite]}``, read from the device once per update."""
-        if self._values is None:
-            self._values = dict(zip(self._names, self._host("published").tolist()))
-        return self._values
+        return self._once("values", lambda: dict(zip(self._names, self._host("published").tolist())))
 
     def _get(self, name: str) -> list[float]:
         if (values := self._read().get(name)) is not None:
@@ -477,12 +479,13 @@ class Collector:
         self._get(name)  # raises for names regex excludes
         if not self._tracks(arg, name):
             raise KeyError(f"{name!r} is not matched by Collector({arg}={getattr(self, arg)!r})")
-        j = self._row[arg, name]
-        if j not in self._unpacked:  # the counts of the window, unpacked once per update
-            level, start, bits = self._windows[:, j].tolist()
-            counts = (self._words[j, :, None] // _field_scales(bits) % 2.0**bits).reshape(-1)
-            self._unpacked[j] = (level, start, counts) if counts.any() else None
-        return self._unpacked[j]
+        return self._once(self._row[arg, name], lambda: self._unpack(self._row[arg, name]))
+
+    def _unpack(self, j: int) -> tuple[int, int, np.ndarray] | None:
+        """Sketch row ``j``'s window ``(level, start, counts)``, ``None`` without values."""
+        level, start, bits = self._windows[:, j].tolist()
+        counts = (self._words[j, :, None] // _field_scales(bits) % 2.0**bits).reshape(-1)
+        return (level, start, counts) if counts.any() else None
 
     def quantile(self, name: str, q: Any) -> Any:
         """The ``q``-quantile of ``name``'s finite values in the last interval over all ranks (NumPy's
@@ -525,10 +528,12 @@ class Collector:
         Raises:
             KeyError: ``stragglers`` does not match ``name`` (or ``regex`` excludes it).
         """
-        if (sketch := self._sketch("stragglers", name)) is None:
-            return None
-        packed = float(self._slowest[self._row["stragglers", name] - self._q])
-        rank = int(np.float64(packed).view(np.int64)) & ((1 << _rank_bits(self._world)) - 1)
+        sketch = self._sketch("stragglers", name)  # None without values
+        return sketch and self._once(("straggler", name), lambda: self._straggler(name, sketch))
+
+    def _straggler(self, name: str, sketch: tuple[int, int, np.ndarray]) -> Straggler:
+        k, mask = self._row["stragglers", name] - self._q, (1 << _rank_bits(self._world)) - 1
+        packed, rank = float(self._slowest[k]), int(self._slowest.view(np.int64)[k]) & mask
         upper = 0.5 + 0.5 / float(sketch[2].sum())  # the upper middle rank: the two middle ones' mean
         median = sum(self.sketch.quantile(*sketch, (0.5, upper), *self._get(name)[3:5])) / 2
         return Straggler(rank, packed, median, packed / median if median else math.inf)
@@ -546,8 +551,8 @@ class Collector:
 
     def as_dict(self) -> dict[str, dict[str, float]]:
         """``{name: {"num", "mean", "std", "min", "max"}}`` for every name of :meth:`names`."""
-        keys = ("num", "mean", "std", "min", "max")
-        return {name: dict(zip(keys, [round(v[0]), *v[1:5]])) for name, v in self._read().items()}
+        rows = self._read().items()  # (keywords: a third of dict(zip(keys, row))'s time)
+        return {k: dict(num=round(r[0]), mean=r[1], std=r[2], min=r[3], max=r[4]) for k, r in rows}
 
     def state_dict(self) -> dict[str, Any]:
         """The published statistics and agreed names, and the quantile sketches (what

@@ -305,6 +305,26 @@ def test_straggler_of_one_process_and_of_a_name_without_values() -> None:
         report("u", 1.0), c.update(), c.straggler("u")
 
 
+def test_the_reads_of_an_update_are_those_of_the_last_update() -> None:
+    # straggler(), updated() and the statistics are read once per update (TrainingStats and Throughput
+    # both read them): the next update, and a caller's changes to a returned list, must not go stale
+    clear_statistics()
+    c = Collector(stragglers="t", quantiles="t")
+    report("t", [1.0, 3.0])
+    c.update()
+    first, names = c.straggler("t"), c.updated()
+    names.append("x")
+    assert c.straggler("t") == first and c.updated() == ["t"]
+    assert c.quantile("t", 0.5) == pytest.approx(1.0, rel=ALPHA)
+    report("t", 8.0)
+    c.update()
+    assert c.straggler("t") == (0, 8.0, pytest.approx(8.0, rel=ALPHA), pytest.approx(1.0, rel=ALPHA))
+    assert c.quantile("t", 0.5) == pytest.approx(8.0, rel=ALPHA) and c.mean("t") == 8.0
+    c.update()
+    assert c.straggler("t") is None
+    assert c.updated() == [] and c.mean("t") == 8.0  # keep_previous
+
+
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_a_drain_in_inference_mode_leaves_the_sketches_writable(backend, monkeypatch) -> None:
     # Lightning validates in inference mode: a validation collector's update drains the training
