@@ -302,7 +302,9 @@ def test_validation_epoch_flush_feeds_model_checkpoint_and_drops_sanity_check(tm
         num_sanity_val_steps=1,
     )
     trainer.fit(ValidatingModule())
-    assert float(trainer.callback_metrics["stats/val/Loss/val"]) == 2.0  # epoch 2's, sanity 1e9 dropped
+    value = trainer.callback_metrics["stats/val/Loss/val"]  # (a view of the flush's one float32 tensor)
+    assert value.shape == () and value.dtype == torch.float32 and value.device.type == "cpu"
+    assert float(value) == 2.0  # epoch 2's, sanity 1e9 dropped
     assert float(checkpoint.best_model_score) == 1.0 and "epoch=0" in checkpoint.best_model_path
     # Validation values go to the validation stage only: training never saw Loss/val.
     val = stats.stage_collectors["validate"]
