@@ -71,16 +71,25 @@ inline float load(const c10::BFloat16* p, int64_t i) {
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
-// float16 through the compiler's _Float16: one vcvtph2ps (F16C) per 8 elements in the x86-64-v3
-// clone, where c10::Half's portable bit-twiddling conversion kept the loops scalar (5-30x slower).
-// IEEE conversions both ways (round to nearest even), so the values are c10::Half's.
-#if defined(__FLT16_MAX__)
+// float16 <-> float32 from the bits, exactly and branch-free (F. Giesen's "half_to_float" and
+// "float_to_half_fast3_rtne", https://gist.github.com/rygorous/2156668), so that the loops vectorize:
+// GCC 12 keeps _Float16's and c10::Half's conversions scalar (one F16C instruction per element), which
+// made the float16 reductions 4x slower. IEEE conversions both ways (round to nearest even; zeros,
+// subnormals and inf included; NaN to the quiet NaN 0x7E00 with its sign), as c10::Half's. A few
+// integer operations per element instead of one F16C instruction per 8: ATen's F16C loops still win
+// where a loop converts twice per element (lightning_ext/kernels/cpu.py's defer rule).
 inline float load(const c10::Half* p, int64_t i) {
-  return static_cast<float>(reinterpret_cast<const _Float16*>(p)[i]);
+  const uint32_t h = reinterpret_cast<const uint16_t*>(p)[i];
+  const uint32_t bits = (h & 0x7FFFu) << 13;  // exponent and mantissa at float32's positions
+  const uint32_t exp = bits & 0x0F800000u;
+  const uint32_t o = bits + ((127u - 15u) << 23) + (exp == 0x0F800000u ? (128u - 16u) << 23 : 0u);
+  // Zero or subnormal: 2^-14 (1 + mantissa / 2^10) - 2^-14, exact in float32.
+  const float sub = __builtin_bit_cast(float, o + (1u << 23)) - __builtin_bit_cast(float, 113u << 23);
+  const uint32_t zero_or_subnormal = 0u - static_cast<uint32_t>(exp == 0);  // a mask: no branch on `sub`
+  const uint32_t magnitude =
+      (__builtin_bit_cast(uint32_t, sub) & zero_or_subnormal) | (o & ~zero_or_subnormal);
+  return __builtin_bit_cast(float, magnitude | ((h & 0x8000u) << 16));
 }
-#else
-inline float load(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
-#endif
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline double load(const double* p, int64_t i) { return p[i]; }
 
@@ -91,13 +100,18 @@ inline void store(c10::BFloat16* p, int64_t i, float v) {
   const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
   reinterpret_cast<uint16_t*>(p)[i] = std::isnan(v) ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
 }
-#if defined(__FLT16_MAX__)
 inline void store(c10::Half* p, int64_t i, float v) {
-  reinterpret_cast<_Float16*>(p)[i] = static_cast<_Float16>(v);
+  const int32_t bits = __builtin_bit_cast(int32_t, v);
+  const int32_t a = bits & 0x7FFFFFFF;  // the magnitude's bits (signed compares: they vectorize)
+  // NaN -> a quiet NaN, inf and what rounds past 65504 -> inf (the normal path's rounding carries there)
+  const int32_t special = a > (255 << 23) ? 0x7E00 : 0x7C00;
+  // Subnormal or zero: adding 2^-1 aligns the 10 mantissa bits at the bottom, rounded to nearest even.
+  const int32_t subnormal = __builtin_bit_cast(int32_t, __builtin_bit_cast(float, a) + 0.5f) - (126 << 23);
+  // Normal: rebias the exponent and round to nearest even on the 13 dropped bits.
+  const int32_t normal = (a - ((127 - 15) << 23) + 0xFFF + ((a >> 13) & 1)) >> 13;
+  const int32_t h = a >= ((127 + 16) << 23) ? special : (a < (113 << 23) ? subnormal : normal);
+  reinterpret_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(h | ((bits >> 16) & 0x8000));
 }
-#else
-inline void store(c10::Half* p, int64_t i, float v) { p[i] = static_cast<c10::Half>(v); }
-#endif
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(double* p, int64_t i, double v) { p[i] = v; }
 
@@ -181,6 +195,8 @@ at::ScalarType stat_type(const Tensor& x) {
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 #define LE_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define LE_F16C 1
+#include <immintrin.h>
 #else
 #define LE_CLONES
 #endif
@@ -206,6 +222,75 @@ struct GradTerms {
   }
 };
 
+// The channel sums of len float16 elements into float32 a1, a2: with s = 0 their totals (one shift
+// c[0]), with s = 1 element i's terms added to a1[i], a2[i] (shift c[i]); the moments' terms (u - c,
+// (u - c)^2), or with grad the backward's (u, u (v - c)). Converted as half_affine's.
+inline void half_terms_loop(bool grad, const c10::Half* u, const c10::Half* v, int64_t i0, int64_t len,
+                            const float* c, float* a1, float* a2, int64_t s) {
+  if (s == 0) {
+    float t1 = 0.0f, t2 = 0.0f;
+    if (grad) {
+#pragma omp simd reduction(+ : t1, t2)
+      for (int64_t i = i0; i < len; ++i) GradTerms::add(u, v, i, c[0], t1, t2);
+    } else {
+#pragma omp simd reduction(+ : t1, t2)
+      for (int64_t i = i0; i < len; ++i) MomentTerms::add(u, v, i, c[0], t1, t2);
+    }
+    a1[0] += t1;
+    a2[0] += t2;
+  } else if (grad) {
+#pragma omp simd
+    for (int64_t i = i0; i < len; ++i) GradTerms::add(u, v, i, c[i], a1[i], a2[i]);
+  } else {
+#pragma omp simd
+    for (int64_t i = i0; i < len; ++i) MomentTerms::add(u, v, i, c[i], a1[i], a2[i]);
+  }
+}
+#if defined(LE_F16C)
+__attribute__((target("default"))) void half_terms(bool grad, const c10::Half* u, const c10::Half* v, int64_t len,
+                                                   const float* c, float* a1, float* a2, int64_t s) {
+  half_terms_loop(grad, u, v, 0, len, c, a1, a2, s);
+}
+__attribute__((target("arch=x86-64-v3"))) void half_terms(bool grad, const c10::Half* u, const c10::Half* v,
+                                                          int64_t len, const float* c, float* a1, float* a2,
+                                                          int64_t s) {
+  __m256 t1 = _mm256_setzero_ps(), t2 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    const __m256 vc = s ? _mm256_loadu_ps(c + i) : _mm256_set1_ps(c[0]);
+    const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + i)));
+    __m256 e1 = _mm256_sub_ps(x, vc), e2 = _mm256_mul_ps(e1, e1);
+    if (grad) {
+      const __m256 y = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + i)));
+      e1 = x;
+      e2 = _mm256_mul_ps(x, _mm256_sub_ps(y, vc));
+    }
+    if (s) {
+      _mm256_storeu_ps(a1 + i, _mm256_add_ps(_mm256_loadu_ps(a1 + i), e1));
+      _mm256_storeu_ps(a2 + i, _mm256_add_ps(_mm256_loadu_ps(a2 + i), e2));
+    } else {
+      t1 = _mm256_add_ps(t1, e1);
+      t2 = _mm256_add_ps(t2, e2);
+    }
+  }
+  if (s == 0) {  // the 8 lanes' totals
+    alignas(32) float l1[8], l2[8];
+    _mm256_store_ps(l1, t1);
+    _mm256_store_ps(l2, t2);
+    for (int j = 0; j < 8; ++j) {
+      a1[0] += l1[j];
+      a2[0] += l2[j];
+    }
+  }
+  half_terms_loop(grad, u, v, i, len, c, a1, a2, s);
+}
+#else
+void half_terms(bool grad, const c10::Half* u, const c10::Half* v, int64_t len, const float* c, float* a1,
+                float* a2, int64_t s) {
+  half_terms_loop(grad, u, v, 0, len, c, a1, a2, s);
+}
+#endif
+
 // Channels-first: the `runs` contiguous runs of `len` elements of one channel (one per sample,
 // `stride` elements apart), summed in float32 (float64 for float64 input) over at most BLOCK
 // elements and in float64 across blocks.
@@ -219,8 +304,12 @@ LE_CLONES void channel_terms(
     for (int64_t b0 = 0; b0 < len; b0 += BLOCK) {
       const int64_t end = std::min(len, b0 + BLOCK);
       Acc a1 = 0, a2 = 0;
+      if constexpr (std::is_same_v<T, c10::Half> && std::is_same_v<Acc, float>) {
+        half_terms(std::is_same_v<Terms, GradTerms>, u_run + b0, v_run + b0, end - b0, &c, &a1, &a2, 0);
+      } else {
 #pragma omp simd reduction(+ : a1, a2)
-      for (int64_t i = b0; i < end; ++i) Terms::add(u_run, v_run, i, c, a1, a2);
+        for (int64_t i = b0; i < end; ++i) Terms::add(u_run, v_run, i, c, a1, a2);
+      }
       t1 += a1;
       t2 += a2;
     }
@@ -229,9 +318,59 @@ LE_CLONES void channel_terms(
   *s2 = t2;
 }
 
+// out[i] = a[i s] u[i] + b[i s] v[i] + d[i s] over len float16 elements (s: 0, the same coefficients
+// for all, or 1, one per element; v may be null: no b term). The baseline's loop converts by bit
+// operations (load, store); the x86-64-v3 version with F16C, 8 elements an instruction, as ATen's
+// loops (a function per target, picked at load time: GCC's multi-versioning).
+inline void half_affine_loop(const c10::Half* u, const c10::Half* v, c10::Half* out, int64_t i0, int64_t len,
+                             const float* a, const float* b, const float* d, int64_t s) {
+  if (v == nullptr) {
+#pragma omp simd
+    for (int64_t i = i0; i < len; ++i) store(out, i, a[i * s] * load(u, i) + d[i * s]);
+  } else {
+#pragma omp simd
+    for (int64_t i = i0; i < len; ++i) store(out, i, a[i * s] * load(u, i) + b[i * s] * load(v, i) + d[i * s]);
+  }
+}
+#if defined(LE_F16C)
+__attribute__((target("default"))) void half_affine(const c10::Half* u, const c10::Half* v, c10::Half* out,
+                                                    int64_t len, const float* a, const float* b, const float* d,
+                                                    int64_t s) {
+  half_affine_loop(u, v, out, 0, len, a, b, d, s);
+}
+__attribute__((target("arch=x86-64-v3"))) void half_affine(const c10::Half* u, const c10::Half* v, c10::Half* out,
+                                                           int64_t len, const float* a, const float* b,
+                                                           const float* d, int64_t s) {
+  int64_t i = 0;
+  for (; i + 8 <= len; i += 8) {  // a u + b v + d, as the loop (which may contract to FMA)
+    const __m256 va = s ? _mm256_loadu_ps(a + i) : _mm256_set1_ps(*a);
+    const __m256 vd = s ? _mm256_loadu_ps(d + i) : _mm256_set1_ps(*d);
+    __m256 r = _mm256_mul_ps(va, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + i))));
+    if (v != nullptr) {
+      const __m256 vb = s ? _mm256_loadu_ps(b + i) : _mm256_set1_ps(*b);
+      r = _mm256_fmadd_ps(vb, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + i))), r);
+    }
+    const __m128i h = _mm256_cvtps_ph(_mm256_add_ps(r, vd), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
+  }
+  half_affine_loop(u, v, out, i, len, a, b, d, s);
+}
+#else
+void half_affine(const c10::Half* u, const c10::Half* v, c10::Half* out, int64_t len, const float* a,
+                 const float* b, const float* d, int64_t s) {
+  half_affine_loop(u, v, out, 0, len, a, b, d, s);
+}
+#endif
+
 template <typename T, typename Acc>
 LE_CLONES void channel_affine(
     const T* u, const T* v, T* out, int64_t runs, int64_t stride, int64_t len, Acc a, Acc b, Acc d) {
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    for (int64_t r = 0; r < runs; ++r) {
+      half_affine(u + r * stride, v == nullptr ? nullptr : v + r * stride, out + r * stride, len, &a, &b, &d, 0);
+    }
+    return;
+  }
   for (int64_t r = 0; r < runs; ++r) {
     const T* u_run = u + r * stride;
     T* o_run = out + r * stride;
@@ -250,6 +389,12 @@ LE_CLONES void channel_affine(
 // (c: the per-channel shift or mean).
 template <typename Terms, typename T, typename Acc>
 LE_CLONES void rows_terms(const T* u, const T* v, int64_t rows, int64_t nc, const Acc* c, Acc* a1, Acc* a2) {
+  if constexpr (std::is_same_v<T, c10::Half> && std::is_same_v<Acc, float>) {
+    for (int64_t r = 0; r < rows; ++r) {
+      half_terms(std::is_same_v<Terms, GradTerms>, u + r * nc, v + r * nc, nc, c, a1, a2, 1);
+    }
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t base = r * nc;
 #pragma omp simd
@@ -260,6 +405,12 @@ LE_CLONES void rows_terms(const T* u, const T* v, int64_t rows, int64_t nc, cons
 template <typename T, typename Acc>
 LE_CLONES void rows_affine(
     const T* u, const T* v, T* out, int64_t rows, int64_t c, const Acc* a, const Acc* b, const Acc* d) {
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    for (int64_t r = 0; r < rows; ++r) {
+      half_affine(u + r * c, v == nullptr ? nullptr : v + r * c, out + r * c, c, a, b, d, 1);
+    }
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t base = r * c;
     if (v == nullptr) {
@@ -440,8 +591,17 @@ Tensor batch_norm_elemt(
   const std::vector<double> m = values(mean, c, 0.0), is = values(invstd, c, 1.0);
   const std::vector<double> w = values(weight, c, 1.0), b = values(bias, c, 0.0);
   const Tensor xd = dense(x, x);
-  Tensor y = at::empty_like(xd);
   const Layout l = layout_of(xd);
+  if (!l.channels_last && xd.numel() >= (int64_t{1} << 22) &&
+      (xd.scalar_type() == at::kHalf || xd.scalar_type() == at::kBFloat16)) {
+    // ATen's inference batch norm wins the NCHW normalize of 16-bit floats from a few million elements
+    // (bench_kernels.py): the reference op's call, (x - mean) * scale + bias with a unit variance.
+    const auto f64 = at::TensorOptions().dtype(at::kDouble);
+    const Tensor scale = at::tensor(is, f64).mul_(at::tensor(w, f64)).to(at::kFloat);
+    return at::batch_norm(xd, scale, at::tensor(b, f64).to(at::kFloat), at::tensor(m, f64).to(at::kFloat),
+                          at::ones({c}, f64.dtype(at::kFloat)), false, 0.0, 0.0, false);
+  }
+  Tensor y = at::empty_like(xd);
   dispatch_input(xd, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     using Acc = typename AccOf<T>::type;
@@ -666,21 +826,6 @@ Moments finite_moments_of(const T* p, int64_t n, Acc shift) {
   return std::isfinite(plain.s1) && std::isfinite(plain.s2) ? plain : moments_of<true, T, Acc>(p, n, shift);
 }
 
-// float16 values summed as float32 (their exact values) from blocks that ATen converts with F16C: the
-// compiler's _Float16 conversions keep moments_range's loop scalar (about 10x slower); below kSmall
-// values the conversion's own call costs more than it saves.
-Moments half_moments_of(const Tensor& x, float shift) {
-  constexpr int64_t kBlock = int64_t{1} << 16, kSmall = 4096;
-  if (x.numel() < kSmall) return finite_moments_of<c10::Half, float>(x.const_data_ptr<c10::Half>(), x.numel(), shift);
-  const Tensor flat = x.reshape(-1);
-  Moments total;
-  for (int64_t b0 = 0; b0 < flat.numel(); b0 += kBlock) {
-    const Tensor block = flat.narrow(0, b0, std::min(kBlock, flat.numel() - b0)).to(at::kFloat);
-    merge(total, finite_moments_of<float, float>(block.const_data_ptr<float>(), block.numel(), shift));
-  }
-  return total;
-}
-
 // Whether float32 partial sums about `shift` (a float32 value) are as accurate as documented for the
 // finite data in [m.lo, m.hi]: with d = max |x - shift|, no square overflows (32 terms per lane, each
 // below 2^120) and no large one underflows (d >= 2^-40: squares above 2^-46 d^2 are normal). No finite
@@ -717,11 +862,7 @@ void accumulate_moments_(Tensor& acc, const Tensor& x, Tensor& shift) {
       c = *shift_at = std::isfinite(first) ? first : 0.0;
     }
     used_shift = static_cast<double>(static_cast<Acc>(c));
-    if constexpr (std::is_same_v<scalar_t, c10::Half>) {
-      total = half_moments_of(xd, static_cast<float>(c));
-    } else {
-      total = finite_moments_of<scalar_t, Acc>(p, xd.numel(), static_cast<Acc>(c));
-    }
+    total = finite_moments_of<scalar_t, Acc>(p, xd.numel(), static_cast<Acc>(c));
     if (!std::is_same_v<Acc, double> && !float32_sums_hold(total, used_shift)) {
       used_shift = c;
       total = finite_moments_of<scalar_t, double>(p, xd.numel(), c);
@@ -824,33 +965,6 @@ std::vector<C> hist_edges(const double* edges, int64_t m) {
   return ext;
 }
 
-// float16 -> float32 from the bits, exactly (zeros, subnormals, inf and NaN included), branch-free
-// ("half_to_float" of F. Giesen, https://gist.github.com/rygorous/2156668): it vectorizes where GCC
-// keeps _Float16's conversion scalar.
-inline float half_to_float(const c10::Half* p, int64_t i) {
-  const uint32_t h = reinterpret_cast<const uint16_t*>(p)[i];
-  const uint32_t bits = (h & 0x7FFFu) << 13;  // exponent and mantissa at float32's positions
-  const uint32_t exp = bits & 0x0F800000u;
-  const uint32_t o = bits + ((127u - 15u) << 23) + (exp == 0x0F800000u ? (128u - 16u) << 23 : 0u);
-  // Zero or subnormal: 2^-14 (1 + mantissa / 2^10) - 2^-14, exact in float32.
-  const float sub = __builtin_bit_cast(float, o + (1u << 23)) - __builtin_bit_cast(float, 113u << 23);
-  const uint32_t zero_or_subnormal = 0u - static_cast<uint32_t>(exp == 0);  // a mask: no branch on `sub`
-  const uint32_t magnitude =
-      (__builtin_bit_cast(uint32_t, sub) & zero_or_subnormal) | (o & ~zero_or_subnormal);
-  return __builtin_bit_cast(float, magnitude | ((h & 0x8000u) << 16));
-}
-
-template <typename C, typename T>
-inline C hist_value(const T* p, int64_t i) {
-  if constexpr (std::is_same_v<T, c10::Half>) {
-    return half_to_float(p, i);
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    return load(p, i);
-  } else {
-    return static_cast<C>(p[i]);
-  }
-}
-
 inline int32_t sign_bit(float v) { return static_cast<int32_t>(__builtin_bit_cast(uint32_t, v) >> 31); }
 inline int32_t sign_bit(double v) { return static_cast<int32_t>(__builtin_bit_cast(uint64_t, v) >> 63); }
 
@@ -864,7 +978,7 @@ LE_CLONES __attribute__((noinline)) void hist_positions(const T* __restrict p, i
   const int32_t trash = 2 * m + 3;
 #pragma omp simd
   for (int64_t i = 0; i < len; ++i) {
-    const C c = hist_value<C>(p, i);
+    const C c = value<C>(p, i);
     const C a = std::fabs(c);
     const float f = static_cast<float>(a);  // inf above float32's range, 0 below: clamped
     const int32_t j = hist_guess_of(f, g);
@@ -904,7 +1018,7 @@ void histogram_range(const T* p, int64_t n, const C* ext, int64_t m, HistGuess g
     for (int64_t i = 0; i < len; ++i) {
       int64_t q = pos[i];
       if (q < 0) {
-        const C c = hist_value<C>(p, b0 + i);
+        const C c = value<C>(p, b0 + i);
         const int64_t j = hist_locate<C>(ext, m, std::fabs(c), -1 - q);
         q = m + 1 + (sign_bit(c) ? -j : j);
       }
@@ -929,7 +1043,7 @@ void histogram_small(const T* p, int64_t n, const double* e, int64_t m, HistGues
   int64_t pos[HIST_SMALL];
   int64_t k = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const double v = hist_value<double>(p, i);
+    const double v = value<double>(p, i);
     if (!std::isfinite(v)) continue;
     const int64_t j = edge_index(e, m, g, std::fabs(v));
     pos[k++] = m + 1 + (v < 0.0 ? -j : j);

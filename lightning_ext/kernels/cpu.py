@@ -338,35 +338,11 @@ def _load(verbose: bool = False) -> ModuleType:
         return _module
 
 
-# The one rule by which this backend hands a call to the reference op: op -> a test of its first
-# tensor argument (x, or dy; not contiguous: channels last) that is true where the compiled kernel
-# loses to ATen. The float16 reductions and forward stay scalar in the kernels where ATen's are
-# vectorized; the float16 backward_elemt loses only in NCHW (channels last, ATen's is several times
-# slower); float16 accumulate_moments_ still wins. ATen's float64 normalize and channels-last
-# float32/float64 backward sums are faster, and so is its NCHW normalize from about a million
-# elements in bfloat16 and above two million in float32 (below, the kernel's lower overhead wins: the
-# digits model's layers). benchmarks/bench_kernels.py fails when the automatic choice is slower than
-# `reference` anywhere, and bench_syncbn.py compares them on whole layers, so this table follows
-# measurement.
-_LARGE = 2**20  # elements
-_DEFER_TO_REFERENCE: dict[str, Callable[[torch.Tensor], bool]] = {
-    "batch_norm_moments": lambda x: x.dtype == torch.float16,
-    "batch_norm_elemt": lambda x: (
-        x.dtype in (torch.float16, torch.float64)
-        or (x.is_contiguous() and x.dtype == torch.bfloat16 and x.numel() >= _LARGE)
-        or (x.is_contiguous() and x.dtype == torch.float32 and x.numel() > 2 * _LARGE)
-    ),
-    "batch_norm_backward_reduce": lambda dy: (
-        dy.dtype == torch.float16 or (dy.dtype in (torch.float32, torch.float64) and not dy.is_contiguous())
-    ),
-    "batch_norm_backward_elemt": lambda dy: dy.dtype == torch.float16 and dy.is_contiguous(),
-}
-
-
 class CpuBackend(ReferenceBackend):
     """Every op as the compiled extension's function of the same name (the reference where it has
-    none: ``unscale_and_check_``, ATen's one-pass op), but where ``_DEFER_TO_REFERENCE`` says the
-    kernel loses to ATen.
+    none: ``unscale_and_check_``, ATen's one-pass op). ``benchmarks/bench_kernels.py`` fails where one
+    is slower than the reference op (the kernels hand ATen the call where it wins: the NCHW normalize
+    of 16-bit floats from a few million elements).
 
     Raises:
         RuntimeError: the extension cannot be built or loaded (see ``_load``).
@@ -386,11 +362,7 @@ class CpuBackend(ReferenceBackend):
         super().__init__()
 
     def kernel(self, op: str) -> Callable[..., Any]:
-        kernel, reference = getattr(self._extension, op, None), super().kernel(op)
-        test = _DEFER_TO_REFERENCE.get(op)
-        if kernel is None or test is None:
-            return kernel or reference
-        return lambda *args: (reference if test(args[0]) else kernel)(*args)
+        return getattr(self._extension, op, None) or super().kernel(op)
 
     def supports(self, device_type: str) -> bool:
         return device_type == "cpu"

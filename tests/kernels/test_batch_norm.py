@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -381,3 +382,66 @@ def test_moments_of_huge_values(backend, magnitude):
     # float32 terms in blocks (the local shift's deviations), float64 totals: a few float32 ulps
     torch.testing.assert_close(payload[1:4], v.sum(1), rtol=1e-6, atol=1e-6 * v.abs().sum(1).max().item())
     torch.testing.assert_close(payload[4:], (v * v).sum(1), rtol=1e-6, atol=0)
+
+
+def test_float16_conversions_of_the_cpu_kernels_are_torchs():
+    """The cpu kernels convert float16 with F16C where the CPU has it (8 elements an instruction), else
+    and in the tails by bit operations that vectorize: every float16 value reads back as itself, and
+    float32 results round to float16 as torch does (to nearest even: the ties between neighbouring
+    float16 values and a step either side of them, subnormals, overflow to inf, NaN), on both paths."""
+    from tests.helpers.cpu_extension import require_cpu_backend
+
+    backend = require_cpu_backend()
+    ones, zeros = torch.ones(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+
+    def same(got: torch.Tensor, expected: torch.Tensor) -> bool:  # bit for bit, any NaN for a NaN
+        got, nan = got.reshape(-1), expected.isnan()
+        return torch.equal(got.isnan(), nan) and torch.equal(
+            got[~nan].view(torch.int16), expected[~nan].view(torch.int16)
+        )
+
+    for scale in (1.0, 1.0 + 2**-11, 1.0 - 2**-12 - 2**-20, 3.0, 2**-10):  # one channel: the vector path
+        y = backend.run("batch_norm_elemt", every.reshape(1, 1, -1), zeros, ones, ones * scale, None)
+        assert same(y, (every.float() * scale + 0.0).half()), scale  # (the kernel's float32 arithmetic)
+    finite = every[every.isfinite()].float().unique()
+    ties = ((finite[:-1].double() + finite[1:].double()) / 2).float()  # exact in float32
+    gen = torch.Generator().manual_seed(0)
+    magnitudes = torch.tensor([1e-9, 6e-8, 1e-5, 1.0, 6.5e4, 1e5])
+    values = torch.cat([
+        ties, ties.nextafter(torch.tensor(-math.inf)), ties.nextafter(torch.tensor(math.inf)),
+        (torch.randn(6, 4096, generator=gen) * magnitudes[:, None]).reshape(-1),
+        torch.tensor([math.inf, -math.inf, math.nan, 65504.0, 65519.99, 65520.0, 1e30, 2**-25, 3 * 2**-26]),
+    ])  # fmt: skip
+    for chunk in values.split(2**16):  # a channel per value (the scalar tail): y = 1 * 0 + bias
+        c = chunk.numel()
+        x = torch.ones(1, c, 1, dtype=torch.float16)
+        y = backend.run(
+            "batch_norm_elemt", x, zeros.expand(c), ones.expand(c), zeros.expand(c), chunk.double()
+        )
+        assert same(y, chunk.half())
+    for chunk in values.split(2**16):  # channels last, 8 channels a vector: y = 1 * 0 + bias again
+        c = chunk.numel() // 8 * 8
+        x = torch.ones(1, c, 1, 1, dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+        bias = chunk[:c].double()
+        y = backend.run("batch_norm_elemt", x, zeros.expand(c), ones.expand(c), zeros.expand(c), bias)
+        assert same(y, chunk[:c].half())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+def test_the_large_normalize_of_the_cpu_kernels_is_the_reference_ops(reference, dtype, fmt):
+    """From 2^22 elements the cpu kernel hands the NCHW normalize of 16-bit floats to ATen's inference
+    batch norm (it wins there: bench_kernels.py); either way the result is the reference op's."""
+    from tests.helpers.cpu_extension import require_cpu_backend
+
+    backend = require_cpu_backend()
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(4, 4, 2**9, 2**9, generator=gen) * 3 + 1).to(dtype).contiguous(memory_format=fmt)
+    mean, invstd = torch.randn(4, generator=gen), torch.rand(4, generator=gen) + 0.5
+    weight, bias = torch.randn(4, generator=gen), torch.randn(4, generator=gen)
+    y = backend.run("batch_norm_elemt", x, mean, invstd, weight, bias)
+    expected = reference.run("batch_norm_elemt", x, mean, invstd, weight, bias)
+    assert y.dtype == dtype and y.is_contiguous(memory_format=fmt)
+    tol = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-6}[dtype]  # one rounding
+    torch.testing.assert_close(y.float(), expected.float(), rtol=tol, atol=tol * 4)

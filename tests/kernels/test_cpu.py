@@ -676,54 +676,6 @@ def test_auto_selects_the_cpu_backend_on_cpu():
     assert get_backend(device="cpu").run("batch_norm_moments", x, torch.zeros(2)).dtype == torch.float64
 
 
-def test_the_one_defer_rule_sends_float16_batch_norm_ops_to_reference(monkeypatch):
-    """Where a compiled kernel loses to ATen (bench_kernels.py's guard), the backend hands the call to
-    the reference op, by one table: float16 batch-norm ops but the channels-last backward_elemt (the
-    kernel wins there), float64 normalize and channels-last backward_reduce, and nothing else for
-    small bfloat16/float32 tensors."""
-    require_cpu_backend()
-    from lightning_ext.kernels import OPS
-
-    calls: list[str] = []
-    for op in cpu._DEFER_TO_REFERENCE:
-        original = OPS[op].impls["reference"]
-        spy = lambda *args, _fn=original, _op=op: calls.append(_op) or _fn(*args)
-        monkeypatch.setitem(OPS[op].impls, "reference", spy)
-    backend = cpu.CpuBackend()
-    try:
-        x = torch.randn(4, 3, 5, 2)
-        shift, mean, invstd = torch.zeros(3), torch.zeros(3), torch.ones(3)
-        four = sorted(cpu._DEFER_TO_REFERENCE)  # backward_elemt, backward_reduce, elemt, moments
-        for dtype, fmt, expected in [
-            (torch.float32, torch.contiguous_format, []),
-            (torch.float32, torch.channels_last, ["batch_norm_backward_reduce"]),
-            (torch.bfloat16, torch.contiguous_format, []),
-            (torch.bfloat16, torch.channels_last, []),
-            (torch.float64, torch.contiguous_format, ["batch_norm_elemt"]),
-            (torch.float64, torch.channels_last, ["batch_norm_backward_reduce", "batch_norm_elemt"]),
-            (torch.float16, torch.contiguous_format, four),
-            (torch.float16, torch.channels_last, four[1:]),  # backward_elemt: the kernel's
-        ]:
-            calls.clear()
-            xd = x.to(dtype).contiguous(memory_format=fmt)
-            backend.run("batch_norm_moments", xd, shift)
-            backend.run("batch_norm_elemt", xd, mean, invstd, None, None)
-            sums = backend.run("batch_norm_backward_reduce", xd, xd, mean)
-            backend.run("batch_norm_backward_elemt", xd, xd, mean, invstd, None, sums, torch.tensor(40.0))
-            assert sorted(calls) == expected, (dtype, fmt)
-        calls.clear()
-        large = torch.randn(1, 3, 2**19 // 3 + 1, 2).bfloat16()  # >= _LARGE elements: ATen's normalize
-        backend.run("batch_norm_elemt", large, mean, invstd, None, None)
-        backend.run(
-            "batch_norm_elemt", large.float(), mean, invstd, None, None
-        )  # float32: only above 2 * _LARGE
-        backend.run("batch_norm_elemt", torch.cat([large.float()] * 2, 2), mean, invstd, None, None)
-        assert calls == ["batch_norm_elemt"] * 2
-    finally:
-        monkeypatch.undo()
-        cpu.CpuBackend()  # the live instance the custom ops find is an unpatched one again
-
-
 @pytest.mark.parametrize("size", [5, 7])
 def test_accumulate_moments_refuses_a_row_of_another_size(size):
     """The kernel writes six float64 through a raw pointer: a row of another size (a benchmark kept the
