@@ -592,15 +592,6 @@ Tensor batch_norm_elemt(
   const std::vector<double> w = values(weight, c, 1.0), b = values(bias, c, 0.0);
   const Tensor xd = dense(x, x);
   const Layout l = layout_of(xd);
-  if (!l.channels_last && xd.numel() >= (int64_t{1} << 22) &&
-      (xd.scalar_type() == at::kHalf || xd.scalar_type() == at::kBFloat16)) {
-    // ATen's inference batch norm wins the NCHW normalize of 16-bit floats from a few million elements
-    // (bench_kernels.py): the reference op's call, (x - mean) * scale + bias with a unit variance.
-    const auto f64 = at::TensorOptions().dtype(at::kDouble);
-    const Tensor scale = at::tensor(is, f64).mul_(at::tensor(w, f64)).to(at::kFloat);
-    return at::batch_norm(xd, scale, at::tensor(b, f64).to(at::kFloat), at::tensor(m, f64).to(at::kFloat),
-                          at::ones({c}, f64.dtype(at::kFloat)), false, 0.0, 0.0, false);
-  }
   Tensor y = at::empty_like(xd);
   dispatch_input(xd, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;

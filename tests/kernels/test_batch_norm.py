@@ -431,8 +431,8 @@ def test_float16_conversions_of_the_cpu_kernels_are_torchs():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
 def test_the_large_normalize_of_the_cpu_kernels_is_the_reference_ops(reference, dtype, fmt):
-    """From 2^22 elements the cpu kernel hands the NCHW normalize of 16-bit floats to ATen's inference
-    batch norm (it wins there: bench_kernels.py); either way the result is the reference op's."""
+    """From 2^22 elements the cpu backend hands the NCHW normalize of 16-bit floats to the reference op
+    (ATen wins there: bench_kernels.py); either way the result is the reference op's."""
     from tests.helpers.cpu_extension import require_cpu_backend
 
     backend = require_cpu_backend()
