@@ -516,7 +516,9 @@ def _cpu_table() -> str:
 def main() -> int:
     global MIN_RUN_TIME
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer cases, shorter timings (smoke run)")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer cases, shorter timings (smoke run: the guard only prints)"
+    )
     parser.add_argument("--gpu-only", action="store_true", help="only the GPU section")
     args = parser.parse_args()
     if args.quick:
@@ -535,7 +537,8 @@ def main() -> int:
     markdown = _cpu_table()
     print(markdown)
     write_result("kernels", markdown, quick=args.quick)
-    return check_guard()
+    slower = check_guard()
+    return 0 if args.quick else slower  # a smoke run's short timings on a loaded machine judge nothing
 
 
 if __name__ == "__main__":

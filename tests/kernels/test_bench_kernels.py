@@ -1,6 +1,7 @@
 """``benchmarks/bench_kernels.py`` calls every CPU op by its contract, outside the package: its quick
 run goes here, so that a changed contract fails a test instead of the next benchmark run (a row of an
-older layout once kept the CPU section from being regenerated, and hid a slower kernel)."""
+older layout once kept the CPU section from being regenerated, and hid a slower kernel). Its guard
+judges speed in full runs only: the quick run's short timings, beside the other tests, judge nothing."""
 
 from __future__ import annotations
 
