@@ -76,8 +76,8 @@ inline float load(const c10::BFloat16* p, int64_t i) {
 // GCC 12 keeps _Float16's and c10::Half's conversions scalar (one F16C instruction per element), which
 // made the float16 reductions 4x slower. IEEE conversions both ways (round to nearest even; zeros,
 // subnormals and inf included; NaN to the quiet NaN 0x7E00 with its sign), as c10::Half's. A few
-// integer operations per element instead of one F16C instruction per 8: ATen's F16C loops still win
-// where a loop converts twice per element (lightning_ext/kernels/cpu.py's defer rule).
+// integer operations per element: the normalize loops and channel sums take F16C instead where the
+// CPU has it (half_affine, half_terms), and these serve their tails, the baseline CPU and the rest.
 inline float load(const c10::Half* p, int64_t i) {
   const uint32_t h = reinterpret_cast<const uint16_t*>(p)[i];
   const uint32_t bits = (h & 0x7FFFu) << 13;  // exponent and mantissa at float32's positions
