@@ -33,6 +33,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <numeric>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -318,47 +319,44 @@ LE_CLONES void channel_terms(
   *s2 = t2;
 }
 
-// out[i] = a[i s] u[i] + b[i s] v[i] + d[i s] over len float16 elements (s: 0, the same coefficients
-// for all, or 1, one per element; v may be null: no b term). The baseline's loop converts by bit
-// operations (load, store); the x86-64-v3 version with F16C, 8 elements an instruction, as ATen's
-// loops (a function per target, picked at load time: GCC's multi-versioning).
+// out[i] = a[k] u[i] + b[k] v[i] + d[k] over len float16 elements, k = i mod p (p = 0: k = 0, the same
+// coefficients for all; v may be null: no b term). The baseline's loop converts by bit operations
+// (load, store); the x86-64-v3 version with F16C, 8 elements an instruction, as ATen's loops (a
+// function per target, picked at load time: GCC's multi-versioning), p a multiple of 8.
 inline void half_affine_loop(const c10::Half* u, const c10::Half* v, c10::Half* out, int64_t i0, int64_t len,
-                             const float* a, const float* b, const float* d, int64_t s) {
-  if (v == nullptr) {
-#pragma omp simd
-    for (int64_t i = i0; i < len; ++i) store(out, i, a[i * s] * load(u, i) + d[i * s]);
-  } else {
-#pragma omp simd
-    for (int64_t i = i0; i < len; ++i) store(out, i, a[i * s] * load(u, i) + b[i * s] * load(v, i) + d[i * s]);
+                             const float* a, const float* b, const float* d, int64_t p) {
+  for (int64_t i = i0; i < len; ++i) {
+    const int64_t k = p ? i % p : 0;
+    store(out, i, a[k] * load(u, i) + (v == nullptr ? 0.0f : b[k] * load(v, i)) + d[k]);
   }
 }
 #if defined(LE_F16C)
 __attribute__((target("default"))) void half_affine(const c10::Half* u, const c10::Half* v, c10::Half* out,
                                                     int64_t len, const float* a, const float* b, const float* d,
-                                                    int64_t s) {
-  half_affine_loop(u, v, out, 0, len, a, b, d, s);
+                                                    int64_t p) {
+  half_affine_loop(u, v, out, 0, len, a, b, d, p);
 }
 __attribute__((target("arch=x86-64-v3"))) void half_affine(const c10::Half* u, const c10::Half* v, c10::Half* out,
                                                            int64_t len, const float* a, const float* b,
-                                                           const float* d, int64_t s) {
+                                                           const float* d, int64_t p) {
   int64_t i = 0;
-  for (; i + 8 <= len; i += 8) {  // a u + b v + d, as the loop (which may contract to FMA)
-    const __m256 va = s ? _mm256_loadu_ps(a + i) : _mm256_set1_ps(*a);
-    const __m256 vd = s ? _mm256_loadu_ps(d + i) : _mm256_set1_ps(*d);
+  for (int64_t k = 0; i + 8 <= len; i += 8, k = k + 8 == p ? 0 : k + 8) {  // k = i mod p; a u + b v + d
+    const __m256 va = p ? _mm256_loadu_ps(a + k) : _mm256_set1_ps(*a);
+    const __m256 vd = p ? _mm256_loadu_ps(d + k) : _mm256_set1_ps(*d);
     __m256 r = _mm256_mul_ps(va, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + i))));
     if (v != nullptr) {
-      const __m256 vb = s ? _mm256_loadu_ps(b + i) : _mm256_set1_ps(*b);
+      const __m256 vb = p ? _mm256_loadu_ps(b + k) : _mm256_set1_ps(*b);
       r = _mm256_fmadd_ps(vb, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + i))), r);
     }
     const __m128i h = _mm256_cvtps_ph(_mm256_add_ps(r, vd), _MM_FROUND_TO_NEAREST_INT);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
   }
-  half_affine_loop(u, v, out, i, len, a, b, d, s);
+  half_affine_loop(u, v, out, i, len, a, b, d, p);
 }
 #else
 void half_affine(const c10::Half* u, const c10::Half* v, c10::Half* out, int64_t len, const float* a,
-                 const float* b, const float* d, int64_t s) {
-  half_affine_loop(u, v, out, 0, len, a, b, d, s);
+                 const float* b, const float* d, int64_t p) {
+  half_affine_loop(u, v, out, 0, len, a, b, d, p);
 }
 #endif
 
@@ -405,10 +403,15 @@ LE_CLONES void rows_terms(const T* u, const T* v, int64_t rows, int64_t nc, cons
 template <typename T, typename Acc>
 LE_CLONES void rows_affine(
     const T* u, const T* v, T* out, int64_t rows, int64_t c, const Acc* a, const Acc* b, const Acc* d) {
-  if constexpr (std::is_same_v<T, c10::Half>) {
-    for (int64_t r = 0; r < rows; ++r) {
-      half_affine(u + r * c, v == nullptr ? nullptr : v + r * c, out + r * c, c, a, b, d, 1);
+  if constexpr (std::is_same_v<T, c10::Half>) {  // the rows as one run, the coefficients over lcm(c, 8)
+    const int64_t p = std::lcm(c, int64_t{8});
+    std::vector<float> rep(3 * p);
+    for (int64_t k = 0; k < p; ++k) {
+      rep[k] = a[k % c];
+      rep[p + k] = b[k % c];
+      rep[2 * p + k] = d[k % c];
     }
+    half_affine(u, v, out, rows * c, rep.data(), rep.data() + p, rep.data() + 2 * p, p);
     return;
   }
   for (int64_t r = 0; r < rows; ++r) {

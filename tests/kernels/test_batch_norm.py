@@ -428,11 +428,15 @@ def test_float16_conversions_of_the_cpu_kernels_are_torchs():
         assert same(y, chunk[:c].half())
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize(
+    ("dtype", "fmt"),
+    [(torch.float16, torch.channels_last), (torch.bfloat16, torch.channels_last),
+     (torch.float32, torch.contiguous_format), (torch.float32, torch.channels_last)],
+)  # fmt: skip
 def test_the_large_normalize_of_the_cpu_kernels_is_the_reference_ops(reference, dtype, fmt):
-    """From 2^22 elements the cpu backend hands the NCHW normalize of 16-bit floats to the reference op
-    (ATen wins there: bench_kernels.py); either way the result is the reference op's."""
+    """At 2^22 elements (several thread chunks, the F16C body for float16) the cpu kernel's normalize is
+    the reference op's (the NCHW normalize of 16-bit floats goes to the reference op itself there:
+    ``test_the_one_defer_rule_sends_the_large_16_bit_nchw_normalize_to_reference``)."""
     from tests.helpers.cpu_extension import require_cpu_backend
 
     backend = require_cpu_backend()
