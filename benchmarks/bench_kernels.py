@@ -119,6 +119,7 @@ def bench_cpu(quick: bool) -> None:
         for dtype in dtypes
         for fmt in (torch.contiguous_format, torch.channels_last)
     ] + [((32, 64, 8, 8), torch.bfloat16, torch.contiguous_format)]  # a layer of the digits demo
+    cases += [((32, 4, 64, 64), torch.float16, torch.channels_last)]  # channels last, a row under a vector
     cases += [((2, 8, 3, 3), dtype, torch.contiguous_format) for dtype in dtypes]  # per-call overhead
     for shape, dtype, fmt in cases[:1] if quick else cases:
         x = (torch.randn(shape) * 2 + 1).to(dtype).contiguous(memory_format=fmt)
