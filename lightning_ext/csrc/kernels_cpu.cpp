@@ -47,6 +47,7 @@ using at::Tensor;
 
 constexpr int64_t BLOCK = 2048;  // elements per float32 partial sum before it joins the float64 total
 constexpr int64_t ROW_BLOCK = 64;  // channels-last rows per parallel task / per partial sum
+constexpr int64_t MAX_PERIOD = 64;  // float16 channels-last sums: the longest period of repeated shifts
 
 // Guards every entry point: no autograd recording and no autocast (the kernels see the input's own
 // dtype).
@@ -223,12 +224,13 @@ struct GradTerms {
   }
 };
 
-// The channel sums of len float16 elements into float32 a1, a2: with s = 0 their totals (one shift
-// c[0]), with s = 1 element i's terms added to a1[i], a2[i] (shift c[i]); the moments' terms (u - c,
-// (u - c)^2), or with grad the backward's (u, u (v - c)). Converted as half_affine's.
+// The channel sums of len float16 elements into float32 a1, a2: with p = 0 their totals (one shift
+// c[0]), with p > 0 element i's terms added to a1[k], a2[k] with shift c[k], k = i mod p (p a multiple
+// of 8 for the vector loop); the moments' terms (u - c, (u - c)^2), or with grad the backward's (u,
+// u (v - c)). Converted as half_affine's.
 inline void half_terms_loop(bool grad, const c10::Half* u, const c10::Half* v, int64_t i0, int64_t len,
-                            const float* c, float* a1, float* a2, int64_t s) {
-  if (s == 0) {
+                            const float* c, float* a1, float* a2, int64_t p) {
+  if (p == 0) {
     float t1 = 0.0f, t2 = 0.0f;
     if (grad) {
 #pragma omp simd reduction(+ : t1, t2)
@@ -239,26 +241,28 @@ inline void half_terms_loop(bool grad, const c10::Half* u, const c10::Half* v, i
     }
     a1[0] += t1;
     a2[0] += t2;
-  } else if (grad) {
-#pragma omp simd
-    for (int64_t i = i0; i < len; ++i) GradTerms::add(u, v, i, c[i], a1[i], a2[i]);
-  } else {
-#pragma omp simd
-    for (int64_t i = i0; i < len; ++i) MomentTerms::add(u, v, i, c[i], a1[i], a2[i]);
+    return;
+  }
+  for (int64_t i = i0, k = i0 % p; i < len; ++i, k = k + 1 == p ? 0 : k + 1) {
+    if (grad) {
+      GradTerms::add(u, v, i, c[k], a1[k], a2[k]);
+    } else {
+      MomentTerms::add(u, v, i, c[k], a1[k], a2[k]);
+    }
   }
 }
 #if defined(LE_F16C)
 __attribute__((target("default"))) void half_terms(bool grad, const c10::Half* u, const c10::Half* v, int64_t len,
-                                                   const float* c, float* a1, float* a2, int64_t s) {
-  half_terms_loop(grad, u, v, 0, len, c, a1, a2, s);
+                                                   const float* c, float* a1, float* a2, int64_t p) {
+  half_terms_loop(grad, u, v, 0, len, c, a1, a2, p);
 }
 __attribute__((target("arch=x86-64-v3"))) void half_terms(bool grad, const c10::Half* u, const c10::Half* v,
                                                           int64_t len, const float* c, float* a1, float* a2,
-                                                          int64_t s) {
+                                                          int64_t p) {
   __m256 t1 = _mm256_setzero_ps(), t2 = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= len; i += 8) {
-    const __m256 vc = s ? _mm256_loadu_ps(c + i) : _mm256_set1_ps(c[0]);
+  for (int64_t k = 0; i + 8 <= len; i += 8, k = k + 8 == p ? 0 : k + 8) {  // k = i mod p
+    const __m256 vc = p ? _mm256_loadu_ps(c + k) : _mm256_set1_ps(c[0]);
     const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + i)));
     __m256 e1 = _mm256_sub_ps(x, vc), e2 = _mm256_mul_ps(e1, e1);
     if (grad) {
@@ -266,15 +270,15 @@ __attribute__((target("arch=x86-64-v3"))) void half_terms(bool grad, const c10::
       e1 = x;
       e2 = _mm256_mul_ps(x, _mm256_sub_ps(y, vc));
     }
-    if (s) {
-      _mm256_storeu_ps(a1 + i, _mm256_add_ps(_mm256_loadu_ps(a1 + i), e1));
-      _mm256_storeu_ps(a2 + i, _mm256_add_ps(_mm256_loadu_ps(a2 + i), e2));
+    if (p) {
+      _mm256_storeu_ps(a1 + k, _mm256_add_ps(_mm256_loadu_ps(a1 + k), e1));
+      _mm256_storeu_ps(a2 + k, _mm256_add_ps(_mm256_loadu_ps(a2 + k), e2));
     } else {
       t1 = _mm256_add_ps(t1, e1);
       t2 = _mm256_add_ps(t2, e2);
     }
   }
-  if (s == 0) {  // the 8 lanes' totals
+  if (p == 0) {  // the 8 lanes' totals
     alignas(32) float l1[8], l2[8];
     _mm256_store_ps(l1, t1);
     _mm256_store_ps(l2, t2);
@@ -283,12 +287,12 @@ __attribute__((target("arch=x86-64-v3"))) void half_terms(bool grad, const c10::
       a2[0] += l2[j];
     }
   }
-  half_terms_loop(grad, u, v, i, len, c, a1, a2, s);
+  half_terms_loop(grad, u, v, i, len, c, a1, a2, p);
 }
 #else
 void half_terms(bool grad, const c10::Half* u, const c10::Half* v, int64_t len, const float* c, float* a1,
-                float* a2, int64_t s) {
-  half_terms_loop(grad, u, v, 0, len, c, a1, a2, s);
+                float* a2, int64_t p) {
+  half_terms_loop(grad, u, v, 0, len, c, a1, a2, p);
 }
 #endif
 
@@ -388,8 +392,21 @@ LE_CLONES void channel_affine(
 template <typename Terms, typename T, typename Acc>
 LE_CLONES void rows_terms(const T* u, const T* v, int64_t rows, int64_t nc, const Acc* c, Acc* a1, Acc* a2) {
   if constexpr (std::is_same_v<T, c10::Half> && std::is_same_v<Acc, float>) {
-    for (int64_t r = 0; r < rows; ++r) {
-      half_terms(std::is_same_v<Terms, GradTerms>, u + r * nc, v + r * nc, nc, c, a1, a2, 1);
+    const bool grad = std::is_same_v<Terms, GradTerms>;
+    const int64_t p = std::lcm(nc, int64_t{8});
+    if (nc % 8 == 0) {  // the rows as one run: element i is channel i mod nc's
+      half_terms(grad, u, v, rows * nc, c, a1, a2, nc);
+    } else if (p <= MAX_PERIOD) {  // few channels (a row shorter than a vector, or hardly longer): the
+      // rows as one run, the shifts and sums repeated over lcm(nc, 8) elements, folded back per channel
+      float rep[3 * MAX_PERIOD] = {};
+      for (int64_t k = 0, j = 0; k < p; ++k, j = j + 1 == nc ? 0 : j + 1) rep[k] = c[j];
+      half_terms(grad, u, v, rows * nc, rep, rep + p, rep + 2 * p, p);
+      for (int64_t k = 0, j = 0; k < p; ++k, j = j + 1 == nc ? 0 : j + 1) {
+        a1[j] += rep[p + k];
+        a2[j] += rep[2 * p + k];
+      }
+    } else {  // a row at a time: the vector loop over its first channels, the rest element by element
+      for (int64_t r = 0; r < rows; ++r) half_terms(grad, u + r * nc, v + r * nc, nc, c, a1, a2, nc);
     }
     return;
   }

@@ -19,12 +19,14 @@ DTYPES = [
     (torch.float16, 2e-3, 2e-3),
     (torch.bfloat16, 1.6e-2, 1.6e-2),
 ]
-# (shape, memory format, slice) — C in {1, 7, 33}, odd N*S, several tiles, empty tensors.
+# (shape, memory format, slice) — C in {1, 3, 7, 16, 33}, odd N*S, several tiles, empty tensors.
 CASES = [
     ((5, 7), torch.contiguous_format, False),
     ((3, 33, 5, 3), torch.contiguous_format, False),
     ((3, 33, 5, 3), torch.channels_last, False),
     ((3, 1, 5, 7), torch.channels_last, False),
+    ((4, 3, 8, 9), torch.channels_last, False),  # several row blocks of 3 channels (lcm(3, 8) = 24)
+    ((2, 16, 5, 7), torch.channels_last, False),  # rows of whole vectors, two row blocks
     ((1, 7, 3, 5, 3), torch.channels_last_3d, False),
     ((2, 7, 3, 5, 3), torch.contiguous_format, False),
     ((2101, 7), torch.contiguous_format, False),
