@@ -1,7 +1,8 @@
 """Kernel backends: time, effective bandwidth and ratios to ATen and to a copy, per op and backend.
 
 CPU (always): the ``cpu`` backend (compiled C++, when it builds) and ``reference`` at a BatchNorm2d
-shape (fp32/bf16/fp16, NCHW and channels last, and a bf16 layer of the digits demo) against ATen's
+shape (fp32/bf16/fp16, NCHW and channels last, and a bf16 layer of the digits demo; and each case the
+``cpu`` backend's defer table sends to ``reference``, also on the compiled kernel it bypasses) against ATen's
 fused BatchNorm (``torch.batch_norm_update_stats`` for the moments, eval ``torch.batch_norm`` for
 ``elemt``, training ``torch.batch_norm`` for the forward pair, ``native_batch_norm_backward`` for the
 backward; the ``torch.batch_norm_stats`` building blocks are CUDA-only); ``unscale_and_check_`` and
@@ -42,10 +43,12 @@ from lightning_ext.kernels import get_backend  # noqa: E402
 
 ROWS: list[tuple] = []  # CPU rows: (section, op, backend, case, ms, GB/s, vs ATen, vs copy)
 # The guard: every (op, case) timed for the automatically chosen CPU backend and for `reference`, as
-# (op, case, auto seconds, reference seconds, A/A): A/A is |second / first - 1| of the reference op
-# timed twice in the same run, the noise the guard allows that pair (at least MIN_NOISE). A pair that
-# looks slower is timed again at once, interleaved, and those timings are recorded (a confirmation).
-GUARD: list[tuple[str, str, float, float, float]] = []
+# (op, case, auto seconds, reference seconds, A/A, "reference"): A/A is |second / first - 1| of the
+# reference op timed twice in the same run, the noise the guard allows that pair (at least MIN_NOISE).
+# A pair that looks slower is timed again at once, interleaved, and those timings are recorded (a
+# confirmation). Each rule of the cpu backend's defer table is timed on a case it defers, against the
+# compiled kernel it bypasses (the row's last field says so): a rule the kernel has outgrown fails too.
+GUARD: list[tuple[str, str, float, float, float, str]] = []
 CONFIRM_ROUNDS = 3  # interleaved re-timings of a pair that looks slower: the best of each counts
 MIN_NOISE = 0.10  # two timings of one op in this run differ by up to ~9% (the deferred float16 pairs)
 MIN_RUN_TIME = 0.5  # seconds per CPU timing (--quick: less)
@@ -165,6 +168,7 @@ def bench_cpu(quick: bool) -> None:
             add("cpu", "batch_norm_backward_reduce", be.name, case, t_r, 2 * nb, t_red, copy_gbs)
             add("cpu", "batch_norm_backward_elemt", be.name, case, t_be, 3 * nb, None, copy_gbs)
             add("cpu", "reduce+elemt (bwd)", be.name, case, t_r + t_be, 5 * nb, t_bwd, copy_gbs)
+    bench_deferred(copy_gbs)
 
     # unscale_and_check_ vs GradScaler("cpu").unscale_ on 12M parameters with realistic gradients
     # (N(0, 1e-3), as after a few steps; no denormals). Scale 1.0 so repeated unscaling is stable.
@@ -258,8 +262,57 @@ def guarded(backends: list, calls: dict, case: str) -> dict[str, dict[str, float
             a, r = times[auto][op], times["reference"][op]
             if a > r * (1.0 + max(MIN_NOISE, noise)):  # looks slower: confirm, interleaved
                 a, r = _interleaved(call, next(be for be in backends if be.name == auto), ref)
-            GUARD.append((op, case, a, r, noise))
+            GUARD.append((op, case, a, r, noise, "reference"))
     return times
+
+
+class _Compiled:
+    """The cpu backend's compiled kernels called directly, past its defer table (a backend for ``call``)."""
+
+    name = "cpu, compiled"
+
+    def __init__(self, backend) -> None:
+        self.extension = backend._extension
+
+    def run(self, op: str, *args):
+        return getattr(self.extension, op)(*args)
+
+
+# A case per rule of the cpu backend's defer table, (op, shape, dtype) in NCHW, that the rule sends to
+# reference, at the table's size threshold (2^22 elements, e.g. (64, 64, 32, 32)); none: it is empty
+DEFERRED: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+
+
+def bench_deferred(copy_gbs: float) -> None:
+    """Each case of ``DEFERRED`` on the automatic backend (reference's op, by the defer table) and on the
+    compiled kernel it bypasses, against ATen's eval BatchNorm; recorded for the guard. Exits when a
+    rule of the table has no case here, or a case is not deferred (the table changed: update them)."""
+    from lightning_ext.kernels import cpu as cpu_kernels
+
+    auto = get_backend(device="cpu")
+    if auto.name != "cpu":
+        return
+    table, compiled = cpu_kernels._DEFER_TO_REFERENCE, _Compiled(auto)
+    if set(table) != {op for op, _, _ in DEFERRED}:
+        raise SystemExit(f"bench_kernels.py: DEFERRED covers {DEFERRED}, the defer table {sorted(table)}")
+    for op, shape, dtype in DEFERRED:
+        if op != "batch_norm_elemt":
+            raise SystemExit(f"bench_kernels.py: bench_deferred times batch_norm_elemt: add {op}'s call")
+        x, c = (torch.randn(shape) * 2 + 1).to(dtype), shape[1]
+        if x.numel() < cpu_kernels._LARGE or not table[op](x):
+            raise SystemExit(f"bench_kernels.py: DEFERRED's {op} {shape} {dtype} is not deferred")
+        mean, invstd = torch.randn(c, dtype=torch.float64), torch.rand(c, dtype=torch.float64) + 0.5
+        w, b, case = torch.randn(c), torch.randn(c), f"{shape} {str(dtype)[6:]} NCHW"
+        rvar = invstd.float().pow(-2)
+        t_aten = cpu_time(lambda: torch.batch_norm(x, w, b, mean.float(), rvar, False, 0.0, 0.0, False))
+        call = lambda be: be.run(op, x, mean, invstd, w, b)
+        a, k = cpu_time(lambda: call(auto)), cpu_time(lambda: call(compiled))
+        noise = abs(cpu_time(lambda: call(compiled)) / k - 1.0)
+        add("cpu", op, "cpu", case + " (deferred)", a, 2 * nbytes(x), t_aten, copy_gbs)
+        add("cpu", op, compiled.name, case, k, 2 * nbytes(x), t_aten, copy_gbs)
+        if a > k * (1.0 + max(MIN_NOISE, noise)):  # looks slower: confirm, interleaved
+            a, k = _interleaved(call, auto, compiled)
+        GUARD.append((op, case, a, k, noise, "the compiled kernel"))
 
 
 def _interleaved(call, auto, ref) -> tuple[float, float]:
@@ -269,14 +322,17 @@ def _interleaved(call, auto, ref) -> tuple[float, float]:
 
 
 def check_guard() -> int:
-    """Print every (op, case) where the automatic CPU backend is slower than ``reference`` by more than
-    the run's A/A noise; 1 when there is one (the backend's defer rule must change), else 0."""
+    """Print every (op, case) where the automatic CPU backend is slower than ``reference`` (or, on a case
+    its defer table sends to reference, than the compiled kernel) by more than the run's A/A noise; 1
+    when there is one (the defer table must change), else 0."""
     slower = [row for row in GUARD if row[2] > row[3] * (1.0 + max(MIN_NOISE, row[4]))]
     auto = get_backend(device="cpu").name
-    print(f"guard: automatic CPU backend {auto!r} vs reference on {len(GUARD)} (op, case) pairs, each "
-          f"allowed max({MIN_NOISE:.0%}, its A/A noise): {len(slower)} slower")  # fmt: skip
-    for op, case, a, r, noise in slower:
-        print(f"  SLOWER {op} {case}: {auto} {a * 1e3:.4f} ms, reference {r * 1e3:.4f} ms "
+    deferred = sum(row[5] != "reference" for row in GUARD)
+    print(f"guard: automatic CPU backend {auto!r} vs reference on {len(GUARD) - deferred} (op, case) pairs, "
+          f"vs the compiled kernel on {deferred} its defer table sends to reference, each allowed "
+          f"max({MIN_NOISE:.0%}, its A/A noise): {len(slower)} slower")  # fmt: skip
+    for op, case, a, r, noise, other in slower:
+        print(f"  SLOWER {op} {case}: {auto} {a * 1e3:.4f} ms, {other} {r * 1e3:.4f} ms "
               f"({a / r:.2f}x; A/A {noise:.1%})")  # fmt: skip
     return 1 if slower else 0
 

@@ -47,6 +47,7 @@ using at::Tensor;
 
 constexpr int64_t BLOCK = 2048;  // elements per float32 partial sum before it joins the float64 total
 constexpr int64_t ROW_BLOCK = 64;  // channels-last rows per parallel task / per partial sum
+constexpr int64_t AFFINE_GRAIN = 1 << 15;  // elements per parallel task of an elementwise pass, at least
 constexpr int64_t MAX_PERIOD = 64;  // float16 channels-last sums: the longest period of repeated shifts
 
 // Guards every entry point: no autograd recording and no autocast (the kernels see the input's own
@@ -344,7 +345,17 @@ __attribute__((target("arch=x86-64-v3"))) void half_affine(const c10::Half* u, c
                                                            int64_t len, const float* a, const float* b,
                                                            const float* d, int64_t p) {
   int64_t i = 0;
-  for (int64_t k = 0; i + 8 <= len; i += 8, k = k + 8 == p ? 0 : k + 8) {  // k = i mod p; a u + b v + d
+  if (p == 0) {  // one channel's coefficients for every element
+    const __m256 va = _mm256_set1_ps(*a), vb = _mm256_set1_ps(v == nullptr ? 0.0f : *b), vd = _mm256_set1_ps(*d);
+    for (; i + 8 <= len; i += 8) {
+      __m256 r = _mm256_fmadd_ps(va, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + i))), vd);
+      if (v != nullptr) {
+        r = _mm256_fmadd_ps(vb, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + i))), r);
+      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT));
+    }
+  }
+  for (int64_t k = 0; p && i + 8 <= len; i += 8, k = k + 8 == p ? 0 : k + 8) {  // k = i mod p; a u + b v + d
     const __m256 va = p ? _mm256_loadu_ps(a + k) : _mm256_set1_ps(*a);
     const __m256 vd = p ? _mm256_loadu_ps(d + k) : _mm256_set1_ps(*d);
     __m256 r = _mm256_mul_ps(va, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + i))));
@@ -489,12 +500,11 @@ void channel_sums(const Layout& l, double* out1, double* out2, Channel channel, 
 // out = a[k] * u + b[k] * v + d[k] elementwise (channel k; v may be null: out = a[k] * u + d[k]).
 template <typename T, typename Acc>
 void affine_pass(const Layout& l, const T* u, const T* v, T* out, const Acc* a, const Acc* b, const Acc* d) {
-  if (!l.channels_last) {
-    at::parallel_for(0, l.c, 1, [&](int64_t c0, int64_t c1) {
-      for (int64_t k = c0; k < c1; ++k) {
-        const int64_t base = k * l.s;
-        channel_affine<T, Acc>(
-            u + base, v == nullptr ? nullptr : v + base, out + base, l.n, l.c * l.s, l.s, a[k], b[k], d[k]);
+  if (!l.channels_last) {  // the (sample, channel) planes in memory order: each thread streams one range
+    at::parallel_for(0, l.n * l.c, std::max<int64_t>(1, AFFINE_GRAIN / l.s), [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t k = p % l.c, base = p * l.s;
+        channel_affine<T, Acc>(u + base, v == nullptr ? nullptr : v + base, out + base, 1, 0, l.s, a[k], b[k], d[k]);
       }
     });
     return;

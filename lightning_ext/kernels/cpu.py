@@ -339,15 +339,14 @@ def _load(verbose: bool = False) -> ModuleType:
 
 
 # The one rule by which this backend hands a call to the reference op: op -> a test of its first
-# tensor argument (x, or dy; not contiguous: channels last), asked from _LARGE elements on, that is
-# true where the compiled kernel loses to ATen: ATen's NCHW normalize of 16-bit floats, from a few
-# million elements. Everything else is the kernels' (float16 converts with F16C where the CPU has it).
-# benchmarks/bench_kernels.py fails where the automatic choice is slower than `reference`, and
-# bench_syncbn.py compares them on whole layers, so this table follows measurement.
+# tensor argument (x, or dy; not contiguous: channels last), asked from _LARGE elements on, true where
+# the compiled kernel loses to ATen. Empty: every op, dtype, layout and size is the kernels' (float16
+# converts with F16C where the CPU has it; the NCHW normalize streams its planes in memory order).
+# benchmarks/bench_kernels.py fails where the automatic choice is slower than `reference`, or than the
+# compiled kernel on a case this table defers (its DEFERRED: a case per rule, at _LARGE; it stops when
+# a rule has none), and bench_syncbn.py compares them on whole layers, so this table follows measurement.
 _LARGE = 2**22  # elements
-_DEFER_TO_REFERENCE: dict[str, Callable[[torch.Tensor], bool]] = {
-    "batch_norm_elemt": lambda x: x.dtype in (torch.float16, torch.bfloat16) and x.is_contiguous(),
-}
+_DEFER_TO_REFERENCE: dict[str, Callable[[torch.Tensor], bool]] = {}
 
 
 class CpuBackend(ReferenceBackend):

@@ -432,13 +432,12 @@ def test_float16_conversions_of_the_cpu_kernels_are_torchs():
 
 @pytest.mark.parametrize(
     ("dtype", "fmt"),
-    [(torch.float16, torch.channels_last), (torch.bfloat16, torch.channels_last),
-     (torch.float32, torch.contiguous_format), (torch.float32, torch.channels_last)],
+    [(dtype, fmt) for dtype in (torch.float16, torch.bfloat16, torch.float32)
+     for fmt in (torch.contiguous_format, torch.channels_last)],
 )  # fmt: skip
 def test_the_large_normalize_of_the_cpu_kernels_is_the_reference_ops(reference, dtype, fmt):
     """At 2^22 elements (several thread chunks, the F16C body for float16) the cpu kernel's normalize is
-    the reference op's (the NCHW normalize of 16-bit floats goes to the reference op itself there:
-    ``test_the_one_defer_rule_sends_the_large_16_bit_nchw_normalize_to_reference``)."""
+    the reference op's."""
     from tests.helpers.cpu_extension import require_cpu_backend
 
     backend = require_cpu_backend()

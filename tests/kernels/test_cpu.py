@@ -676,10 +676,10 @@ def test_auto_selects_the_cpu_backend_on_cpu():
     assert get_backend(device="cpu").run("batch_norm_moments", x, torch.zeros(2)).dtype == torch.float64
 
 
-def test_the_one_defer_rule_sends_the_large_16_bit_nchw_normalize_to_reference(monkeypatch):
+def test_the_defer_table_sends_its_cases_to_reference_and_nothing_else(monkeypatch):
     """Where a compiled kernel loses to ATen (bench_kernels.py's guard), the backend hands the call to
-    the reference op, by one table: the contiguous float16 and bfloat16 normalize from 2^22 elements;
-    nothing else (float16 included: the kernels convert it with F16C)."""
+    the reference op, by one table, asked from 2^22 elements on. The table is empty: every op, dtype,
+    layout and size runs the kernels (float16 with F16C); a rule in it sends exactly its large cases."""
     require_cpu_backend()
     from lightning_ext.kernels import OPS
 
@@ -694,23 +694,31 @@ def test_the_one_defer_rule_sends_the_large_16_bit_nchw_normalize_to_reference(m
         original = OPS[op].impls["reference"]
         spy = lambda *args, _fn=original, _op=op: calls.append(_op) or _fn(*args)
         monkeypatch.setitem(OPS[op].impls, "reference", spy)
-    backend = cpu.CpuBackend()
-    try:
-        dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    shift, mean, invstd = torch.zeros(4), torch.zeros(4), torch.ones(4)
+
+    def deferred(backend) -> dict:  # {(dtype, format): ops sent to reference at 40 and 2^22 elements}
+        out = {}
         for dtype in dtypes:
             for fmt in (torch.contiguous_format, torch.channels_last):
                 calls.clear()
                 xd = torch.randn(4, 4, 5, 2).to(dtype).contiguous(memory_format=fmt)
-                shift, mean, invstd = torch.zeros(4), torch.zeros(4), torch.ones(4)
                 backend.run("batch_norm_moments", xd, shift)
                 backend.run("batch_norm_elemt", xd, mean, invstd, None, None)
                 sums = backend.run("batch_norm_backward_reduce", xd, xd, mean)
                 backend.run("batch_norm_backward_elemt", xd, xd, mean, invstd, None, sums, torch.tensor(40.0))
-                assert calls == [], (dtype, fmt)
                 large = torch.ones(4, 4, 2**9, 2**9, dtype=dtype).contiguous(memory_format=fmt)  # 2^22
                 backend.run("batch_norm_elemt", large, mean, invstd, None, None)
-                deferred = dtype in dtypes[:2] and fmt == torch.contiguous_format
-                assert calls == ["batch_norm_elemt"] * deferred, (dtype, fmt)
+                out[dtype, fmt] = list(calls)
+        return out
+
+    try:
+        assert cpu._DEFER_TO_REFERENCE == {}
+        assert not any(deferred(cpu.CpuBackend()).values())
+        rule = {"batch_norm_elemt": lambda x: x.dtype == torch.float16 and x.is_contiguous()}
+        monkeypatch.setattr(cpu, "_DEFER_TO_REFERENCE", rule)
+        sent = {case: ops for case, ops in deferred(cpu.CpuBackend()).items() if ops}
+        assert sent == {(torch.float16, torch.contiguous_format): ["batch_norm_elemt"]}  # the large one only
     finally:
         monkeypatch.undo()
         cpu.CpuBackend()  # the live instance the custom ops find is an unpatched one again
