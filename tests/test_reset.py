@@ -53,6 +53,8 @@ CLEARED = {
 KEPT = {
     ("lightning_ext.kernels.registry", "_entries"): "registrations (built-in and register_backend's) stay",
     ("lightning_ext.kernels.cpu", "_module"): "a compiled extension module cannot be unloaded",
+    ("lightning_ext.kernels.cpu", "_DEFER_TO_REFERENCE"): "the defer table: configuration, never written at "
+    "run time (empty: no op defers)",
     ("lightning_ext.kernels.backend", "OPS"): "op registrations (define_op, at import) stay, as torch's "
     "custom ops do",
     ("lightning_ext.kernels.backend", "_LIVE"): "the latest instance of each backend, which the custom ops "
