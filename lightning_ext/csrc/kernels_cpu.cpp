@@ -356,11 +356,10 @@ __attribute__((target("arch=x86-64-v3"))) void half_affine(const c10::Half* u, c
     }
   }
   for (int64_t k = 0; p && i + 8 <= len; i += 8, k = k + 8 == p ? 0 : k + 8) {  // k = i mod p; a u + b v + d
-    const __m256 va = p ? _mm256_loadu_ps(a + k) : _mm256_set1_ps(*a);
-    const __m256 vd = p ? _mm256_loadu_ps(d + k) : _mm256_set1_ps(*d);
+    const __m256 va = _mm256_loadu_ps(a + k), vd = _mm256_loadu_ps(d + k);
     __m256 r = _mm256_mul_ps(va, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + i))));
     if (v != nullptr) {
-      const __m256 vb = p ? _mm256_loadu_ps(b + k) : _mm256_set1_ps(*b);
+      const __m256 vb = _mm256_loadu_ps(b + k);
       r = _mm256_fmadd_ps(vb, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + i))), r);
     }
     const __m128i h = _mm256_cvtps_ph(_mm256_add_ps(r, vd), _MM_FROUND_TO_NEAREST_INT);
