@@ -374,25 +374,23 @@ void half_affine(const c10::Half* u, const c10::Half* v, c10::Half* out, int64_t
 }
 #endif
 
+// The NCHW planes p0 .. p1 - 1 of len elements each, in memory order (plane p: channel k = p mod c):
+// out = a[k] u + b[k] v + d[k] (v may be null: no b term).
 template <typename T, typename Acc>
-LE_CLONES void channel_affine(
-    const T* u, const T* v, T* out, int64_t runs, int64_t stride, int64_t len, Acc a, Acc b, Acc d) {
-  if constexpr (std::is_same_v<T, c10::Half>) {
-    for (int64_t r = 0; r < runs; ++r) {
-      half_affine(u + r * stride, v == nullptr ? nullptr : v + r * stride, out + r * stride, len, &a, &b, &d, 0);
-    }
-    return;
-  }
-  for (int64_t r = 0; r < runs; ++r) {
-    const T* u_run = u + r * stride;
-    T* o_run = out + r * stride;
-    if (v == nullptr) {
+LE_CLONES void planes_affine(const T* u, const T* v, T* out, int64_t p0, int64_t p1, int64_t len, int64_t c,
+                             const Acc* a, const Acc* b, const Acc* d) {
+  for (int64_t p = p0, k = p0 % c; p < p1; ++p, k = k + 1 == c ? 0 : k + 1) {
+    const T *__restrict__ u_p = u + p * len, *__restrict__ v_p = v == nullptr ? nullptr : v + p * len;
+    T* __restrict__ o_p = out + p * len;
+    const Acc ak = a[k], bk = b[k], dk = d[k];
+    if constexpr (std::is_same_v<T, c10::Half>) {
+      half_affine(u_p, v_p, o_p, len, &ak, &bk, &dk, 0);
+    } else if (v_p == nullptr) {
 #pragma omp simd
-      for (int64_t i = 0; i < len; ++i) store(o_run, i, a * load(u_run, i) + d);
+      for (int64_t i = 0; i < len; ++i) store(o_p, i, ak * load(u_p, i) + dk);
     } else {
-      const T* v_run = v + r * stride;
 #pragma omp simd
-      for (int64_t i = 0; i < len; ++i) store(o_run, i, a * load(u_run, i) + b * load(v_run, i) + d);
+      for (int64_t i = 0; i < len; ++i) store(o_p, i, ak * load(u_p, i) + bk * load(v_p, i) + dk);
     }
   }
 }
@@ -501,10 +499,7 @@ template <typename T, typename Acc>
 void affine_pass(const Layout& l, const T* u, const T* v, T* out, const Acc* a, const Acc* b, const Acc* d) {
   if (!l.channels_last) {  // the (sample, channel) planes in memory order: each thread streams one range
     at::parallel_for(0, l.n * l.c, std::max<int64_t>(1, AFFINE_GRAIN / l.s), [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t k = p % l.c, base = p * l.s;
-        channel_affine<T, Acc>(u + base, v == nullptr ? nullptr : v + base, out + base, 1, 0, l.s, a[k], b[k], d[k]);
-      }
+      planes_affine<T, Acc>(u, v, out, p0, p1, l.s, l.c, a, b, d);
     });
     return;
   }

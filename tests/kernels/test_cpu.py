@@ -49,7 +49,7 @@ def test_loops_are_built_for_avx2_and_the_baseline():
     if "Free Software Foundation" not in version:  # the clones are a GCC attribute (see the .cpp)
         pytest.skip(f"built with {compiler} ({version.splitlines()[:1]}), not GCC")
     symbols = subprocess.run(["nm", "-C", cpu._load().__file__], capture_output=True, text=True, check=True)
-    for kernel in ("channel_terms", "channel_affine", "rows_terms", "rows_affine", "moments_range"):
+    for kernel in ("channel_terms", "planes_affine", "rows_terms", "rows_affine", "moments_range"):
         lines = [line for line in symbols.stdout.splitlines() if f"{kernel}<" in line]
         assert any("[clone .arch_x86_64_v3]" in line for line in lines), kernel
         assert any("[clone .default]" in line for line in lines), kernel
