@@ -50,7 +50,7 @@ ROWS: list[tuple] = []  # CPU rows: (section, op, backend, case, ms, GB/s, vs AT
 # compiled kernel it bypasses (the row's last field says so): a rule the kernel has outgrown fails too.
 GUARD: list[tuple[str, str, float, float, float, str]] = []
 CONFIRM_ROUNDS = 3  # interleaved re-timings of a pair that looks slower: the best of each counts
-MIN_NOISE = 0.10  # two timings of one op in this run differ by up to ~9% (the deferred float16 pairs)
+MIN_NOISE = 0.10  # two timings of one op in one run differ by up to ~9% (measured on float16 pairs)
 MIN_RUN_TIME = 0.5  # seconds per CPU timing (--quick: less)
 
 
