@@ -330,8 +330,8 @@ LE_CLONES void channel_terms(
 // function per target, picked at load time: GCC's multi-versioning), p a multiple of 8.
 inline void half_affine_loop(const c10::Half* u, const c10::Half* v, c10::Half* out, int64_t i0, int64_t len,
                              const float* a, const float* b, const float* d, int64_t p) {
-  for (int64_t i = i0; i < len; ++i) {
-    const int64_t k = p ? i % p : 0;
+  const int64_t period = p ? p : 1;  // (p = 0: k stays 0)
+  for (int64_t i = i0, k = i0 % period; i < len; ++i, k = k + 1 == period ? 0 : k + 1) {
     store(out, i, a[k] * load(u, i) + (v == nullptr ? 0.0f : b[k] * load(v, i)) + d[k]);
   }
 }
@@ -429,12 +429,16 @@ template <typename T, typename Acc>
 LE_CLONES void rows_affine(
     const T* u, const T* v, T* out, int64_t rows, int64_t c, const Acc* a, const Acc* b, const Acc* d) {
   if constexpr (std::is_same_v<T, c10::Half>) {  // the rows as one run, the coefficients over lcm(c, 8)
+    if (c % 8 == 0) {  // the caller's coefficients as they are
+      half_affine(u, v, out, rows * c, a, b, d, c);
+      return;
+    }
     const int64_t p = std::lcm(c, int64_t{8});
     std::vector<float> rep(3 * p);
-    for (int64_t k = 0; k < p; ++k) {
-      rep[k] = a[k % c];
-      rep[p + k] = b[k % c];
-      rep[2 * p + k] = d[k % c];
+    for (int64_t k = 0, j = 0; k < p; ++k, j = j + 1 == c ? 0 : j + 1) {
+      rep[k] = a[j];
+      rep[p + k] = b[j];
+      rep[2 * p + k] = d[j];
     }
     half_affine(u, v, out, rows * c, rep.data(), rep.data() + p, rep.data() + 2 * p, p);
     return;
