@@ -434,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if trainer.is_global_zero:
         from rich.console import Console
 
-        console = Console()
+        console = Console(soft_wrap=True)  # a line stays one line whatever the width: logs are grepped
         _print_table(features["stats"], accuracy, console)  # IterationTimer logged its speed summary
         _print_performance(trainer.callback_metrics, console)
         if not args.no_plot:

@@ -399,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if trainer.is_global_zero:
         from rich.console import Console
 
-        console = Console()
+        console = Console(soft_wrap=True)  # a line stays one line whatever the width: logs are grepped
         console.print(
             f"FID: {fid.start:.3f} at the start, {fid.end:.3f} at the end ({fid.end / fid.start:.3f}×)"
         )
