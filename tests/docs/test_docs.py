@@ -67,9 +67,12 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for builder, (where, build) in builds.items():
         stdout, stderr = ((where / f"{builder}.{ext}").read_text() for ext in ("out", "err"))
         problems = [line for line in stderr.splitlines() if "WARNING" in line or "ERROR:" in line]
+        failed = stdout.find("Failed example:")  # a doctest's failure, whole: a flaky one is read once
+        first = f"\n--- the first failed example ---\n{stdout[max(0, failed - 300) : failed + 8000]}"
         assert build.returncode == 0, (
             f"sphinx-build -b {builder} failed ({build.returncode}); warnings are errors:\n"
             + "\n".join(problems)
+            + (first if failed >= 0 else "")
             + f"\n--- stdout (end) ---\n{stdout[-4000:]}"
             + f"\n--- stderr (end) ---\n{stderr[-4000:]}"
         )
