@@ -412,6 +412,49 @@ def measure_report_calls(number: int = 20_000, repeat: int = 5) -> dict[str, flo
     return result
 
 
+def measure_tensorboard(keys: int = 100, flushes: int = 50) -> dict[str, float]:
+    """ms per flush of writing ``keys`` scalars to a ``TensorBoardLogger``, the writer thread waited
+    for (``flush()``): Lightning's ``log_metrics`` (an event a key: the anchor) against
+    ``TrainingStats``' one event, alternating; medians over ``flushes`` each, in this process."""
+    import tempfile
+
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lightning_ext.callbacks.training_stats import _tensorboard_writer, _write_event
+
+    metrics = {f"Metric/{i}": 0.5 + i for i in range(keys)}
+    with tempfile.TemporaryDirectory(prefix="bench_tb_") as tmp:
+        anchor, ours = (TensorBoardLogger(tmp, name=name, version=0) for name in ("anchor", "ours"))
+        writes = {
+            "anchor": lambda step: (anchor.log_metrics(metrics, step), anchor.experiment.flush()),
+            "ours": lambda step: (_write_event(_tensorboard_writer(ours), None, metrics, [], step),
+                                  ours.experiment.flush()),
+        }  # fmt: skip
+        times: dict[str, list[float]] = {label: [] for label in writes}
+        for step in range(flushes):
+            for label, write in writes.items():
+                start = time.perf_counter()
+                write(step)
+                times[label].append(time.perf_counter() - start)
+        anchor.finalize("success"), ours.finalize("success")
+    return {label: 1e3 * statistics.median(t) for label, t in times.items()}
+
+
+def format_tensorboard(ms: dict[str, float], keys: int = 100) -> str:
+    return "\n".join([
+        "## Writing a flush to TensorBoard (`bench_stats.py --flush-only`)",
+        "",
+        f"{keys} scalars a flush to a `TensorBoardLogger`, the event writer's thread waited for "
+        "(`experiment.flush()`), medians over 50 alternating flushes in one process: Lightning's "
+        "`log_metrics` writes an event a key into a queue of 10, `TrainingStats` one event holding them "
+        "all (`_write_event`; the same values read back: `test_training_stats.py`).",
+        "",
+        "| anchor: `log_metrics` ms | ours: one event ms | ours / anchor |",
+        "|---:|---:|---:|",
+        f"| {ms['anchor']:.2f} | {ms['ours']:.2f} | {ms['ours'] / ms['anchor']:.2f}× |",
+    ])  # fmt: skip
+
+
 class _Recorder:
     """Records the all-reduces ``Collector.update()`` issues (benchmark only): ``(op, numel, async)`` each,
     through the name the collector module calls (shared memory or the process group alike)."""
@@ -541,10 +584,11 @@ def _throughput_flush(collector, rank: int):
 def _signal_flush(collector, names: list[str], tmp: str, rank: int):
     """What ``TrainingStats.flush`` adds to ``collector.update()`` for the straggler and the
     histograms: every straggler name's :meth:`straggler`, and on rank zero every sketched name's
-    histogram written to a real ``TensorBoardLogger`` (its event file in ``tmp``)."""
+    histogram written to a real ``TensorBoardLogger`` (its event file in ``tmp``) as the flush writes
+    them (one event), the event writer's thread's work included (``flush()``)."""
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from lightning_ext.callbacks.training_stats import _log_histogram
+    from lightning_ext.callbacks.training_stats import _tensorboard_writer, _write_event
 
     logger = TensorBoardLogger(tmp, name="tb", version=rank) if rank == 0 else None
     straggled = [n for n in names if n.startswith("Straggled/")]
@@ -555,9 +599,10 @@ def _signal_flush(collector, names: list[str], tmp: str, rank: int):
         collector.update()
         for name in straggled:
             collector.straggler(name)
-        step = next(steps)
-        for name in sketched if logger is not None else ():
-            _log_histogram(logger, collector, name, name + "/hist", step)
+        if logger is not None:  # (the writer thread's work in the flush's time, not in the floor's)
+            writer = _tensorboard_writer(logger)
+            _write_event(writer, collector, {}, [(n, n + "/hist") for n in sketched], next(steps))
+            writer.flush()
 
     return flush
 
@@ -600,16 +645,22 @@ def format_flush_floor(floors: dict[str, dict], calls: dict[str, float], rounds:
         "before each. `shm`: the shared-memory path of `all_reduce_`; `gloo`: the process group's "
         "(`LIGHTNING_EXT_SHM_COLLECTIVES=0`). The case with histograms is `TrainingStats`' flush with the "
         "straggler of 2 names and the 10 sketched names' histograms written to a `TensorBoardLogger` on "
-        "rank zero; the one with Throughput's fields times what `Throughput` adds to `TrainingStats`' flush.",
+        "rank zero as `TrainingStats` writes them (one event), the event writer's thread waited for inside "
+        "the flush (else its work lands in the floor's time): TensorBoard without TensorFlow computes each "
+        "record's CRC32C in pure Python, about 0.26 µs a byte, and a histogram's buckets take 16 bytes "
+        "each. The one with Throughput's fields times what `Throughput` adds to `TrainingStats`' flush.",
         "",
         "| transport | K | bytes / rank | collectives | flush ms | floor ms | flush / floor |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
-    worst = 0.0
+    worst = {"names": 0.0, "throughput": 0.0}  # issue targets: K names (sketched or not); with Throughput
     for transport, floor in floors.items():
         for case, r in floor.items():
             ratio = r["flush_ms"] / r["floor_ms"]
-            worst = max(worst, ratio)
+            straggled, throughput = (*case, 0, 0)[2:4]
+            if not straggled:
+                key = "throughput" if throughput else "names"
+                worst[key] = max(worst[key], ratio)
             lines.append(
                 f"| {transport} | {_case_label(case)} | {r['bytes']} | {r['collectives']} | "
                 f"{r['flush_ms']:.3f} | {r['floor_ms']:.3f} | {ratio:.1f}× |"
@@ -625,7 +676,8 @@ def format_flush_floor(floors: dict[str, dict], calls: dict[str, float], rounds:
         "",
         "| target | measured | goal | met |",
         "|---|---:|---:|:---:|",
-        f"| flush / floor, worst case | {worst:.1f}× | ≤ 2× | {'yes' if worst <= 2 else 'NO'} |",
+        *(f"| flush / floor, worst {label} | {w:.1f}× | ≤ 2× | {'yes' if w <= 2 else 'NO'} |"
+          for label, w in zip(("of K names", "with Throughput's fields"), worst.values())),
     ]
     slowest = max(calls.values())
     met = "yes" if slowest <= 3 else "NO"
@@ -841,6 +893,9 @@ def _flush(args: argparse.Namespace, rounds: int) -> int:
     markdown = format_flush_floor(floors, measure_report_calls(), rounds)
     print(markdown, flush=True)
     write_result("stats_flush_floor", markdown, quick=args.quick)
+    markdown = format_tensorboard(measure_tensorboard())
+    print(markdown, flush=True)
+    write_result("stats_tensorboard", markdown, quick=args.quick)
     return 0
 
 

@@ -122,7 +122,7 @@ class TrainingStats(Callback):
     Percentiles. ``stats`` may ask for percentiles, ``"p50"``, ``"p99"``, ``"p99.9"``, written as
     ``name + "/p50"`` for the names ``quantiles`` matches (the others get the other statistics), from
     a sketch with relative accuracy ``relative_accuracy`` over ``value_range`` that rides in the
-    flush's SUM all-reduce (:class:`~lightning_ext.stats.LogHistogram`: about 22 KB per name). With a
+    flush's SUM all-reduce (:class:`~lightning_ext.stats.LogHistogram`: at most 5 KiB per name). With a
     ``TensorBoardLogger`` (``WandbLogger``) each of these names' merged sketch is also written as a
     TensorBoard (W&B) histogram ``name + "/hist"`` (:meth:`~lightning_ext.stats.Collector.histogram`;
     no extra collective).
@@ -399,7 +399,8 @@ class TrainingStats(Callback):
         and in a validation run after it, the number of iterations at the end of an epoch; so the steps of
         a logger never go backwards) and to ``trainer.callback_metrics`` (float32 0-dim CPU tensors, for
         ``ModelCheckpoint``/``EarlyStopping``), and the sketched names' histograms to the TensorBoard
-        and W&B loggers (rank zero). Its wall time is ``report()``-ed as
+        and W&B loggers (rank zero); to a plain ``TensorBoardLogger`` all of it as one event
+        (:func:`_tensorboard_writer`). Its wall time is ``report()``-ed as
         ``Timing/stats_flush_sec`` (seen at the next flush). Must run on every rank, at the same
         ``step``: ``Collector.update(step=step)`` runs collectives and checks it. Synchronizes host and
         device once.
@@ -431,10 +432,8 @@ class TrainingStats(Callback):
         metrics = self._metrics(collector, prefix, step)
         if stage is None:
             metrics.update(self._derived(collector, step, contributors))
-        self._histograms(trainer, collector, prefix, step)
+        self._write(trainer, collector, metrics, self._histograms(trainer, collector, prefix), step)
         if metrics:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
             values = torch.tensor(list(metrics.values()), dtype=torch.float32)  # views of one tensor:
             trainer.callback_metrics.update(zip(metrics, values.unbind()))  # a fifth of one tensor a key
         outer = set_stage(None)  # the flush's own time is a training statistic
@@ -538,14 +537,28 @@ class TrainingStats(Callback):
             rank_zero_info(line + tail)
         return metrics
 
-    def _histograms(self, trainer: pl.Trainer, collector: Collector, prefix: str, step: int) -> None:
-        """Each sketched name's histogram of the last interval to the TensorBoard and W&B loggers."""
-        loggers = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger | WandbLogger)]
-        if not (loggers and trainer.is_global_zero and self.quantiles):
-            return
-        for name in filter(re.compile(self.quantiles).fullmatch, collector.updated()):
-            for logger in loggers:
-                _log_histogram(logger, collector, name, f"{prefix}{name}/hist", step)
+    def _histograms(self, trainer: pl.Trainer, collector: Collector, prefix: str) -> list[tuple[str, str]]:
+        """``(name, tag)`` of each sketched name with values in the last interval (rank zero's)."""
+        if not (trainer.is_global_zero and self.quantiles):
+            return []
+        sketched = filter(re.compile(self.quantiles).fullmatch, collector.updated())
+        return [(name, f"{prefix}{name}/hist") for name in sketched]
+
+    @staticmethod
+    def _write(trainer: pl.Trainer, collector: Collector, metrics: dict[str, float],
+               histograms: list[tuple[str, str]], step: int) -> None:  # fmt: skip
+        """``metrics`` to every logger and the ``histograms`` to the TensorBoard and W&B ones: to a
+        plain ``TensorBoardLogger`` as one event (:func:`_tensorboard_writer`), else through
+        ``log_metrics`` (and one histogram a call)."""
+        for logger in trainer.loggers:
+            writer = _tensorboard_writer(logger) if trainer.is_global_zero else None
+            if writer is not None:
+                _write_event(writer, collector, metrics, histograms, step)
+                continue
+            if metrics:
+                logger.log_metrics(metrics, step=step)
+            for name, tag in histograms if isinstance(logger, TensorBoardLogger | WandbLogger) else ():
+                _log_histogram(logger, collector, name, tag, step)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -576,19 +589,61 @@ def _contributors(trainer: pl.Trainer) -> list[Any]:
     return [c for c in trainer.callbacks if callable(getattr(c, "stats_flush_metrics", None))]
 
 
+def _tensorboard_writer(logger: Any) -> Any:
+    """``logger``'s ``torch.utils.tensorboard.SummaryWriter`` when a flush writes its scalars and
+    histograms to it as ONE event (:func:`_write_event`): a ``TensorBoardLogger`` whose ``log_metrics``
+    is Lightning's (not overridden), without a ``prefix``, writing with torch's writer; else ``None``.
+    Lightning's ``log_metrics`` writes an event per key, and its writer's queue holds 10: 100 keys cost
+    a flush milliseconds of waiting for the writer thread (``bench_stats.py``). Rank zero only."""
+    plain = type(logger).log_metrics is TensorBoardLogger.log_metrics and not getattr(logger, "_prefix", "?")
+    if not (isinstance(logger, TensorBoardLogger) and plain):
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = logger.experiment
+    return writer if isinstance(writer, SummaryWriter) else None
+
+
+def _write_event(writer: Any, collector: Collector, metrics: dict[str, float],
+                 histograms: list[tuple[str, str]], step: int) -> None:  # fmt: skip
+    """One TensorBoard event at ``step`` holding the scalars ``metrics`` (``{tag: value}``) and the
+    ``histograms`` (``(name, tag)``: the name's sketch, as :func:`_log_histogram`): the values
+    ``add_scalar`` and ``add_histogram_raw`` would write as one event each, read back alike."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from torch.utils.tensorboard.summary import histogram_raw
+
+    values = [Summary.Value(tag=tag, simple_value=value) for tag, value in metrics.items()]
+    for name, tag in histograms:
+        fields = _histogram_fields(collector, name)
+        if fields is not None:
+            values.append(histogram_raw(tag, **fields).value[0])
+    if values:
+        writer._get_file_writer().add_summary(Summary(value=values), step)
+
+
+def _histogram_fields(collector: Collector, name: str) -> dict[str, Any] | None:
+    """``name``'s histogram of the last interval (:meth:`Collector.histogram`) as TensorBoard's
+    ``add_histogram_raw`` takes it; ``None`` without values."""
+    counts, edges = collector.histogram(name)
+    if not counts.size:
+        return None
+    num, mean, std = collector.num(name), collector.mean(name), collector.std(name)
+    return dict(
+        min=edges[0], max=edges[-1], num=int(counts.sum()), sum=num * mean,
+        sum_squares=num * (std**2 + mean**2), bucket_limits=edges[1:].tolist(), bucket_counts=counts.tolist(),
+    )  # fmt: skip
+
+
 def _log_histogram(logger: Any, collector: Collector, name: str, tag: str, step: int) -> None:
     """``name``'s histogram of the last interval (:meth:`Collector.histogram`) as a TensorBoard or W&B
     histogram ``tag`` at ``step``."""
+    if isinstance(logger, TensorBoardLogger):
+        fields = _histogram_fields(collector, name)
+        if fields is not None:
+            logger.experiment.add_histogram_raw(tag, **fields, global_step=step)
+        return
     counts, edges = collector.histogram(name)
     if not counts.size:
-        return
-    if isinstance(logger, TensorBoardLogger):
-        num, mean, std = collector.num(name), collector.mean(name), collector.std(name)
-        logger.experiment.add_histogram_raw(
-            tag, min=edges[0], max=edges[-1], num=int(counts.sum()), sum=num * mean,
-            sum_squares=num * (std**2 + mean**2), bucket_limits=edges[1:].tolist(),
-            bucket_counts=counts.tolist(), global_step=step,
-        )  # fmt: skip
         return
     import wandb  # the WandbLogger needs it
 
