@@ -23,6 +23,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# A result must not depend on the shell the tests run from (these reach the processes tests start too):
+# with FORCE_COLOR or TTY_COMPATIBLE set, rich treats a pipe as a terminal (colours the numbers a test
+# matches, re-wraps printed lines); the package's switches pick the backend and the collectives' path,
+# which the tests choose themselves.
+_SHELL_SWITCHES = ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "LIGHTNING_EXT_KERNELS",
+                   "LIGHTNING_EXT_SHM_COLLECTIVES", "LIGHTNING_EXT_CHECK_COLLECTIVES")  # fmt: skip
+for _switch in _SHELL_SWITCHES:
+    os.environ.pop(_switch, None)
+
 # run_distributed, a spawning strategy, or a process started directly (subprocess, multiprocessing)
 _STARTS_PROCESSES = re.compile(
     r"run_distributed|ddp_(spawn|fork|notebook)\w*|subprocess|Popen|spawn|start_processes"
