@@ -399,8 +399,8 @@ class TrainingStats(Callback):
         and in a validation run after it, the number of iterations at the end of an epoch; so the steps of
         a logger never go backwards) and to ``trainer.callback_metrics`` (float32 0-dim CPU tensors, for
         ``ModelCheckpoint``/``EarlyStopping``), and the sketched names' histograms to the TensorBoard
-        and W&B loggers (rank zero); to a plain ``TensorBoardLogger`` all of it as one event
-        (:func:`_tensorboard_writer`). Its wall time is ``report()``-ed as
+        and W&B loggers (rank zero); to a ``TensorBoardLogger`` whose ``log_metrics`` is Lightning's,
+        without a ``prefix``, all of it as one event (the same values). Its wall time is ``report()``-ed as
         ``Timing/stats_flush_sec`` (seen at the next flush). Must run on every rank, at the same
         ``step``: ``Collector.update(step=step)`` runs collectives and checks it. Synchronizes host and
         device once.
@@ -609,8 +609,7 @@ def _write_event(writer: Any, collector: Collector, metrics: dict[str, float],
     """One TensorBoard event at ``step`` holding the scalars ``metrics`` (``{tag: value}``) and the
     ``histograms`` (``(name, tag)``: the name's sketch, as :func:`_log_histogram`): the values
     ``add_scalar`` and ``add_histogram_raw`` would write as one event each, read back alike."""
-    from tensorboard.compat.proto.summary_pb2 import Summary
-    from torch.utils.tensorboard.summary import histogram_raw
+    from torch.utils.tensorboard.summary import Summary, histogram_raw  # (TensorBoard's proto, via torch)
 
     values = [Summary.Value(tag=tag, simple_value=value) for tag, value in metrics.items()]
     for name, tag in histograms:
