@@ -722,9 +722,9 @@ def _eval_never_syncs_worker(rank, world_size):
         elapsed = time.monotonic() - start
         for x, y in zip(inputs, outputs):
             torch.testing.assert_close(y, reference(x))
-        # The one time bound of this file: six 72-element forwards take milliseconds; a forward that
-        # waits for rank 1 never returns (or, were rank 1's barrier to answer it, takes far longer).
-        assert elapsed < 1.0, f"six eval forwards took {elapsed:.3f} s"
+        # The one time bound of this file: six 72-element forwards take milliseconds (10 s: a loaded
+        # host's stalls stay below it); a forward that waits for rank 1 never returns.
+        assert elapsed < 10.0, f"six eval forwards took {elapsed:.3f} s"
     dist.barrier()  # rank 1 waits here the whole time; rank 0 joins after its forwards
     return elapsed
 
@@ -733,7 +733,7 @@ def test_eval_never_synchronizes():
     """torch's SyncBatchNorm synchronizes only while training (``need_sync = bn_training and self.training``):
     in eval mode, even without running statistics, it normalizes with the local batch, no collective."""
     elapsed = run_distributed(_eval_never_syncs_worker, WORLD_SIZE, timeout=30)
-    assert elapsed[0] is not None and elapsed[0] < 1.0
+    assert elapsed[0] is not None and elapsed[0] < 10.0
 
 
 # ------------------------------------------------------------------ torch's rules: float64 is float64
