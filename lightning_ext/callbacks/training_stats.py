@@ -622,14 +622,18 @@ def _write_event(writer: Any, collector: Collector, metrics: dict[str, float],
 
 def _histogram_fields(collector: Collector, name: str) -> dict[str, Any] | None:
     """``name``'s histogram of the last interval (:meth:`Collector.histogram`) as TensorBoard's
-    ``add_histogram_raw`` takes it; ``None`` without values."""
+    ``add_histogram_raw`` takes it, each run of empty buckets written as one empty bucket spanning them
+    (a bucket is the range from the previous limit to its own: no bucket with values changes, and
+    TensorBoard checksums every byte in Python); ``None`` without values."""
     counts, edges = collector.histogram(name)
     if not counts.size:
         return None
+    kept = np.flatnonzero((counts != 0) | np.append(counts[1:] != 0, True))  # a run's last empty bucket
     num, mean, std = collector.num(name), collector.mean(name), collector.std(name)
     return dict(
         min=edges[0], max=edges[-1], num=int(counts.sum()), sum=num * mean,
-        sum_squares=num * (std**2 + mean**2), bucket_limits=edges[1:].tolist(), bucket_counts=counts.tolist(),
+        sum_squares=num * (std**2 + mean**2), bucket_limits=edges[1:][kept].tolist(),
+        bucket_counts=counts[kept].tolist(),
     )  # fmt: skip
 
 

@@ -159,6 +159,15 @@ class LogHistogram:
 
     def limits(self, level: int) -> np.ndarray:
         """float64 ``(2 M_c + 4,)``: the bucket limits of the layout at ``level``, ``-inf .. +inf`` (bucket
-        ``p`` between limits ``p`` and ``p + 1``; the zero bucket between ``-e_0`` and ``e_0``)."""
-        edges = self._edges[np.minimum(np.arange(self._groups(level) + 1) << level, self.buckets)]
-        return np.concatenate(([-np.inf], -edges[::-1], edges, [np.inf]))
+        ``p`` between limits ``p`` and ``p + 1``; the zero bucket between ``-e_0`` and ``e_0``); read-only,
+        made once per level (a histogram read slices it)."""
+        limits = self._limits.get(level)
+        if limits is None:
+            edges = self._edges[np.minimum(np.arange(self._groups(level) + 1) << level, self.buckets)]
+            limits = self._limits[level] = np.concatenate(([-np.inf], -edges[::-1], edges, [np.inf]))
+            limits.flags.writeable = False
+        return limits
+
+    @functools.cached_property
+    def _limits(self) -> dict[int, np.ndarray]:
+        return {}

@@ -578,6 +578,27 @@ def test_a_flush_writes_tensorboard_one_event_holding_what_log_metrics_writes_an
     assert sorted(prefixed[0]) == sorted(f"run-{tag}" for tag in scalars) and prefixed[1] == histograms
 
 
+def test_tensorboard_histograms_write_a_run_of_empty_buckets_as_one_bucket() -> None:
+    import numpy as np
+
+    from lightning_ext.callbacks.training_stats import _histogram_fields
+    from lightning_ext.stats import Collector
+
+    clear_statistics()
+    collector = Collector(quantiles="x")
+    report("x", [1e-3, 1.1e-3, 0.5, 0.51, 0.52, 40.0])  # three clusters, runs of empty buckets between
+    collector.update()
+    counts, edges = collector.histogram("x")
+    fields = _histogram_fields(collector, "x")
+    limits, written = np.array(fields["bucket_limits"]), np.array(fields["bucket_counts"])
+    assert written.sum() == counts.sum() == fields["num"] == 6 and len(written) < len(counts) / 20
+    assert not np.any((written[:-1] == 0) & (written[1:] == 0))  # no two empty buckets in a row
+    at = np.searchsorted(edges[1:], limits)  # each written limit is one of the sketch's,
+    assert np.array_equal(edges[1:][at], limits)  # holding what the sketch holds up to it
+    assert np.array_equal(np.cumsum(written), np.cumsum(counts)[at])
+    clear_statistics()
+
+
 def test_histograms_reach_tensorboard_and_unmatched_patterns_are_said_once(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
