@@ -535,9 +535,20 @@ class _PerKeyTensorBoardLogger(pl.loggers.TensorBoardLogger):
         super().log_metrics(metrics, step)
 
 
+class _SpreadValidated(_Spread):
+    """``_Spread`` with a validation loop reporting ``Data/x`` too (its flush: ``val/Data/x``)."""
+
+    def validation_step(self, batch, batch_idx):
+        report("Data/x", batch[0].reshape(-1) * 2.0)
+
+    def val_dataloader(self):
+        return DataLoader(_dataset(), batch_size=4)
+
+
 def _tensorboard_run(logger: pl.loggers.TensorBoardLogger) -> tuple[dict, dict, int]:
-    """Train ``_Spread`` (flushes every 2 steps, ``Data/x`` sketched) writing to ``logger``; its
-    scalars ``{tag: [(step, value)]}``, histograms ``{tag: [(step, fields)]}`` and events with values."""
+    """Train ``_SpreadValidated`` (flushes every 2 steps and after each validation, ``Data/x`` sketched)
+    writing to ``logger``; its scalars ``{tag: [(step, value)]}``, histograms ``{tag: [(step, fields)]}``
+    and events with values."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
@@ -545,10 +556,11 @@ def _tensorboard_run(logger: pl.loggers.TensorBoardLogger) -> tuple[dict, dict, 
     torch.manual_seed(0)
     stats = TrainingStats(every_n_train_steps=2, stats=("mean", "std", "max", "p50"), quantiles="Data/.*")
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=8, logger=logger, callbacks=[stats],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=8, limit_val_batches=2,
+        num_sanity_val_steps=0, logger=logger, callbacks=[stats], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
-    trainer.fit(_Spread())
+    trainer.fit(_SpreadValidated())
     events = EventAccumulator(logger.log_dir, size_guidance={"histograms": 0, "scalars": 0})
     events.Reload()
     scalars = {t: [(e.step, e.value) for e in events.Scalars(t)] for t in events.Tags()["scalars"]}
@@ -563,15 +575,15 @@ def test_a_flush_writes_tensorboard_one_event_holding_what_log_metrics_writes_an
     logger = pl.loggers.TensorBoardLogger(tmp_path, name="one", version=0)
     scalars, histograms, events = _tensorboard_run(logger)
     per_key = _tensorboard_run(_PerKeyTensorBoardLogger(tmp_path, name="per_key", version=0))
-    assert sorted(scalars) == sorted(per_key[0]) and "Data/x/p50" in scalars
+    assert sorted(scalars) == sorted(per_key[0]) and {"Data/x/p50", "val/Data/x/p50"} <= set(scalars)
     for tag, series in scalars.items():  # the same steps and values (the flush's own time aside)
         assert [s for s, _ in series] == [s for s, _ in per_key[0][tag]], tag
         if not tag.startswith("Timing/"):
             assert series == per_key[0][tag], tag
     assert [s for s, _ in scalars["Data/x"]] == [1, 3, 5, 7], sorted(scalars)
-    assert histograms == per_key[1] and len(histograms["Data/x/hist"]) == 4
-    flushes = len({s for series in scalars.values() for s, _ in series})  # those that wrote something
-    assert events == flushes == 5  # every 2 steps, and the epoch's end (the last flush's own time)
+    assert histograms == per_key[1]
+    assert len(histograms["Data/x/hist"]) == 4 and len(histograms["val/Data/x/hist"]) == 1
+    assert events == 6  # every 2 steps, the validation's end and the epoch's end (the last flush's time)
     assert per_key[2] == sum(map(len, scalars.values())) + sum(map(len, histograms.values()))
     # A prefix (Lightning's log_metrics adds it): written through log_metrics, prefixed alike
     prefixed = _tensorboard_run(pl.loggers.TensorBoardLogger(tmp_path, name="p", version=0, prefix="run"))
