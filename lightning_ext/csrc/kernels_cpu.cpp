@@ -1197,11 +1197,18 @@ void moments_payload_(Tensor& max_payload, Tensor& sum_payload, const Tensor& ro
 }
 
 // published (R, 6) = [n, mean, std, min, max, nonfinite], next_shift (R,) and idle (R,) from the reduced
-// payloads; returns [whether a row needs another reduction around max(mean), rows idle >= forget_after].
-Tensor moments_finish_(Tensor& published, Tensor& next_shift, Tensor& idle, const Tensor& extremes,
-                       const Tensor& sum_payload, const Tensor& center, bool keep_previous, int64_t forget_after) {
+// payloads; flags (2,) = [whether a row needs another reduction around max(mean), rows idle >= forget_after];
+// the accumulator rows (any R', 6) and their shifts emptied unless another reduction is needed.
+void moments_finish_(Tensor& published, Tensor& next_shift, Tensor& idle, Tensor& flags, Tensor& rows,
+                     Tensor& shifts, const Tensor& extremes, const Tensor& sum_payload, const Tensor& center,
+                     bool keep_previous, int64_t forget_after) {
   check_flat("moments_finish_", {{"published", &published}, {"next_shift", &next_shift}, {"idle", &idle},
+                                 {"flags", &flags}, {"rows", &rows}, {"shifts", &shifts},
                                  {"extremes", &extremes}, {"sum_payload", &sum_payload}, {"center", &center}});
+  TORCH_CHECK(flags.numel() == 2, "moments_finish_: `flags` must hold 2 elements, got ", flags.numel());
+  TORCH_CHECK(rows.dim() == 2 && rows.size(1) == 6 && shifts.numel() == rows.size(0),
+              "moments_finish_: `rows` must be (R', 6) and `shifts` (R',), got ", rows.sizes(), " and ",
+              shifts.sizes());
   const int64_t r = sum_payload.size(0);
   const double* mx = extremes.const_data_ptr<double>();
   const double *hi = mx, *neg_lo = hi + r, *mean_max = neg_lo + r, *neg_mean_min = mean_max + r;
@@ -1239,7 +1246,19 @@ Tensor moments_finish_(Tensor& published, Tensor& next_shift, Tensor& idle, cons
     quiet[i] = has || o[4] > 0 ? 0.0 : quiet[i] + 1.0;
     forgettable += forget_after > 0 && quiet[i] >= static_cast<double>(forget_after) ? 1.0 : 0.0;
   }
-  return at::tensor({again ? 1.0 : 0.0, forgettable}, at::TensorOptions().dtype(at::kDouble));
+  double* out = flags.data_ptr<double>();
+  out[0] = again ? 1.0 : 0.0;
+  out[1] = forgettable;
+  if (again) return;
+  const double inf = std::numeric_limits<double>::infinity();
+  double* row = rows.data_ptr<double>();
+  double* s = shifts.data_ptr<double>();
+  for (int64_t i = 0; i < rows.size(0); ++i, row += 6) {
+    row[0] = row[1] = row[2] = row[5] = 0.0;
+    row[3] = inf;
+    row[4] = -inf;
+    s[i] = nan;
+  }
 }
 
 // pack_windows_ (contract and reference: lightning_ext/kernels/histogram.py): each sketch row's window of

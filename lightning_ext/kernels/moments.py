@@ -25,6 +25,7 @@ from lightning_ext.kernels.backend import define_op
 __all__ = ["moments_from_shifted"]  # an op family: its ops are registered below (lightning_ext.kernels.ops)
 
 _UNPUBLISHED = (0.0, math.nan, math.nan, math.nan, math.nan, 0.0)  # a published row without values
+EMPTY_ROW = (0.0, 0.0, 0.0, math.inf, -math.inf, 0.0)  # an accumulator row without values
 _EPS = torch.finfo(torch.float64).eps
 
 # ---------------------------------------------------------------------------- reference (pure torch)
@@ -154,11 +155,12 @@ def _moments_payload_reference(
 
 
 def _moments_finish_reference(
-    published: Tensor, next_shift: Tensor, idle: Tensor, extremes: Tensor, sum_payload: Tensor,
-    center: Tensor, keep_previous: bool, forget_after: int,
-) -> Tensor:  # fmt: skip
+    published: Tensor, next_shift: Tensor, idle: Tensor, flags: Tensor, rows: Tensor, shifts: Tensor,
+    extremes: Tensor, sum_payload: Tensor, center: Tensor, keep_previous: bool, forget_after: int,
+) -> None:  # fmt: skip
     """Publish the global statistics of ``R`` names from the reduced payloads of ``moments_payload_``,
-    in place; say whether a row must be reduced again and how many rows are idle long enough to forget.
+    in place; say whether a row must be reduced again and how many rows are idle long enough to forget,
+    and empty the accumulator rows the payloads were made of unless a row must be reduced again.
 
     Per row, with ``spread = max(mean) - min(mean)`` over the ranks that had finite values: ``n =
     sum(n)``, ``mean = center + sum(n d) / n`` (the only rank mean when ``spread == 0``: exact), ``m2 =
@@ -173,18 +175,19 @@ def _moments_finish_reference(
         published: float64 ``(R, 6)``, updated.
         next_shift: float64 ``(R,)``, updated (the center of the next flush).
         idle: float64 ``(R,)``, updated: flushes in a row without values.
+        flags: float64 ``(2,)``, written: ``[again, forgettable]``. ``again`` is 1 when some row's
+            between-rank term may have lost more than ``1e-10`` of its ``m2`` to cancellation (its
+            rounding error is at most a few ``eps n distance^2``, distance the largest ``|rank mean -
+            center|``): reduce ``sum_payload`` again around ``center = max(mean)`` (``extremes[2R :
+            3R]``) and finish again; ``forgettable``: the rows idle for at least ``forget_after`` flushes.
+        rows, shifts: float64 ``(R', 6)`` accumulator rows and ``(R',)`` their shifts, any ``R'``
+            (those the payloads were made of): emptied (``[0, 0, 0, +inf, -inf, 0]``, NaN) unless
+            ``again``.
         extremes: float64 ``(5R,)``: the reduced ``max_payload`` after its head.
         sum_payload: float64 ``(R, 5)``, reduced.
         center: float64 ``(R,)``, the center the payloads were made around.
         keep_previous: what a row without values keeps (above).
         forget_after: count the rows idle for at least this many flushes (0: none).
-
-    Returns:
-        float64 ``(2,)``: ``[again, forgettable]``: ``again`` is 1 when some row's between-rank term may
-        have lost more than ``1e-10`` of its ``m2`` to cancellation (its rounding error is at most a few
-        ``eps n distance^2``, distance the largest ``|rank mean - center|``): reduce ``sum_payload``
-        again around ``center = max(mean)`` (``extremes[2R : 3R]``) and finish again;
-        ``forgettable``: the rows idle for at least ``forget_after`` flushes.
     """
     r = sum_payload.shape[0]
     hi, neg_lo, mean_max, neg_mean_min = extremes[: 4 * r].view(4, r)
@@ -206,7 +209,9 @@ def _moments_finish_reference(
     next_shift.copy_(torch.where(has, mean, next_shift))
     idle.copy_(torch.where(seen, 0.0, idle + 1.0))
     forgettable = (idle >= forget_after).sum() if forget_after > 0 else idle.new_zeros((), dtype=torch.int64)
-    return torch.stack([again.double(), forgettable.double()])
+    flags.copy_(torch.stack([again.double(), forgettable.double()]))
+    rows.copy_(torch.where(again, rows, torch.tensor(EMPTY_ROW, dtype=torch.float64, device=rows.device)))
+    shifts.copy_(torch.where(again, shifts, math.nan))
 
 
 # ---------------------------------------------------------------------------- Triton kernel
@@ -282,9 +287,9 @@ moments_payload_ = define_op(
     fake=lambda *_: None,
 )
 moments_finish_ = define_op(
-    "moments_finish_(Tensor(a0!) published, Tensor(a1!) next_shift, Tensor(a2!) idle, Tensor extremes, "
-    "Tensor sum_payload, Tensor center, bool keep_previous, int forget_after) -> Tensor",
+    "moments_finish_(Tensor(a0!) published, Tensor(a1!) next_shift, Tensor(a2!) idle, Tensor(a3!) flags, "
+    "Tensor(a4!) rows, Tensor(a5!) shifts, Tensor extremes, Tensor sum_payload, Tensor center, "
+    "bool keep_previous, int forget_after) -> ()",
     _moments_finish_reference,
-    fake=lambda published, *_: published.new_empty(2),
-    clone=True,
+    fake=lambda *_: None,
 )

@@ -11,10 +11,12 @@ what layout, and who may touch what.
   :class:`Slab` of tensors per device its names' values lived on. ``report()``'s side asks
   ``wants(name)`` once per name and stage, then adds values into the views ``accumulator(name,
   device)`` gives (an empty value only makes the row) until the rows move. The collector's side lays
-  the rows out for its agreed names (``layout``), reads them (``extra``, ``local``) and empties them
-  after a publication (``reset``). At ``reporting._attach`` (the one call of the collector's side into
-  ``report()``'s), ``report()``'s side gives the store ``settings()``, the synchronization settings
-  (rank, collective device, process group), and ``forget_routes()``, called when rows move.
+  the rows out for its agreed names (``layout``) and reads them (``extra``, ``local``); after a
+  publication the flush's kernels have emptied the rows ``local`` gave when they are the store's own
+  (``moments_finish_``, ``pack_windows_``), else it empties them (``reset``). At
+  ``reporting._attach`` (the one call of the collector's side into ``report()``'s), ``report()``'s
+  side gives the store ``settings()``, the synchronization settings (rank, collective device, process
+  group), and ``forget_routes()``, called when rows move.
 - :func:`merge_moments` and :func:`check_label`, shared by both sides.
 
 Nothing here runs a collective or synchronizes host and device, except ``local`` when a collector's
@@ -30,11 +32,11 @@ from typing import Any
 import torch
 
 from lightning_ext.kernels import KernelBackend, get_backend, moments_from_shifted
+from lightning_ext.kernels.moments import EMPTY_ROW
 from lightning_ext.stats.sketch import LogHistogram
 
 __all__ = ["merge_moments"]  # the one public name here, re-exported by lightning_ext.stats
 
-EMPTY_ROW = (0.0, 0.0, 0.0, math.inf, -math.inf, 0.0)  # an accumulator row without values
 _MIN_ROWS = 64  # rows of a slab at least (it doubles when full)
 _HINTS = 20  # names a store remembers having refused (for Collector.unmatched)
 
@@ -122,11 +124,10 @@ class Slab:
         self.flat, self.rows, self.shifts, self.hist = flat, rows, shifts, hist
         self.views = rows[: agreed[0]], shifts[: agreed[0]], hist[: agreed[1]]
 
-    def reset(self, hist: bool) -> None:
-        """Every row empty, every shift NaN (the sketch counts zero too with ``hist``)."""
+    def reset(self) -> None:
+        """Every row empty, every shift NaN, every sketch count zero."""
         self.flat.copy_(self.template)
-        if hist and self.hist.numel():
-            self.hist.zero_()
+        self.hist.zero_()
 
 
 class Store:
@@ -221,10 +222,11 @@ class Store:
         n, mean, m2, lo, hi = moments.unbind(1)  # (mean: a strided view, made contiguous below)
         return torch.stack([n, torch.zeros_like(n), m2, lo, hi, nonfinite], 1), mean.contiguous(), hist, False
 
-    def reset(self, hist: bool = True) -> None:
-        """After a publication: every row empty (the sketch counts too with ``hist``)."""
+    def reset(self) -> None:
+        """Every row empty and every sketch count zero (``discard``; after a publication whose
+        ``moments_finish_`` did not empty the rows)."""
         for slab in self.slabs.values():
-            slab.reset(hist)
+            slab.reset()
 
     def detach(self) -> None:
         """Forget every value (``clear_statistics``): the collector receives nothing more."""

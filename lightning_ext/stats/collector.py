@@ -110,10 +110,11 @@ class Collector:
        windows (``pack_windows_``, :mod:`lightning_ext.kernels.histogram`), cut where the MAX says
        every rank's values lie. Without sketched names both all-reduces run together (async), else
        the SUM follows the MAX.
-    3. *finish*: ``moments_finish_`` publishes the statistics in one pass and says whether a name lost
-       precision to cancellation (then the SUM is redone around the largest rank mean: rare) and
-       whether names went ``forget_after`` updates without values on any rank: they are forgotten on
-       every rank alike, and come back as new names when reported again.
+    3. *finish*: ``moments_finish_`` publishes the statistics in one pass, empties the accumulator
+       rows for the next interval, and says whether a name lost precision to cancellation (then the
+       SUM is redone around the largest rank mean: rare) and whether names went ``forget_after``
+       updates without values on any rank: they are forgotten on every rank alike, and come back as
+       new names when reported again.
 
     On the steady path (the same names as before) the flush runs no Python per name: two ops (three
     with sketches), two all-reduces, two host reads. Over a gloo group on one host the all-reduces
@@ -251,14 +252,15 @@ class Collector:
         self._counted, self._edges = self._at[: self._q], self.sketch.edges(device) if rows else None
         self._packed = self._sum[5 * r :]  # the sketch windows' part of the SUM
         self._cut = torch.zeros(3 * len(rows) + 2, dtype=torch.int64, device=device)  # pack_windows_'s layout
+        self._flags = torch.zeros(2, **f64)  # moments_finish_'s [again, forgettable]
         # NumPy views of the buffers read on the host, made once: a fresh tensor.numpy() costs several
         # times a NumPy read in a flush that starts with cold caches (bench_stats.py)
-        host = ("max", "sum", "idle", "cut", "published") if device.type == "cpu" else ()
+        host = ("max", "sum", "idle", "cut", "published", "flags") if device.type == "cpu" else ()
         self._views = {key: getattr(self, f"_{key}").numpy() for key in host}
 
     def _host(self, key: str) -> np.ndarray:
-        """The buffer ``_<key>`` (``"max"``, ``"sum"``, ``"idle"``, ``"cut"`` or ``"published"``) as NumPy:
-        the view kept on the CPU, else a copy (a host-device sync)."""
+        """The buffer ``_<key>`` (``"max"``, ``"sum"``, ``"idle"``, ``"cut"``, ``"published"`` or
+        ``"flags"``) as NumPy: the view kept on the CPU, else a copy (a host-device sync)."""
         return self._views[key] if key in self._views else getattr(self, f"_{key}").cpu().numpy()
 
     def discard(self) -> None:
@@ -313,75 +315,77 @@ class Collector:
     def _reduce(self, step: float, rank: int, settings: Any) -> int:
         """Agree, reduce and finish (class docstring); the names that may be forgotten."""
         store, group, world = self._store, settings[2], self._world
-        extra = store.extra()
+        extra, local = store.extra(), store.local(self._device)
         names = sorted({*self._names, *extra}) if extra else self._names
-        self._write(self._next_shift, rank, _fingerprint(names) if extra else self._names_fp, step)
+        self._write(local, self._next_shift, rank, _fingerprint(names) if extra else self._names_fp, step)
         together = not self._row and self._agreed_in == settings
         works = [_all_reduce(self._max, dist.ReduceOp.MAX, group, world, True)]
         works += [_all_reduce(self._moments, dist.ReduceOp.SUM, group, world, True)] if together else []
         for work in filter(None, works):
             work.wait()
         head = self._host("max")[:_HEAD].tolist()  # pairs [x, -x], alike on all ranks iff max(x) == -max(-x)
-        configs, names_agree, steps = (head[i] == -head[i + 1] for i in (0, 2, 4))
-        if not (configs and steps):
+        if head[0] != -head[1] or head[4] != -head[5]:  # the configuration or the step
             self._disagree(group, world, step)
         self._agreed_in, center, bound = settings, self._next_shift, head[-1]
-        if extra or not names_agree:  # the same decision on every rank
-            if not names_agree:
+        if extra or head[2] != -head[3]:  # the names: the same decision on every rank
+            if head[2] != -head[3]:
                 gathered: list[Any] = [None] * world
                 dist.all_gather_object(gathered, names, group=group)
                 names = sorted(set().union(*gathered))
             store.layout(names)
             self._layout(names, self._device, world)
-            self._write(self._next_shift, rank, self._names_fp, step)
+            local = store.local(self._device)
+            self._write(local, self._next_shift, rank, self._names_fp, step)
             _all_reduce(self._max, dist.ReduceOp.MAX, group, world)
-            center, together, bound = self._recenter(rank), False, self._max[_HEAD - 1].item()
-        windows = self._pack(int(bound * world).bit_length()) if self._row else None
+            center, together, bound = self._recenter(local, rank), False, self._max[_HEAD - 1].item()
+        windows = self._pack(local, int(bound * world).bit_length()) if self._row else None
         if not together:
-            size = 5 * len(self._names) + (len(self._at) * int(windows[0][-2]) if windows else 0)
+            size = 5 * len(self._names) + (len(self._at) * int(windows[-2]) if windows is not None else 0)
             _all_reduce(self._sum[:size], dist.ReduceOp.SUM, group, world)
-        again, forgettable = self._finish(center)
+        again, forgettable = self._finish(local, center)  # (the rows emptied unless again)
         if again:  # rare; the same on every rank
-            center = self._recenter(rank)
+            center = self._recenter(local, rank)
             _all_reduce(self._moments, dist.ReduceOp.SUM, group, world)
-            _, forgettable = self._finish(center)
+            again, forgettable = self._finish(local, center)
         if windows is not None:
-            self._publish_sketches(windows[0])
-        store.reset(hist=windows is None or not windows[1])
+            self._publish_sketches(windows)
+        if again or not local[3]:  # rows not emptied, or merged from several devices' (and their counts)
+            store.reset()
         return forgettable
 
-    def _write(self, center: torch.Tensor, rank: int, names_fp: float, step: float) -> None:
-        """Both payloads from this process's rows, about ``center``; the MAX's head holds the pairs of
-        the configuration's fingerprint, ``names_fp`` and ``step``, and the largest count of a name
-        with values sketched here."""
-        rows, shifts, _, _ = self._store.local(self._device)
+    def _write(self, local: tuple, center: torch.Tensor, rank: int, names_fp: float, step: float) -> None:
+        """Both payloads from this process's rows ``local`` (``Store.local``), about ``center``; the MAX's
+        head holds the pairs of the configuration's fingerprint, ``names_fp`` and ``step``, and the
+        largest count of a name with values sketched here."""
         head = [self._fingerprint, -self._fingerprint, names_fp, -names_fp, step, -step]
-        args = (rows, shifts, center, head, self._counted, rank, _rank_bits(self._world))
+        args = (*local[:2], center, head, self._counted, rank, _rank_bits(self._world))
         self._store.backend(self._device).run("moments_payload_", self._max, self._moments, *args)
 
-    def _recenter(self, rank: int) -> torch.Tensor:
+    def _recenter(self, local: tuple, rank: int) -> torch.Tensor:
         """Write the SUM's moments again about the largest rank mean (inside the data), keeping the
         reduced MAX; returns that center."""
         center, reduced = self._extremes.view(5, len(self._names))[2].clone(), self._max.clone()  # rank means
-        self._write(center, rank, 0.0, 0.0)
+        self._write(local, center, rank, 0.0, 0.0)
         self._max.copy_(reduced)
         return center
 
-    def _finish(self, center: torch.Tensor) -> tuple[bool, int]:
+    def _finish(self, local: tuple, center: torch.Tensor) -> tuple[bool, int]:
+        """Publish (``moments_finish_``, which empties the rows ``local`` unless ``again``); ``(again,
+        forgettable)``, one host read."""
         self._memo = {}
+        out = (self._published, self._next_shift, self._idle, self._flags, *local[:2])
         args = (self._extremes, self._moments, center, self.keep_previous, self.forget_after or 0)
-        out = (self._published, self._next_shift, self._idle)
-        again, forgettable = self._store.backend(self._device).run("moments_finish_", *out, *args).tolist()
-        return bool(again), int(forgettable)  # (one host read)
+        self._store.backend(self._device).run("moments_finish_", *out, *args)
+        again, forgettable = self._host("flags").tolist()
+        return bool(again), int(forgettable)
 
-    def _pack(self, bits: int) -> tuple[np.ndarray, bool]:
-        """Write this rank's sketch windows after the moments in the SUM (``pack_windows_``), cut where the
-        reduced MAX says each row's values lie; their layout (``pack_windows_``'s) and whether the
-        store's own counts were read (and zeroed)."""
-        rows, shifts, hist, own = self._store.local(self._device)
-        args = (rows, shifts, self._extremes, self._at, self._edges, bits, WORDS)
-        self._store.backend(self._device).run("pack_windows_", self._packed, hist, self._cut, *args)
-        return self._host("cut"), own
+    def _pack(self, local: tuple, bits: int) -> np.ndarray:
+        """Write this rank's sketch windows after the moments in the SUM (``pack_windows_``, which zeroes
+        the counts it reads), cut where the reduced MAX says each row's values lie; their layout
+        (``pack_windows_``'s)."""
+        args = (*local[:2], self._extremes, self._at, self._edges, bits, WORDS)
+        self._store.backend(self._device).run("pack_windows_", self._packed, local[2], self._cut, *args)
+        return self._host("cut")
 
     def _publish_sketches(self, layout: np.ndarray) -> None:
         """Keep the reduced windows of the rows with values, packed (the others keep theirs with

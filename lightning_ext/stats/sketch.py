@@ -140,11 +140,11 @@ class LogHistogram:
             lo, hi: the exact min and max of the values (the estimate is clipped to them).
         """
         qs = q if isinstance(q, list | tuple) else [q]
-        cumulative = np.cumsum(window)
+        cumulative = window.cumsum()  # (the methods: half the time of np.cumsum's dispatch)
         n = float(cumulative[-1]) if cumulative.size else 0.0  # (Python numbers from here: cheaper)
         # NumPy's inverted_cdf: the value of 0-based rank ceil(n q - 1), clipped
         ranks = [min(max(math.ceil(n * p - 1), 0), n - 1) + 1 for p in qs]
-        found = np.searchsorted(cumulative, ranks, side="left").tolist() if n > 0 else [None] * len(qs)
+        found = cumulative.searchsorted(ranks).tolist() if n > 0 else [None] * len(qs)
         values = [math.nan if b is None else self._value(level, start + b, lo, hi) for b in found]
         return values if qs is q else values[0]
 

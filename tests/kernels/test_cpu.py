@@ -749,8 +749,9 @@ def test_the_flush_kernels_refuse_a_strided_tensor_naming_it(op):
             torch.zeros(r, **f64), [], torch.zeros(0, dtype=torch.int64), 0, 1,
         ),
         "moments_finish_": lambda: backend.run(
-            op, torch.zeros(r, 6, **f64), strided, torch.zeros(r, **f64), torch.zeros(4 * r, **f64),
-            torch.zeros(r, 5, **f64), torch.zeros(r, **f64), True, 0,
+            op, torch.zeros(r, 6, **f64), strided, torch.zeros(r, **f64), torch.zeros(2, **f64), rows,
+            torch.zeros(r, **f64), torch.zeros(4 * r, **f64), torch.zeros(r, 5, **f64), torch.zeros(r, **f64),
+            True, 0,
         ),
         "pack_windows_": lambda: backend.run(
             op, torch.zeros(8, **f64), torch.zeros(1, 7, **f64), torch.zeros(5, dtype=torch.int64), rows,

@@ -85,8 +85,9 @@ def _published(backend, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
         "moments_payload_", max_payload, sum_payload, acc.view(1, 6), center, center, [1.0, -1.0], none, 0, 1
     )
     published, next_shift, idle = torch.zeros(1, 6, **f64), torch.zeros(1, **f64), torch.zeros(1, **f64)
-    backend.run("moments_finish_", published, next_shift, idle, max_payload[3:], sum_payload, center, False,
-                0)  # fmt: skip
+    flags, none = torch.zeros(2, **f64), torch.zeros(0, 6, **f64)
+    backend.run("moments_finish_", published, next_shift, idle, flags, none, none[:, 0], max_payload[3:],
+                sum_payload, center, False, 0)  # fmt: skip
     return published[0, :5].cpu()
 
 
@@ -243,9 +244,10 @@ def _flush(backend, i: dict[str, torch.Tensor], keep_previous: bool, device) -> 
     args = (i["rows"], i["shifts"], i["center"], head, counted, 5, 3)
     backend.run("moments_payload_", max_payload, sum_payload, *args)
     payloads = (max_payload.clone(), sum_payload.clone())
-    state = (i["published"], i["next_shift"], i["idle"])
-    out = backend.run("moments_finish_", *state, max_payload[5:], sum_payload, i["center"], keep_previous, 2)
-    return [t.cpu() for t in (*payloads, *state, out)]
+    state = (i["published"], i["next_shift"], i["idle"], torch.zeros(2, dtype=torch.float64, device=device))
+    rows = (i["rows"], i["shifts"])  # emptied unless again
+    backend.run("moments_finish_", *state, *rows, max_payload[5:], sum_payload, i["center"], keep_previous, 2)
+    return [t.cpu() for t in (*payloads, *state, *rows)]
 
 
 @pytest.mark.parametrize("r", [0, 1, 7, 300])
@@ -262,6 +264,39 @@ def test_flush_ops_match_reference_bitwise(backend, reference, r, keep_previous)
         got[2][:, 2] = want[2][:, 2]
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+        emptied = [_fresh().expand(r, 6), torch.full((r,), math.nan, dtype=torch.float64)]
+        torch.testing.assert_close(want[6:], emptied, rtol=0, atol=0, equal_nan=True)  # (one rank: no again)
+
+
+def test_finish_keeps_the_rows_when_a_name_must_be_reduced_again(backend):
+    """Two ranks' payloads about a center far from both rank means (cancellation): ``again``, and the
+    accumulator rows stay for the second reduction; about the largest rank mean, published and emptied."""
+    device = backend_device(backend)
+    f64 = {"dtype": torch.float64, "device": device}
+    ranks = [torch.tensor([[2.0, 0.0, 2.0, 1e9 - 1, 1e9 + 1, 0.0]], **f64),  # values 1e9 +- 1
+             torch.tensor([[2.0, 0.0, 8.0, 1e9 + 8, 1e9 + 12, 0.0]], **f64)]  # 1e9 + 10 +- 2
+    shifts = [torch.tensor([1e9], **f64), torch.tensor([1e9 + 10], **f64)]
+    for center, again in ((torch.zeros(1, **f64), True), (torch.tensor([1e9 + 10], **f64), False)):
+        payloads = []
+        for rank, (rows, shift) in enumerate(zip(ranks, shifts)):
+            max_payload, sum_payload = torch.empty(3 + 5, **f64), torch.empty(1, 5, **f64)
+            none = torch.zeros(0, dtype=torch.int64, device=device)
+            backend.run("moments_payload_", max_payload, sum_payload, rows, shift, center, [1.0, -1.0], none,
+                        rank, 1)  # fmt: skip
+            payloads.append((max_payload, sum_payload))
+        max_payload = torch.maximum(payloads[0][0], payloads[1][0])
+        sum_payload = payloads[0][1] + payloads[1][1]
+        published, next_shift, idle = torch.zeros(1, 6, **f64), torch.zeros(1, **f64), torch.zeros(1, **f64)
+        flags = torch.zeros(2, **f64)
+        rows, shift = ranks[0].clone(), shifts[0].clone()
+        backend.run("moments_finish_", published, next_shift, idle, flags, rows, shift, max_payload[3:],
+                    sum_payload, center, True, 0)  # fmt: skip
+        assert flags.tolist() == [float(again), 0.0]
+        if again:
+            assert rows.equal(ranks[0]) and shift.equal(shifts[0])
+        else:
+            assert rows.tolist() == [_fresh().tolist()] and shift.isnan().all()
+            assert published.tolist()[0][:2] == [4.0, 1e9 + 5]
 
 
 def test_flush_ops_publish_non_finite_counts_forget_idle_rows_and_pack_ranks(backend):
@@ -283,8 +318,9 @@ def test_flush_ops_publish_non_finite_counts_forget_idle_rows_and_pack_ranks(bac
     assert abs(packed[0].item() - 2.0) <= 4 * 2.0**-52 * 2.0
     published = torch.full((3, 6), 9.0, **f64)
     next_shift, idle = torch.zeros(3, **f64), torch.tensor([5.0, 5.0, 1.0], **f64)
-    args = (max_payload[3:], sum_payload, center, True, 2)
-    out = backend.run("moments_finish_", published, next_shift, idle, *args)
+    out = torch.zeros(2, **f64)
+    args = (rows, shifts, max_payload[3:], sum_payload, center, True, 2)
+    backend.run("moments_finish_", published, next_shift, idle, out, *args)
     got = published.cpu().tolist()
     assert got[0] == [2.0, 2.0, 1.0, 1.0, 3.0, 0.0] and got[2] == [9.0] * 6
     assert got[1][0] == 0.0 and all(math.isnan(v) for v in got[1][1:5]) and got[1][5] == 4.0
@@ -303,10 +339,11 @@ def test_flush_ops_give_the_moments_of_one_rank(backend):
     published = torch.zeros(2, 6, dtype=torch.float64)
     inputs = {"rows": rows, "shifts": shifts, "center": zero, "published": published, "next_shift": zero,
               "idle": zero}  # fmt: skip
-    _, _, published, next_shift, _, out = _flush(backend, inputs, True, device)
+    _, _, published, next_shift, _, out, emptied, shifts = _flush(backend, inputs, True, device)
     mean = x.mean(1)
     std = (x - mean[:, None]).square().mean(1).sqrt()
     want = torch.stack([three, mean, std, x[:, 0], x[:, 2], zero], 1)
     torch.testing.assert_close(published, want, rtol=4 * EPS64, atol=0)
     assert published[:, 1].tolist() == mean.tolist() and next_shift.tolist() == mean.tolist()
     assert out.tolist() == [0.0, 0.0]  # one rank: nothing to reduce again, nothing idle
+    assert emptied.tolist() == [[0.0, 0.0, 0.0, math.inf, -math.inf, 0.0]] * 2 and shifts.isnan().all()

@@ -56,6 +56,7 @@ def _inputs(device: torch.device, seed: int = 0) -> dict:
         "published": r(3, 6).double(),
         "next_shift": r(3).double(),
         "idle": torch.tensor([0.0, 4.0, 1.0]).double(),
+        "flags": torch.zeros(2).double(),
         # two sketch rows (name 0's values, name 2's rank means) of a histogram of 3 edges
         "at": torch.tensor([0, 2]),
         "hist": torch.zeros(1, 7).double(),
@@ -118,7 +119,7 @@ def test_opcheck_custom_ops(backend: KernelBackend):
     running = [torch.zeros(5, device=device), torch.ones(5, device=device)]
     momentum = torch.tensor(0.1, dtype=torch.float64)
     payloads = (i["max_payload"], i["sum_payload"])
-    flushed = (i["published"], i["next_shift"], i["idle"])
+    flushed = (i["published"], i["next_shift"], i["idle"], i["flags"])
     edges = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64, device=device)
     cases = [
         (lib.batch_norm_moments, (i["x"], i["shift_c"], key)),
@@ -139,7 +140,11 @@ def test_opcheck_custom_ops(backend: KernelBackend):
             lib.moments_payload_,
             (*payloads, i["table"], i["shifts"], i["shifts"], [7.0, -7.0], i["at"][:1], 1, 1, key),
         ),
-        (lib.moments_finish_, (*flushed, i["max_payload"][3:], i["sum_payload"], i["shifts"], True, 3, key)),
+        (
+            lib.moments_finish_,
+            (*flushed, i["table"].clone(), i["shifts"].clone(), i["max_payload"][3:], i["sum_payload"],
+             i["shifts"], True, 3, key),
+        ),
         (lib.accumulate_histogram_, (torch.zeros(7, dtype=torch.float64, device=device), i["x"], edges, key)),
         (
             lib.pack_windows_,
@@ -166,8 +171,8 @@ def test_opcheck_custom_ops(backend: KernelBackend):
 
 
 def _all_ops(backend, x, dy, shift_c, mean, invstd, weight, bias, grads, inv_scale, acc, shift, **flush):
-    table, shifts, published, next_shift, idle = (
-        flush[k] for k in ("table", "shifts", "published", "next_shift", "idle")
+    table, shifts, published, next_shift, idle, flags = (
+        flush[k] for k in ("table", "shifts", "published", "next_shift", "idle", "flags")
     )
     max_payload, sum_payload = flush["max_payload"], flush["sum_payload"]
     payload = backend.run("batch_norm_moments", x, shift_c)
@@ -181,13 +186,13 @@ def _all_ops(backend, x, dy, shift_c, mean, invstd, weight, bias, grads, inv_sca
     found = backend.run("unscale_and_check_", grads, inv_scale)
     backend.run("accumulate_moments_", acc, y, shift)
     extremes = max_payload[3:]
-    flushed = (published, next_shift, idle)
-    needs = backend.run("moments_finish_", *flushed, extremes, sum_payload, shifts, False, 3)
+    flushed, emptied = (published, next_shift, idle, flags), (table.clone(), shifts.clone())
+    backend.run("moments_finish_", *flushed, *emptied, extremes, sum_payload, shifts, False, 3)
     at = flush["at"]
     backend.run(
         "moments_payload_", max_payload, sum_payload, table, shifts, shifts, [7.0, -7.0], at[:1], 1, 1
     )
-    flush = (max_payload.clone(), sum_payload.clone(), *(t.clone() for t in flushed), needs)
+    flush = (max_payload.clone(), sum_payload.clone(), *(t.clone() for t in (*flushed, *emptied)))
     hist, edges = torch.zeros(7, dtype=torch.float64, device=x.device), table.new_tensor([0.5, 1.0, 2.0])
     backend.run("accumulate_histogram_", hist, y, edges)
     words = torch.zeros(2 * 16, dtype=torch.float64, device=x.device)
