@@ -195,6 +195,10 @@ def _distributed_schedule(rank: int, world_size: int) -> dict:
     before = len(counted)
     collectors["all"].update()
     jump = {"calls": counted[before:], "stats": collectors["all"].as_dict()}
+    for fn, name, value in _schedule(rank, world_size, 4):  # back near 0: reduced again too
+        (report if fn == "report" else report0)(name, value)
+    collectors["all"].update()
+    jump["after"] = collectors["all"].as_dict()["Jump/x"]  # the step-4 values alone: rows emptied
     out = {
         "results": results,
         "calls": calls,
@@ -266,9 +270,16 @@ def test_distributed_statistics_match_single_process_float64(world_size: int) ->
         if name == "Jump/x"
         for v in value.tolist()
     ]
+    back = [
+        v for r in range(world_size) for _, name, value in _schedule(r, world_size, 4) if name == "Jump/x"
+        for v in value.tolist()
+    ]  # fmt: skip
     for rank, out in enumerate(outputs):
         assert_moments_close(
             out["jump"]["stats"]["Jump/x"], jump, f"rank {rank} Jump/x", merges=2, ways=max(world_size, 2)
+        )
+        assert_moments_close(  # nothing of the jump's interval left in the rows it reduced twice
+            out["jump"]["after"], back, f"rank {rank} Jump/x after", merges=2, ways=max(world_size, 2)
         )
     assert calls["big"] == [grown]
     assert outputs[0]["steady"] == steady

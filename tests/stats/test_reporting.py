@@ -409,6 +409,14 @@ def test_cuda_tensors_and_python_numbers_of_one_process_publish_every_name_right
         )  # fmt: skip
     median = float(torch.tensor(values["Loss/train"]).median())  # of 65 values: the middle one
     assert c.quantile("Loss/train", 0.5) == pytest.approx(median, rel=0.01)
+    # The next interval holds its own values only: the merged rows' devices were emptied, sketch too
+    report("Loss/train", loss[:5] + 1.0)
+    report("Loss/train", 9.0)
+    c.update()
+    again = torch.tensor([*(loss[:5] + 1.0).tolist(), 9.0], dtype=torch.float64)
+    second = {stat: getattr(c, stat)("Loss/train") for stat in ("num", "mean", "std", "min", "max")}
+    assert_moments_close(second, again, "Loss/train, second interval", merges=1)
+    assert c.histogram("Loss/train")[0].sum() == 6
     clear_statistics()
 
 
