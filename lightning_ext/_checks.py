@@ -124,11 +124,10 @@ def _check_bounded(
     if value is None and optional:
         return
     bounds = {key: bound for key, bound in bounds.items() if bound is not None}
+    if of_kind and all(getattr(operator, key)(value, bound) for key, bound in bounds.items()):
+        return  # (the message is built on failure only: a check runs in every flush and step)
     allowed = f"{kind}{_in_words(bounds)}{' or None' if optional else ''}"
-    if not of_kind:
-        _fail(TypeError, owner, name, allowed, value, hint)
-    if not all(getattr(operator, key)(value, bound) for key, bound in bounds.items()):
-        _fail(ValueError, owner, name, allowed, value, hint)
+    _fail(ValueError if of_kind else TypeError, owner, name, allowed, value, hint)
 
 
 def check_bool(owner: str, name: str, value: Any, *, hint: str | None = None) -> None:

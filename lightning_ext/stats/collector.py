@@ -230,7 +230,7 @@ class Collector:
             for new, old in zip(state, (self._published, self._next_shift, self._idle)):
                 new[dst] = old.to(device)[src]
         self._published, self._next_shift, self._idle = state
-        sketch = np.ones((3, len(rows)), np.int64), np.zeros((len(rows), 1))
+        sketch = np.zeros((3, len(rows)), np.int64), np.zeros((len(rows), 1))  # (0 bits: no values)
         pairs = [(j, self._row[a, names[i]]) for j, (a, i) in enumerate(rows) if (a, names[i]) in self._row]
         if pairs:
             sketch = sketch[0], np.zeros((len(rows), self._words.shape[1]))
@@ -426,7 +426,10 @@ class Collector:
     def updated(self) -> list[str]:
         """Sorted names that received values (on any rank, finite or not) in the last ``update()``'s
         interval: the rest of :meth:`names` only repeat earlier statistics (``keep_previous``) or NaN."""
-        return [n for n, idle in zip(self._names, self._once("idle", self._host("idle").tolist)) if not idle]
+        return list(self._once("updated", self._updated))  # (a copy: the caller's to change)
+
+    def _updated(self) -> list[str]:
+        return [n for n, idle in zip(self._names, self._host("idle").tolist()) if not idle]
 
     def _once(self, key: Any, read: Any) -> Any:
         """``read()``, called once per update (a host read of its buffers, or what is derived from one)."""
@@ -494,10 +497,12 @@ class Collector:
     def _unpack(self, j: int) -> tuple[int, int, np.ndarray] | None:
         """Sketch row ``j``'s window ``(level, start, counts)``, ``None`` without values."""
         level, start, bits = self._windows[:, j].tolist()
+        if not bits:  # no rank had values (pack_windows_'s layout)
+            return None
         words = self._words[j].astype(np.int64)[:, None]  # exact: below 2^53 (integer ops: a 25th of
         # float64 floor division's time on a full window)
         counts = ((words >> _field_shifts(bits)) & ((1 << bits) - 1)).reshape(-1).astype(np.float64)
-        return (level, start, counts) if counts.any() else None
+        return level, start, counts
 
     def quantile(self, name: str, q: Any) -> Any:
         """The ``q``-quantile of ``name``'s finite values in the last interval over all ranks (NumPy's
