@@ -111,9 +111,8 @@ class Slab:
         """Rows for ``capacity`` names and sketches, the rows of the names ``moved`` (``{name: (old
         place, new place)}``, a place ``(row, sketch row or None)``) kept, the others emptied."""
         c, f64 = max(_MIN_ROWS, capacity[0]), {"dtype": torch.float64, "device": self.device}
-        self.template = torch.cat(
-            [torch.tensor(EMPTY_ROW, **f64).repeat(c), torch.full((c,), math.nan, **f64)]
-        )
+        self.template = torch.full((7 * c,), math.nan, **f64)  # the rows (c, 6), then the shifts (c,)
+        self.template[: 6 * c].view(c, 6).copy_(torch.tensor(EMPTY_ROW, **f64))
         flat = self.template.clone()
         rows, shifts = flat[: 6 * c].view(c, 6), flat[6 * c :]
         hist = torch.zeros(max(8, capacity[1]) if self.size else 0, self.size, **f64)

@@ -169,16 +169,13 @@ class Collector:
         check_bool("Collector", "keep_previous", keep_previous)
         if stage is not None:
             check_label("Collector", "stage", stage)
-        tracked = (("quantiles", quantiles), ("stragglers", stragglers))  # None: a pattern matching nothing
-        self._tracked = {
-            arg: _compile_regex("Collector", "(?!)" if p is None else p, arg) for arg, p in tracked
-        }
+        tracked = {"quantiles": quantiles, "stragglers": stragglers}.items()  # None: matching nothing
+        self._tracked = {a: _compile_regex("Collector", "(?!)" if p is None else p, a) for a, p in tracked}
         self.sketch = LogHistogram(relative_accuracy, value_range)  # checks them
         check_int("Collector", "forget_after", forget_after, ge=1, optional=True)
         self.regex, self.keep_previous, self.stage = regex, keep_previous, stage
         self.quantiles, self.stragglers, self.forget_after = quantiles, stragglers, forget_after
-        self._index: dict[str, int] = {}
-        self._row: dict[tuple[str, str], int] = {}
+        self._index, self._row = {}, {}  # (what _layout carries over: nothing yet)
         self._layout([], _CPU, 1)
         self._agreed_in: Any = None  # the settings in which the ranks agreed on the configuration
         self._fingerprint = _fingerprint(repr(self))
@@ -297,10 +294,8 @@ class Collector:
                 received stay for the next update.
             TypeError, ValueError: ``step`` is not an int ``>= 0`` or ``None``.
         """
-        if step is not None:
-            check_int("Collector.update", "step", step, ge=0)
-        settings = self._store.settings()
-        rank, device, group = settings
+        check_int("Collector.update", "step", step, ge=0, optional=True)
+        rank, device, group = settings = self._store.settings()
         world = dist.get_world_size(group=group) if device is not None and is_distributed() else 1
         if device is None:  # single process: where the values are
             device = next(iter(self._store.slabs)) if len(self._store.slabs) == 1 else _CPU
@@ -369,15 +364,14 @@ class Collector:
         self._max.copy_(reduced)
         return center
 
-    def _finish(self, local: tuple, center: torch.Tensor) -> tuple[bool, int]:
+    def _finish(self, local: tuple, center: torch.Tensor) -> tuple[int, int]:
         """Publish (``moments_finish_``, which empties the rows ``local`` unless ``again``); ``(again,
         forgettable)``, one host read."""
         self._memo = {}
         out = (self._published, self._next_shift, self._idle, self._flags, *local[:2])
         args = (self._extremes, self._moments, center, self.keep_previous, self.forget_after or 0)
         self._store.backend(self._device).run("moments_finish_", *out, *args)
-        again, forgettable = self._host("flags").tolist()
-        return bool(again), int(forgettable)
+        return tuple(int(flag) for flag in self._host("flags").tolist())  # (again, forgettable)
 
     def _pack(self, local: tuple, bits: int) -> np.ndarray:
         """Write this rank's sketch windows after the moments in the SUM (``pack_windows_``, which zeroes
@@ -426,10 +420,7 @@ class Collector:
     def updated(self) -> list[str]:
         """Sorted names that received values (on any rank, finite or not) in the last ``update()``'s
         interval: the rest of :meth:`names` only repeat earlier statistics (``keep_previous``) or NaN."""
-        return list(self._once("updated", self._updated))  # (a copy: the caller's to change)
-
-    def _updated(self) -> list[str]:
-        return [n for n, idle in zip(self._names, self._host("idle").tolist()) if not idle]
+        return [n for n, idle in zip(self._names, self._once("idle", self._host("idle").tolist)) if not idle]
 
     def _once(self, key: Any, read: Any) -> Any:
         """``read()``, called once per update (a host read of its buffers, or what is derived from one)."""
@@ -497,12 +488,10 @@ class Collector:
     def _unpack(self, j: int) -> tuple[int, int, np.ndarray] | None:
         """Sketch row ``j``'s window ``(level, start, counts)``, ``None`` without values."""
         level, start, bits = self._windows[:, j].tolist()
-        if not bits:  # no rank had values (pack_windows_'s layout)
-            return None
         words = self._words[j].astype(np.int64)[:, None]  # exact: below 2^53 (integer ops: a 25th of
         # float64 floor division's time on a full window)
         counts = ((words >> _field_shifts(bits)) & ((1 << bits) - 1)).reshape(-1).astype(np.float64)
-        return level, start, counts
+        return (level, start, counts) if counts.any() else None
 
     def quantile(self, name: str, q: Any) -> Any:
         """The ``q``-quantile of ``name``'s finite values in the last interval over all ranks (NumPy's
@@ -574,11 +563,8 @@ class Collector:
     def state_dict(self) -> dict[str, Any]:
         """The published statistics and agreed names, and the quantile sketches (what
         ``keep_previous`` needs after a resume)."""
-        sketches = {}
-        for arg, name in self._row:
-            sketch = self._sketch(arg, name) if arg == "quantiles" else None
-            if sketch is not None:
-                sketches[name] = (int(sketch[0]), int(sketch[1]), torch.from_numpy(sketch[2]))
+        kept = {name: self._sketch(arg, name) for arg, name in self._row if arg == "quantiles"}
+        sketches = {name: (int(s[0]), int(s[1]), torch.from_numpy(s[2])) for name, s in kept.items() if s}
         return {"names": self.names(), "values": dict(self._read()), "sketches": sketches}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

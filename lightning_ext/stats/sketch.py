@@ -120,10 +120,6 @@ class LogHistogram:
             k = torch.arange(self.first - 1, self.first + self.buckets, dtype=torch.float64)
             return (k * math.log(self.gamma)).exp_().to(device)
 
-    @functools.cached_property
-    def _edges(self) -> np.ndarray:
-        return self.edges().numpy()
-
     def _groups(self, level: int) -> int:
         """``M_c``: the buckets per sign at collapse level ``level``."""
         return -(-self.buckets // (1 << level))
@@ -163,7 +159,8 @@ class LogHistogram:
         made once per level (a histogram read slices it)."""
         limits = self._limits.get(level)
         if limits is None:
-            edges = self._edges[np.minimum(np.arange(self._groups(level) + 1) << level, self.buckets)]
+            edges = self.edges().numpy()  # (made once per level)
+            edges = edges[np.minimum(np.arange(self._groups(level) + 1) << level, self.buckets)]
             limits = self._limits[level] = np.concatenate(([-np.inf], -edges[::-1], edges, [np.inf]))
             limits.flags.writeable = False
         return limits

@@ -659,7 +659,7 @@ def test_a_staged_report_checks_its_name() -> None:
 
 def test_bad_steps_and_forget_after_name_the_argument() -> None:
     c = Collector()
-    with pytest.raises(ValueError, match=r"^Collector.update: `step` must be an int >= 0, got -1$"):
+    with pytest.raises(ValueError, match=r"^Collector.update: `step` must be an int >= 0 or None, got -1$"):
         c.update(step=-1)
     with pytest.raises(TypeError, match=r"^Collector.update: `step` must be an int >= 0.*got 1.5 \(float\)$"):
         c.update(step=1.5)
