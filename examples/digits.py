@@ -54,6 +54,7 @@ from examples.common import (
     read_metrics_csv,
     start_run,
 )
+from lightning_ext.perf import LOST_TIME_CAUSES
 from lightning_ext.stats import report
 
 # ---------------------------------------------------------------------------------------------
@@ -408,12 +409,10 @@ def _print_performance(metrics: dict[str, Any], console: Any) -> None:
             + (f"; MFU {value['Throughput/mfu']:.2%}" if "Throughput/mfu" in value else "")
         )
     if "Goodput/goodput" in value:
-        parts = {
-            key[8:-4]: v for key, v in value.items() if key.startswith("Goodput/") and key.endswith("_sec")
-        }
+        parts = {p: value.get(f"Goodput/{p}_sec") for p in ("productive", *LOST_TIME_CAUSES, "other")}
         console.print(
             f"Goodput: {value['Goodput/goodput']:.1%} of the wall time since the first launch, "
-            + ", ".join(f"{part} {seconds:.1f} s" for part, seconds in parts.items())
+            + ", ".join(f"{part} {seconds:.1f} s" for part, seconds in parts.items() if seconds is not None)
         )
 
 

@@ -23,8 +23,9 @@ __all__ = ["Throughput"]
 # The per-rank name whose slowest rank TrainingStats names (the largest seconds per sample)
 _SEC_PER_SAMPLE = "Throughput/sec_per_sample"
 # Where the callback is, between its hooks: the time since the last switch goes to the state's bucket.
-_STATES = ("step", "data", "validation", "checkpoint", "flush", "other")
-_CAUSES = {"data": "data_wait", "validation": "validation", "checkpoint": "checkpointing"}  # state => cause
+_STATES = ("startup", "step", "data", "validation", "checkpoint", "flush", "other")
+_CAUSES = {"startup": "startup", "data": "data_wait", "validation": "validation",
+           "checkpoint": "checkpointing"}  # state => cause
 
 
 def _compute_dtype(precision: str) -> torch.dtype | str:
@@ -52,19 +53,21 @@ class Throughput(HookBase):
     step, under its precision) and scales them with the samples; a callable gives a micro-batch's FLOPs
     (variable sequence lengths: a formula of the batch); ``None`` counts none.
 
-    Time, host wall time. Every second of a rank goes to one part, switched by this callback's
-    Lightning hooks: a training step (``on_train_batch_start`` to ``on_train_batch_end`` of each
-    micro-batch); data wait (from there to the next micro-batch, or from the start of an epoch or the
-    end of a validation run: the loading, the transfer and the end-of-batch work of the callbacks
-    after this one); validation (``on_validation_start`` to ``on_validation_end``, the sanity check
-    included); checkpointing (from Lightning's call of ``state_dict``, when it gathers a checkpoint, to
-    this callback's next hook: the write and Lightning's barrier after it, and for a save at the end
-    of a batch the next batch's fetch; a weights-only save is not seen); the flush's reductions
-    (``before_stats_flush`` to ``stats_flush_metrics``); the rest (epoch ends). A rank's training time
-    in an interval is its wall time less validation, checkpointing and the flush. On CUDA a part ends
-    when the host leaves it (device work still queued lands in the next part), and before a flush it
-    synchronizes the device, so that an interval holds all of its device work (the flush's read would
-    wait for the same work).
+    Time, host wall time. Every second of a rank goes to one part, switched by this callback's Lightning
+    hooks: the start-up (from the callback's construction, or a resume's load of its state, to the start
+    of training: the spawn, the setup, the model's and the data's preparation); a training step
+    (``on_train_batch_start`` to ``on_train_batch_end`` of each micro-batch); data wait (from there to the
+    next micro-batch, or from the start of an epoch or the end of a validation run: the loading, the
+    transfer and the end-of-batch work of the callbacks after this one); validation
+    (``on_validation_start`` to ``on_validation_end``, the sanity check included, after which the start-up
+    goes on); checkpointing (from Lightning's call of ``state_dict``, when it gathers a checkpoint, to
+    this callback's next hook: the write and Lightning's barrier after it, and for a save at the end of a
+    batch the next batch's fetch; a weights-only save is not seen); the flush's reductions
+    (``before_stats_flush`` to ``stats_flush_metrics``); the rest (epoch ends). A rank's training time in
+    an interval is its wall time less validation, checkpointing and the flush. On CUDA a part ends when
+    the host leaves it (device work still queued lands in the next part), and before a flush it
+    synchronizes the device, so that an interval holds all of its device work (the flush's read would wait
+    for the same work).
 
     Per rank and flush it ``report()``-s (ordinary names: ``TrainingStats`` writes their statistics)
     ``Throughput/samples``, ``Throughput/train_sec`` and ``Throughput/sec_per_sample`` (its training
@@ -85,15 +88,15 @@ class Throughput(HookBase):
     ``Throughput/sec_per_sample`` (its default does). A rank reports nothing at a flush without an
     iteration since the previous one (the epoch-end flush right after a periodic one).
 
-    Goodput. A :class:`~lightning_ext.perf.GoodputLedger` made at construction (the first launch: make
-    the callback early) books the steps that updated the model as productive, those the loss scaler
-    skipped (:class:`~lightning_ext.amp.DynamicLossScaler`'s ``last_step_skipped_tensor``, read on the
-    device, summed at the flush) as ``skipped_steps``, and the data wait, validation and checkpointing
+    Goodput. A :class:`~lightning_ext.perf.GoodputLedger` made at construction (the first launch: make the
+    callback early) books the steps that updated the model as productive, those the loss scaler skipped
+    (:class:`~lightning_ext.amp.DynamicLossScaler`'s ``last_step_skipped_tensor``, read on the device,
+    summed at the flush) as ``skipped_steps``, and the start-up, data wait, validation and checkpointing
     parts above; it rides in the checkpoint (this callback's state), and a resumed job books the time
-    since the checkpoint as ``restart``. Rank zero's ledger is the job's (the one the checkpoint
-    carries): ``report0()``-ed as ``Goodput/goodput`` and ``Goodput/<part>_sec`` (``productive``, the
-    causes of :data:`~lightning_ext.perf.LOST_TIME_CAUSES`, ``other``), which add up to the wall time
-    since the first launch.
+    since the checkpoint as ``restart``. Rank zero's ledger is the job's (the one the checkpoint carries):
+    ``report0()``-ed as ``Goodput/goodput`` and ``Goodput/<part>_sec`` (``productive``, the causes of
+    :data:`~lightning_ext.perf.LOST_TIME_CAUSES`, ``other``), which add up to the wall time since the
+    first launch.
 
     The peak (``peak_flops_per_sec=None``): :func:`~lightning_ext.perf.peak_flops` of the CUDA device
     for ``peak_dtype`` (default: the compute dtype of the Trainer's precision); on a CPU,
@@ -147,7 +150,8 @@ class Throughput(HookBase):
         self.ledger = GoodputLedger()
         #: the keys the last flush with an interval derived (identical on every rank).
         self.last_metrics: dict[str, float] = {}
-        self._state, self._since = "other", time.perf_counter()
+        self._state, self._since = "startup", time.perf_counter()  # (the same clock in spawned ranks)
+        self._validated_from = "data"  # the state a validation run returns to (the sanity check: startup)
         self._peak: float | None = None  # this device's peak FLOP/s in use
         self._flops_per_sample: tuple[float, float] | None = None  # (model, hardware) from the count
         self._counter: tuple[FlopCounter, Any] | None = None  # open over the counted micro-batch
@@ -280,11 +284,11 @@ class Throughput(HookBase):
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._switch("validation")
+        self._validated_from = self._switch("validation")
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._switch("data")
+        self._switch("startup" if self._validated_from == "startup" else "data")  # (the sanity check's)
         super().on_validation_end(trainer, pl_module)
 
     @override
@@ -305,7 +309,7 @@ class Throughput(HookBase):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.ledger.load_state_dict(state_dict["goodput"])  # books the time since it was saved,
-        self._switch("other")
+        self._switch("startup")  # (from here to the training: this start-up's rest)
         self._unbooked()  # which holds what this process did until now
 
     # ------------------------------------------------------------------ TrainingStats' flush

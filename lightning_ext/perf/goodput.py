@@ -12,21 +12,22 @@ from lightning_ext._checks import check_choice, check_int, check_number
 __all__ = ["LOST_TIME_CAUSES", "GoodputLedger"]
 
 # The causes of lost time an adapter reports; "other" (what nobody reported) is computed, never added.
-LOST_TIME_CAUSES = ("data_wait", "validation", "checkpointing", "skipped_steps", "restart")
+LOST_TIME_CAUSES = ("startup", "data_wait", "validation", "checkpointing", "skipped_steps", "restart")
 _STATE_KEYS = ("first_launch", "saved_at", "productive", "lost", "restarts")
 
 
 class GoodputLedger:
     """Wall time since a job's first launch, split into productive time and time lost by cause.
 
-    Goodput = productive seconds ÷ wall seconds since the first launch. An adapter (or a plain loop)
-    feeds the ledger with what it timed: :meth:`productive` for training steps that updated the model,
-    :meth:`add` for time lost to a cause of :data:`LOST_TIME_CAUSES` (``"skipped_steps"``: steps the
-    loss scaler skipped). Carried across restarts in a checkpoint: :meth:`state_dict` stamps the
-    moment it is taken, and :meth:`load_state_dict` in the relaunched job books everything since then
-    as ``"restart"`` (the crash, the work after the checkpoint, the queue, the start-up up to the
-    load). The parts add up to the wall time by construction: what nobody reported is ``"other"``,
-    negative only when the reports overlapped (the same seconds reported twice).
+    Goodput = productive seconds ÷ wall seconds since the first launch. An adapter (or a plain loop) feeds
+    the ledger with what it timed: :meth:`productive` for training steps that updated the model,
+    :meth:`add` for time lost to a cause of :data:`LOST_TIME_CAUSES` (``"startup"``: from the first launch
+    to the first training step, ``"skipped_steps"``: steps the loss scaler skipped). Carried across
+    restarts in a checkpoint: :meth:`state_dict` stamps the moment it is taken, and
+    :meth:`load_state_dict` in the relaunched job books everything since then as ``"restart"`` (the crash,
+    the work after the checkpoint, the queue, the start-up up to the load). The parts add up to the wall
+    time by construction: what nobody reported is ``"other"``, negative only when the reports overlapped
+    (the same seconds reported twice).
 
     Local to a process, no collective: each rank keeps its own; wall times are ``clock()`` (default
     ``time.time``, which agrees across processes and restarts on one machine, and across machines as
@@ -100,27 +101,31 @@ class GoodputLedger:
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue the job of ``state_dict``: its first launch and totals replace this ledger's, and
-        the time from its ``saved_at`` to now is booked as ``"restart"`` (one more restart).
+        the time from its ``saved_at`` to now is booked as ``"restart"`` (one more restart). A cause
+        that ``lost`` lacks (a state saved before the cause existed) starts at 0.
 
         Raises:
             ValueError: a key missing, or a ``lost`` cause unknown.
-            TypeError: a value not a finite number (``restarts``: not an int).
+            TypeError: ``lost`` not a mapping, a value not a finite number (``restarts``: not an int).
         """
         missing = [key for key in _STATE_KEYS if key not in state_dict]
-        if missing or set(state_dict["lost"]) != set(LOST_TIME_CAUSES):
+        owner, lost = "GoodputLedger.load_state_dict", state_dict.get("lost", {})
+        if not isinstance(lost, Mapping):
+            raise TypeError(f"{owner}: `lost` must be a mapping of causes to seconds, got {lost!r}")
+        unknown = sorted(set(lost) - set(LOST_TIME_CAUSES))
+        if missing or unknown:
             raise ValueError(
-                f"GoodputLedger.load_state_dict: `state_dict` must have the keys {_STATE_KEYS} and "
-                f"`lost` the causes {LOST_TIME_CAUSES}, got {sorted(state_dict)} (missing {missing})"
+                f"{owner}: `state_dict` must have the keys {_STATE_KEYS} and `lost` causes of "
+                f"{LOST_TIME_CAUSES}, got {sorted(state_dict)} (missing {missing}) and the causes {unknown}"
             )
-        owner = "GoodputLedger.load_state_dict"
         for key in ("first_launch", "saved_at", "productive"):
             check_number(owner, key, state_dict[key])
-        for cause, seconds in state_dict["lost"].items():
+        for cause, seconds in lost.items():
             check_number(owner, f"lost[{cause!r}]", seconds, ge=0.0)
         check_int(owner, "restarts", state_dict["restarts"], ge=0)
         self.first_launch = float(state_dict["first_launch"])
         self._productive = float(state_dict["productive"])
-        self._lost = {cause: float(state_dict["lost"][cause]) for cause in LOST_TIME_CAUSES}
+        self._lost = {cause: float(lost.get(cause, 0.0)) for cause in LOST_TIME_CAUSES}
         # 0 when this clock reads earlier than the saving one did (clocks of two machines disagree).
         self._lost["restart"] += max(self._clock() - state_dict["saved_at"], 0.0)
         self.restarts = int(state_dict["restarts"]) + 1

@@ -454,6 +454,7 @@ def test_goodput_adds_up_across_a_sigkill_and_a_resume(tmp_path: Path) -> None:
     # restart); slow writes at 8 and 12 (the one at 4 follows the taking of its own state).
     assert summary["validation"] >= 2 * SLEEP and summary["checkpointing"] >= 2 * SLEEP
     assert summary["productive"] > 0.0 and 0.0 < summary["goodput"] < 1.0
+    assert summary["startup"] > 0.0  # of both launches: after the first one, after the load
     print({key: round(value, 3) for key, value in summary.items()})
 
 
@@ -480,6 +481,25 @@ class _Checkpointed(pl.LightningModule):
 
     def train_dataloader(self):
         return DataLoader([_batch(4, i) for i in range(8)], batch_size=None)
+
+
+def test_the_start_up_is_its_own_part_and_the_sanity_check_validation() -> None:
+    throughput = Throughput(flops_fn=None)  # the first launch
+    time.sleep(1.0)  # what the script prepares after it
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=4, num_sanity_val_steps=1, limit_val_batches=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[throughput, TrainingStats(every_n_train_steps=2)],
+    )  # fmt: skip
+    trainer.fit(_Model(fixed=True))
+    summary = throughput.ledger.summary()
+    parts = ["productive", *LOST_TIME_CAUSES, "other"]
+    assert sum(summary[p] for p in parts) == pytest.approx(summary["wall"], rel=1e-12)
+    # The second slept and Lightning's setup are the start-up, not "other" (the epoch ends, the
+    # flushes); the sanity check's sleep is validation.
+    assert summary["startup"] >= 1.0 > summary["other"] >= 0.0 and summary["validation"] >= SLEEP
+    written = trainer.callback_metrics["Goodput/startup_sec"].item()  # (float32)
+    assert written == pytest.approx(summary["startup"], rel=1e-6)
 
 
 def test_hfu_counts_recomputation_and_skipped_steps_are_lost_time() -> None:

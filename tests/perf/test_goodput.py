@@ -71,6 +71,21 @@ def test_restart_gap_is_the_time_since_the_checkpointed_moment():
     assert resumed.summary()["restarts"] == 2
 
 
+def test_a_state_saved_before_a_cause_existed_loads_with_that_cause_at_zero():
+    clock = _Clock()
+    ledger = GoodputLedger(clock=clock)
+    ledger.add("startup", 3.0)
+    ledger.add("data_wait", 2.0)
+    state = ledger.state_dict()
+    del state["lost"]["startup"]  # as an earlier version saved it
+    clock.now += 10.0
+    resumed = GoodputLedger(clock=clock)
+    resumed.load_state_dict(state)
+    summary = resumed.summary()
+    assert summary["startup"] == 0.0 and summary["data_wait"] == 2.0 and summary["restart"] == 10.0
+    _parts_add_up(summary)
+
+
 def test_bad_input_is_refused_with_the_argument_named():
     ledger = GoodputLedger(clock=_Clock())
     with pytest.raises(ValueError, match=r"GoodputLedger.add: `cause` must be one of .*got 'other'"):
@@ -86,8 +101,10 @@ def test_bad_input_is_refused_with_the_argument_named():
     state = ledger.state_dict()
     with pytest.raises(ValueError, match=r"`state_dict` must have the keys .*\(missing \['saved_at'\]\)"):
         ledger.load_state_dict({k: v for k, v in state.items() if k != "saved_at"})
-    with pytest.raises(ValueError, match=r"`lost` the causes"):
+    with pytest.raises(ValueError, match=r"`lost` causes of \('startup', .*and the causes \['coffee'\]"):
         ledger.load_state_dict({**state, "lost": {**state["lost"], "coffee": 1.0}})
+    with pytest.raises(TypeError, match=r"`lost` must be a mapping of causes to seconds, got \[1.0\]"):
+        ledger.load_state_dict({**state, "lost": [1.0]})
     with pytest.raises(TypeError, match=r"load_state_dict: `restarts` must be an int >= 0, got 1.5"):
         ledger.load_state_dict({**state, "restarts": 1.5})
     assert ledger.state_dict()["restarts"] == 0  # nothing was loaded
