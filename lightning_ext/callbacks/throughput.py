@@ -55,7 +55,7 @@ class Throughput(HookBase):
 
     Time, host wall time. Every second of a rank goes to one part, switched by this callback's Lightning
     hooks: the start-up (from the callback's construction, or a resume's load of its state, to the start
-    of training: the spawn, the setup, the model's and the data's preparation); a training step
+    of training: the spawn, the setup, the preparation, a peak measured); a training step
     (``on_train_batch_start`` to ``on_train_batch_end`` of each micro-batch); data wait (from there to the
     next micro-batch, or from the start of an epoch or the end of a validation run: the loading, the
     transfer and the end-of-batch work of the callbacks after this one); validation
@@ -209,9 +209,9 @@ class Throughput(HookBase):
 
     @override
     def before_train(self) -> None:
+        self._flops_per_sample, self._peak = None, self._find_peak()  # (a measured peak: in the start-up)
         self._switch("other")
         self._restart()
-        self._flops_per_sample, self._peak = None, self._find_peak()
         scaler = getattr(self.trainer.strategy.precision_plugin, "scaler", None)
         self._skip_flag = getattr(scaler, "last_step_skipped_tensor", None) is not None
 
