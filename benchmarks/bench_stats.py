@@ -628,7 +628,7 @@ def run_flush_floor(
 def _case_label(case: tuple[int, ...]) -> str:
     k, sketched, straggled, throughput = (*case, 0, 0)[:4]
     extra = f", {sketched} sketched" if sketched else ""
-    extra += " + Throughput's fields (14 names, its straggler, the derived rates)" if throughput else ""
+    extra += " + Throughput's fields (15 names, its straggler, the derived rates)" if throughput else ""
     return f"{k}{extra}{f' + histograms, {straggled} with the straggler' if straggled else ''}"
 
 
