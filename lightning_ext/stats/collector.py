@@ -240,9 +240,9 @@ class Collector:
         self._index, self._names_fp = {n: i for i, n in enumerate(names)}, _fingerprint(names)
         self._row = {(a, names[i]): j for j, (a, i) in enumerate(rows)}
         self._q = sum(a == "quantiles" for a, _ in rows)
-        self._at = torch.tensor([i for _, i in rows], dtype=torch.int64, device=device)
-        self._straggled = np.array([i for a, i in rows if a == "stragglers"], np.int64)
-        self._slowest = np.full(len(self._straggled), -math.inf)
+        self._named = np.array([i for _, i in rows], np.int64)  # each sketch row's name, on the host
+        self._at = torch.from_numpy(self._named).to(device)
+        self._slowest = np.full(len(rows) - self._q, -math.inf)
         self._max = torch.full((_HEAD + 5 * r,), -math.inf, **f64)
         self._sum = torch.zeros(5 * r + len(rows) * WORDS, **f64)
         self._extremes, self._moments = self._max[_HEAD:], self._sum[: 5 * r].view(r, 5)
@@ -384,16 +384,17 @@ class Collector:
     def _publish_sketches(self, layout: np.ndarray) -> None:
         """Keep the reduced windows of the rows with values, packed (the others keep theirs with
         ``keep_previous``; a straggler name's rank means are of its last interval only)."""
-        n, r, (w, full) = len(self._at), len(self._names), layout[-2:].tolist()
-        words = self._host("sum")[5 * r : 5 * r + n * w].reshape(n, w).copy()
+        n, r, (w, full), summed = len(self._at), len(self._names), layout[-2:].tolist(), self._host("sum")
+        words = summed[5 * r : 5 * r + n * w].reshape(n, w).copy()
         windows = layout[: 3 * n].reshape(3, n).copy()  # level, start, bits a count (0: no values)
-        if full < n:  # the rows without values keep their window (keep_previous)
-            keep = (windows[2] == 0) & (np.arange(n) < self._q) & self.keep_previous
+        if full < n:  # the rows of names without values (nor non-finite ones) keep their window
+            idle = summed[4 : 5 * r : 5][self._named] == 0  # (keep_previous, as the statistics)
+            keep = (windows[2] == 0) & idle & (np.arange(n) < self._q) & self.keep_previous
             kept, old = np.zeros((n, max(w, self._words.shape[1]))), self._words
             kept[:, :w], kept[keep, : old.shape[1]] = words, old[keep]  # (words without values: 0)
             windows, words = np.where(keep, self._windows, windows), kept
         self._windows, self._words = windows, words
-        self._slowest = self._host("max")[_HEAD + 4 * r :][self._straggled]  # -inf where no rank had values
+        self._slowest = self._host("max")[_HEAD + 4 * r :][self._named[self._q :]]  # -inf: no rank had values
 
     def _disagree(self, group: Any, world: int, step: float) -> None:
         """The rare round: every rank (each saw the same MAX) gathers each rank's configuration and step,

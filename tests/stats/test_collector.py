@@ -606,6 +606,24 @@ def test_state_dict_and_pickle_round_trip() -> None:
     assert clone.updated() == ["Loss"]  # the views follow the unpickled buffers, not pickled copies
 
 
+def test_an_interval_of_non_finite_values_only_drops_the_sketch_as_it_drops_the_statistics() -> None:
+    """keep_previous keeps what a name had when it received nothing; a name that received only NaN or
+    ±inf received values: its percentiles are NaN like its mean, not the last interval's."""
+    kept = Collector(quantiles="x|idle")
+    report("x", [1.0, 2.0, 3.0])
+    report("idle", [5.0])
+    kept.update()
+    report("x", [math.nan, math.inf])
+    kept.update()
+    assert kept.updated() == ["x"] and (kept.num("x"), kept.nonfinite("x")) == (0, 2)
+    assert math.isnan(kept.mean("x")) and math.isnan(kept.quantile("x", 0.5))
+    assert [a.size for a in kept.histogram("x")] == [0, 0]
+    assert kept.quantile("idle", 0.5) == pytest.approx(5.0, rel=0.01)  # nothing received: kept
+    report("x", 4.0)
+    kept.update()
+    assert kept.quantile("x", 0.5) == pytest.approx(4.0, rel=0.01)
+
+
 def test_updated_names_and_stages_keep_values_apart() -> None:
     clear_statistics()
     train, val = Collector(regex="L.*"), Collector(regex="L.*", stage="validate")
