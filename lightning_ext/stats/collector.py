@@ -227,14 +227,16 @@ class Collector:
             for new, old in zip(state, (self._published, self._next_shift, self._idle)):
                 new[dst] = old.to(device)[src]
         self._published, self._next_shift, self._idle = state
-        sketch = np.zeros((3, len(rows)), np.int64), np.zeros((len(rows), 1))  # (0 bits: no values)
+        sketch = np.zeros((3, len(rows)), np.int64), np.zeros((len(rows), 1)), np.full(len(rows), -math.inf)
         pairs = [(j, self._row[a, names[i]]) for j, (a, i) in enumerate(rows) if (a, names[i]) in self._row]
-        if pairs:
-            sketch = sketch[0], np.zeros((len(rows), self._words.shape[1]))
-            dst, src = zip(*pairs)
-            sketch[0][:, dst], sketch[1][dst, :] = self._windows[:, src], self._words[src, :]
-        self._windows, self._words = sketch  # each sketch row's level, start and bits a count; its words
-        # (float64 words: their integers, below 2^53, are exact)
+        if pairs:  # (0 bits: no values)
+            dst, src = map(list, zip(*pairs))
+            sketch = sketch[0], np.zeros((len(rows), self._words.shape[1])), sketch[2]
+            for new, old in zip((sketch[0].T, *sketch[1:]), (self._windows.T, self._words, self._slowest)):
+                new[dst] = old[src]
+        self._windows, self._words, self._slowest = sketch  # each sketch row's level, start and bits a
+        # count; its words (float64 words: their integers, below 2^53, are exact); its name's packed
+        # largest rank mean (-inf: no rank had values; read for the stragglers' rows)
         self._memo: dict[Any, Any] = {}  # what the queries read from the last update, read once (_once)
         self._names, self._device, self._world = names, device, world
         self._index, self._names_fp = {n: i for i, n in enumerate(names)}, _fingerprint(names)
@@ -242,7 +244,6 @@ class Collector:
         self._q = sum(a == "quantiles" for a, _ in rows)
         self._named = np.array([i for _, i in rows], np.int64)  # each sketch row's name, on the host
         self._at = torch.from_numpy(self._named).to(device)
-        self._slowest = np.full(len(rows) - self._q, -math.inf)
         self._max = torch.full((_HEAD + 5 * r,), -math.inf, **f64)
         self._sum = torch.zeros(5 * r + len(rows) * WORDS, **f64)
         self._extremes, self._moments = self._max[_HEAD:], self._sum[: 5 * r].view(r, 5)
@@ -339,6 +340,7 @@ class Collector:
             _all_reduce(self._sum[:size], dist.ReduceOp.SUM, group, world)
         again, forgettable = self._finish(local, center)  # (the rows emptied unless again)
         if again:  # rare; the same on every rank
+            self._idle.sub_(1).clamp_(min=0)  # (the second finish counts the idle names' update again)
             center = self._recenter(local, rank)
             _all_reduce(self._moments, dist.ReduceOp.SUM, group, world)
             again, forgettable = self._finish(local, center)
@@ -367,8 +369,7 @@ class Collector:
     def _finish(self, local: tuple, center: torch.Tensor) -> tuple[int, int]:
         """Publish (``moments_finish_``, which empties the rows ``local`` unless ``again``); ``(again,
         forgettable)``, one host read."""
-        self._memo = {}
-        out = (self._published, self._next_shift, self._idle, self._flags, *local[:2])
+        out, self._memo = (self._published, self._next_shift, self._idle, self._flags, *local[:2]), {}
         args = (self._extremes, self._moments, center, self.keep_previous, self.forget_after or 0)
         self._store.backend(self._device).run("moments_finish_", *out, *args)
         return tuple(int(flag) for flag in self._host("flags").tolist())  # (again, forgettable)
@@ -394,7 +395,7 @@ class Collector:
             kept[:, :w], kept[keep, : old.shape[1]] = words, old[keep]  # (words without values: 0)
             windows, words = np.where(keep, self._windows, windows), kept
         self._windows, self._words = windows, words
-        self._slowest = self._host("max")[_HEAD + 4 * r :][self._named[self._q :]]  # -inf: no rank had values
+        self._slowest = self._host("max")[_HEAD + 4 * r :][self._named]
 
     def _disagree(self, group: Any, world: int, step: float) -> None:
         """The rare round: every rank (each saw the same MAX) gathers each rank's configuration and step,
@@ -539,7 +540,7 @@ class Collector:
         return sketch and self._once(("straggler", name), lambda: self._straggler(name, sketch))
 
     def _straggler(self, name: str, sketch: tuple[int, int, np.ndarray]) -> Straggler:
-        k, mask = self._row["stragglers", name] - self._q, (1 << _rank_bits(self._world)) - 1
+        k, mask = self._row["stragglers", name], (1 << _rank_bits(self._world)) - 1
         packed, rank = float(self._slowest[k]), int(self._slowest.view(np.int64)[k]) & mask
         upper = 0.5 + 0.5 / float(sketch[2].sum())  # the upper middle rank: the two middle ones' mean
         median = sum(self.sketch.quantile(*sketch, (0.5, upper), *self._get(name)[3:5])) / 2
@@ -580,6 +581,7 @@ class Collector:
         self._idle = torch.ones(len(names), dtype=torch.float64)  # no update yet: nothing updated
         saved = {n: s for n, s in state.get("sketches", {}).items() if isinstance(s, tuple)}
         self._row = {("quantiles", n): j for j, n in enumerate(saved)}  # one count a word
+        self._slowest = np.full(len(saved), -math.inf)  # (no straggler kept)
         self._windows = np.array([[s[0], s[1], 53] for s in saved.values()], np.int64).reshape(-1, 3).T
         counts = [s[2].double() for s in saved.values()]
         self._words = torch.nn.utils.rnn.pad_sequence(counts, batch_first=True).numpy() if counts else None

@@ -519,6 +519,25 @@ def _nonfinite(rank: int, world_size: int, shared_memory: bool) -> dict:
             "q": c.quantile("x", 1.0 - 1e-9), "updated": c.updated()}  # fmt: skip
 
 
+def _jump_beside_an_idle_name(rank: int, world_size: int) -> list:
+    c = Collector(forget_after=2)
+    report("J", float(rank))
+    report("idle", 1.0)
+    c.update()
+    report("J", 1e9 + rank)  # 1e9 from the last mean: the SUM is redone around a rank mean (again)
+    c.update()
+    seen = [c.names(), c.mean("J")]
+    c.update()  # "idle" idle twice now
+    return [*seen, c.names()]
+
+
+def test_an_update_that_reduces_twice_counts_an_idle_name_once() -> None:
+    """The rare second reduction (cancellation) finishes the update again: an idle name's count of
+    updates without values must still grow by one, or forget_after forgets it early."""
+    for names, mean, later in run_distributed(_jump_beside_an_idle_name, 2, timeout=60):
+        assert (names, mean, later) == (["J", "idle"], 1e9 + 0.5, ["J"])
+
+
 @pytest.mark.parametrize(("world_size", "shared_memory"), [(2, True), (3, False)], ids=["2-shm", "3-gloo"])
 def test_non_finite_values_are_counted_over_ranks_and_hide_nothing(
     world_size: int, shared_memory: bool
@@ -622,6 +641,16 @@ def test_an_interval_of_non_finite_values_only_drops_the_sketch_as_it_drops_the_
     report("x", 4.0)
     kept.update()
     assert kept.quantile("x", 0.5) == pytest.approx(4.0, rel=0.01)
+
+
+def test_a_straggler_is_kept_when_another_name_is_forgotten_in_the_same_update() -> None:
+    c = Collector(stragglers="S", forget_after=1)
+    report("S", [2.0, 4.0])
+    report("gone", [])  # registered without values: forgotten by this update, which lays out anew
+    c.update()
+    rank, mean, median, ratio = c.straggler("S")
+    assert c.names() == ["S"] and (rank, mean) == (0, 3.0)
+    assert median == pytest.approx(3.0, rel=0.01) and ratio == pytest.approx(1.0, rel=0.01)
 
 
 def test_updated_names_and_stages_keep_values_apart() -> None:
