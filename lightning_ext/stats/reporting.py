@@ -76,8 +76,9 @@ class _State:
             routes.clear()
 
     def forget(self, ref: weakref.ref) -> None:
-        """Weakref callback: a collector died."""
-        self.stores[:] = [(r, s) for r, s in self.stores if r is not ref and r() is not None]
+        """Weakref callback: a collector died. It may run in any allocation (a garbage collection), also
+        while ``_route`` reads ``stores``: a new list, not the one being read changed under it."""
+        self.stores = [(r, s) for r, s in self.stores if r is not ref and r() is not None]
         self.forget_routes()
 
 

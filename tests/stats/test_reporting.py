@@ -349,6 +349,28 @@ def test_init_multiprocessing_validates_arguments() -> None:
     assert c.mean("A") == 1.0
 
 
+def test_a_collector_dying_while_a_name_is_routed_loses_the_others_nothing() -> None:
+    """A collector dies when the garbage collector frees it, in any allocation: here while report()
+    routes a new name (the name's routes are made then). The live collector after it still gets the
+    name, at once and later (the route is kept)."""
+    import gc
+
+    dying, live = Collector(regex="x"), Collector(regex="x")
+    held = [dying]
+    del dying
+
+    def wants(name: str) -> bool:  # the dying collector is asked first: the collection happens here
+        held.clear()
+        gc.collect()
+        return True
+
+    held[0]._store._wants = wants
+    report("x", 1.0)
+    report("x", 3.0)
+    live.update()
+    assert live.names() == ["x"] and (live.num("x"), live.mean("x")) == (2, 2.0)
+
+
 def test_clear_statistics_detaches_collectors_and_clears_pending() -> None:
     c = Collector()
     report("A", 1.0)
