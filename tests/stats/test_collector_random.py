@@ -67,12 +67,14 @@ def _snapshot(c: Collector) -> dict:
     return {"names": c.names(), "updated": c.updated(), "stats": stats}
 
 
-def _run(rank: int, world_size: int, seed: int, shared_memory: bool, keep_previous: bool) -> dict:
+def _run(
+    rank: int, world_size: int, seed: int, shared_memory: bool, keep_previous: bool, forget: int = FORGET
+) -> dict:
     if not shared_memory:  # before the first reduction, which decides the transport
         os.environ[SHM_ENV_VAR] = "0"
     clear_statistics()
     c = Collector(
-        quantiles=QUANTILES, stragglers=STRAGGLERS, keep_previous=keep_previous, forget_after=FORGET
+        quantiles=QUANTILES, stragglers=STRAGGLERS, keep_previous=keep_previous, forget_after=forget
     )
     snapshots = []
     for step, ranks in enumerate(_schedule(seed, world_size)):
@@ -83,7 +85,7 @@ def _run(rank: int, world_size: int, seed: int, shared_memory: bool, keep_previo
     return {"snapshots": snapshots, "shm": distributed.shm_available()}
 
 
-def _reference(seed: int, world_size: int, keep_previous: bool) -> list[dict]:
+def _reference(seed: int, world_size: int, keep_previous: bool, forget_after: int = FORGET) -> list[dict]:
     """Per flush: the names known after the update (forgotten ones gone), those updated, and per name
     its finite values over all ranks, its non-finite count, each rank's finite values, the shift its
     sums may have been taken about (its last mean; 0 for a new name), and whether they are an earlier
@@ -114,7 +116,7 @@ def _reference(seed: int, world_size: int, keep_previous: bool) -> list[dict]:
                 state["shift"] = math.fsum(finite) / len(finite)
             state["kept"] = entry
             entries[name] = entry
-        for name in [n for n, state in known.items() if state["idle"] >= FORGET]:
+        for name in [n for n, state in known.items() if state["idle"] >= forget_after]:
             del known[name]  # forgotten by this update: new when reported again
         out.append({"names": sorted(known), "updated": updated, "entries": entries})
     return out
