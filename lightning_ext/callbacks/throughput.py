@@ -22,6 +22,7 @@ __all__ = ["Throughput"]
 
 # The per-rank name whose slowest rank TrainingStats names (the largest seconds per sample)
 _SEC_PER_SAMPLE = "Throughput/sec_per_sample"
+_GOODPUT_PARTS = ("productive", *LOST_TIME_CAUSES, "other")
 # Where the callback is, between its hooks: the time since the last switch goes to the state's bucket.
 _STATES = ("startup", "step", "data", "validation", "checkpoint", "flush", "other")
 _CAUSES = {"startup": "startup", "data": "data_wait", "validation": "validation",
@@ -93,18 +94,21 @@ class Throughput(HookBase):
     (:class:`~lightning_ext.amp.DynamicLossScaler`'s ``last_step_skipped_tensor``, read on the device,
     summed at the flush) as ``skipped_steps``, and the start-up, data wait, validation and checkpointing
     parts above; it rides in the checkpoint (this callback's state), and a resumed job books the time
-    since the checkpoint as ``restart``. Rank zero's ledger is the job's (the one the checkpoint carries):
-    ``report0()``-ed as ``Goodput/goodput`` and ``Goodput/<part>_sec`` (``productive``, the causes of
-    :data:`~lightning_ext.perf.LOST_TIME_CAUSES`, ``other``), which add up to the wall time since the
-    first launch.
+    since the checkpoint as ``restart`` (a fit from the checkpoint: ``test``/``validate`` with a
+    ``ckpt_path`` leave the ledger as it is). Rank zero's ledger is the job's (the one the checkpoint
+    carries): ``report0()``-ed as ``Goodput/goodput`` and ``Goodput/<part>_sec`` (``productive``, the
+    causes of :data:`~lightning_ext.perf.LOST_TIME_CAUSES`, ``other``), which add up to the wall time
+    since the first launch.
 
     The peak (``peak_flops_per_sec=None``): :func:`~lightning_ext.perf.peak_flops` of the CUDA device
     for ``peak_dtype`` (default: the compute dtype of the Trainer's precision); on a CPU,
     :func:`~lightning_ext.perf.measure_peak_flops` at the start of training (every rank at once, as they
     share the machine while training). No peak known: no MFU, said once.
 
-    Put it before ``TrainingStats`` in ``callbacks``. ``TrainingStats`` checks at ``setup`` that every
-    rank has the same ``Throughput`` (its ``repr``). Host syncs: one at the first micro-batch with
+    Put it before ``TrainingStats`` in ``callbacks``; one ``TrainingStats`` collects its names (the
+    intervals are those of its flushes): with several, give the others a ``regex`` that excludes them
+    (``setup`` raises otherwise). ``TrainingStats`` checks at ``setup`` that every rank has the same
+    ``Throughput`` (its ``repr``). Host syncs: one at the first micro-batch with
     ``flops_fn="count"`` (the samples counted, when a tensor), at each flush one on CUDA and one with a
     loss scaler (the skipped time). Collectives: none of its own.
 
@@ -128,6 +132,14 @@ class Throughput(HookBase):
         >>> throughput.flops_fn, throughput.ledger.restarts
         ('count', 0)
     """
+
+    #: the names :meth:`before_stats_flush` reports: the ``TrainingStats`` whose ``regex`` matches them
+    #: calls it at its flushes (one may; ``TrainingStats`` raises at ``setup`` when several do).
+    stats_flush_names: tuple[str, ...] = (
+        "Throughput/train_sec", "Throughput/samples", _SEC_PER_SAMPLE, "Throughput/tokens",
+        "Throughput/flops", "Throughput/peak_flops_per_sec", "Throughput/hardware_flops", "Goodput/goodput",
+        *(f"Goodput/{part}_sec" for part in _GOODPUT_PARTS),
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -156,6 +168,7 @@ class Throughput(HookBase):
         self._flops_per_sample: tuple[float, float] | None = None  # (model, hardware) from the count
         self._counter: tuple[FlopCounter, Any] | None = None  # open over the counted micro-batch
         self._flushes = 0
+        self._fitting = True  # the stage set up is a fit (a checkpoint loaded resumes the job)
         self._unbooked()
         self._restart()
 
@@ -307,7 +320,14 @@ class Throughput(HookBase):
         return {"goodput": self.ledger.state_dict()}
 
     @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._fitting = stage == "fit"
+
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not self._fitting:  # test/validate(ckpt_path=...): no restart; the job's ledger stays
+            return
         self.ledger.load_state_dict(state_dict["goodput"])  # books the time since it was saved,
         self._switch("startup")  # (from here to the training: this start-up's rest)
         self._unbooked()  # which holds what this process did until now
@@ -327,7 +347,7 @@ class Throughput(HookBase):
             self._report_interval()
         summary = self.ledger.summary()
         report0("Goodput/goodput", summary["goodput"])
-        for part in ("productive", *LOST_TIME_CAUSES, "other"):
+        for part in _GOODPUT_PARTS:
             report0(f"Goodput/{part}_sec", summary[part])
 
     def _report_interval(self) -> None:

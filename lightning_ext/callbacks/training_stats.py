@@ -145,11 +145,14 @@ class TrainingStats(Callback):
     (``; slowest by throughput: rank 0 (412 samples/s = 0.87x the median rank)``). Host names are
     gathered once, at ``setup``.
 
-    Contributors. A callback of the Trainer that defines ``before_stats_flush()`` and
-    ``stats_flush_metrics(collector)`` (:class:`~lightning_ext.callbacks.Throughput`) takes part in
-    every training flush, on every rank: the first is called right before the collector's update (it
-    ``report()``-s its values of the interval), the second after it, and returns keys derived from the
-    reduced values (identical on every rank), written with the others (behind ``prefix``). The
+    Contributors. A callback of the Trainer that defines ``before_stats_flush()``,
+    ``stats_flush_metrics(collector)`` and ``stats_flush_names`` (the names the first reports:
+    :class:`~lightning_ext.callbacks.Throughput`) takes part in every training flush of the one
+    ``TrainingStats`` whose ``regex`` matches any of those names, on every rank: the first is called
+    right before the collector's update (it ``report()``-s its values of the interval since that
+    callback's previous flush), the second after it, and returns keys derived from the reduced values
+    (identical on every rank), written with the others (behind ``prefix``). Several ``TrainingStats``
+    collecting its names raise at ``setup`` (the flushes of each would cut the others' intervals). The
     contributors' ``repr`` is among the arguments the ranks must agree on at ``setup``.
 
     Warnings, once, on rank zero: straggler names of ``IterationTimer`` asked for on several
@@ -180,12 +183,14 @@ class TrainingStats(Callback):
     Raises:
         ValueError: ``every_n_train_steps < 1``, ``stats`` is empty or holds an unknown statistic or
             a percentile without ``quantiles``, a pattern does not compile, a sketch or straggler
-            parameter is out of range (at construction); the ranks' arguments differ (at ``setup``, on
-            every rank); a reported name equals a derived key (at a flush, on every rank).
+            parameter is out of range (at construction); the ranks' arguments differ, or several
+            ``TrainingStats`` collect a contributor's names (at ``setup``, on every rank); a reported
+            name equals a derived key (at a flush, on every rank).
         TypeError: ``every_n_train_steps`` or ``straggler_patience`` is not an int, ``regex``/``prefix``
             is not a str, ``stats`` is a str, ``on_step``/``on_epoch``/``keep_previous`` is not a
             bool, ``quantiles`` or ``stragglers`` neither a str nor None, ``straggler_excess`` or
-            ``straggler_min_sec`` not a finite number.
+            ``straggler_min_sec`` not a finite number (at construction); a contributor has no
+            ``stats_flush_names`` (at ``setup``).
 
     Example::
 
@@ -246,6 +251,7 @@ class TrainingStats(Callback):
         self.stage_collectors: dict[str, Collector] = {}  # stage => its values (with ``on_epoch``)
         self._outer_stage: str | None = None  # the stage set before a loop's
         self.last_flush_step = -1  # iterations done at the last step-triggered flush
+        self._iterations: int | None = None  # iterations done in this fit (None: read at its start)
         self._global_step = 0  # trainer.global_step at the end of the previous batch
         self._pending_state: dict[str, Any] | None = None  # loaded before setup created the collector
 
@@ -261,6 +267,9 @@ class TrainingStats(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        _check_contributors(trainer)
+        if stage == "fit":  # a new fit counts its iterations from its start (a resume: its checkpoint's)
+            self.last_flush_step, self._iterations = -1, None
         several = _dist.is_distributed() and _dist.get_world_size() > 1
         init_multiprocessing(
             rank=trainer.global_rank, sync_device=_dist.collective_device() if several else None
@@ -289,7 +298,7 @@ class TrainingStats(Callback):
     def _agree(self, trainer: pl.Trainer) -> None:
         """Gather every rank's host name and arguments; raise on every rank unless the arguments agree."""
         mine = {**self._collector_args, **{arg: getattr(self, arg) for arg in _ARGUMENTS}}
-        mine["contributors"] = tuple(repr(c) for c in _contributors(trainer))  # they report into the flush
+        mine["contributors"] = tuple(repr(c) for c in _contributors(trainer, self.regex))  # into the flush
         rows: list[Any] = [None] * trainer.world_size
         torch.distributed.all_gather_object(rows, (socket.gethostname(), mine))
         self._hosts = [host for host, _ in rows]
@@ -314,14 +323,18 @@ class TrainingStats(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         stepped, self._global_step = trainer.global_step != self._global_step, trainer.global_step
-        done = _iterations_done(trainer) + 1  # this batch's iteration included
-        if self.on_step and stepped and done > self.last_flush_step and done % self.every_n_train_steps == 0:
-            self.last_flush_step = done
+        if not stepped:  # (a micro-batch that accumulated, or a training_step that did not step)
+            return
+        self._iterations += 1  # (Lightning's count of batches: of every batch in manual optimization)
+        if self.on_step and self._iterations % self.every_n_train_steps == 0:
+            self.last_flush_step = self._iterations
             self.flush(trainer)  # at Lightning's step for this batch: _iterations_done(trainer)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._global_step = trainer.global_step
+        if self._iterations is None:  # (automatic optimization: Lightning's count, restored on resume)
+            self._iterations = _iterations_done(trainer)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -423,7 +436,7 @@ class TrainingStats(Callback):
         collector = self.collector if stage is None else self.stage_collectors[stage]
         start = time.perf_counter()
         step = _iterations_done(trainer) if step is None else step
-        contributors = _contributors(trainer) if stage is None else []
+        contributors = _contributors(trainer, self.regex) if stage is None else []
         for contributor in contributors:
             contributor.before_stats_flush()
         collector.update(step=step)
@@ -563,10 +576,13 @@ class TrainingStats(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         if self.collector is None:
-            return self._pending_state or {"last_flush_step": self.last_flush_step, "collector": None}
+            return self._pending_state or {
+                "last_flush_step": self.last_flush_step, "iterations": self._iterations, "collector": None
+            }
         stages = {stage: c.state_dict() for stage, c in self.stage_collectors.items()}
         return {
             "last_flush_step": self.last_flush_step,
+            "iterations": self._iterations,
             "collector": self.collector.state_dict(),
             "stages": stages,
         }
@@ -574,6 +590,7 @@ class TrainingStats(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.last_flush_step = int(state_dict["last_flush_step"])
+        self._iterations = state_dict.get("iterations")  # (None: a checkpoint without it)
         if self.collector is None:  # before setup made the collectors: loaded by setup
             self._pending_state = state_dict
             return
@@ -584,9 +601,38 @@ class TrainingStats(Callback):
                 self.stage_collectors[stage].load_state_dict(state)
 
 
-def _contributors(trainer: pl.Trainer) -> list[Any]:
-    """The callbacks that report into the training flush (:class:`~lightning_ext.callbacks.Throughput`)."""
-    return [c for c in trainer.callbacks if callable(getattr(c, "stats_flush_metrics", None))]
+def _contributors(trainer: pl.Trainer, regex: str | None = None) -> list[Any]:
+    """The callbacks that report into a training flush (:class:`~lightning_ext.callbacks.Throughput`):
+    with ``regex``, those that report a name it matches (the flushes of the ``TrainingStats`` of that
+    ``regex`` call them)."""
+    found = [c for c in trainer.callbacks if callable(getattr(c, "stats_flush_metrics", None))]
+    if regex is None:
+        return found
+    return [c for c in found if any(re.fullmatch(regex, n) for n in getattr(c, "stats_flush_names", ()))]
+
+
+def _check_contributors(trainer: pl.Trainer) -> None:
+    """``TypeError`` for a contributor without its names, ``ValueError`` for one whose names several
+    ``TrainingStats`` collect: each of their flushes would report its interval and start the next, so
+    every collector but the most frequent would derive rates from pieces of its interval."""
+    stats = [cb for cb in trainer.callbacks if isinstance(cb, TrainingStats)]
+    for contributor in _contributors(trainer):
+        names, kind = getattr(contributor, "stats_flush_names", None), type(contributor).__name__
+        if not isinstance(names, tuple | list) or not names or not all(isinstance(n, str) for n in names):
+            raise TypeError(
+                f"TrainingStats: the callback {kind} defines stats_flush_metrics() but its "
+                f"`stats_flush_names` is {names!r}: it must be a non-empty tuple of the names its "
+                "before_stats_flush() reports (the TrainingStats whose regex matches them calls it)"
+            )
+        takers = [cb for cb in stats if contributor in _contributors(trainer, cb.regex)]
+        if len(takers) > 1:
+            exclude = "|".join(sorted({n.split("/")[0] + "/" for n in names}))
+            raise ValueError(
+                f"TrainingStats: {len(takers)} TrainingStats collect names that {kind} reports at a flush "
+                f"(regex={[cb.regex for cb in takers]}): each flush would report its interval and start "
+                f"the next, so the others' rates would be wrong. HINT: one TrainingStats collects them; "
+                f"exclude them from the others, e.g. regex='(?!{exclude}).*'"
+            )
 
 
 def _tensorboard_writer(logger: Any) -> Any:

@@ -549,3 +549,62 @@ def test_without_a_peak_no_mfu_and_without_a_flush_nothing_is_written() -> None:
     )  # fmt: skip
     with pytest.warns(UserWarning, match="Throughput: no TrainingStats flush ran, so nothing was written"):
         lonely.fit(_Model(fixed=True))
+
+
+class _EveryFlush(Callback):
+    """The keys of every flush of the ``TrainingStats`` ``stats`` (its own ``flush``, wrapped)."""
+
+    def __init__(self, stats: TrainingStats) -> None:
+        self.rows: list[dict[str, float]] = []
+        flush = stats.flush
+        stats.flush = lambda *args, **kwargs: self.rows.append(flush(*args, **kwargs)) or self.rows[-1]
+
+
+def test_one_training_stats_takes_its_names_and_another_one_cuts_no_interval() -> None:
+    # A loss written every iteration beside the rest every 4: the loss's flushes neither report
+    # Throughput's interval nor start a new one, so the every-4 flush derives its rates from 4 whole
+    # iterations (with both calling it, samples_per_sec was the sum of 4 one-iteration pieces over the
+    # longest one: near 4 times the rate).
+    throughput = Throughput(flops_fn=None)
+    losses, rest = TrainingStats(every_n_train_steps=1, regex="Loss/.*"), TrainingStats(every_n_train_steps=4)
+    recorded = _EveryFlush(rest)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=8, limit_val_batches=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[throughput, losses, rest],
+    )  # fmt: skip
+    trainer.fit(_Model(fixed=True))
+    periodic = [row for row in recorded.rows if "Throughput/samples_per_sec" in row][:2]  # (epoch ends aside)
+    assert len(periodic) == 2
+    for row in periodic:  # 4 iterations of 4 samples each, in the interval's seconds (one rank)
+        assert row["Throughput/samples"] == 16.0
+        rate = row["Throughput/samples_per_sec"]
+        assert rate * row["Throughput/train_sec"] == pytest.approx(16.0, rel=1e-12)
+        assert row["Throughput/samples_per_sec_per_device"] == rate
+    # Two TrainingStats collecting its names: setup raises, naming them and the fix.
+    both = pl.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Throughput(flops_fn=None), TrainingStats(every_n_train_steps=1),
+                   TrainingStats(every_n_train_steps=4)],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"2 TrainingStats collect names that Throughput reports .*"
+                       r"regex=\['\.\*', '\.\*'\].*regex='\(\?!Goodput/\|Throughput/\)\.\*'"):  # fmt: skip
+        both.fit(_Model(fixed=True))
+
+
+def test_validating_a_checkpoint_after_the_fit_is_no_restart(tmp_path: Path) -> None:
+    # Lightning loads the callbacks' states for validate/test(ckpt_path=...) too: the ledger is the
+    # job's, so such a load leaves it (it rewound it to the checkpoint and booked a restart).
+    throughput = Throughput(flops_fn=None)
+    saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=6, limit_val_batches=0, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[throughput, TrainingStats(every_n_train_steps=2), saves],
+    )  # fmt: skip
+    model = _Model(fixed=True)
+    trainer.fit(model)
+    booked = throughput.ledger.state_dict()
+    first = sorted(tmp_path.glob("*.ckpt"), key=lambda path: path.stat().st_mtime)[0]
+    trainer.validate(model, ckpt_path=str(first), verbose=False)
+    assert throughput.ledger.restarts == 0 and throughput.ledger.state_dict()["lost"] == booked["lost"]
+    assert throughput.ledger.state_dict()["productive"] == booked["productive"]

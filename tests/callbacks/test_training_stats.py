@@ -366,6 +366,41 @@ def test_manual_optimization_flushes_every_n_training_steps() -> None:
     assert all(m["Batch/idx/num"] == 3 for _, m in flushes)
 
 
+class _ManualAccumulation(_TwoOptimizers):
+    """Manual optimization stepping every other batch (Lightning's idiom for accumulating by hand)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        report("Batch/idx", float(batch_idx))
+        for optimizer, net in zip(self.optimizers(), (self.a, self.b)):
+            self.manual_backward(torch.nn.functional.mse_loss(net(x - 1e4), y))
+            if batch_idx % 2 == 1:
+                optimizer.step()
+                optimizer.zero_grad()
+
+    def train_dataloader(self):
+        return DataLoader(_dataset(), batch_size=6)  # 8 batches: 4 iterations
+
+
+def test_manual_accumulation_counts_iterations_and_a_reused_callback_counts_from_its_new_fit() -> None:
+    # Lightning's step counts every batch in manual optimization; the period counts the batches that
+    # stepped (it flushed every iteration here). The same callback in a new Trainer (a second stage of
+    # training) counts from that fit's start (it stayed silent until the first fit's count).
+    clear_statistics()
+    stats = TrainingStats(every_n_train_steps=2, regex="Batch/.*", stats=("mean", "num"), on_epoch=False)
+    for _ in range(2):
+        logger = _Steps()
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, max_epochs=1, logger=logger, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1000,
+            callbacks=[stats],
+        )  # fmt: skip
+        trainer.fit(_ManualAccumulation())
+        flushes = [(step, m) for step, m in logger.logged if "Batch/idx" in m]
+        assert [step for step, _ in flushes] == [3, 7]  # iterations 2 and 4 end with batches 3 and 7
+        assert [(m["Batch/idx"], m["Batch/idx/num"]) for _, m in flushes] == [(1.5, 4), (5.5, 4)]
+
+
 class _LoggingModule(pl.LightningModule):
     """Calls ``self.log`` every training and validation step and reports the iteration it runs."""
 
