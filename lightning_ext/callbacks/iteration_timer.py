@@ -109,7 +109,8 @@ class IterationTimer(HookBase):
         self._reset()
 
     def _reset(self) -> None:
-        self._step_start = 0.0  # perf_counter at before_step
+        self._batch_start = 0.0  # perf_counter at the start of the current micro-batch
+        self._busy_sec = 0.0  # host seconds of the current iteration's micro-batches (start to end)
         self._timed_start: float | None = None  # perf_counter when warm-up ended
         self._timed_sec = 0.0  # host seconds of the iterations after warm-up
         self._timed_iters = 0  # number of those iterations
@@ -164,14 +165,14 @@ class IterationTimer(HookBase):
 
     @override
     def before_step(self) -> None:
-        self._step_start = time.perf_counter()
-        self._marks = []
+        self._busy_sec, self._marks = 0.0, []
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        self._batch_start = time.perf_counter()
         self._mark("forward")
 
     @override
@@ -191,6 +192,7 @@ class IterationTimer(HookBase):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._busy_sec += time.perf_counter() - self._batch_start
         self._mark("data")  # until the next micro-batch: counted by HookBase.data_sec
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
@@ -198,8 +200,8 @@ class IterationTimer(HookBase):
     def after_step(self) -> None:
         now = time.perf_counter()
         iters_done = self.iter - self.start_iter + 1
-        if iters_done > self.warmup_iter:
-            self._timed_sec += now - self._step_start - self._data_sec_later + self.data_sec
+        if iters_done > self.warmup_iter:  # (a validation run between its micro-batches left out)
+            self._timed_sec += self.data_sec + self._busy_sec
             self._timed_iters += 1
             self._pending.append((self.data_sec, self._marks))
             self._report_completed()

@@ -155,6 +155,40 @@ def test_the_parts_of_an_iteration_add_up_to_its_wall_time(accumulate):
     assert lines[1] == "Total training time: 0:00:00 (0:00:00 on hooks)"  # hooks took no (fake) time
 
 
+class ValidatedModule(SlowModule):
+    """Validation runs of one batch, each ``VAL_SEC`` (a fake clock's)."""
+
+    @override
+    def validation_step(self, batch, batch_idx):
+        _clock.advance(VAL_SEC)
+
+    @override
+    def val_dataloader(self):
+        return DataLoader(torch.zeros(2, 4), batch_size=2)
+
+
+VAL_SEC = 2.0**-3  # per validation run
+
+
+def test_a_validation_run_between_the_micro_batches_of_an_iteration_is_not_its_time():
+    # Validation every 3 batches, 2 micro-batches an iteration: every other run lands inside an
+    # iteration, between its micro-batches. It is neither data time nor the iteration's time in the
+    # summary (it counted there, doubling the s / it of this job), but "hooks" time.
+    collector = Collector(regex="Timing/iteration_sec")
+    timer = IterationTimer(warmup_iter=1)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=6, accumulate_grad_batches=2, val_check_interval=3,
+        num_sanity_val_steps=0, callbacks=[timer], enable_progress_bar=False, enable_model_summary=False,
+        logger=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(ValidatedModule(), DataLoader(SlowDataset(), batch_size=2))
+    collector.update()
+    iteration = 2 * (DATA_SEC + STEP_SEC + WAIT_SEC + BACKWARD_SEC) + OPTIMIZER_SEC
+    assert collector.min("Timing/iteration_sec") == collector.max("Timing/iteration_sec") == iteration
+    assert timer.timed_iters == 5 and timer.timed_seconds == 5 * iteration
+    assert timer.summary.splitlines()[0].endswith(f"({iteration:.4f} s / it)")
+
+
 def test_summary_logged_when_training_fails(caplog):
     class Boom(SlowModule):
         def training_step(self, batch, batch_idx):
