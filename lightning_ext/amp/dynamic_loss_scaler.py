@@ -129,11 +129,17 @@ def _over_children(combine: Callable[[Any], Any], name: str, doc: str) -> proper
                     doc=f"{doc} Syncs host and device.")  # fmt: skip
 
 
-def _check_optimizer(optimizer: Any) -> None:
+def _check_optimizer(optimizer: Any) -> Any:
+    """``optimizer`` itself, or the optimizer it wraps (Lightning's ``LightningOptimizer``, what
+    ``self.optimizers()`` returns, and Fabric's wrap one: a scale belongs to the optimizer inside);
+    ``TypeError`` for anything else."""
     if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
         raise TypeError(
             f"`optimizer` must be a torch.optim.Optimizer, got {type(optimizer).__name__} {optimizer!r:.60}"
         )
+    while isinstance(inner := getattr(optimizer, "optimizer", None), Optimizer) and inner is not optimizer:
+        optimizer = inner
+    return optimizer
 
 
 def _combined(state: dict[str, Any]) -> Tensor:
@@ -211,8 +217,8 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
     scale then only backs off; at 0 the ``"exponential"`` schedule's ``log2_scale`` is ``-inf``, the
     ``"log2"`` schedule's stays its finite float64 value and keeps counting back-offs (``-150``,
     ``-151``, ...), so it records how far the run fell. Every such state round-trips through
-    :meth:`state_dict` and a checkpoint. Set ``min_scale`` (the default scaler of
-    :class:`~lightning_ext.plugins.LossScalingPrecision` does) to stop above that. Growth is refused
+    :meth:`state_dict` and a checkpoint. Set ``min_scale`` to stop above that (no default sets it,
+    :class:`~lightning_ext.plugins.LossScalingPrecision`'s scaler included). Growth is refused
     where the float32 scale would not be finite, for both schedules.
 
     Host syncs are GradScaler's (the skip decision of a non-fused optimizer's step; ``get_scale``,
@@ -586,12 +592,19 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
 
     @property
     def last_step_skipped(self) -> bool:
-        """Whether the last update counted a skipped step. Syncs host and device."""
+        """Whether the last optimizer step skipped (:attr:`last_step_skipped_tensor`). Syncs host and
+        device."""
         return bool(self.last_step_skipped_tensor)
 
     @property
     def last_step_skipped_tensor(self) -> Tensor:
-        """Whether the last update counted a skipped step, as a bool 0-dim device tensor. No sync."""
+        """Whether the last optimizer step skipped, as a bool 0-dim device tensor: of the steps recorded
+        since the last update, whether any skipped (a step whose update is still to come: a shared scale
+        in Lightning's manual optimization moves at the next backward), else whether the last update
+        counted a skipped step. No sync."""
+        pending = [_combined(s) for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
+        if pending:
+            return sum((f.to(pending[0].device) for f in pending[1:]), pending[0]) > 0
         state = self._device_state
         return state["found_inf"] > 0 if state is not None else torch.zeros((), dtype=torch.bool)
 
@@ -662,12 +675,14 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
         if state["log2_scale"] != -math.inf:  # -inf: the log2 of a scale that underflowed to 0
             check_number(owner, "log2_scale", state["log2_scale"])
         counters = [state[key] for key in ("consecutive_overflows", "skipped_steps", "steps")]
-        if sorted(counters) != counters or bool(counters[0]) != state["last_step_skipped"]:
+        # (a run of overflows ends in a skipped update; a skipped update of several optimizers whose
+        # last one stepped ends the run: a shared scale counts each optimizer's step)
+        if sorted(counters) != counters or (counters[0] and not state["last_step_skipped"]):
             raise ValueError(
                 f"{owner}: `state_dict` has consecutive_overflows={counters[0]!r} with "
                 f"last_step_skipped={state['last_step_skipped']!r}, skipped_steps={counters[1]!r}, "
-                f"steps={counters[2]!r}: need consecutive_overflows <= skipped_steps <= steps, the run of "
-                "overflows nonzero exactly when the last step was skipped"
+                f"steps={counters[2]!r}: need consecutive_overflows <= skipped_steps <= steps, and "
+                "last_step_skipped with a run of overflows"
             )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -745,7 +760,7 @@ class PerOptimizerLossScaler(DynamicLossScaler):
             TypeError: ``optimizer`` is not an optimizer or ``name`` not a non-empty str.
             ValueError: ``name`` already names another optimizer.
         """
-        _check_optimizer(optimizer)
+        optimizer = _check_optimizer(optimizer)
         if not isinstance(name, str) or not name:
             raise TypeError(f"`name` must be a non-empty str, got {name!r}")
         if name in self._names.values() and self._names.get(id(optimizer)) != name:
@@ -758,7 +773,7 @@ class PerOptimizerLossScaler(DynamicLossScaler):
         Raises:
             TypeError: ``optimizer`` is not an optimizer.
         """
-        _check_optimizer(optimizer)
+        optimizer = _check_optimizer(optimizer)
         name = self._names.setdefault(id(optimizer), str(len(self._names)))
         child = self._children.get(name)
         if child is None:

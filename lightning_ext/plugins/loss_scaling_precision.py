@@ -37,7 +37,7 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_ext._checks import check_bool, check_choice
-from lightning_ext._compat import UNREACHABLE_FREQUENCY, optimizer_handles_unscaling, sparse_values
+from lightning_ext._compat import UNREACHABLE_FREQUENCY, optimizer_handles_unscaling
 from lightning_ext.amp import DynamicLossScaler
 from lightning_ext.stats import report
 
@@ -71,8 +71,10 @@ class LossScalingPrecision(Precision):
       only skips non-finite steps (``skip_nonfinite=True``) or is absent (``False``).
 
     Every optimizer step is one scaled step: its gradients are unscaled in one fused pass before
-    ``on_before_optimizer_step`` (clipping and callbacks see true gradients), it is skipped when any is
-    non-finite, and then the scale that owns it moves: in automatic optimization at the accumulation
+    ``on_before_optimizer_step`` (clipping and callbacks see true gradients; in manual optimization
+    ``self.clip_gradients(opt, ...)`` before ``opt.step()`` unscales them first, unlike Lightning's
+    ``MixedPrecision``, which clips the scaled ones), it is skipped when any is non-finite, and then the
+    scale that owns it moves: in automatic optimization at the accumulation
     boundary; in manual optimization a per-optimizer scale right after its optimizer's ``step()``, a
     shared scale before the next backward or at the end of ``training_step`` (one backward may feed
     several optimizers' steps, GradScaler's pattern). An optimizer may step several times per
@@ -171,6 +173,7 @@ class LossScalingPrecision(Precision):
         # "ask the scaler" (after an update; free unless the optimizer was fused).
         self._skipped_this_batch: bool | None = False
         self._update_pending = False  # a step of the shared scale awaits its update
+        self._unscaled: dict[int, Any] = {}  # id(optimizer) -> its health, unscaled for its next step
 
     # ----------------------------------------------------------------------------------- setup
     @override
@@ -298,10 +301,10 @@ class LossScalingPrecision(Precision):
             closure_result = closure()
         # training_step returned None in automatic optimization: no backward, nothing to step.
         skip_everything = closure_result is None and model.automatic_optimization
-        if not optimizer_handles_unscaling(optimizer) and not skip_everything:
-            self.scaler.unscale_(optimizer)  # type: ignore[arg-type]
-        health = None if skip_everything else self._health_before_step(optimizer)
-        self._after_closure(model, optimizer)
+        if not skip_everything:
+            self._unscale(optimizer)  # (done already where manual optimization clipped)
+        self._after_closure(model, optimizer)  # (its clipping finds them unscaled)
+        health = self._unscaled.pop(id(optimizer), None)
         if skip_everything:
             return closure_result
         stepped: list[bool] = []  # optimizer.step ran: the step was taken (or a fused one decided)
@@ -317,6 +320,14 @@ class LossScalingPrecision(Precision):
             self._update(optimizer)
         return step_output
 
+    def _unscale(self, optimizer: Optimizer) -> None:
+        """Unscale ``optimizer``'s gradients for its next step (not a fused optimizer's: it does) and
+        measure their health then, before any clipping; once per step."""
+        if id(optimizer) not in self._unscaled:
+            if not optimizer_handles_unscaling(optimizer):
+                self.scaler.unscale_(optimizer)  # type: ignore[arg-type]
+            self._unscaled[id(optimizer)] = self._health_before_step(optimizer)
+
     # ----------------------------------------------------------------------------------- gradient health
     def _health_before_step(self, optimizer: Optimizer) -> tuple[Tensor, list[Tensor] | None] | None:
         """The squared norm of ``optimizer``'s unscaled gradients (float32 0-dim, on their device; a
@@ -325,7 +336,8 @@ class LossScalingPrecision(Precision):
         if not (self.grad_norm or self.update_ratio):
             return None
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        grads = [sparse_values(p.grad) if p.grad.is_sparse else p.grad for p in params]
+        grads = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad for p in params]  # (repeated
+        # indices of an uncoalesced gradient summed before they are squared)
         squares = _sum_of_squares(grads)
         scale = self._scale_of(optimizer)
         if scale is not None and optimizer_handles_unscaling(optimizer):
@@ -379,12 +391,15 @@ class LossScalingPrecision(Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # (manual optimization's LightningOptimizer)
         if clip_val > 0 and self.scaler is not None and optimizer_handles_unscaling(optimizer):
             raise RuntimeError(
                 f"The current optimizer, {type(optimizer).__qualname__}, does not allow for gradient clipping"
                 " because it performs unscaling of gradients internally."
                 " HINT: Are you using a 'fused' optimizer?"
             )
+        if clip_val > 0 and self.scaler is not None:  # manual optimization clips before the step: unscale
+            self._unscale(optimizer)
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     # ----------------------------------------------------------------------------------- checkpoints
@@ -396,6 +411,14 @@ class LossScalingPrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and state_dict:
             self.scaler.load_state_dict(state_dict)
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint of Lightning's ``MixedPrecision`` resumes with its ``GradScaler``'s scale and
+        growth tracker (Lightning reads a plugin's state under the plugin's class name only: the scale
+        went back to ``init_scale``)."""
+        if type(self).__qualname__ not in checkpoint and checkpoint.get("MixedPrecision"):
+            self.load_state_dict(checkpoint["MixedPrecision"])
 
 
 def _default_scaler(

@@ -477,6 +477,14 @@ def test_several_optimizers_skip_only_the_overflowing_one_and_update_once():
     assert torch.equal(a.weight, wa) and not torch.equal(b.weight, wb)
     # One scale move for both (combined found_inf); each optimizer step counted.
     assert scaler.get_scale() == 32.0 and scaler.steps == 2 and scaler.skipped_steps == 1
+    # The update skipped (the first optimizer's step) and the run of overflows ended (the last one's
+    # step): its checkpoint loads, into a new scaler and back into its own (it was refused).
+    state = scaler.state_dict()
+    assert state["last_step_skipped"] and state["consecutive_overflows"] == 0
+    resumed = DynamicLossScaler("cpu", telemetry=False)
+    resumed.load_state_dict(state)
+    scaler.load_state_dict(state)
+    assert resumed.state_dict() == scaler.state_dict() == state
 
 
 def test_update_with_optimizer_moves_a_shared_scale_once_for_all_steps():

@@ -257,6 +257,7 @@ class _ManualAccumulation(LightningModule):
         self.net = nn.Linear(8, 1)
         self.k, self.poison = k, poison
         self.weights: list[torch.Tensor] = []
+        self.skipped: list[bool] = []  # last_step_skipped read right after each step, as the guide says
 
     @override
     def training_step(self, batch, batch_idx):
@@ -269,6 +270,9 @@ class _ManualAccumulation(LightningModule):
             opt.step()
             opt.zero_grad()
             self.weights.append(self.net.weight.detach().clone())
+            scaler = self.trainer.precision_plugin.scaler
+            scaler = scaler.optimizer_scaler(opt) if scaler.per_optimizer else scaler
+            self.skipped.append(scaler.last_step_skipped)
 
     @override
     def configure_optimizers(self):
@@ -287,9 +291,57 @@ def test_manual_accumulation_overflow_skips_that_step_and_counts_one(per_optimiz
     assert not torch.equal(model.weights[1], model.weights[0])
     assert not torch.equal(model.weights[3], model.weights[2])
     assert scaler.steps == 4 and scaler.skipped_steps == 1
+    # The step just taken's, also before a shared scale's update (at the next backward): it read the
+    # previous step's, and a scheduler held on it moved after the skip and stopped after the next step.
+    assert model.skipped == [False, False, True, False]
     if per_optimizer:
         scaler = scaler.optimizer_scaler(model.trainer.optimizers[0])
     assert scaler.get_scale() == 2.0**7
+
+
+class _ManualClipping(LightningModule):
+    """Manual optimization clipping the gradient norm to ``CLIP`` before each SGD(lr=1) step: the
+    weights move by exactly ``CLIP`` (the true gradient norm is far larger)."""
+
+    CLIP = 0.01
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(0)
+        self.net = nn.Linear(8, 1)
+        self.moved: list[float] = []
+
+    @override
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt = self.optimizers()
+        before = torch.cat([p.detach().flatten().clone() for p in self.parameters()])
+        self.manual_backward(nn.functional.mse_loss(self.net(x).float(), y))
+        self.clip_gradients(opt, gradient_clip_val=self.CLIP, gradient_clip_algorithm="norm")
+        opt.step()
+        opt.zero_grad()
+        after = torch.cat([p.detach().flatten() for p in self.parameters()])
+        self.moved.append(float((after - before).double().norm()))
+
+    @override
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "32-true"])
+def test_manual_optimization_clips_the_unscaled_gradients(precision):
+    # Clipping before opt.step() saw the gradients still scaled (2**10 here), so the threshold acted
+    # as CLIP / 2**10 (as it does with Lightning's MixedPrecision); and the norm reported is the one
+    # before clipping.
+    collector = Collector(regex="Grad/norm")
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**10, growth_interval=100, telemetry=False)
+    model = _ManualClipping()
+    plugin = LossScalingPrecision(precision, scaler=scaler if precision == "16-mixed" else None)
+    _trainer(plugin, max_steps=3).fit(model, _data())
+    collector.update()
+    assert model.moved == [pytest.approx(_ManualClipping.CLIP, rel=1e-5)] * 3
+    assert collector.num("Grad/norm") == 3 and collector.min("Grad/norm") > 100 * _ManualClipping.CLIP
 
 
 class _TwoOptimizers(LightningModule):
@@ -330,6 +382,24 @@ def test_manual_optimization_with_two_optimizers_updates_once_per_training_step(
     assert scaler.get_scale() == 4.0 * 2 * 2 / 2 * 2
     assert torch.equal(model.weights_a[2], model.weights_a[1])  # a's step skipped
     assert not torch.equal(model.weights_a[3], model.weights_a[2])
+
+
+def test_a_checkpoint_of_lightnings_mixed_precision_resumes_with_its_scale(tmp_path: Path):
+    # Moving a run from MixedPrecision (GradScaler) to LossScalingPrecision: Lightning reads the plugin
+    # state under the plugin's class name, so the scale went back to init_scale, with nothing said.
+    from lightning.pytorch.plugins import MixedPrecision
+
+    theirs = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12))
+    _trainer(theirs, max_steps=6, default_root_dir=tmp_path, enable_checkpointing=True).fit(
+        _Regression(poison={2: float("inf")}), _data()
+    )
+    path = next(tmp_path.rglob("*.ckpt"))
+    saved = torch.load(path, weights_only=False)["MixedPrecision"]
+    assert saved["scale"] == 2.0**11  # one back-off
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**10, telemetry=False)
+    resumed = _trainer(LossScalingPrecision("16-mixed", scaler=scaler), max_steps=7)
+    resumed.fit(_Regression(), _data(), ckpt_path=str(path))
+    assert scaler.get_scale() == 2.0**11 and scaler.steps == 1  # one more step, no growth yet
 
 
 def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path: Path):
@@ -585,6 +655,41 @@ def test_fused_optimizers_report_the_unscaled_norm():
     for row in recorder.rows:
         assert row["reported"][0] == 1 and row["reported"][1] == pytest.approx(row["norm"], rel=1e-5)
         assert row["reported_ratio"] is None  # update_ratio is off by default
+
+
+class _SparseEmbedding(LightningModule):
+    """A sparse embedding looked up with repeated indices: its gradient is uncoalesced. Records the
+    dense gradient's norm before each step."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(10, 4, sparse=True)
+        self.norms: list[float] = []
+
+    @override
+    def training_step(self, batch, batch_idx):
+        return self.embedding(torch.tensor([1, 1, 1, 2])).sum() * batch[0].sum() ** 0
+
+    @override
+    def on_before_optimizer_step(self, optimizer):
+        self.norms.append(float(self.embedding.weight.grad.to_dense().double().norm()))
+
+    @override
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "32-true"])
+def test_the_norm_of_a_sparse_gradient_sums_its_repeated_indices_first(precision):
+    # Rows 1 (three times) and 2 of the lookup: the dense gradient holds 3 in row 1 and 1 in row 2
+    # (norm sqrt(4 * 9 + 4) = 6.32); the values of the uncoalesced one squared apart gave sqrt(16) = 4.
+    collector = Collector(regex="Grad/norm")
+    model = _SparseEmbedding()
+    _trainer(LossScalingPrecision(precision), max_steps=2).fit(model, _data(n=32))
+    collector.update()
+    assert model.norms == [pytest.approx(40**0.5)] * 2
+    assert collector.num("Grad/norm") == 2 and collector.mean("Grad/norm") == pytest.approx(40**0.5, rel=1e-6)
 
 
 def test_two_optimizers_report_under_their_names():
