@@ -21,7 +21,7 @@ from lightning_ext.nn.sync_batch_norm import SyncBatchNorm, _warm_backend
 __all__ = ["convert_sync_batchnorm", "revert_sync_batchnorm"]
 
 _TEMPLATE_ATTR = "_lightning_ext_original"  # attribute of a converted layer holding its template
-_CONVERTIBLE = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+_SETTINGS = ("num_features", "eps", "momentum", "affine", "track_running_stats")  # a batch norm's own
 
 
 def _strip(module: nn.Module) -> nn.Module:
@@ -33,8 +33,8 @@ def _strip(module: nn.Module) -> nn.Module:
 
 
 def _bn_args(module: BatchNormBase) -> tuple[Any, ...]:
-    """The positional constructor arguments of a batch-norm layer like ``module``."""
-    return module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
+    """The positional constructor arguments of a batch-norm layer like ``module``: its settings."""
+    return tuple(getattr(module, name) for name in _SETTINGS)
 
 
 def _share_state(source: nn.Module, target: nn.Module) -> None:
@@ -58,7 +58,9 @@ def convert_sync_batchnorm(
     process_group: dist.ProcessGroup | None = None,
     backend: str | None = None,
 ) -> nn.Module:
-    """Replace every ``BatchNorm1d/2d/3d`` and ``torch.nn.SyncBatchNorm`` in ``module`` by ours, recursively.
+    """Replace every batch-norm layer in ``module`` by ours, recursively: every instance of torch's
+    ``_BatchNorm`` (``BatchNorm1d/2d/3d``, ``torch.nn.SyncBatchNorm``, their subclasses and your own
+    subclasses of ``_BatchNorm``), as ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` does.
 
     Parameters and buffers are SHARED with the original layers (the same tensor objects); ``training``
     and ``qconfig`` are copied. Layers that already are :class:`SyncBatchNorm` are left as they are.
@@ -74,6 +76,8 @@ def convert_sync_batchnorm(
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module`` or ``backend`` is not a string.
+        ValueError: a lazy batch norm (``LazyBatchNorm2d``, ...) has not seen an input yet (its
+            parameters are not made: run one forward pass first).
 
     Example::
 
@@ -90,7 +94,12 @@ def convert_sync_batchnorm(
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"`backend` must be a kernel backend name (str) or None, got {backend!r}")
     converted = module
-    if isinstance(module, _CONVERTIBLE) and not isinstance(module, SyncBatchNorm):
+    if isinstance(module, BatchNormBase) and not isinstance(module, SyncBatchNorm):
+        if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
+            raise ValueError(
+                f"convert_sync_batchnorm: the lazy layer {module!r} has not seen an input yet, so it has "
+                "no parameters to share. HINT: run one forward pass of the model first"
+            )
         converted = SyncBatchNorm(
             *_bn_args(module), process_group=process_group, device="meta", backend=backend
         )
@@ -107,10 +116,11 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """Undo :func:`convert_sync_batchnorm`: every :class:`SyncBatchNorm` gets its ORIGINAL class back.
 
     The restored layer is a copy of the original (same class and attributes) holding the converted
-    layer's current parameters and buffers (shared tensor objects, after any ``.to()`` or
-    ``load_state_dict``), training flag and ``qconfig``; ``revert(convert(m))`` has an identical
-    ``state_dict`` and outputs. A :class:`SyncBatchNorm` built directly becomes a local batch norm
-    accepting any ``(N, C, *)`` input. No collective, no host sync.
+    layer's current settings (``eps``, ``momentum``, ``track_running_stats``, ..., as a schedule or
+    Lightning's ``BaseFinetuning.freeze`` left them), parameters and buffers (shared tensor objects,
+    after any ``.to()`` or ``load_state_dict``), training flag and ``qconfig``; ``revert(convert(m))``
+    has an identical ``state_dict`` and outputs. A :class:`SyncBatchNorm` built directly becomes a
+    local batch norm accepting any ``(N, C, *)`` input. No collective, no host sync.
 
     Args:
         module: any module.
@@ -129,6 +139,8 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
         reverted = (
             _strip(template) if template is not None else _BatchNormXd(*_bn_args(module), device="meta")
         )
+        for name in _SETTINGS:  # (as they are now)
+            setattr(reverted, name, getattr(module, name))
         _share_state(module, reverted)
     for name, child in module.named_children():
         reverted.add_module(name, revert_sync_batchnorm(child))

@@ -264,6 +264,17 @@ class SyncBatchNorm(_BatchNorm):
         self.backend = backend
         _warm_backend(backend, device)
 
+    @classmethod
+    def convert_sync_batchnorm(
+        cls, module: torch.nn.Module, process_group: dist.ProcessGroup | None = None
+    ) -> torch.nn.Module:
+        """torch's ``SyncBatchNorm.convert_sync_batchnorm(module, process_group)``: every batch norm of
+        ``module`` becomes this class (:func:`~lightning_ext.nn.convert_sync_batchnorm`, which says
+        what is shared and raised; :func:`~lightning_ext.nn.revert_sync_batchnorm` undoes it)."""
+        from lightning_ext.nn.convert import convert_sync_batchnorm  # (convert imports this module)
+
+        return convert_sync_batchnorm(module, process_group)
+
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2 or input.shape[1] != self.num_features:
             raise ValueError(

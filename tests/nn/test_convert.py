@@ -121,3 +121,31 @@ def test_bad_arguments():
         convert_sync_batchnorm(nn.BatchNorm1d(2), backend=1)
     with pytest.raises(ValueError, match=r"unknown kernel backend 'nope'"):
         convert_sync_batchnorm(nn.BatchNorm1d(2), backend="nope")
+
+
+class AnyDimBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """A user's batch norm derived from torch's base class, as timm's and detectron2's are."""
+
+    def _check_input_dim(self, input):
+        pass
+
+
+def test_every_batch_norm_class_converts_and_settings_changed_while_converted_revert_with_it():
+    # torch converts every _BatchNorm (its subclasses of the base and torch's classes alike); a class
+    # left out computed per-rank statistics with nothing said. And a schedule or Lightning's
+    # BaseFinetuning.freeze (track_running_stats=False) acting on the converted layer outlives the
+    # revert (which rebuilt the layer's settings from the original).
+    lazy = nn.LazyBatchNorm1d()
+    lazy(torch.randn(4, 3))
+    model = nn.Sequential(nn.Linear(3, 3), AnyDimBatchNorm(3), lazy)
+    converted = SyncBatchNorm.convert_sync_batchnorm(model)  # torch's classmethod spelling
+    assert [type(m) for m in converted] == [nn.Linear, SyncBatchNorm, SyncBatchNorm]
+    assert converted[2].weight is lazy.weight
+    for layer in converted[1:]:
+        layer.momentum, layer.eps, layer.track_running_stats = 0.01, 1e-2, False
+    reverted = revert_sync_batchnorm(converted)
+    assert [type(m) for m in reverted] == [nn.Linear, AnyDimBatchNorm, nn.BatchNorm1d]
+    for layer in reverted[1:]:
+        assert (layer.momentum, layer.eps, layer.track_running_stats) == (0.01, 1e-2, False)
+    with pytest.raises(ValueError, match=r"the lazy layer LazyBatchNorm1d\(0,.*has not seen an input yet"):
+        convert_sync_batchnorm(nn.LazyBatchNorm1d())
