@@ -17,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, get_args
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -103,19 +104,32 @@ def _check(owner: str, values: Mapping[str, Any]) -> None:
         )
 
 
-def _check_device(owner: str, device: Any) -> None:
-    if not isinstance(device, str):
+def _device_type(owner: str, device: Any) -> str:
+    """The device type of ``device``, a str or a ``torch.device`` (``"cuda:1"``: ``"cuda"``; GradScaler
+    takes both, and its scale lives on the gradients' device whatever the index)."""
+    if not isinstance(device, str | torch.device):
         raise TypeError(
-            f"{owner}: `device` must be a device type str such as 'cuda' or 'cpu', got {device!r}"
+            f"{owner}: `device` must be a device type such as 'cuda' or 'cpu' (a str or a torch.device), "
+            f"got {device!r}"
         )
     try:
-        parsed = torch.device(device).type
+        return torch.device(device).type
     except RuntimeError:
-        parsed = None
-    if parsed != device:
-        raise ValueError(
-            f"{owner}: `device` must be a device type such as 'cuda' or 'cpu' (no index), got {device!r}"
-        )
+        message = f"{owner}: `device` must be a device type such as 'cuda' or 'cpu', got {device!r}"
+        raise ValueError(message) from None
+
+
+def _as_python(value: Any) -> Any:
+    """A NumPy scalar as the Python number it holds (GradScaler takes them: a number read from a
+    config), anything else as it is (then checked)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _as_flag(value: Any) -> Any:
+    """``enabled`` given as ``0``/``1`` (an argparse flag) or a NumPy bool, as a bool (GradScaler takes
+    any truth value); anything else as it is (then checked)."""
+    value = _as_python(value)
+    return bool(value) if type(value) is int and value in (0, 1) else value
 
 
 def _counter(name: str, doc: str) -> property:
@@ -172,8 +186,10 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
 
     Args:
         device: device type of the gradients, as GradScaler's (``"cuda"`` without CUDA disables the
-            scaler with a warning, as GradScaler does: pass ``"cpu"`` on CPU).
-        init_scale, growth_factor, backoff_factor, growth_interval, enabled: GradScaler's.
+            scaler with a warning, as GradScaler does: pass ``"cpu"`` on CPU); a str or a
+            ``torch.device``, whose index is ignored (the scale lives on the gradients' device).
+        init_scale, growth_factor, backoff_factor, growth_interval, enabled: GradScaler's (NumPy
+            scalars taken as the numbers they hold, ``enabled`` also as ``0``/``1``).
         schedule: ``"exponential"`` (GradScaler) or ``"log2"`` (StyleGAN2-ADA).
         log2_increment, log2_decrement: ``"log2"``: ``log2(scale)`` change per clean step / back-off.
         hysteresis: back off on the ``hysteresis``-th overflow since the last growth (Megatron-LM);
@@ -201,7 +217,8 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
             then needs ``optimizer=``.
 
     Raises:
-        TypeError: a numeric argument is not a finite number of the right type, ``device`` not a str,
+        TypeError: a numeric argument is not a finite number of the right type, ``device`` not a str
+            or a ``torch.device``,
             a flag (``enabled``, ``consecutive_hysteresis``, ``skip_nonfinite``, ``telemetry``,
             ``per_optimizer``) not a bool, ``schedule`` or ``on_min_scale`` not a str, or
             ``process_group`` not a process group.
@@ -260,8 +277,11 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
         telemetry: bool = True,
         per_optimizer: bool = False,
     ) -> None:
+        device, enabled = _device_type(type(self).__name__, device), _as_flag(enabled)
+        init_scale, growth_factor, backoff_factor, growth_interval = (
+            _as_python(x) for x in (init_scale, growth_factor, backoff_factor, growth_interval)
+        )
         owner, arguments = type(self).__name__, locals()
-        _check_device(owner, device)
         _check(owner, arguments)  # every argument by the rule of its name, as load_state_dict's entries
         check_process_group(process_group)
         if per_optimizer != self.per_optimizer:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import copy
 import inspect
+import io
 import math
 import pickle
 import random
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -635,9 +637,10 @@ def test_skip_only_protocol_misuse_raises_grad_scalers_errors():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        (dict(device=0), TypeError, r"`device` must be a device type str such as 'cuda' or 'cpu', got 0"),
-        (dict(device="cuda:0"), ValueError, r"`device` must be a device type .*\(no index\), got 'cuda:0'"),
+        (dict(device=0), TypeError, r"`device` must be a device type such as 'cuda' or 'cpu' \(a str or a "
+         r"torch.device\), got 0"),
         (dict(device="gpu"), ValueError, r"`device` must be a device type .*got 'gpu'"),
+        (dict(enabled=2), TypeError, r"`enabled` must be a bool, got 2"),
         (dict(init_scale="1"), TypeError,
          r"^DynamicLossScaler: `init_scale` must be a finite number > 0\.0, got '1' \(str\)$"),
         (dict(init_scale=math.inf), TypeError, r"`init_scale` must be a finite number > 0\.0, got inf \(fl"),
@@ -1265,6 +1268,28 @@ def test_per_optimizer_true_makes_a_per_optimizer_loss_scaler_with_the_same_api(
     assert list(inspect.signature(DynamicLossScaler).parameters)[:6] == list(
         inspect.signature(torch.amp.GradScaler).parameters
     )
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(device=torch.device("cpu")), dict(device="cpu:0"), dict(device="cpu", enabled=1),
+     dict(device="cpu", enabled=0), dict(device="cpu", enabled=np.bool_(True)),
+     dict(device="cpu", init_scale=np.float32(1024.0), growth_factor=np.float64(4.0),
+          backoff_factor=np.float32(0.25), growth_interval=np.int64(3))],
+)  # fmt: skip
+def test_what_grad_scaler_takes_builds_the_same_scaler(kwargs):
+    # GradScaler(device=torch.device(...)), an argparse 0/1 flag, numbers read with NumPy: code
+    # written for GradScaler runs unchanged (each raised TypeError); the state holds Python numbers.
+    ours, theirs = DynamicLossScaler(**kwargs, telemetry=False), torch.amp.GradScaler(**kwargs)
+    assert ours.is_enabled() == bool(theirs.is_enabled())
+    steps = [(None,), (INF,), (None,), (None,), (None,)]
+    _Loop(ours, 1).run(steps), _Loop(theirs, 1).run(steps)
+    assert ours.get_scale() == theirs.get_scale()
+    assert ours.state_dict().get("scale") == theirs.state_dict().get("scale")
+    state = ours.state_dict()
+    assert all(type(v) in (int, float, bool, str, type(None)) for v in state.values()), state
+    torch.save(state, buffer := io.BytesIO())
+    torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+
 
 def test_per_optimizer_scale_needs_the_optimizer():
     gan = _Gan()
