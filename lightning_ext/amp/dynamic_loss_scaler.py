@@ -618,10 +618,11 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
 
     @property
     def last_step_skipped_tensor(self) -> Tensor:
-        """Whether the last optimizer step skipped, as a bool 0-dim device tensor: of the steps recorded
-        since the last update, whether any skipped (a step whose update is still to come: a shared scale
-        in Lightning's manual optimization moves at the next backward), else whether the last update
-        counted a skipped step. No sync."""
+        """Whether the last optimizer step skipped, as a bool 0-dim device tensor. No sync.
+
+        Of the steps recorded since the last update, whether any skipped (a step whose update is still
+        to come, as a shared scale's in Lightning's manual optimization, which moves at the next
+        backward); else whether the last update counted a skipped step."""
         pending = [_combined(s) for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
         if pending:
             return sum((f.to(pending[0].device) for f in pending[1:]), pending[0]) > 0
