@@ -181,6 +181,16 @@ def optimizer_handles_unscaling(optimizer: Any) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
+def unwrapped_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside Lightning's ``LightningOptimizer`` (what ``self.optimizers()`` returns) or
+    Fabric's optimizer wrapper (both keep it in ``_optimizer``, private); any other object as it is (an
+    optimizer that wraps another one, such as Lookahead, is an optimizer of its own)."""
+    inner = getattr(optimizer, "_optimizer", None)
+    while isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+        optimizer, inner = inner, getattr(inner, "_optimizer", None)
+    return optimizer
+
+
 def sparse_values(grad: Tensor) -> Tensor:
     """The values of a sparse COO ``grad``, coalesced or not, as a view to unscale in place (GradScaler's
     ``_values()``: the public ``values()`` refuses an uncoalesced tensor)."""

@@ -30,6 +30,7 @@ from lightning_ext._compat import (
     new_optimizer_state,
     optimizer_handles_unscaling,
     sparse_values,
+    unwrapped_optimizer,
 )
 from lightning_ext.amp import schedules
 from lightning_ext.distributed import all_reduce_, check_process_group, is_distributed
@@ -144,16 +145,14 @@ def _over_children(combine: Callable[[Any], Any], name: str, doc: str) -> proper
 
 
 def _check_optimizer(optimizer: Any) -> Any:
-    """``optimizer`` itself, or the optimizer it wraps (Lightning's ``LightningOptimizer``, what
-    ``self.optimizers()`` returns, and Fabric's wrap one: a scale belongs to the optimizer inside);
-    ``TypeError`` for anything else."""
+    """``optimizer``, or the one inside Lightning's or Fabric's wrapper of it (a scale belongs to the
+    optimizer inside: :func:`~lightning_ext._compat.unwrapped_optimizer`); ``TypeError`` for anything
+    else."""
     if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
         raise TypeError(
             f"`optimizer` must be a torch.optim.Optimizer, got {type(optimizer).__name__} {optimizer!r:.60}"
         )
-    while isinstance(inner := getattr(optimizer, "optimizer", None), Optimizer) and inner is not optimizer:
-        optimizer = inner
-    return optimizer
+    return unwrapped_optimizer(optimizer)
 
 
 def _combined(state: dict[str, Any]) -> Tensor:
@@ -844,7 +843,15 @@ class PerOptimizerLossScaler(DynamicLossScaler):
         lambda runs: max(runs, default=0), "consecutive_overflows",
         "The longest run of skipped steps up to the last update over the optimizers.",
     )  # fmt: skip
-    last_step_skipped = _over_children(any, "last_step_skipped", "Whether any last update skipped.")
+
+    @property
+    def last_step_skipped_tensor(self) -> Tensor:
+        """Whether any optimizer's last step skipped (each scaler's ``last_step_skipped_tensor``), as a
+        bool 0-dim device tensor (:attr:`last_step_skipped` reads it). No sync."""
+        flags = [child.last_step_skipped_tensor for child in self._children.values()]
+        if not flags:
+            return torch.zeros((), dtype=torch.bool)
+        return torch.stack([flag.to(flags[0].device) for flag in flags]).any()
 
     def state_dict(self) -> dict[str, Any]:
         """``{"per_optimizer": {name: DynamicLossScaler.state_dict()}}``. Syncs host and device."""

@@ -30,14 +30,14 @@ import torch
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision.precision import Precision
-from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_ext._checks import check_bool, check_choice
-from lightning_ext._compat import UNREACHABLE_FREQUENCY, optimizer_handles_unscaling
+from lightning_ext._compat import UNREACHABLE_FREQUENCY, optimizer_handles_unscaling, unwrapped_optimizer
 from lightning_ext.amp import DynamicLossScaler
 from lightning_ext.stats import report
 
@@ -173,7 +173,9 @@ class LossScalingPrecision(Precision):
         # "ask the scaler" (after an update; free unless the optimizer was fused).
         self._skipped_this_batch: bool | None = False
         self._update_pending = False  # a step of the shared scale awaits its update
-        self._unscaled: dict[int, Any] = {}  # id(optimizer) -> its health, unscaled for its next step
+        # id(optimizer) -> its health: unscaled for its next step (manual optimization's clipping, or
+        # this step's); None outside optimizer_step (while it runs, clipping finds them unscaled)
+        self._unscaled: dict[int, Any] | None = {}
 
     # ----------------------------------------------------------------------------------- setup
     @override
@@ -182,7 +184,7 @@ class LossScalingPrecision(Precision):
     ) -> tuple[torch.nn.Module, list[Optimizer], list[Any]]:
         if self.device is None:
             self.device = next((p.device.type for p in model.parameters()), "cpu")
-        self._optimizers = list(optimizers)
+        self._optimizers, self._unscaled = list(optimizers), {}
         if self.scaler is None:
             return model, optimizers, lr_schedulers
         if self.scaler.per_optimizer:
@@ -252,7 +254,7 @@ class LossScalingPrecision(Precision):
         Raises:
             TypeError: ``optimizer`` is not one of the trainer's optimizers.
         """
-        optimizer = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer's own
+        optimizer = unwrapped_optimizer(optimizer)  # (self.optimizers() gives Lightning's wrappers)
         if self._optimizers and not any(optimizer is o for o in self._optimizers):
             raise TypeError(f"`optimizer` must be one of the trainer's optimizers, got {optimizer!r:.80}")
         previous, self._backward_optimizer = self._backward_optimizer, optimizer
@@ -281,6 +283,12 @@ class LossScalingPrecision(Precision):
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         if self.scaler is not None:
+            if self._unscaled:
+                raise RuntimeError(
+                    "LossScalingPrecision: self.clip_gradients(opt) unscaled the gradients of an optimizer "
+                    "that has not stepped since, and another backward would add scaled gradients to them. "
+                    "HINT: clip once per step, after the last backward, right before opt.step()"
+                )
             self._update()  # a shared scale moves before the next backward, not between two steps
             owner = self._owner() if self.scaler.per_optimizer else None
             tensor = self.scaler.scale(tensor, optimizer=owner)
@@ -303,8 +311,11 @@ class LossScalingPrecision(Precision):
         skip_everything = closure_result is None and model.automatic_optimization
         if not skip_everything:
             self._unscale(optimizer)  # (done already where manual optimization clipped)
-        self._after_closure(model, optimizer)  # (its clipping finds them unscaled)
-        health = self._unscaled.pop(id(optimizer), None)
+        health, unscaled, self._unscaled = self._unscaled.pop(id(optimizer), None), self._unscaled, None
+        try:
+            self._after_closure(model, optimizer)  # (its clipping finds them unscaled, or skipped)
+        finally:
+            self._unscaled = unscaled
         if skip_everything:
             return closure_result
         stepped: list[bool] = []  # optimizer.step ran: the step was taken (or a fused one decided)
@@ -391,15 +402,15 @@ class LossScalingPrecision(Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        optimizer = getattr(optimizer, "optimizer", optimizer)  # (manual optimization's LightningOptimizer)
+        optimizer = unwrapped_optimizer(optimizer)  # (manual optimization's LightningOptimizer)
         if clip_val > 0 and self.scaler is not None and optimizer_handles_unscaling(optimizer):
             raise RuntimeError(
                 f"The current optimizer, {type(optimizer).__qualname__}, does not allow for gradient clipping"
                 " because it performs unscaling of gradients internally."
                 " HINT: Are you using a 'fused' optimizer?"
             )
-        if clip_val > 0 and self.scaler is not None:  # manual optimization clips before the step: unscale
-            self._unscale(optimizer)
+        if clip_val > 0 and self.scaler is not None and self._unscaled is not None:  # manual optimization
+            self._unscale(optimizer)  # clips before the step: unscale first
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     # ----------------------------------------------------------------------------------- checkpoints
@@ -414,11 +425,20 @@ class LossScalingPrecision(Precision):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """A checkpoint of Lightning's ``MixedPrecision`` resumes with its ``GradScaler``'s scale and
-        growth tracker (Lightning reads a plugin's state under the plugin's class name only: the scale
-        went back to ``init_scale``)."""
-        if type(self).__qualname__ not in checkpoint and checkpoint.get("MixedPrecision"):
-            self.load_state_dict(checkpoint["MixedPrecision"])
+        """A checkpoint of Lightning's ``MixedPrecision`` (``FSDPPrecision``) resumes with its
+        ``GradScaler``'s scale and growth tracker (Lightning reads a plugin's state under the plugin's
+        class name only: the scale went back to ``init_scale``); per-optimizer scales start at
+        ``init_scale``, said in a warning (the checkpoint holds one scale)."""
+        theirs = checkpoint.get("MixedPrecision") or checkpoint.get("FSDPPrecision")
+        if type(self).__qualname__ in checkpoint or not theirs or self.scaler is None:
+            return
+        if self.scaler.per_optimizer:
+            rank_zero_warn(
+                "LossScalingPrecision: the checkpoint holds one loss scale of Lightning's precision plugin; "
+                "the per-optimizer scales start at init_scale"
+            )
+            return
+        self.load_state_dict(theirs)
 
 
 def _default_scaler(

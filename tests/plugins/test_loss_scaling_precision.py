@@ -344,6 +344,45 @@ def test_manual_optimization_clips_the_unscaled_gradients(precision):
     assert collector.num("Grad/norm") == 3 and collector.min("Grad/norm") > 100 * _ManualClipping.CLIP
 
 
+class _ClippingBeforeAccumulating(_ManualClipping):
+    """Clips at every batch but steps at every other one: the second backward would add scaled
+    gradients to the ones the first clip unscaled."""
+
+    @override
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt = self.optimizers()
+        self.manual_backward(nn.functional.mse_loss(self.net(x).float(), y))
+        self.clip_gradients(opt, gradient_clip_val=1e9, gradient_clip_algorithm="norm")
+        if batch_idx % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+
+
+class _SkippingBatchOne(_Regression):
+    """Automatic optimization; training_step returns None on batch 1 (Lightning's skip)."""
+
+    @override
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx == 1 else super().training_step(batch, batch_idx)
+
+
+def test_a_clip_that_no_step_follows_raises_and_a_skipped_batch_with_clipping_trains():
+    # Manual: the clip unscaled, the next backward would have stepped gradients half scaled (1.4
+    # instead of 0.004 here), silently: it raises, naming the fix. Automatic: a training_step that
+    # returns None skips the step; the clipping Lightning still runs must not unscale (the next
+    # batch's unscale_ raised "already been called").
+    plugin = LossScalingPrecision("16-mixed", scaler=DynamicLossScaler("cpu", 2.0**10, telemetry=False))
+    with pytest.raises(RuntimeError, match=r"clip_gradients\(opt\) unscaled the gradients of an optimizer "
+                       r"that has not stepped since.*HINT: clip once per step"):  # fmt: skip
+        _trainer(plugin, max_steps=4).fit(_ClippingBeforeAccumulating(), _data())
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**10, telemetry=False)
+    _trainer(LossScalingPrecision("16-mixed", scaler=scaler), max_steps=4, gradient_clip_val=1.0).fit(
+        _SkippingBatchOne(), _data()
+    )
+    assert scaler.steps == 3 and scaler.skipped_steps == 0
+
+
 class _TwoOptimizers(LightningModule):
     def __init__(self, poison_step: int | None = None):
         super().__init__()
@@ -400,6 +439,13 @@ def test_a_checkpoint_of_lightnings_mixed_precision_resumes_with_its_scale(tmp_p
     resumed = _trainer(LossScalingPrecision("16-mixed", scaler=scaler), max_steps=7)
     resumed.fit(_Regression(), _data(), ckpt_path=str(path))
     assert scaler.get_scale() == 2.0**11 and scaler.steps == 1  # one more step, no growth yet
+    # One scale per optimizer: the checkpoint's one scale is not theirs; they start at init_scale.
+    per_optimizer = DynamicLossScaler("cpu", init_scale=2.0**10, per_optimizer=True, telemetry=False)
+    with pytest.warns(UserWarning, match="the per-optimizer scales start at init_scale"):
+        _trainer(LossScalingPrecision("16-mixed", scaler=per_optimizer), max_steps=7).fit(
+            _Regression(), _data(), ckpt_path=str(path)
+        )
+    assert per_optimizer.steps == 1
 
 
 def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path: Path):
