@@ -119,7 +119,6 @@ class HookBase(Callback):
         self._last_batch_end: float | None = None  # perf_counter at the end of the last micro-batch
         #: seconds the current iteration waited for data (see the class docstring).
         self.data_sec = 0.0
-        self._data_sec_later = 0.0  # of which before its micro-batches after the first
         self._key_index: int | None = None  # position among same-class hooks of the trainer
         self._instance_id = next(_instance_ids)
 
@@ -214,10 +213,9 @@ class HookBase(Callback):
     ) -> None:
         wait = 0.0 if self._last_batch_end is None else time.perf_counter() - self._last_batch_end
         if self._in_step:  # a later micro-batch of the same iteration
-            self._data_sec_later += wait
             self.data_sec += wait
             return
-        self.data_sec, self._data_sec_later = wait, 0.0
+        self.data_sec = wait
         self._in_step, self._step_global_step = True, trainer.global_step
         self._call("before_step")
 

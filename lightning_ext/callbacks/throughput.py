@@ -311,7 +311,8 @@ class Throughput(HookBase):
         self._book()
         if not self._flushes and self.exception is None:
             self._warn("Throughput: no TrainingStats flush ran, so nothing was written. HINT: add "
-                       "TrainingStats() after it to `callbacks`.")  # fmt: skip
+                       "TrainingStats() after it to `callbacks`, its regex matching Throughput's names "
+                       "(Throughput.stats_flush_names).")  # fmt: skip
 
     @override
     def state_dict(self) -> dict[str, Any]:

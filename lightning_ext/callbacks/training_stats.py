@@ -252,6 +252,7 @@ class TrainingStats(Callback):
         self._outer_stage: str | None = None  # the stage set before a loop's
         self.last_flush_step = -1  # iterations done at the last step-triggered flush
         self._iterations: int | None = None  # iterations done in this fit (None: read at its start)
+        self._fitting = True  # the stage set up is a fit (a checkpoint loaded is its state)
         self._global_step = 0  # trainer.global_step at the end of the previous batch
         self._pending_state: dict[str, Any] | None = None  # loaded before setup created the collector
 
@@ -267,8 +268,8 @@ class TrainingStats(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        _check_contributors(trainer)
-        if stage == "fit":  # a new fit counts its iterations from its start (a resume: its checkpoint's)
+        self._fitting = stage == "fit"  # (validate/test with a ckpt_path load no training state)
+        if self._fitting:  # a new fit counts its iterations from its start (a resume: its checkpoint's)
             self.last_flush_step, self._iterations = -1, None
         several = _dist.is_distributed() and _dist.get_world_size() > 1
         init_multiprocessing(
@@ -276,6 +277,7 @@ class TrainingStats(Callback):
         )
         if several:  # every rank, in the same order: one gather of (host, arguments)
             self._agree(trainer)
+        _check_contributors(trainer)  # (after the agreement: every rank raises alike)
         untimed = not any(isinstance(c, IterationTimer) for c in trainer.callbacks) and any(
             re.fullmatch(self.stragglers or "(?!)", name) for name in _TIMER_NAMES
         )  # asks for the timer's names without it
@@ -589,6 +591,8 @@ class TrainingStats(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not self._fitting:  # validate/test(ckpt_path=...): the training statistics stay
+            return
         self.last_flush_step = int(state_dict["last_flush_step"])
         self._iterations = state_dict.get("iterations")  # (None: a checkpoint without it)
         if self.collector is None:  # before setup made the collectors: loaded by setup

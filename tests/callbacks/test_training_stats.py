@@ -836,3 +836,27 @@ def test_ranks_with_other_arguments_raise_at_setup_naming_them() -> None:
             r"every_n_train_steps=2 on ranks \[0\], 3 on ranks \[1\]; their flushes would not meet",
             message,
         ), message
+
+
+def _throughput_on_rank_zero_fit(rank: int, world: int) -> str:
+    """A fit whose rank 0 alone has a Throughput, collected by two TrainingStats (the error of rank 0's
+    own check, before the agreement, left rank 1 waiting in it); the error it raised on this rank."""
+    from lightning_ext.callbacks import Throughput
+
+    clear_statistics()
+    stats = [TrainingStats(every_n_train_steps=1), TrainingStats(every_n_train_steps=4)]
+    trainer = ddp_trainer(
+        rank, world, max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=([Throughput(flops_fn=None)] if rank == 0 else []) + stats,
+    )  # fmt: skip
+    try:
+        trainer.fit(_Colliding("Other"))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.timeout(240)
+def test_a_check_of_one_rank_waits_for_the_agreement_of_all() -> None:
+    for message in run_distributed(_throughput_on_rank_zero_fit, 2, timeout=200):
+        assert message.startswith("TrainingStats: the ranks' arguments differ: contributors="), message
