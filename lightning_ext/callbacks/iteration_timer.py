@@ -186,6 +186,8 @@ class IterationTimer(HookBase):
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_after_backward(trainer, pl_module)
+        if self._marks and self._marks[-1][0] == "optimizer":  # another micro-batch's forward and
+            self._marks[-1] = ("forward", *self._marks[-1][1:])  # backward (no on_before_backward)
         self._mark("optimizer")
 
     @override

@@ -189,6 +189,30 @@ def test_a_validation_run_between_the_micro_batches_of_an_iteration_is_not_its_t
     assert timer.summary.splitlines()[0].endswith(f"({iteration:.4f} s / it)")
 
 
+def test_a_plain_loop_accumulating_books_every_micro_batch_as_forward():
+    # Without on_before_backward (a HookRunner), the second and third micro-batches' forward and
+    # backward came after the first after_backward: they were booked as optimizer time.
+    collector = Collector(regex="Timing/.*")
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with HookRunner([IterationTimer(warmup_iter=1)], model) as runner:
+        for _ in range(3):
+            runner.before_step()
+            for _ in range(3):  # micro-batches
+                _clock.advance(STEP_SEC)
+                model(torch.ones(2, 4)).sum().backward()
+                _clock.advance(BACKWARD_SEC)
+                runner.after_backward()
+            _clock.advance(OPTIMIZER_SEC)
+            optimizer.step()
+            optimizer.zero_grad()
+            runner.after_step()
+    collector.update()
+    assert collector.num("Timing/forward_sec") == 2
+    assert collector.max("Timing/forward_sec") == 3 * (STEP_SEC + BACKWARD_SEC)
+    assert collector.max("Timing/optimizer_sec") == OPTIMIZER_SEC
+
+
 def test_summary_logged_when_training_fails(caplog):
     class Boom(SlowModule):
         def training_step(self, batch, batch_idx):
