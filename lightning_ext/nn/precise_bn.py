@@ -43,7 +43,9 @@ def update_bn_stats(
     layer's batch statistics are merged in float64 (Chan, Golub & LeVeque's update), weighted by
     elements per channel (``N·H·W…``), into the exact mean and UNBIASED variance (what
     ``running_var`` estimates) of all the elements it normalized, written in place in the buffers'
-    dtype. Training flags, momenta and ``num_batches_tracked`` are restored.
+    dtype, whatever they held (NaN left by a diverged run included: at ``momentum=1`` BatchNorm's update
+    ``0 * old + batch`` keeps a NaN, so non-finite entries are made finite first). Training flags,
+    momenta and ``num_batches_tracked`` are restored.
 
     Source: fvcore ``nn/precise_bn.py`` (``update_bn_stats``), which also weighs batches by elements
     per channel but writes the biased variance and leaves modes to its caller; every difference is
@@ -134,6 +136,7 @@ def _population_mode(model: nn.Module, layers: list[BatchNormBase]) -> Iterator[
     saved = [(bn.momentum, bn.num_batches_tracked.clone()) for bn in layers]  # (track_running_stats)
     records: list[list[_Record]] = [[] for _ in layers]
     handles = [bn.register_forward_hook(functools.partial(_record, r)) for bn, r in zip(layers, records)]
+    handles += [bn.register_forward_pre_hook(_finite_running_stats) for bn in layers]
     try:
         for bn in layers:
             bn.momentum = 1.0
@@ -150,6 +153,13 @@ def _population_mode(model: nn.Module, layers: list[BatchNormBase]) -> Iterator[
             bn.num_batches_tracked.copy_(tracked)
         for module, flag in flags.items():
             module.training = flag
+
+
+def _finite_running_stats(layer: BatchNormBase, args: tuple) -> None:
+    """Make non-finite running statistics finite before a forward at ``momentum=1``, which replaces them
+    by the batch's (``0 * old + batch``: a NaN left by a diverged run would stay NaN)."""
+    layer.running_mean.nan_to_num_(0.0, 0.0, 0.0)
+    layer.running_var.nan_to_num_(1.0, 1.0, 1.0)
 
 
 def _record(runs: list[_Record], layer: BatchNormBase, args: tuple, output: Any) -> None:

@@ -110,6 +110,18 @@ def test_update_bn_stats_gives_population_statistics_and_restores_state():
     torch.testing.assert_close((frozen.running_mean, frozen.running_var), frozen_stats)
 
 
+def test_running_statistics_a_diverged_run_left_nan_are_recomputed():
+    # PreciseBN is how a run repairs its BatchNorm statistics; at momentum 1 BatchNorm's own update is
+    # 0 * old + batch, which kept every NaN (fvcore's too), with the batches counted as used.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3))
+    model[1].running_mean.fill_(float("nan"))
+    model[1].running_var[1] = float("inf")
+    batches = make_batches([5, 7, 3, 9], seed=2)
+    assert update_bn_stats(model, batches, num_iter=4, forward_fn=forward_first) == 4
+    assert_population(model[1], model[0], batches)
+
+
 def test_update_bn_stats_without_batches_or_layers_changes_nothing():
     bn = nn.BatchNorm1d(2)
     assert update_bn_stats(bn, [], num_iter=5, forward_fn=forward_first) == 0
