@@ -263,7 +263,8 @@ def report(name: str, value: T) -> T:
     first report in a stage checks it; an empty value registers it (NaN until it has values). No
     host-device sync, no collective. Under ``torch.compile`` (``fullgraph=True`` included) a tensor or
     number is one opaque graph node, the custom op ``lightning_ext::report_``, running this eager
-    path: a flush does not retrace the model (lists and NumPy arrays break the graph).
+    path: a flush does not retrace the model (lists and NumPy arrays break the graph; a Python number is
+    a constant of the graph: one that changes between calls recompiles, so report it outside).
 
     Args:
         name: statistic name, printable, conventionally ``"Group/quantity_unit"`` (``"Loss/total"``).
@@ -345,8 +346,8 @@ def report0(name: str, value: T) -> T:
     if _sync_settings().rank == 0:
         return report(name, value)
     _check_value(name, value)
-    if type(name) is not str or name not in _state.current:  # registered (and checked) once per stage
-        report(name, [])
+    if torch.compiler.is_compiling() or type(name) is not str or name not in _state.current:
+        report(name, torch.zeros(0))  # registered (and checked) once per stage; a graph node under compile
     return value
 
 

@@ -100,3 +100,28 @@ def test_the_stage_of_a_compiled_report_is_read_when_it_runs():
     train.update()
     val.update()
     assert (train.num("Const/one"), val.num("Const/one")) == (1, 2)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_report0_compiles_with_fullgraph_on_every_rank(rank):
+    """``report0`` on a rank other than 0 registers the name only: it did so with a list, which broke
+    the graph there (``fullgraph=True`` raised on those ranks while rank 0 waited in the flush)."""
+    from lightning_ext.stats import init_multiprocessing, report0
+
+    clear_statistics()
+    init_multiprocessing(rank, None)  # (as TrainingStats' setup on that rank; nothing reduced)
+    collector = Collector()
+
+    @torch.compile(fullgraph=True)
+    def step(x):
+        report0("Opt/lr", torch.tensor(0.1))
+        return x * 2
+
+    try:
+        for _ in range(3):
+            step(torch.ones(3))
+        collector.update()
+        assert collector.names() == ["Opt/lr"] and collector.num("Opt/lr") == (3 if rank == 0 else 0)
+    finally:
+        clear_statistics()
