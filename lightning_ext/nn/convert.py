@@ -63,8 +63,10 @@ def convert_sync_batchnorm(
     subclasses of ``_BatchNorm``), as ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` does.
 
     Parameters and buffers are SHARED with the original layers (the same tensor objects); ``training``
-    and ``qconfig`` are copied. Layers that already are :class:`SyncBatchNorm` are left as they are.
-    No collective, no host sync.
+    and ``qconfig`` are copied. A subclass's own ``forward`` (an activation fused into the layer)
+    gives way to :class:`SyncBatchNorm`'s, as with torch's converter; :func:`revert_sync_batchnorm`
+    gives it back. Layers that already are :class:`SyncBatchNorm` are left as they are. No collective, no
+    host sync.
 
     Args:
         module: any module (e.g. a LightningModule).
