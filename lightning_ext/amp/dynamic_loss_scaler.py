@@ -611,8 +611,8 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
 
     @property
     def last_step_skipped(self) -> bool:
-        """Whether the last optimizer step skipped (:attr:`last_step_skipped_tensor`). Syncs host and
-        device."""
+        """Whether the last optimizer step skipped
+        (:attr:`~lightning_ext.amp.DynamicLossScaler.last_step_skipped_tensor`). Syncs host and device."""
         return bool(self.last_step_skipped_tensor)
 
     @property
