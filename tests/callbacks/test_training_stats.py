@@ -809,13 +809,21 @@ class _Disagreeing(Callback):
             next(c for c in trainer.callbacks if isinstance(c, TrainingStats)).every_n_train_steps = 3
 
 
-def _disagreeing_fit(rank: int, world: int) -> str:
-    """A fit in which rank 1's TrainingStats has another period (Lightning's ``"ddp"`` on the harness's
-    workers); the error it raised on this rank."""
+def _setup_error(rank: int, world: int, case: str) -> str:
+    """A fit (Lightning's ``"ddp"`` on the harness's workers) whose ranks' callbacks differ: ``"period"``,
+    rank 1's TrainingStats has another period; ``"throughput"``, rank 0 alone has a Throughput, which
+    two TrainingStats collect (the error of rank 0's own check, run before the agreement, left rank 1
+    waiting in it). The error it raised on this rank."""
+    from lightning_ext.callbacks import Throughput
+
     clear_statistics()
+    if case == "period":
+        callbacks = [_Disagreeing(), TrainingStats(every_n_train_steps=2)]
+    else:
+        stats = [TrainingStats(every_n_train_steps=1), TrainingStats(every_n_train_steps=4)]
+        callbacks = ([Throughput(flops_fn=None)] if rank == 0 else []) + stats
     trainer = ddp_trainer(
-        rank, world, max_steps=6, logger=False,
-        callbacks=[_Disagreeing(), TrainingStats(every_n_train_steps=2)], enable_checkpointing=False,
+        rank, world, max_steps=6, logger=False, callbacks=callbacks, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     try:
@@ -830,7 +838,7 @@ def test_ranks_with_other_arguments_raise_at_setup_naming_them() -> None:
     """Issue 44's case: every_n_train_steps=2 on rank 0 and 3 on rank 1 would flush at other steps, where
     DDP's gradient all-reduce stands in between (a hang to the timeout): setup raises on every rank
     first, naming the ranks and their arguments."""
-    for message in run_distributed(_disagreeing_fit, 2, timeout=200):
+    for message in run_distributed(_setup_error, 2, "period", timeout=200):
         assert re.match(
             r"TrainingStats: the ranks' arguments differ: "
             r"every_n_train_steps=2 on ranks \[0\], 3 on ranks \[1\]; their flushes would not meet",
@@ -838,25 +846,7 @@ def test_ranks_with_other_arguments_raise_at_setup_naming_them() -> None:
         ), message
 
 
-def _throughput_on_rank_zero_fit(rank: int, world: int) -> str:
-    """A fit whose rank 0 alone has a Throughput, collected by two TrainingStats (the error of rank 0's
-    own check, before the agreement, left rank 1 waiting in it); the error it raised on this rank."""
-    from lightning_ext.callbacks import Throughput
-
-    clear_statistics()
-    stats = [TrainingStats(every_n_train_steps=1), TrainingStats(every_n_train_steps=4)]
-    trainer = ddp_trainer(
-        rank, world, max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=([Throughput(flops_fn=None)] if rank == 0 else []) + stats,
-    )  # fmt: skip
-    try:
-        trainer.fit(_Colliding("Other"))
-    except ValueError as error:
-        return str(error)
-    return "no error"
-
-
 @pytest.mark.timeout(240)
 def test_a_check_of_one_rank_waits_for_the_agreement_of_all() -> None:
-    for message in run_distributed(_throughput_on_rank_zero_fit, 2, timeout=200):
+    for message in run_distributed(_setup_error, 2, "throughput", timeout=200):
         assert message.startswith("TrainingStats: the ranks' arguments differ: contributors="), message
