@@ -349,18 +349,23 @@ class _Steps(pl.loggers.Logger):
         pass
 
 
-def test_manual_optimization_flushes_every_n_training_steps() -> None:
-    # global_step advances by 2 per batch; the period counts training steps (iterations).
-    clear_statistics()
+def _batch_flushes(stats: TrainingStats, model: pl.LightningModule) -> list[tuple[int, dict]]:
+    """The rows holding ``Batch/idx`` that ``stats`` wrote in one epoch of ``model`` (its own Trainer)."""
     logger = _Steps()
-    stats = TrainingStats(every_n_train_steps=3, regex="Batch/.*", stats=("mean", "num"), on_epoch=False)
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_epochs=1, logger=logger, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1000,
         callbacks=[stats],
     )  # fmt: skip
-    trainer.fit(_TwoOptimizers())
-    flushes = [(step, m) for step, m in logger.logged if "Batch/idx" in m]
+    trainer.fit(model)
+    return [(step, m) for step, m in logger.logged if "Batch/idx" in m]
+
+
+def test_manual_optimization_flushes_every_n_training_steps() -> None:
+    # global_step advances by 2 per batch; the period counts training steps (iterations).
+    clear_statistics()
+    stats = TrainingStats(every_n_train_steps=3, regex="Batch/.*", stats=("mean", "num"), on_epoch=False)
+    flushes = _batch_flushes(stats, _TwoOptimizers())
     assert [step for step, _ in flushes] == [2, 5]  # Lightning's steps of iterations 2 and 5
     assert [m["Batch/idx"] for _, m in flushes] == [1.0, 4.0]  # batches 0-2, then 3-5
     assert all(m["Batch/idx/num"] == 3 for _, m in flushes)
@@ -389,14 +394,7 @@ def test_manual_accumulation_counts_iterations_and_a_reused_callback_counts_from
     clear_statistics()
     stats = TrainingStats(every_n_train_steps=2, regex="Batch/.*", stats=("mean", "num"), on_epoch=False)
     for _ in range(2):
-        logger = _Steps()
-        trainer = pl.Trainer(
-            accelerator="cpu", devices=1, max_epochs=1, logger=logger, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1000,
-            callbacks=[stats],
-        )  # fmt: skip
-        trainer.fit(_ManualAccumulation())
-        flushes = [(step, m) for step, m in logger.logged if "Batch/idx" in m]
+        flushes = _batch_flushes(stats, _ManualAccumulation())
         assert [step for step, _ in flushes] == [3, 7]  # iterations 2 and 4 end with batches 3 and 7
         assert [(m["Batch/idx"], m["Batch/idx/num"]) for _, m in flushes] == [(1.5, 4), (5.5, 4)]
 
