@@ -136,7 +136,8 @@ def all_reduce_(
 
     Same contract as ``torch.distributed.all_reduce`` (same order, element count, dtype and ``op`` on
     every rank); a disagreement raises on every rank, before anything is reduced, instead of aborting
-    or hanging. A tensor off the group's collective device is reduced through a copy there.
+    or hanging. A tensor off the group's collective device, or not contiguous (gloo's ``all_reduce``
+    mis-reduces a strided one, silently), is reduced through a contiguous copy there.
 
     Transports (every rank takes the same one for the same call):
 
@@ -190,10 +191,11 @@ def all_reduce_(
 def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool) -> Any:
     """:func:`all_reduce_` outside ``torch.compile`` tracing."""
     route = _route(group)
-    if tensor.device != route.device:
-        moved = tensor.to(route.device)
-        _all_reduce(moved, op, group, False)
-        tensor.copy_(moved)
+    strided = tensor.layout == torch.strided and not tensor.is_contiguous()  # (gloo mis-reduces one)
+    if tensor.device != route.device or strided:  # through a contiguous copy there, written back
+        staged = tensor.to(route.device).contiguous()
+        _all_reduce(staged, op, group, False)
+        tensor.copy_(staged)
         return _Done() if async_op else None
     if route.segment is not None:
         descriptors = route.segment.all_reduce_(tensor, op, _descriptor(tensor, op))

@@ -77,7 +77,8 @@ class _ShmGroup:
         self._views_cache: dict[tuple[int, torch.dtype, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
     def all_reduce_(self, tensor: torch.Tensor, op: dist.ReduceOp, descriptor: int) -> list[int]:
-        """Publish ``descriptor`` and, when ``_fits(tensor, op)``, reduce ``tensor`` (CPU) in place.
+        """Publish ``descriptor`` and, when ``_fits(tensor, op)``, reduce ``tensor`` (CPU, contiguous) in
+        place.
 
         Returns:
             Every rank's descriptor, index = group rank. The reduction happened only when they are all
@@ -87,7 +88,7 @@ class _ShmGroup:
             RuntimeError: a rank did not join within ``timeout`` seconds, or its process exited.
         """
         in_slot = _fits(tensor, op) and tensor.numel() > 0
-        flat = tensor.reshape(-1) if in_slot else tensor  # a view if contiguous, else a copy written back
+        flat = tensor.view(-1) if in_slot else tensor
         with self.lock:
             self.seq += 1
             parity = self.seq % 2
@@ -104,8 +105,6 @@ class _ShmGroup:
             reduce(rows[0], rows[1], out=flat)  # rows combined in rank order on every rank
             for row in rows[2:]:
                 reduce(flat, row, out=flat)
-        if not tensor.is_contiguous():
-            tensor.copy_(flat.view(tensor.shape))
         return descriptors
 
     def _views(self, parity: int, flat: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
