@@ -144,7 +144,9 @@ def all_reduce_(
     - shared memory, between the CPU ranks of one host of a gloo group (``_route``): every call checks
       a descriptor (op, dtype, layout, element count) in the segment's header; a strided tensor of at
       most 128 KiB reduced by SUM, MAX, MIN or PRODUCT is reduced in the segment, in rank order
-      (bitwise identical on every rank), anything else by the process group once the header agreed.
+      (bitwise identical on every rank; a float SUM or PRODUCT of three ranks or more may differ from
+      the process group's in the last bits, which adds in its own order), anything else by the process
+      group once the header agreed.
     - the process group's ``all_reduce``, checked by predicting each reduction's descriptor from the
       group's agreed history (:mod:`lightning_ext.distributed.agreement`): steady state, one
       ``all_reduce`` of the tensor staged with one flag element; a reduction not predicted, or every
