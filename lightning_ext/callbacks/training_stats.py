@@ -21,6 +21,7 @@ from lightning_ext._checks import check_bool, check_int, check_number
 from lightning_ext.callbacks.hook_base import _iterations_done
 from lightning_ext.callbacks.iteration_timer import IterationTimer
 from lightning_ext.callbacks.throughput import _SEC_PER_SAMPLE
+from lightning_ext.kernels import get_backend
 from lightning_ext.stats import Collector, LogHistogram, init_multiprocessing, report, set_stage
 
 __all__ = ["TrainingStats"]
@@ -287,6 +288,8 @@ class TrainingStats(Callback):
                            f"timings, but the Trainer has none: no rank is named. {hint}")  # fmt: skip
         if not several or untimed:  # said above, or no straggler on one process
             self._unchecked.discard("stragglers")
+        for device in {torch.device("cpu"), pl_module.device} - {torch.device("meta")}:  # the kernels
+            get_backend(device=device)  # load now, in the start-up (a second at the first flush)
         if self.collector is None:
             self.collector = Collector(**self._collector_args, stragglers=self.stragglers)
             if self.on_epoch:
