@@ -136,17 +136,14 @@ def all_reduce_(
 
     Same contract as ``torch.distributed.all_reduce`` (same order, element count, dtype and ``op`` on
     every rank); a disagreement raises on every rank, before anything is reduced, instead of aborting
-    or hanging. A tensor off the group's collective device, or not contiguous (gloo's ``all_reduce``
-    mis-reduces a strided one, silently), is reduced through a contiguous copy there.
-
-    Transports (every rank takes the same one for the same call):
+    or hanging. A tensor off the collective device, or not contiguous (gloo mis-reduces a strided one),
+    is reduced through a contiguous copy there. Transports (the same for the same call on every rank):
 
     - shared memory, between the CPU ranks of one host of a gloo group (``_route``): every call checks
-      a descriptor (op, dtype, layout, element count) in the segment's header; a strided tensor of at
-      most 128 KiB reduced by SUM, MAX, MIN or PRODUCT is reduced in the segment, in rank order
-      (bitwise identical on every rank; a float SUM or PRODUCT of three ranks or more may differ from
-      the process group's in the last bits, which adds in its own order), anything else by the process
-      group once the header agreed.
+      a descriptor (op, dtype, layout, element count) in the segment's header; at most 128 KiB reduced
+      by SUM, MAX, MIN or PRODUCT is reduced in the segment in rank order (bitwise identical on every
+      rank; with 3+ ranks a float sum's last bits may differ from the process group's, which adds in
+      its own order), anything else by the process group once the header agreed.
     - the process group's ``all_reduce``, checked by predicting each reduction's descriptor from the
       group's agreed history (:mod:`lightning_ext.distributed.agreement`): steady state, one
       ``all_reduce`` of the tensor staged with one flag element; a reduction not predicted, or every
