@@ -7,6 +7,7 @@ import functools
 import hashlib
 import math
 import re
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -70,6 +71,17 @@ def _field_shifts(bits: int) -> np.ndarray:
 def _rank_bits(world_size: int) -> int:
     """Low mantissa bits of a packed rank mean that hold the rank."""
     return max(1, (world_size - 1).bit_length())
+
+
+def _nonzero(words: list[float], bits: int) -> Iterator[tuple[int, int]]:
+    """``(slot, count)`` of each non-zero count packed in ``words`` (``bits`` bits a field, ``53 // bits``
+    fields a word, field ``f`` of word ``w`` the slot ``w (53 // bits) + f``), in slot order."""
+    k, ones = 53 // bits, (1 << bits) - 1
+    for w, word in enumerate(map(int, words)):
+        while word:  # the lowest field with a set bit, then the word without it
+            f = ((word & -word).bit_length() - 1) // bits
+            yield w * k + f, (word >> f * bits) & ones
+            word &= ~(ones << f * bits)
 
 
 class Collector:
@@ -531,20 +543,39 @@ class Collector:
     def straggler(self, name: str) -> Straggler | None:
         """The rank whose mean of ``name`` was the largest in the last interval, its mean, the
         median of the ranks' means and their ratio (:class:`Straggler`); ``None`` when no rank had
-        values of ``name`` then.
+        values of ``name`` then. The first query after an update reads every straggler name's at once.
 
         Raises:
             KeyError: ``stragglers`` does not match ``name`` (or ``regex`` excludes it).
         """
-        sketch = self._sketch("stragglers", name)  # None without values
-        return sketch and self._once(("straggler", name), lambda: self._straggler(name, sketch))
+        self._get(name)  # raises for names regex excludes
+        if not self._tracks("stragglers", name):
+            raise KeyError(f"{name!r} is not matched by Collector(stragglers={self.stragglers!r})")
+        return self._once("stragglers", self._stragglers).get(name)
 
-    def _straggler(self, name: str, sketch: tuple[int, int, np.ndarray]) -> Straggler:
-        k, mask = self._row["stragglers", name], (1 << _rank_bits(self._world)) - 1
-        packed, rank = float(self._slowest[k]), int(self._slowest.view(np.int64)[k]) & mask
-        upper = 0.5 + 0.5 / float(sketch[2].sum())  # the upper middle rank: the two middle ones' mean
-        median = sum(self.sketch.quantile(*sketch, (0.5, upper), *self._get(name)[3:5])) / 2
-        return Straggler(rank, packed, median, packed / median if median else math.inf)
+    def _stragglers(self) -> dict[str, Straggler]:
+        """Every straggler name with values: its :class:`Straggler`, from its row of the MAX (the rank in
+        the low bits of its largest mean) and its sketch of the ranks' means (the two middle ones'
+        buckets by cumulative count: ``inverted_cdf`` at ``0.5`` and at ``0.5 + 0.5 / n``). The window
+        holds a count a rank, so it is read sparsely in Python (:func:`_nonzero`): a few host reads for
+        every name together, where NumPy's dense unpacking costs several per name."""
+        q, mask = self._q, (1 << _rank_bits(self._world)) - 1
+        rows = zip(self._named[q:].tolist(), self._windows[:, q:].T.tolist(), self._words[q:].tolist(),
+                   self._slowest[q:].tolist(), self._slowest[q:].view(np.int64).tolist())  # fmt: skip
+        found: dict[str, Straggler] = {}
+        for i, (level, start, bits), words, packed, rank in rows:
+            if not bits:  # no rank had values
+                continue
+            counts, name = list(_nonzero(words, bits)), self._names[i]
+            lo, hi = self._get(name)[3:5]
+            n, middle = sum(c for _, c in counts), []
+            for nth in ((n + 1) // 2, n // 2 + 1):  # 1-based: the lower and the upper middle rank
+                seen = 0
+                slot = next(slot for slot, c in counts if (seen := seen + c) >= nth)
+                middle.append(self.sketch.value(level, start + slot, lo, hi))
+            median = sum(middle) / 2
+            found[name] = Straggler(rank & mask, packed, median, packed / median if median else math.inf)
+        return found
 
     def unmatched(self) -> dict[str, list[str]]:
         """``{argument: names}`` for each pattern (``regex``, ``quantiles``, ``stragglers``) that matched

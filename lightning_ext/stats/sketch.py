@@ -141,11 +141,13 @@ class LogHistogram:
         # NumPy's inverted_cdf: the value of 0-based rank ceil(n q - 1), clipped
         ranks = [min(max(math.ceil(n * p - 1), 0), n - 1) + 1 for p in qs]
         found = cumulative.searchsorted(ranks).tolist() if n > 0 else [None] * len(qs)
-        values = [math.nan if b is None else self._value(level, start + b, lo, hi) for b in found]
+        values = [math.nan if b is None else self.value(level, start + b, lo, hi) for b in found]
         return values if qs is q else values[0]
 
-    def _value(self, level: int, position: int, lo: float, hi: float) -> float:
-        """The estimate of the bucket at ``position`` (clipped to ``[lo, hi]``; 0 in the zero bucket)."""
+    def value(self, level: int, position: int, lo: float, hi: float) -> float:
+        """The estimate of the bucket at ``position`` of the layout at collapse level ``level``: its
+        representative ``2 gamma_c^k / (gamma_c + 1)``, signed, clipped to ``[lo, hi]``; 0 in the zero
+        bucket, ``lo`` or ``hi`` in an overflow bucket."""
         step, groups = 1 << level, self._groups(level)
         g = position - groups - 1
         if abs(g) > groups:  # an overflow bucket

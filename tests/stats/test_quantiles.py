@@ -305,6 +305,35 @@ def test_straggler_of_one_process_and_of_a_name_without_values() -> None:
         report("u", 1.0), c.update(), c.straggler("u")
 
 
+@pytest.mark.parametrize("bits", [1, 2, 5, 13, 26, 53])
+def test_the_sparse_reading_of_a_window_is_its_dense_unpacking(bits) -> None:
+    # straggler() reads its rank means' window sparsely in Python, quantile() the values' window densely
+    # with NumPy: the same counts in the same slots, for any bits a count, fields empty or full
+    rng = np.random.default_rng(bits)
+    k = 53 // bits
+    counts = rng.integers(0, 1 << bits, size=7 * k) * (rng.random(7 * k) < 0.3)
+    counts[-1] = (1 << bits) - 1  # the last field of the last word, full
+    words = [
+        float(sum(int(c) << (bits * f) for f, c in enumerate(counts[w * k : (w + 1) * k]))) for w in range(7)
+    ]
+    dense = (np.array(words).astype(np.int64)[:, None] >> collector_module._field_shifts(bits)) & (
+        (1 << bits) - 1
+    )
+    assert np.array_equal(dense.reshape(-1), counts)
+    expected = [(int(slot), int(counts[slot])) for slot in np.flatnonzero(counts)]
+    assert list(collector_module._nonzero(words, bits)) == expected
+
+
+def test_every_straggler_name_of_an_update_is_read_at_its_first_query() -> None:
+    clear_statistics()
+    c = Collector(stragglers="s/.*", quantiles="s/b")
+    report("s/a", [1.0, 3.0]), report("s/b", -4.0), report("s/c", [])  # s/c: registered, no value
+    c.update()
+    assert c.straggler("s/b") == (0, -4.0, pytest.approx(-4.0, rel=ALPHA), pytest.approx(1.0, rel=ALPHA))
+    assert c.straggler("s/a") == (0, 2.0, pytest.approx(2.0, rel=ALPHA), pytest.approx(1.0, rel=ALPHA))
+    assert c.straggler("s/c") is None and c.quantile("s/b", 0.5) == pytest.approx(-4.0, rel=ALPHA)
+
+
 def test_the_reads_of_an_update_are_those_of_the_last_update() -> None:
     # straggler(), updated() and the statistics are read once per update (TrainingStats and Throughput
     # both read them): the next update, and a caller's changes to a returned list, must not go stale
