@@ -23,6 +23,8 @@ __all__ = ["Throughput"]
 # The per-rank name whose slowest rank TrainingStats names (the largest seconds per sample)
 _SEC_PER_SAMPLE = "Throughput/sec_per_sample"
 _GOODPUT_PARTS = ("productive", *LOST_TIME_CAUSES, "other")
+_READ = tuple(f"Throughput/{n}" for n in ("train_sec", "samples", "tokens", "flops", "peak_flops_per_sec",
+                                            "hardware_flops", "sec_per_sample"))  # fmt: skip
 # Where the callback is, between its hooks: the time since the last switch goes to the state's bucket.
 _STATES = ("startup", "step", "data", "validation", "checkpoint", "flush", "other")
 _CAUSES = {"startup": "startup", "data": "data_wait", "validation": "validation",
@@ -383,32 +385,33 @@ class Throughput(HookBase):
 
 
 def _throughput_metrics(collector: Collector) -> dict[str, float]:
-    """Global rates, MFU/HFU and the ranks' spread from the reduced per-rank values of a flush."""
+    """Global rates, MFU/HFU and the ranks' spread from the reduced per-rank values of a flush (its rows
+    read once: ``as_dict`` of the names that had values)."""
     updated = set(collector.updated())
     if not {"Throughput/train_sec", "Throughput/samples"} <= updated:
         return {}
-    seconds, ranks = collector.max("Throughput/train_sec"), collector.num("Throughput/train_sec")
+    rows = collector.as_dict([n for n in _READ if n in updated])
+    seconds, ranks = rows["Throughput/train_sec"]["max"], rows["Throughput/train_sec"]["num"]
     if not seconds > 0:
         return {}
-
-    def per_sec(name: str) -> float:  # the SUM over ranks (and reports) of `name` per second
-        return collector.mean(name) * collector.num(name) / seconds
-
+    # the SUM over ranks (and reports) of each name, per second
+    per_sec = {n.split("/")[1]: row["mean"] * row["num"] / seconds for n, row in rows.items()}
     metrics = {}
     for name in ("samples", "tokens"):
-        if f"Throughput/{name}" in updated:
-            metrics[f"Throughput/{name}_per_sec"] = rate = per_sec(f"Throughput/{name}")
-            metrics[f"Throughput/{name}_per_sec_per_device"] = rate / ranks
-    if "Throughput/flops" in updated:
-        metrics["Throughput/flops_per_sec"] = per_sec("Throughput/flops")
-    if {"Throughput/flops", "Throughput/peak_flops_per_sec"} <= updated:
-        peaks = per_sec("Throughput/peak_flops_per_sec") * seconds  # the SUM of the ranks' peaks
-        metrics["Throughput/mfu"] = per_sec("Throughput/flops") / peaks
-        if "Throughput/hardware_flops" in updated:
-            metrics["Throughput/hfu"] = per_sec("Throughput/hardware_flops") / peaks
-    if _SEC_PER_SAMPLE in updated and collector.num(_SEC_PER_SAMPLE):
-        metrics["Throughput/rank_samples_per_sec/min"] = 1.0 / collector.max(_SEC_PER_SAMPLE)
-        metrics["Throughput/rank_samples_per_sec/max"] = 1.0 / collector.min(_SEC_PER_SAMPLE)
+        if name in per_sec:
+            metrics[f"Throughput/{name}_per_sec"] = per_sec[name]
+            metrics[f"Throughput/{name}_per_sec_per_device"] = per_sec[name] / ranks
+    if "flops" in per_sec:
+        metrics["Throughput/flops_per_sec"] = per_sec["flops"]
+    if "flops" in per_sec and "peak_flops_per_sec" in per_sec:
+        peaks = per_sec["peak_flops_per_sec"] * seconds  # the SUM of the ranks' peaks
+        metrics["Throughput/mfu"] = per_sec["flops"] / peaks
+        if "hardware_flops" in per_sec:
+            metrics["Throughput/hfu"] = per_sec["hardware_flops"] / peaks
+    spread = rows.get(_SEC_PER_SAMPLE)
+    if spread and spread["num"]:
+        metrics["Throughput/rank_samples_per_sec/min"] = 1.0 / spread["max"]
+        metrics["Throughput/rank_samples_per_sec/max"] = 1.0 / spread["min"]
         tracked = re.fullmatch(collector.stragglers or "(?!)", _SEC_PER_SAMPLE)
         straggler = collector.straggler(_SEC_PER_SAMPLE) if tracked else None
         if straggler is not None and straggler.median > 0:

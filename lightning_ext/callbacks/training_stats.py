@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ext import distributed as _dist
-from lightning_ext._checks import check_bool, check_int, check_number
+from lightning_ext._checks import check_bool, check_int, check_number, check_regex
 from lightning_ext.callbacks.hook_base import _iterations_done
 from lightning_ext.callbacks.iteration_timer import IterationTimer
 from lightning_ext.callbacks.throughput import _SEC_PER_SAMPLE
@@ -40,17 +40,6 @@ _ARGUMENTS = (  # the arguments that are no collector's (the ranks must agree on
 )  # fmt: skip
 # Lightning's stages whose values are collected apart, and what their statistics are logged under
 STAGE_PREFIXES = {"validate": "val/", "test": "test/"}
-
-
-def _check_pattern(arg: str, pattern: Any) -> None:
-    """``TypeError``/``ValueError`` naming ``arg`` unless ``pattern`` is a regular expression."""
-    if not isinstance(pattern, str):
-        raise TypeError(f"TrainingStats: `{arg}` must be a str, got {pattern!r} ({type(pattern).__name__})")
-    try:
-        re.compile(pattern)
-    except re.error as err:
-        message = f"TrainingStats: `{arg}` must be a regular expression, got {pattern!r} ({err})"
-        raise ValueError(message) from None
 
 
 def _check_stats(stats: Any, quantiles: str | None) -> tuple[str, ...]:
@@ -233,7 +222,7 @@ class TrainingStats(Callback):
             check_bool("TrainingStats", name, flag)
         for arg, pattern in (("regex", regex), ("quantiles", quantiles), ("stragglers", stragglers)):
             if pattern is not None or arg == "regex":
-                _check_pattern(arg, pattern)
+                check_regex("TrainingStats", arg, pattern)
         LogHistogram(relative_accuracy, value_range)  # checks them
         check_int("TrainingStats", "forget_after", forget_after, ge=1, optional=True)
         self.quantiles, self.stragglers = quantiles, stragglers

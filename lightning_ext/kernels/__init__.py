@@ -47,7 +47,7 @@ from lightning_ext.kernels._triton import TritonBackend
 from lightning_ext.kernels.backend import KernelBackend, KernelOp, ReferenceBackend, define_op
 from lightning_ext.kernels.batch_norm import payload_moments
 from lightning_ext.kernels.cpu import CpuBackend
-from lightning_ext.kernels.moments import moments_from_shifted
+from lightning_ext.kernels.moments import merge_moments, moments_from_shifted
 from lightning_ext.kernels.ops import OPS
 from lightning_ext.kernels.registry import (
     BACKEND_ENV_VAR,
@@ -62,5 +62,5 @@ from lightning_ext.kernels.registry import (
 __all__ = [
     "BACKEND_ENV_VAR", "ENTRY_POINT_GROUP", "OPS", "BackendEntry", "CpuBackend", "KernelBackend", "KernelOp",
     "ReferenceBackend", "TritonBackend", "available_backends", "clear_backend_cache", "define_op",
-    "get_backend", "moments_from_shifted", "payload_moments", "register_backend",
+    "get_backend", "merge_moments", "moments_from_shifted", "payload_moments", "register_backend",
 ]  # fmt: skip

@@ -22,7 +22,7 @@ from torch import Tensor
 from lightning_ext.kernels._triton import HAS_TRITON, grid_stride, tl, triton
 from lightning_ext.kernels.backend import define_op
 
-__all__ = ["moments_from_shifted"]  # an op family: its ops are registered below (lightning_ext.kernels.ops)
+__all__ = ["merge_moments", "moments_from_shifted"]  # and the ops, registered below (kernels.ops)
 
 _UNPUBLISHED = (0.0, math.nan, math.nan, math.nan, math.nan, 0.0)  # a published row without values
 EMPTY_ROW = (0.0, 0.0, 0.0, math.inf, -math.inf, 0.0)  # an accumulator row without values
@@ -101,6 +101,37 @@ def moments_from_shifted(acc: Tensor, shift: Tensor) -> Tensor:
     mean = torch.where(has, torch.nan_to_num(shift, 0.0, 0.0, 0.0) + s1 / safe, 0.0)
     m2 = torch.where(has, (s2 - s1 * s1 / safe).clamp_min(0.0), 0.0)
     return torch.stack([n, mean, m2, lo, hi], -1)
+
+
+def merge_moments(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Chan's parallel merge of two tables of moment rows ``[n, mean, m2, min, max]`` (elementwise over
+    leading dims), ``m2`` the sum of squared deviations from the mean: ``m2 = m2_a + m2_b + δ² n_a n_b /
+    n`` with ``δ = mean_b - mean_a``. An empty row ``[0, 0, 0, +inf, -inf]`` is its identity. Source:
+    Chan, Golub & LeVeque, "Updating formulae and a pairwise algorithm for computing sample variances"
+    (1979). No host sync.
+
+    Args:
+        a, b: float64 ``(..., 5)`` moment rows, broadcastable.
+
+    Returns:
+        float64 ``(..., 5)``: the moments of the union of both samples.
+
+    Example::
+
+        >>> rows = torch.tensor([[2.0, 1.5, 0.5, 1.0, 2.0], [1.0, 6.0, 0.0, 6.0, 6.0]], dtype=torch.float64)
+        >>> merge_moments(rows[0], rows[1]).tolist()  # 1, 2 and 6: mean 3, m2 = 14
+        [3.0, 3.0, 14.0, 1.0, 6.0]
+    """
+    na, nb = a[..., 0], b[..., 0]
+    n = na + nb
+    safe = torch.where(n > 0, n, 1.0)
+    mean_a, mean_b = torch.where(na > 0, a[..., 1], 0.0), torch.where(nb > 0, b[..., 1], 0.0)
+    delta = mean_b - mean_a
+    both = (na > 0) & (nb > 0)
+    mean = torch.where(both, mean_a + delta * (nb / safe), mean_a + mean_b)
+    cross = torch.where(both, delta * delta * (na * nb / safe), 0.0)
+    lo, hi = torch.minimum(a[..., 3], b[..., 3]), torch.maximum(a[..., 4], b[..., 4])
+    return torch.stack([n, mean, a[..., 2] + b[..., 2] + cross, lo, hi], -1)
 
 
 # ---------------------------------------------------------------------------- the flush (reference)

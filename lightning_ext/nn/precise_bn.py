@@ -16,8 +16,8 @@ from torch import nn
 
 from lightning_ext._compat import BatchNormBase
 from lightning_ext.distributed import all_reduce_, collective_device, get_world_size, is_distributed
+from lightning_ext.kernels import merge_moments
 from lightning_ext.nn.sync_batch_norm import SyncBatchNorm
-from lightning_ext.stats import merge_moments
 
 __all__ = ["update_bn_stats"]
 
@@ -170,7 +170,7 @@ def _record(runs: list[_Record], layer: BatchNormBase, args: tuple, output: Any)
 
 def _write_population_stats(layers: list[BatchNormBase], records: list[list[_Record]]) -> None:
     """Merge each layer's batch statistics, weighted by global element counts, into its running stats
-    (Chan, Golub & LeVeque's merge, :func:`lightning_ext.stats.merge_moments`, in float64)."""
+    (Chan, Golub & LeVeque's merge, :func:`lightning_ext.kernels.merge_moments`, in float64)."""
     counts = torch.tensor([[r[0] for r in runs] for runs in records], dtype=torch.float64)  # (layer, batch)
     synchronized: dict[Any, list[int]] = {}  # process group => its layers: one all_reduce of their counts
     for i, layer in enumerate(layers):

@@ -4,12 +4,11 @@
 reported since its last update. Pure torch + ``torch.distributed``.
 """
 
-from lightning_ext.stats._wire import merge_moments
 from lightning_ext.stats.collector import Collector, Straggler
 from lightning_ext.stats.reporting import clear_statistics, init_multiprocessing, report, report0, set_stage
 from lightning_ext.stats.sketch import LogHistogram
 
 __all__ = [
-    "Collector", "LogHistogram", "Straggler", "clear_statistics", "init_multiprocessing", "merge_moments",
+    "Collector", "LogHistogram", "Straggler", "clear_statistics", "init_multiprocessing",
     "report", "report0", "set_stage",
 ]  # fmt: skip

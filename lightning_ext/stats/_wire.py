@@ -17,7 +17,7 @@ what layout, and who may touch what.
   ``reporting._attach`` (the one call of the collector's side into ``report()``'s), ``report()``'s
   side gives the store ``settings()``, the synchronization settings (rank, collective device, process
   group), and ``forget_routes()``, called when rows move.
-- :func:`merge_moments` and :func:`check_label`, shared by both sides.
+- :func:`check_label`, shared by both sides.
 
 Nothing here runs a collective or synchronizes host and device, except ``local`` when a collector's
 values lived on another device than its collectives (one copy).
@@ -32,10 +32,10 @@ from typing import Any
 import torch
 
 from lightning_ext.kernels import KernelBackend, get_backend, moments_from_shifted
-from lightning_ext.kernels.moments import EMPTY_ROW
+from lightning_ext.kernels.moments import EMPTY_ROW, merge_moments
 from lightning_ext.stats.sketch import LogHistogram
 
-__all__ = ["merge_moments"]  # the one public name here, re-exported by lightning_ext.stats
+__all__: list[str] = []  # private: the interface of the two sides of lightning_ext.stats
 
 _MIN_ROWS = 64  # rows of a slab at least (it doubles when full)
 _HINTS = 20  # names a store remembers having refused (for Collector.unmatched)
@@ -51,37 +51,6 @@ def check_label(owner: str, arg: str, value: Any) -> None:
             f"{owner}: `{arg}` must be a non-empty str of printable characters, without control "
             f"characters such as '\\n' or '\\x1f', got {value!r:.80}"
         )
-
-
-def merge_moments(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Chan's parallel merge of two tables of moment rows ``[n, mean, m2, min, max]`` (elementwise over
-    leading dims), ``m2`` the sum of squared deviations from the mean: ``m2 = m2_a + m2_b + δ² n_a n_b /
-    n`` with ``δ = mean_b - mean_a``. An empty row ``[0, 0, 0, +inf, -inf]`` is its identity. Source:
-    Chan, Golub & LeVeque, "Updating formulae and a pairwise algorithm for computing sample variances"
-    (1979). No host sync.
-
-    Args:
-        a, b: float64 ``(..., 5)`` moment rows, broadcastable.
-
-    Returns:
-        float64 ``(..., 5)``: the moments of the union of both samples.
-
-    Example::
-
-        >>> rows = torch.tensor([[2.0, 1.5, 0.5, 1.0, 2.0], [1.0, 6.0, 0.0, 6.0, 6.0]], dtype=torch.float64)
-        >>> merge_moments(rows[0], rows[1]).tolist()  # 1, 2 and 6: mean 3, m2 = 14
-        [3.0, 3.0, 14.0, 1.0, 6.0]
-    """
-    na, nb = a[..., 0], b[..., 0]
-    n = na + nb
-    safe = torch.where(n > 0, n, 1.0)
-    mean_a, mean_b = torch.where(na > 0, a[..., 1], 0.0), torch.where(nb > 0, b[..., 1], 0.0)
-    delta = mean_b - mean_a
-    both = (na > 0) & (nb > 0)
-    mean = torch.where(both, mean_a + delta * (nb / safe), mean_a + mean_b)
-    cross = torch.where(both, delta * delta * (na * nb / safe), 0.0)
-    lo, hi = torch.minimum(a[..., 3], b[..., 3]), torch.maximum(a[..., 4], b[..., 4])
-    return torch.stack([n, mean, a[..., 2] + b[..., 2] + cross, lo, hi], -1)
 
 
 # What report() adds a value into: a name's accumulator row, its shift and its sketch counts (or None)

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import bisect
 import difflib
 import functools
 import hashlib
+import itertools
 import math
-import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from lightning_ext._checks import check_bool, check_int, check_number
+from lightning_ext._checks import check_bool, check_int, check_number, check_regex
 from lightning_ext.distributed import all_reduce_, is_distributed
 from lightning_ext.stats import reporting
 from lightning_ext.stats._wire import Store, check_label
@@ -26,16 +27,6 @@ _UNPUBLISHED = (0.0, math.nan, math.nan, math.nan, math.nan, 0.0)  # [n, mean, s
 _HEAD = 7  # the MAX's head: [configuration, -configuration, names, -names, step, -step, count bound]
 WORDS = 640  # float64 words of one sketch row's window in the SUM at most: 5 KiB
 _CPU = torch.device("cpu")
-
-
-def _compile_regex(owner: str, regex: Any, arg: str = "regex") -> re.Pattern[str]:
-    """``re.compile(regex)`` for the argument ``arg`` of ``owner``, else the error naming them."""
-    if not isinstance(regex, str):
-        raise TypeError(f"{owner}: `{arg}` must be a str, got {regex!r} ({type(regex).__name__})")
-    try:
-        return re.compile(regex)
-    except re.error as err:
-        raise ValueError(f"{owner}: `{arg}` must be a regular expression, got {regex!r} ({err})") from None
 
 
 def _fingerprint(text: str | list[str]) -> float:
@@ -177,12 +168,12 @@ class Collector:
         value_range: tuple[float, float] = (1e-6, 1e6), stragglers: str | None = None,
         forget_after: int | None = 100,
     ) -> None:  # fmt: skip
-        self._pattern = _compile_regex("Collector", regex)
+        self._pattern = check_regex("Collector", "regex", regex)
         check_bool("Collector", "keep_previous", keep_previous)
         if stage is not None:
             check_label("Collector", "stage", stage)
         tracked = {"quantiles": quantiles, "stragglers": stragglers}.items()  # None: matching nothing
-        self._tracked = {a: _compile_regex("Collector", "(?!)" if p is None else p, a) for a, p in tracked}
+        self._tracked = {a: check_regex("Collector", a, "(?!)" if p is None else p) for a, p in tracked}
         self.sketch = LogHistogram(relative_accuracy, value_range)  # checks them
         check_int("Collector", "forget_after", forget_after, ge=1, optional=True)
         self.regex, self.keep_previous, self.stage = regex, keep_previous, stage
@@ -307,7 +298,8 @@ class Collector:
                 received stay for the next update.
             TypeError, ValueError: ``step`` is not an int ``>= 0`` or ``None``.
         """
-        check_int("Collector.update", "step", step, ge=0, optional=True)
+        if not (step is None or (type(step) is int and step >= 0)):  # (the check's cost, in every flush)
+            check_int("Collector.update", "step", step, ge=0, optional=True)
         rank, device, group = settings = self._store.settings()
         world = dist.get_world_size(group=group) if device is not None and is_distributed() else 1
         if device is None:  # single process: where the values are
@@ -413,12 +405,10 @@ class Collector:
         """The rare round: every rank (each saw the same MAX) gathers each rank's configuration and step,
         then raises naming them; nothing was published."""
         gathered: list[Any] = [None] * world
-        mine = (repr(self), None if step < 0 else int(step))
-        dist.all_gather_object(gathered, mine, group=group)
+        dist.all_gather_object(gathered, (repr(self), None if step < 0 else int(step)), group=group)
         said = "; ".join(  # each distinct (configuration, step) with its first ranks
-            f"ranks {[r for r, v in enumerate(gathered) if v == (config, at)][:16]}: {config} at step={at}"
-            for config, at in dict.fromkeys(gathered)
-        )
+            f"ranks {[r for r, v in enumerate(gathered) if v == (c, at)][:16]}: {c} at step={at}"
+            for c, at in dict.fromkeys(gathered))  # fmt: skip
         raise RuntimeError(
             f"Collector.update: the ranks disagree ({said}); nothing was published, the values stay for "
             "the next update. HINT: create the Collector (or TrainingStats) with the same arguments on "
@@ -434,7 +424,8 @@ class Collector:
     def updated(self) -> list[str]:
         """Sorted names that received values (on any rank, finite or not) in the last ``update()``'s
         interval: the rest of :meth:`names` only repeat earlier statistics (``keep_previous``) or NaN."""
-        return [n for n, idle in zip(self._names, self._once("idle", self._host("idle").tolist)) if not idle]
+        idle = self._host("idle").tolist
+        return list(self._once("updated", lambda: [n for n, i in zip(self._names, idle()) if not i]))
 
     def _once(self, key: Any, read: Any) -> Any:
         """``read()``, called once per update (a host read of its buffers, or what is derived from one)."""
@@ -491,13 +482,17 @@ class Collector:
     def __getitem__(self, name: str) -> float:
         return self.mean(name)
 
-    def _sketch(self, arg: str, name: str) -> tuple[int, int, np.ndarray] | None:
-        """``name``'s published window ``(level, start, counts)`` for ``arg`` (``"quantiles"``: its
-        values, ``"stragglers"``: its ranks' means), or ``None`` without values."""
+    def _tracked_row(self, arg: str, name: str) -> int:
+        """``name``'s sketch row for ``arg`` (``"quantiles"`` or ``"stragglers"``), else ``KeyError``."""
         self._get(name)  # raises for names regex excludes
         if not self._tracks(arg, name):
             raise KeyError(f"{name!r} is not matched by Collector({arg}={getattr(self, arg)!r})")
-        return self._once(self._row[arg, name], lambda: self._unpack(self._row[arg, name]))
+        return self._row[arg, name]
+
+    def _sketch(self, name: str) -> tuple[int, int, np.ndarray] | None:
+        """``name``'s published window of values ``(level, start, counts)``, ``None`` without values."""
+        j = self._tracked_row("quantiles", name)
+        return self._once(j, lambda: self._unpack(j))
 
     def _unpack(self, j: int) -> tuple[int, int, np.ndarray] | None:
         """Sketch row ``j``'s window ``(level, start, counts)``, ``None`` without values."""
@@ -520,7 +515,7 @@ class Collector:
         """
         for p in q if isinstance(q, list | tuple) else [q]:
             check_number("Collector.quantile", "q", p, gt=0.0, lt=1.0)
-        sketch = self._sketch("quantiles", name) or (0, 0, np.zeros(0))
+        sketch = self._sketch(name) or (0, 0, np.zeros(0))
         return self.sketch.quantile(*sketch, q, *self._get(name)[3:5])
 
     def histogram(self, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -533,7 +528,7 @@ class Collector:
         Raises:
             KeyError: ``quantiles`` does not match ``name`` (or it was never reported).
         """
-        level, start, counts = self._sketch("quantiles", name) or (0, 0, np.zeros(0))
+        level, start, counts = self._sketch(name) or (0, 0, np.zeros(0))
         used = np.flatnonzero(counts)
         if not used.size:
             return np.zeros(0), np.zeros(0)
@@ -548,9 +543,7 @@ class Collector:
         Raises:
             KeyError: ``stragglers`` does not match ``name`` (or ``regex`` excludes it).
         """
-        self._get(name)  # raises for names regex excludes
-        if not self._tracks("stragglers", name):
-            raise KeyError(f"{name!r} is not matched by Collector(stragglers={self.stragglers!r})")
+        self._tracked_row("stragglers", name)
         return self._once("stragglers", self._stragglers).get(name)
 
     def _stragglers(self) -> dict[str, Straggler]:
@@ -559,21 +552,15 @@ class Collector:
         buckets by cumulative count: ``inverted_cdf`` at ``0.5`` and at ``0.5 + 0.5 / n``). The window
         holds a count a rank, so it is read sparsely in Python (:func:`_nonzero`): a few host reads for
         every name together, where NumPy's dense unpacking costs several per name."""
-        q, mask = self._q, (1 << _rank_bits(self._world)) - 1
+        q, mask, found = self._q, (1 << _rank_bits(self._world)) - 1, {}
         rows = zip(self._named[q:].tolist(), self._windows[:, q:].T.tolist(), self._words[q:].tolist(),
                    self._slowest[q:].tolist(), self._slowest[q:].view(np.int64).tolist())  # fmt: skip
-        found: dict[str, Straggler] = {}
-        for i, (level, start, bits), words, packed, rank in rows:
-            if not bits:  # no rank had values
-                continue
-            counts, name = list(_nonzero(words, bits)), self._names[i]
-            lo, hi = self._get(name)[3:5]
-            n, middle = sum(c for _, c in counts), []
-            for nth in ((n + 1) // 2, n // 2 + 1):  # 1-based: the lower and the upper middle rank
-                seen = 0
-                slot = next(slot for slot, c in counts if (seen := seen + c) >= nth)
-                middle.append(self.sketch.value(level, start + slot, lo, hi))
-            median = sum(middle) / 2
+        for i, (level, start, bits), words, packed, rank in filter(lambda row: row[1][2], rows):  # values
+            (slots, counts), name = zip(*_nonzero(words, bits)), self._names[i]
+            cumulative, (lo, hi) = list(itertools.accumulate(counts)), self._get(name)[3:5]
+            n = cumulative[-1]  # the ranks with values; the lower and the upper middle one (1-based):
+            middle = (slots[bisect.bisect_left(cumulative, k)] for k in ((n + 1) // 2, n // 2 + 1))
+            median = sum(self.sketch.value(level, start + slot, lo, hi) for slot in middle) / 2
             found[name] = Straggler(rank & mask, packed, median, packed / median if median else math.inf)
         return found
 
@@ -588,15 +575,20 @@ class Collector:
         asked = [arg for arg in self._tracked if getattr(self, arg) is not None]  # (None: nothing asked)
         return {arg: names for arg in asked if not any(self._tracks(arg, n) for n in names)}
 
-    def as_dict(self) -> dict[str, dict[str, float]]:
-        """``{name: {"num", "mean", "std", "min", "max"}}`` for every name of :meth:`names`."""
-        rows = self._read().items()  # (keywords: a third of dict(zip(keys, row))'s time)
-        return {k: dict(num=round(r[0]), mean=r[1], std=r[2], min=r[3], max=r[4]) for k, r in rows}
+    def as_dict(self, names: Iterable[str] | None = None) -> dict[str, dict[str, float]]:
+        """``{name: {"num", "mean", "std", "min", "max"}}`` for each of ``names`` (``None``: every name of
+        :meth:`names`, from one host read per update).
+
+        Raises:
+            KeyError, TypeError: a name of ``names`` as the queries raise them (not among :meth:`names`).
+        """
+        rows = self._read() if names is None else {n: self._get(n) for n in names}
+        return {k: dict(num=round(r[0]), mean=r[1], std=r[2], min=r[3], max=r[4]) for k, r in rows.items()}
 
     def state_dict(self) -> dict[str, Any]:
         """The published statistics and agreed names, and the quantile sketches (what
         ``keep_previous`` needs after a resume)."""
-        kept = {name: self._sketch(arg, name) for arg, name in self._row if arg == "quantiles"}
+        kept = {name: self._sketch(name) for arg, name in self._row if arg == "quantiles"}
         sketches = {name: (int(s[0]), int(s[1]), torch.from_numpy(s[2])) for name, s in kept.items() if s}
         return {"names": self.names(), "values": dict(self._read()), "sketches": sketches}
 

@@ -590,6 +590,10 @@ def test_queries_and_bad_arguments() -> None:
     report("Loss/empty", [])
     c.update()
     assert c.num("Loss/empty") == 0 and math.isnan(c.mean("Loss/empty"))  # known, no values: NaN
+    assert list(c.as_dict(["Loss/total"])) == ["Loss/total"] and c.as_dict([]) == {}
+    assert c.as_dict(["Loss/total"])["Loss/total"] == c.as_dict()["Loss/total"]
+    with pytest.raises(KeyError, match=r"'Loss/totl' was never reported"):
+        c.as_dict(["Loss/total", "Loss/totl"])
     with pytest.raises(
         KeyError,
         match=r"'Loss_total' is not collected by Collector\(regex='Loss/\.\*'\); "

@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_ext.kernels import moments_from_shifted
-from lightning_ext.stats import Collector, clear_statistics, merge_moments, report
+from lightning_ext.kernels import merge_moments, moments_from_shifted
+from lightning_ext.stats import Collector, clear_statistics, report
 from tests.helpers.float64_reference import assert_moments_close
 
 EMPTY = (0.0, 0.0, 0.0, math.inf, -math.inf)
