@@ -213,9 +213,11 @@ class Throughput(HookBase):
         """Book in the ledger the finished iterations and the parts since the last booking."""
         skipped = min(float(self._skipped), self._taken)  # a host read with a loss scaler
         self.ledger.productive(self._taken - skipped)
-        self.ledger.add("skipped_steps", skipped)
+        if skipped:
+            self.ledger.add("skipped_steps", skipped)
         for state, cause in _CAUSES.items():
-            self.ledger.add(cause, self._pending[state])
+            if self._pending[state]:  # (most intervals have no validation or checkpoint)
+                self.ledger.add(cause, self._pending[state])
         step_sec = self._step_sec  # the current iteration's: booked at its end
         self._unbooked()
         self._step_sec = step_sec
