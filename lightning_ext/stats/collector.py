@@ -340,7 +340,7 @@ class Collector:
             center, together, bound = self._recenter(local, rank), False, self._max[_HEAD - 1].item()
         windows = self._pack(local, int(bound * world).bit_length()) if self._row else None
         if not together:
-            size = 5 * len(self._names) + (len(self._at) * int(windows[-2]) if windows is not None else 0)
+            size = 5 * len(self._names) + (len(self._named) * int(windows[-2]) if windows is not None else 0)
             _all_reduce(self._sum[:size], dist.ReduceOp.SUM, group, world)
         again, forgettable = self._finish(local, center)  # (the rows emptied unless again)
         if again:  # rare; the same on every rank
@@ -389,7 +389,7 @@ class Collector:
     def _publish_sketches(self, layout: np.ndarray) -> None:
         """Keep the reduced windows of the rows with values, packed (the others keep theirs with
         ``keep_previous``; a straggler name's rank means are of its last interval only)."""
-        n, r, (w, full), summed = len(self._at), len(self._names), layout[-2:].tolist(), self._host("sum")
+        n, r, (w, full), summed = len(self._named), len(self._names), layout[-2:].tolist(), self._host("sum")
         words = summed[5 * r : 5 * r + n * w].reshape(n, w).copy()
         windows = layout[: 3 * n].reshape(3, n).copy()  # level, start, bits a count (0: no values)
         if full < n:  # the rows of names without values (nor non-finite ones) keep their window
