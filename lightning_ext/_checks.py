@@ -26,7 +26,7 @@ __all__ = ["check_bool", "check_choice", "check_int", "check_number", "check_reg
 
 _REPR_LIMIT = 80  # characters of a received value's repr kept in a message
 _SIGNS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}  # a bound's keyword (an `operator` name) => its sign
-_COMPARE = {key: getattr(operator, key) for key in _SIGNS}  # (a KeyError for an unknown bound)
+_COMPARE = {key: getattr(operator, key) for key in _SIGNS}
 
 
 def _fail(
@@ -122,6 +122,7 @@ def _check_bounded(
 ) -> None:
     """:func:`check_int` and :func:`check_number`: ``kind`` names the type, ``of_kind`` says whether
     ``value`` is of it."""
+    assert bounds.keys() <= _SIGNS.keys(), f"unknown bounds {sorted(bounds)}"
     if value is None and optional:
         return
     if of_kind:  # (a plain loop, the message built on failure only: a check runs in every flush and step)

@@ -491,8 +491,7 @@ class Collector:
 
     def _sketch(self, name: str) -> tuple[int, int, np.ndarray] | None:
         """``name``'s published window of values ``(level, start, counts)``, ``None`` without values."""
-        j = self._tracked_row("quantiles", name)
-        return self._once(j, lambda: self._unpack(j))
+        return self._once(j := self._tracked_row("quantiles", name), lambda: self._unpack(j))
 
     def _unpack(self, j: int) -> tuple[int, int, np.ndarray] | None:
         """Sketch row ``j``'s window ``(level, start, counts)``, ``None`` without values."""
@@ -548,18 +547,19 @@ class Collector:
 
     def _stragglers(self) -> dict[str, Straggler]:
         """Every straggler name with values: its :class:`Straggler`, from its row of the MAX (the rank in
-        the low bits of its largest mean) and its sketch of the ranks' means (the two middle ones'
-        buckets by cumulative count: ``inverted_cdf`` at ``0.5`` and at ``0.5 + 0.5 / n``). The window
-        holds a count a rank, so it is read sparsely in Python (:func:`_nonzero`): a few host reads for
-        every name together, where NumPy's dense unpacking costs several per name."""
+        the low bits of its largest mean) and its sketch of the ranks' means: the mean of the buckets of
+        ranks ``(n + 1) // 2`` and ``n // 2 + 1`` by cumulative count, ``n`` the ranks with values (the
+        two middle ones; ``quantile(0.5 + 0.5 / n)`` would round up to ``(n + 3) / 2`` for some odd ``n``,
+        e.g. 29). A window holds a count a rank, so it is read sparsely in Python (:func:`_nonzero`): a
+        few host reads for every name together, where NumPy's dense unpacking costs several per name."""
         q, mask, found = self._q, (1 << _rank_bits(self._world)) - 1, {}
         rows = zip(self._named[q:].tolist(), self._windows[:, q:].T.tolist(), self._words[q:].tolist(),
                    self._slowest[q:].tolist(), self._slowest[q:].view(np.int64).tolist())  # fmt: skip
-        for i, (level, start, bits), words, packed, rank in filter(lambda row: row[1][2], rows):  # values
+        for i, (level, start, bits), words, packed, rank in filter(lambda r: r[1][2] and any(r[2]), rows):
             (slots, counts), name = zip(*_nonzero(words, bits)), self._names[i]
             cumulative, (lo, hi) = list(itertools.accumulate(counts)), self._get(name)[3:5]
             n = cumulative[-1]  # the ranks with values; the lower and the upper middle one (1-based):
-            middle = (slots[bisect.bisect_left(cumulative, k)] for k in ((n + 1) // 2, n // 2 + 1))
+            middle = (slots[bisect.bisect_left(cumulative, nth)] for nth in ((n + 1) // 2, n // 2 + 1))
             median = sum(self.sketch.value(level, start + slot, lo, hi) for slot in middle) / 2
             found[name] = Straggler(rank & mask, packed, median, packed / median if median else math.inf)
         return found
@@ -580,8 +580,11 @@ class Collector:
         :meth:`names`, from one host read per update).
 
         Raises:
-            KeyError, TypeError: a name of ``names`` as the queries raise them (not among :meth:`names`).
+            KeyError, TypeError: a name of ``names`` as the queries raise them (not among :meth:`names`);
+                TypeError: ``names`` is a str.
         """
+        if isinstance(names, str):
+            raise TypeError(f"Collector.as_dict: `names` must be a list of names, got the str {names!r}")
         rows = self._read() if names is None else {n: self._get(n) for n in names}
         return {k: dict(num=round(r[0]), mean=r[1], std=r[2], min=r[3], max=r[4]) for k, r in rows.items()}
 

@@ -594,6 +594,8 @@ def test_queries_and_bad_arguments() -> None:
     assert c.as_dict(["Loss/total"])["Loss/total"] == c.as_dict()["Loss/total"]
     with pytest.raises(KeyError, match=r"'Loss/totl' was never reported"):
         c.as_dict(["Loss/total", "Loss/totl"])
+    with pytest.raises(TypeError, match=r"`names` must be a list of names, got the str 'Loss/total'"):
+        c.as_dict("Loss/total")
     with pytest.raises(
         KeyError,
         match=r"'Loss_total' is not collected by Collector\(regex='Loss/\.\*'\); "

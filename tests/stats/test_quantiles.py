@@ -324,6 +324,30 @@ def test_the_sparse_reading_of_a_window_is_its_dense_unpacking(bits) -> None:
     assert list(collector_module._nonzero(words, bits)) == expected
 
 
+@pytest.mark.parametrize("ranks", [28, 29, 30])
+def test_the_straggler_median_is_the_mean_of_the_two_middle_ranks(ranks) -> None:
+    # one rank mean per bucket: the median is the mean of buckets (n + 1) // 2 and n // 2 + 1 (1-based);
+    # NumPy's inverted_cdf at 0.5 + 0.5 / n rounds up to the bucket (n + 3) / 2 for n = 29
+    clear_statistics()
+    c = Collector(stragglers="s")
+    report("s", [1.0, 1000.0])
+    c.update()
+    j, bits = c._row["stragglers", "s"], 5
+    k = 53 // bits
+    counts = [1] * ranks + [0] * (-ranks % k)
+    words = [
+        float(sum(x << (bits * f) for f, x in enumerate(counts[w * k : (w + 1) * k])))
+        for w in range(len(counts) // k)
+    ]
+    c._words = np.zeros((1, len(words)))
+    c._words[j] = words
+    c._windows[2, j] = bits
+    c._memo = {}
+    level, start = int(c._windows[0, j]), int(c._windows[1, j])
+    middle = [c.sketch.value(level, start + slot, 1.0, 1000.0) for slot in ((ranks + 1) // 2 - 1, ranks // 2)]
+    assert c.straggler("s").median == sum(middle) / 2
+
+
 def test_every_straggler_name_of_an_update_is_read_at_its_first_query() -> None:
     clear_statistics()
     c = Collector(stragglers="s/.*", quantiles="s/b")

@@ -1,4 +1,4 @@
-"""The moment merge of the interface module (``merge_moments``, with the kernels' ``moments_from_shifted``)
+"""Chan's moment merge (``lightning_ext.kernels.merge_moments``, with the kernels' ``moments_from_shifted``)
 against correctly rounded float64 moments, within the derived rounding bounds; a collector's values on
 two devices merged."""
 
