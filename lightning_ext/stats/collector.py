@@ -424,8 +424,8 @@ class Collector:
     def updated(self) -> list[str]:
         """Sorted names that received values (on any rank, finite or not) in the last ``update()``'s
         interval: the rest of :meth:`names` only repeat earlier statistics (``keep_previous``) or NaN."""
-        idle = self._host("idle").tolist
-        return list(self._once("updated", lambda: [n for n, i in zip(self._names, idle()) if not i]))
+        return list(self._once("updated", lambda: [  # (one host read of the idle counts per update)
+            n for n, i in zip(self._names, self._host("idle").tolist()) if not i]))  # fmt: skip
 
     def _once(self, key: Any, read: Any) -> Any:
         """``read()``, called once per update (a host read of its buffers, or what is derived from one)."""

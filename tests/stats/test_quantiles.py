@@ -358,6 +358,17 @@ def test_every_straggler_name_of_an_update_is_read_at_its_first_query() -> None:
     assert c.straggler("s/c") is None and c.quantile("s/b", 0.5) == pytest.approx(-4.0, rel=ALPHA)
 
 
+def test_updated_reads_the_idle_counts_once_per_update(monkeypatch) -> None:
+    # on CUDA each read of a buffer is a device-to-host copy: TrainingStats and Throughput both ask
+    clear_statistics()
+    c = Collector()
+    report("t", 1.0)
+    c.update()
+    reads, host = [], c._host
+    monkeypatch.setattr(c, "_host", lambda key: reads.append(key) or host(key))
+    assert c.updated() == c.updated() == ["t"] and reads == ["idle"]
+
+
 def test_the_reads_of_an_update_are_those_of_the_last_update() -> None:
     # straggler(), updated() and the statistics are read once per update (TrainingStats and Throughput
     # both read them): the next update, and a caller's changes to a returned list, must not go stale
