@@ -580,8 +580,8 @@ class Collector:
         :meth:`names`, from one host read per update).
 
         Raises:
-            KeyError, TypeError: a name of ``names`` as the queries raise them (not among :meth:`names`);
-                TypeError: ``names`` is a str.
+            KeyError: a name of ``names`` is not among :meth:`names` (as the queries raise it).
+            TypeError: ``names`` is a str, or holds a name that is not.
         """
         if isinstance(names, str):
             raise TypeError(f"Collector.as_dict: `names` must be a list of names, got the str {names!r}")
