@@ -414,13 +414,23 @@ def measure_report_calls(number: int = 20_000, repeat: int = 5) -> dict[str, flo
 
 def measure_tensorboard(keys: int = 100, flushes: int = 50) -> dict[str, float]:
     """ms per flush of writing ``keys`` scalars to a ``TensorBoardLogger``, the writer thread waited
-    for (``flush()``): Lightning's ``log_metrics`` (an event a key: the anchor) against
-    ``TrainingStats``' one event, alternating; medians over ``flushes`` each, in this process."""
+    for (``flush()``): Lightning's ``log_metrics`` (an event a key, TensorBoard's own checksums: the
+    anchor) against ``TrainingStats``' one event (checksummed as its ``setup`` has TensorBoard's writer
+    do), alternating; medians over ``flushes`` each, in this process."""
     import tempfile
 
     from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
+    from tensorboard.summary.writer import record_writer
 
-    from lightning_ext.callbacks.training_stats import _tensorboard_writer, _write_event
+    from lightning_ext.callbacks.training_stats import (
+        _fast_tensorboard_checksums,
+        _tensorboard_writer,
+        _write_event,
+    )
+
+    _fast_tensorboard_checksums()
+    checksums = {"anchor": pywrap_tensorflow.masked_crc32c, "ours": record_writer.masked_crc32c}
 
     metrics = {f"Metric/{i}": 0.5 + i for i in range(keys)}
     with tempfile.TemporaryDirectory(prefix="bench_tb_") as tmp:
@@ -433,9 +443,11 @@ def measure_tensorboard(keys: int = 100, flushes: int = 50) -> dict[str, float]:
         times: dict[str, list[float]] = {label: [] for label in writes}
         for step in range(flushes):
             for label, write in writes.items():
+                record_writer.masked_crc32c = checksums[label]  # (the writer thread reads it per record)
                 start = time.perf_counter()
                 write(step)
                 times[label].append(time.perf_counter() - start)
+        record_writer.masked_crc32c = checksums["ours"]
         anchor.finalize("success"), ours.finalize("success")
     return {label: 1e3 * statistics.median(t) for label, t in times.items()}
 
@@ -446,8 +458,9 @@ def format_tensorboard(ms: dict[str, float], keys: int = 100) -> str:
         "",
         f"{keys} scalars a flush to a `TensorBoardLogger`, the event writer's thread waited for "
         "(`experiment.flush()`), medians over 50 alternating flushes in one process: Lightning's "
-        "`log_metrics` writes an event a key into a queue of 10, `TrainingStats` one event holding them "
-        "all (`_write_event`; the same values read back: `test_training_stats.py`).",
+        "`log_metrics` writes an event a key into a queue of 10, checksummed by TensorBoard in pure Python, "
+        "`TrainingStats` one event holding them all (`_write_event`; the same values read back: "
+        "`test_training_stats.py`), checksummed by google-crc32c.",
         "",
         "| anchor: `log_metrics` ms | ours: one event ms | ours / anchor |",
         "|---:|---:|---:|",
@@ -588,9 +601,15 @@ def _signal_flush(collector, names: list[str], tmp: str, rank: int):
     them (one event), the event writer's thread's work included (``flush()``)."""
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from lightning_ext.callbacks.training_stats import _tensorboard_writer, _write_event
+    from lightning_ext.callbacks.training_stats import (
+        _fast_tensorboard_checksums,
+        _tensorboard_writer,
+        _write_event,
+    )
 
     logger = TensorBoardLogger(tmp, name="tb", version=rank) if rank == 0 else None
+    if logger is not None:
+        _fast_tensorboard_checksums()  # as TrainingStats' setup does
     straggled = [n for n in names if n.startswith("Straggled/")]
     sketched = [n for n in names if n.startswith("Sketched/")]
     steps = iter(range(1 << 30))
@@ -646,9 +665,10 @@ def format_flush_floor(floors: dict[str, dict], calls: dict[str, float], rounds:
         "(`LIGHTNING_EXT_SHM_COLLECTIVES=0`). The case with histograms is `TrainingStats`' flush with the "
         "straggler of 2 names and the 10 sketched names' histograms written to a `TensorBoardLogger` on "
         "rank zero as `TrainingStats` writes them (one event), the event writer's thread waited for inside "
-        "the flush (else its work lands in the floor's time): TensorBoard without TensorFlow computes each "
-        "record's CRC32C in pure Python, about 0.26 µs a byte, and a histogram's buckets take 16 bytes "
-        "each. The one with Throughput's fields times what `Throughput` adds to `TrainingStats`' flush.",
+        "the flush (else its work lands in the floor's time), its records checksummed by google-crc32c as "
+        "`TrainingStats` has TensorBoard's writer do (TensorBoard's own CRC32C, in pure Python, costs "
+        "about 0.3 µs a byte; a histogram's buckets take 16 bytes each). The one with Throughput's fields "
+        "times what `Throughput` adds to `TrainingStats`' flush.",
         "",
         "| transport | K | bytes / rank | collectives | flush ms | floor ms | flush / floor |",
         "|---|---|---:|---:|---:|---:|---:|",

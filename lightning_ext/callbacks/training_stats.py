@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 import socket
 import time
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -115,7 +117,10 @@ class TrainingStats(Callback):
     flush's SUM all-reduce (:class:`~lightning_ext.stats.LogHistogram`: at most 5 KiB per name). With a
     ``TensorBoardLogger`` (``WandbLogger``) each of these names' merged sketch is also written as a
     TensorBoard (W&B) histogram ``name + "/hist"`` (:meth:`~lightning_ext.stats.Collector.histogram`;
-    no extra collective).
+    no extra collective). With a ``TensorBoardLogger`` and ``google-crc32c`` installed (the
+    ``tensorboard`` extra), ``setup`` has TensorBoard's event writer checksum its records with that C
+    CRC32C, once per process: the same checksums as TensorBoard's own pure-Python ones, at a fraction
+    of the time its writer thread holds the GIL for them.
 
     The straggler. For each name ``stragglers`` matches that received values, a flush with several
     processes writes ``name + "/straggler_rank"``, the rank whose mean was the largest, and
@@ -277,6 +282,8 @@ class TrainingStats(Callback):
                            f"timings, but the Trainer has none: no rank is named. {hint}")  # fmt: skip
         if not several or untimed:  # said above, or no straggler on one process
             self._unchecked.discard("stragglers")
+        if trainer.is_global_zero and any(isinstance(lg, TensorBoardLogger) for lg in trainer.loggers):
+            _fast_tensorboard_checksums()
         for device in {torch.device("cpu"), pl_module.device} - {torch.device("meta")}:  # the kernels
             get_backend(device=device)  # load now, in the start-up (a second at the first flush)
         if self.collector is None:
@@ -629,6 +636,35 @@ def _check_contributors(trainer: pl.Trainer) -> None:
                 f"the next, so the others' rates would be wrong. HINT: one TrainingStats collects them; "
                 f"exclude them from the others, e.g. regex='(?!{exclude}).*'"
             )
+
+
+@functools.cache
+def _fast_tensorboard_checksums() -> bool:
+    """Whether TensorBoard's event writer checksums its records with ``google-crc32c``'s C CRC32C: made
+    so here, once per process, where that library is installed with its C extension. Without
+    TensorFlow, TensorBoard computes each record's masked CRC32C (TFRecord's framing) in pure Python,
+    about 0.3 µs a byte in its writer thread, holding the GIL: milliseconds of the training loop's time
+    for a flush with histograms. The same checksums (``test_training_stats.py`` compares them); every
+    TensorBoard writer of the process gains."""
+    try:
+        with warnings.catch_warnings():  # (its pure-Python fallback warns at import: not used then)
+            warnings.simplefilter("ignore", RuntimeWarning)
+            import google_crc32c
+        from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
+        from tensorboard.summary.writer import record_writer
+    except ImportError:
+        return False
+    if getattr(google_crc32c, "implementation", None) != "c":
+        return False
+    if getattr(record_writer, "masked_crc32c", None) is not pywrap_tensorflow.masked_crc32c:
+        return False  # (another TensorBoard, or replaced already: left as it is)
+
+    def masked_crc32c(data: bytes) -> int:  # pywrap_tensorflow.masked_crc32c's rotation and offset
+        crc = google_crc32c.value(data)
+        return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+    record_writer.masked_crc32c = masked_crc32c
+    return True
 
 
 def _tensorboard_writer(logger: Any) -> Any:

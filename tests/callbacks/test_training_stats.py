@@ -5,9 +5,11 @@ from __future__ import annotations
 import csv
 import math
 import re
+import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -621,6 +623,38 @@ def test_a_flush_writes_tensorboard_one_event_holding_what_log_metrics_writes_an
     # A prefix (Lightning's log_metrics adds it): written through log_metrics, prefixed alike
     prefixed = _tensorboard_run(pl.loggers.TensorBoardLogger(tmp_path, name="p", version=0, prefix="run"))
     assert sorted(prefixed[0]) == sorted(f"run-{tag}" for tag in scalars) and prefixed[1] == histograms
+
+
+def test_tensorboard_checksums_records_in_c_with_its_own_checksums(tmp_path: Path, monkeypatch):
+    """With a ``TensorBoardLogger``, ``setup`` (rank zero) has TensorBoard's writer checksum records with
+    google-crc32c: a run's event file reads back through TensorBoard's reader, which checks every
+    record against TensorBoard's own pure-Python CRC32C, and both give the same masked checksums of
+    random bytes. Without google-crc32c nothing changes."""
+    crc32c = pytest.importorskip("google_crc32c")
+    if getattr(crc32c, "implementation", None) != "c":
+        pytest.skip("google-crc32c without its C extension here")
+    from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
+    from tensorboard.summary.writer import record_writer
+
+    from lightning_ext.callbacks import training_stats
+
+    decide = training_stats._fast_tensorboard_checksums
+    monkeypatch.setattr(record_writer, "masked_crc32c", pywrap_tensorflow.masked_crc32c)  # (undone after)
+    monkeypatch.setitem(sys.modules, "google_crc32c", None)  # not installed
+    decide.cache_clear()
+    assert not decide() and record_writer.masked_crc32c is pywrap_tensorflow.masked_crc32c
+    monkeypatch.setitem(sys.modules, "google_crc32c", crc32c)
+    decide.cache_clear()
+    try:
+        scalars, histograms, events = _tensorboard_run(pl.loggers.TensorBoardLogger(tmp_path, name="c"))
+        assert record_writer.masked_crc32c is not pywrap_tensorflow.masked_crc32c  # set by setup
+        assert events == 6 and len(histograms["Data/x/hist"]) == 4 and scalars["Data/x"]
+        generator = np.random.default_rng(0)
+        for size in (0, 1, 7, 1023, 1 << 16):
+            data = generator.bytes(size)
+            assert record_writer.masked_crc32c(data) == pywrap_tensorflow.masked_crc32c(data), size
+    finally:
+        decide.cache_clear()  # (the next setup decides again, the stub's function restored)
 
 
 def test_tensorboard_histograms_write_a_run_of_empty_buckets_as_one_bucket() -> None:
