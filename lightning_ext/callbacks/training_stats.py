@@ -638,6 +638,14 @@ def _check_contributors(trainer: pl.Trainer) -> None:
             )
 
 
+def _masked_crc32c(data: bytes) -> int:
+    """TensorBoard's ``masked_crc32c`` (its rotation and offset of the CRC32C) of google-crc32c's C CRC32C."""
+    import google_crc32c
+
+    crc = google_crc32c.value(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
 @functools.cache
 def _fast_tensorboard_checksums() -> bool:
     """Whether TensorBoard's event writer checksums its records with ``google-crc32c``'s C CRC32C: made
@@ -656,15 +664,9 @@ def _fast_tensorboard_checksums() -> bool:
         return False
     if getattr(google_crc32c, "implementation", None) != "c":
         return False
-    if getattr(record_writer, "masked_crc32c", None) is not pywrap_tensorflow.masked_crc32c:
-        return False  # (another TensorBoard, or replaced already: left as it is)
-
-    def masked_crc32c(data: bytes) -> int:  # pywrap_tensorflow.masked_crc32c's rotation and offset
-        crc = google_crc32c.value(data)
-        return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-    record_writer.masked_crc32c = masked_crc32c
-    return True
+    if getattr(record_writer, "masked_crc32c", None) is pywrap_tensorflow.masked_crc32c:
+        record_writer.masked_crc32c = _masked_crc32c  # (else left as it is: another replaced it)
+    return getattr(record_writer, "masked_crc32c", None) is _masked_crc32c
 
 
 def _tensorboard_writer(logger: Any) -> Any:
