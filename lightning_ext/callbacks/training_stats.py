@@ -8,6 +8,7 @@ import re
 import socket
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -638,11 +639,9 @@ def _check_contributors(trainer: pl.Trainer) -> None:
             )
 
 
-def _masked_crc32c(data: bytes) -> int:
-    """TensorBoard's ``masked_crc32c`` (its rotation and offset of the CRC32C) of google-crc32c's C CRC32C."""
-    import google_crc32c
-
-    crc = google_crc32c.value(data)
+def _masked_crc32c(crc32c: Callable[[bytes], int], data: bytes) -> int:
+    """TensorBoard's ``masked_crc32c`` (its rotation and offset of the CRC32C) of ``crc32c(data)``."""
+    crc = crc32c(data)
     return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
@@ -665,8 +664,8 @@ def _fast_tensorboard_checksums() -> bool:
     if getattr(google_crc32c, "implementation", None) != "c":
         return False
     if getattr(record_writer, "masked_crc32c", None) is pywrap_tensorflow.masked_crc32c:
-        record_writer.masked_crc32c = _masked_crc32c  # (else left as it is: another replaced it)
-    return getattr(record_writer, "masked_crc32c", None) is _masked_crc32c
+        record_writer.masked_crc32c = functools.partial(_masked_crc32c, google_crc32c.value)  # (else: left)
+    return getattr(getattr(record_writer, "masked_crc32c", None), "func", None) is _masked_crc32c
 
 
 def _tensorboard_writer(logger: Any) -> Any:
