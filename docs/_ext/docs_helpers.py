@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -36,8 +37,15 @@ def run_script(path: str, *args: str, nproc: int = 2, nnodes: int = 1, timeout: 
     ``nnodes == 1``: one ``torchrun --standalone --nproc_per_node=<nproc>``. ``nnodes > 1``: that many
     torchrun agents on this machine, each one "node" with ``nproc`` processes, meeting through a c10d
     rendezvous on 127.0.0.1, as on several machines. Raises ``RuntimeError`` with the end of the
-    output when an agent fails.
+    output when an agent fails. A command that already ran in this build (the same script, arguments
+    and processes, e.g. ``examples/gan_ddp.py`` in two guides) prints the output of its run again.
     """
+    print(_torchrun(path, args, nproc, nnodes, timeout), end="")
+
+
+@functools.cache  # (a run that raised is not kept)
+def _torchrun(path: str, args: tuple[str, ...], nproc: int, nnodes: int, timeout: float) -> str:
+    """The standard output of ``run_script``'s torchrun agents, concatenated."""
     script = [str(DOCS / path), *args]
     if nnodes == 1:
         commands = [["--standalone", f"--nproc_per_node={nproc}", *script]]
@@ -73,4 +81,4 @@ def run_script(path: str, *args: str, nproc: int = 2, nnodes: int = 1, timeout: 
             raise RuntimeError(
                 f"torchrun {path} failed ({agent.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}"
             )
-    print("".join(stdout for stdout, _ in outputs), end="")
+    return "".join(stdout for stdout, _ in outputs)
