@@ -37,9 +37,10 @@ lint: $(VENV)/.dev-installed
 # pytest exits 5 when it collected no test: that is not a failure of the suite. The notebooks run once,
 # in the strict docs build of tests/docs (a cell that raises fails it), which also checks their figures.
 # Two pytest-xdist workers, each test file on one of them (its module fixtures built once): most tests
-# wait on processes they started, so two workers fill a 2-core machine that one leaves a third idle.
+# wait on processes they started, so two workers fill a 2-core machine that one leaves a third idle. The
+# files are handed out in the order of collection, the longest first (conftest.py).
 test: lint $(VENV)/.cpu-extension
-	$(PY) -m pytest -n 2 --dist loadfile lightning_ext examples tests; rc=$$?; \
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder lightning_ext examples tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 # Everything but the tests marked `slow` (they start processes: multi-process tests, whole jobs, builds,
