@@ -63,7 +63,7 @@ def _starts_processes(function: types.FunctionType, depth: int = 2) -> bool:
     )
 
 
-# The longest test files (seconds of `make test --durations=0` under load, summed per file), longest first:
+# The longest test files (pytest's `--durations=0` under `make test`, summed per file), longest first:
 # run first (`make test` keeps pytest-xdist's queue in this order, `--no-loadscope-reorder`), so that the
 # two workers end together, the many short files filling the end (longest-processing-time-first).
 _LONGEST_FIRST = (

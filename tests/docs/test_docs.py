@@ -2,8 +2,7 @@
 
 One strict build (``sphinx-build -W --keep-going``: HTML with the notebooks executed, then the guides'
 examples as doctests, from the environment the first build read) into a temporary directory, shared by
-the tests of this module. Skipped when
-the ``docs`` extra (Sphinx, myst-nb, furo) is not installed.
+the tests of this module. Skipped when the ``docs`` extra (Sphinx, myst-nb, furo) is not installed.
 """
 
 from __future__ import annotations
