@@ -80,7 +80,10 @@ class HookBase(Callback):
     ``self.data_sec``: the seconds the current iteration waited for data, host wall time from the end
     of the previous micro-batch (or the start of the epoch, or the end of a validation run) to the
     start of each of its micro-batches, summed over them; set before ``before_step`` (the one
-    measurement of data time, which ``IterationTimer`` and ``LossMonitor`` read).
+    measurement of data time, which ``IterationTimer`` and ``LossMonitor`` read). A micro-batch after
+    a checkpoint's save (which ``ModelCheckpoint`` runs in its ``on_validation_end`` or
+    ``on_train_batch_end``, after every other callback's) adds nothing: the save is not data, and the
+    time until the batch cannot be split into the save and the loading of the batch fetched then.
 
     Errors: an exception from a hook method propagates with a ``PEP 678`` note naming the hook
     class and method. On failure the ``after_train`` of each hook that started runs once; an
@@ -206,6 +209,12 @@ class HookBase(Callback):
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_batch_end = time.perf_counter()  # nor is a validation run between batches
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self._last_batch_end = None  # nor is a checkpoint's save (the next fetch is not told apart)
 
     @override
     def on_train_batch_start(

@@ -18,7 +18,7 @@ from typing_extensions import override
 from lightning_ext._checks import check_int
 from lightning_ext._clock import elapsed, now
 from lightning_ext.callbacks.hook_base import HookBase
-from lightning_ext.distributed import collective_seconds
+from lightning_ext.distributed import collective_seconds, get_world_size
 from lightning_ext.distributed.ddp_sync_timer import DDPSyncTimer
 from lightning_ext.stats import report
 
@@ -51,7 +51,8 @@ class IterationTimer(HookBase):
     - ``Timing/compute_sec``: forward + backward + optimizer less those waits.
 
     So the iteration is the wall time from the end of the previous iteration to the end of this one,
-    validation runs and epoch boundaries excepted (up to the microseconds of this hook's own work).
+    validation runs (with the fetch of the batch after one: ``HookBase.data_sec``) and epoch boundaries
+    excepted (up to the microseconds of this hook's own work).
     A fast rank waits for a slow one inside a collective (SyncBatchNorm's in the forward and the
     backward, DDP's gradient all-reduce at the end of the backward), which makes the phase times alike
     on every rank; ``compute_sec`` leaves the waits out, so the slow rank's is the longest, whether it
@@ -62,8 +63,11 @@ class IterationTimer(HookBase):
     :class:`~lightning_ext.callbacks.HookRunner`, ``pl_module``) holds a ``DistributedDataParallel``,
     the hook installs a ``DDPSyncTimer`` on it (a communication hook doing the same all-reduce and two
     forward pre-hooks: no extra collective). DDP takes one communication hook: when the model has one
-    of its own, nothing is installed and a warning says that a rank slow in its backward is not named;
-    wrap your hook, ``DDPSyncTimer(your_hook).hook``, to have it timed. Without
+    of its own, nothing is installed; wrap your hook, ``DDPSyncTimer(your_hook).hook``, to have it
+    timed. Where the waits of the model's synchronization are not timed (DDP with a hook of its own;
+    several processes without a DDP model: FSDP, DeepSpeed, a loop that all-reduces by itself), a fast
+    rank's wait would count as its compute and make it look the slowest: ``compute_sec`` and
+    ``collective_sec`` are then not reported, and a warning says so once. Without
     ``on_before_backward`` (a ``HookRunner``), ``forward_sec`` holds the backward too.
 
     CUDA. The phases and DDP's waits are timed by CUDA events recorded at those hooks (and in DDP's)
@@ -116,6 +120,7 @@ class IterationTimer(HookBase):
         self._timed_iters = 0  # number of those iterations
         self._cuda = False  # the module is on a CUDA device: the phases are timed by events
         self._ddp_sync: DDPSyncTimer | None = None  # the DDP model's, when it has ours
+        self._waits_timed = True  # the waits in the synchronization of the model are timed (or none)
         self._launches = 0  # its backward passes seen
         # Of the timed iteration: (phase opened, perf_counter or CUDA event, collective_seconds(), DDP's
         # waits (start, end or None: this mark) in the phase this mark closes)
@@ -142,11 +147,15 @@ class IterationTimer(HookBase):
                     if isinstance(m, DistributedDataParallel)), None)  # fmt: skip
         self._ddp_sync = None if ddp is None else DDPSyncTimer.install(ddp)
         self._launches = 0 if self._ddp_sync is None else self._ddp_sync.launches
-        if ddp is not None and self._ddp_sync is None:
+        self._waits_timed = self._ddp_sync is not None or (ddp is None and get_world_size() == 1)
+        if not self._waits_timed:
+            why = "the DDP model has a communication hook of its own" if ddp is not None else (
+                f"{get_world_size()} processes train without a DistributedDataParallel model")
             self._warn(
-                "IterationTimer: the DDP model has a communication hook of its own, so the waits in DDP's "
-                "synchronizations are not timed and a rank slow in its backward is not named. HINT: "
-                "register DDPSyncTimer(your_hook).hook (lightning_ext.distributed) instead."
+                f"IterationTimer: {why}, so the waits in the model's synchronizations are not timed: "
+                "Timing/compute_sec and Timing/collective_sec are not reported (a fast rank's wait would "
+                "count as its compute, naming it the slowest rank). HINT: with DDP, register "
+                "DDPSyncTimer(your_hook).hook (lightning_ext.distributed) instead."
             )
 
     def _timed(self) -> bool:
@@ -223,7 +232,8 @@ class IterationTimer(HookBase):
             busy = parts["forward"] + parts["backward"] + parts["optimizer"]
             parts.update(data=data, compute=busy - parts["collective"], iteration=data + busy)
             for part, seconds in parts.items():
-                report(f"Timing/{part}_sec", seconds)
+                if self._waits_timed or part not in ("compute", "collective"):
+                    report(f"Timing/{part}_sec", seconds)
 
     @override
     def after_train(self) -> None:
