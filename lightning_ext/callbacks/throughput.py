@@ -53,8 +53,9 @@ class Throughput(HookBase):
     tokens when given (e.g. the non-padding count ``batch["mask"].sum()``: a tensor is summed on its device,
     never read on the host), and the model FLOPs: ``flops_fn="count"`` counts the first micro-batch of a
     run with :class:`~lightning_ext.perf.FlopCounter` (``FlopCounterMode``'s conventions, in the real
-    step, under its precision) and scales them with the samples; a callable gives a micro-batch's FLOPs
-    (variable sequence lengths: a formula of the batch); ``None`` counts none.
+    step, under its precision; a micro-batch that ``training_step`` skipped by returning ``None`` ran
+    no backward: the next one is counted) and scales them with the samples; a callable gives a
+    micro-batch's FLOPs (variable sequence lengths: a formula of the batch); ``None`` counts none.
 
     Time, host wall time. Every second of a rank goes to one part, switched by this callback's Lightning
     hooks: the start-up (from the callback's construction, or a resume's load of its state, to the start
@@ -268,7 +269,8 @@ class Throughput(HookBase):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         count, samples = self._close_counter()
-        if samples:  # (a host read of a tensor, once)
+        skipped = not outputs and pl_module.automatic_optimization  # no loss, no backward: count the next
+        if samples and not skipped:  # (a host read of a tensor, once)
             self._flops_per_sample = (count.model / float(samples), count.hardware / float(samples))
         self._switch("data")
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)

@@ -529,6 +529,30 @@ def test_hfu_counts_recomputation_and_skipped_steps_are_lost_time() -> None:
     assert trainer.callback_metrics["Goodput/skipped_steps_sec"] == pytest.approx(summary["skipped_steps"])
 
 
+class _SkipsTheFirstBatch(_Checkpointed):
+    """``training_step`` returns ``None`` for the first batch: Lightning skips its backward."""
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx == 0 else self.loss(batch)
+
+
+def test_a_first_batch_skipped_by_training_step_is_not_the_one_counted() -> None:
+    # Counted, the skipped batch ran a forward only: every flush published about a third of the FLOPs.
+    from lightning_ext.perf import count_flops
+
+    model, throughput = _SkipsTheFirstBatch(), Throughput(peak_flops_per_sec=PEAK)
+    count = count_flops(model.loss, _batch(4, 0))
+    model.zero_grad()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[throughput, TrainingStats(every_n_train_steps=4)],
+    )  # fmt: skip
+    trainer.fit(model)
+    metrics = throughput.last_metrics
+    written = metrics["Throughput/flops_per_sec"] / metrics["Throughput/samples_per_sec"]
+    assert count.backward > 0 and written == pytest.approx(count.model / 4, rel=1e-12)  # 4 samples a batch
+
+
 def test_without_a_peak_no_mfu_and_without_a_flush_nothing_is_written() -> None:
     throughput = Throughput(peak_dtype="fp8")  # no fp8 matmul to measure on a CPU
     trainer = pl.Trainer(
