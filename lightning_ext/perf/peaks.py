@@ -77,9 +77,20 @@ DEVICE_PEAKS: tuple[DevicePeak, ...] = (
                "AMD Instinct MI325X accelerator datasheet (dense figures)"),
     DevicePeak("MI300X", "AMD Instinct MI300X (OAM)", _CDNA3,
                "AMD Instinct MI300X accelerator datasheet (dense figures)"),
-    DevicePeak("MI250X", "AMD Instinct MI250X (OAM)", _tflops(95.7, None, 383, 383, None),
-               "AMD Instinct MI250X accelerator datasheet (peak matrix figures)"),
+    DevicePeak("MI250X", "AMD Instinct MI250X (per GCD)",
+               _tflops(47.85, None, 191.5, 191.5, None),
+               "AMD Instinct MI250X accelerator datasheet (peak matrix figures of the OAM module halved: "
+               "each of its two dies, GCDs, is one torch device)"),
 )  # fmt: skip
+
+
+def _matmuls_use_tf32() -> bool:
+    """Whether float32 CUDA matmuls run as TF32: ``torch.get_float32_matmul_precision()``, or where the
+    new ``torch.backends.cuda.matmul.fp32_precision`` was set too (the legacy getter then raises), that."""
+    try:
+        return torch.get_float32_matmul_precision() != "highest"
+    except RuntimeError:
+        return torch.backends.cuda.matmul.fp32_precision == "tf32"
 
 
 def _dtype_key(dtype: torch.dtype | str) -> str:
@@ -91,7 +102,7 @@ def _dtype_key(dtype: torch.dtype | str) -> str:
             )
         return dtype
     if dtype == torch.float32:
-        return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+        return "tf32" if _matmuls_use_tf32() else "fp32"
     keys = {torch.bfloat16: "bf16", torch.float16: "fp16", **dict.fromkeys(_FP8, "fp8")}
     if dtype not in keys:
         raise ValueError(
@@ -105,7 +116,8 @@ def peak_flops(dtype: torch.dtype | str, device_name: str | None = None) -> floa
 
     Args:
         dtype: the data type of the matmuls: ``torch.float32`` (the ``"tf32"`` column when
-            ``torch.get_float32_matmul_precision()`` is not ``"highest"``, as matmuls then use TF32),
+            ``torch.get_float32_matmul_precision()`` is not ``"highest"``, as matmuls then use TF32;
+            where ``torch.backends.cuda.matmul.fp32_precision`` is set, when it is ``"tf32"``),
             ``torch.bfloat16``, ``torch.float16``, any ``torch.float8_*``, or a column name
             (``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"``, ``"fp8"``). A job mixing fp8 and bf16
             matmuls passes the dtype of most of its FLOPs, or weighs the two peaks itself.

@@ -53,6 +53,22 @@ def test_float32_reads_tf32_unless_matmul_precision_is_highest():
         torch.set_float32_matmul_precision(previous)
 
 
+def test_float32_reads_torchs_new_fp32_precision_setting_too():
+    # Set beside the legacy default, it makes torch.get_float32_matmul_precision() raise: Throughput's
+    # start of training died there.
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("this torch has no torch.backends.cuda.matmul.fp32_precision")
+    previous = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "tf32"
+        assert peak_flops(torch.float32, "NVIDIA A100-SXM4-80GB") == 156e12
+        matmul.fp32_precision = "ieee"
+        assert peak_flops(torch.float32, "NVIDIA A100-SXM4-80GB") == 19.5e12
+    finally:
+        matmul.fp32_precision = previous
+
+
 def test_unknown_device_and_dtype_raise_with_a_hint():
     with pytest.raises(ValueError, match=r"no peak known for the device 'Radeon 7'\. HINT: give the peak"):
         peak_flops(torch.bfloat16, "Radeon 7")
