@@ -31,12 +31,15 @@ _CAUSES = {"startup": "startup", "data": "data_wait", "validation": "validation"
            "checkpoint": "checkpointing"}  # state => cause
 
 
-def _compute_dtype(precision: str) -> torch.dtype | str:
-    """The dtype of most matmuls under a Lightning ``precision`` (``"bf16-mixed"``, ``"16-true"``, ...)."""
+def _compute_dtype(precision: str, plugin: Any) -> torch.dtype | str:
+    """The dtype of most matmuls under a Lightning ``precision`` (``"bf16-mixed"``, ``"16-true"``, ...)
+    and its precision plugin: one that says ``"32-true"`` but computes in a ``dtype`` of its own
+    (``BitsandbytesPrecision``) gives that."""
     if precision.startswith("transformer-engine"):
         return "fp8"
     dtypes = {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}
-    return dtypes.get(str(precision).split("-")[0], torch.float32)
+    dtype, own = dtypes.get(str(precision).split("-")[0], torch.float32), getattr(plugin, "dtype", None)
+    return own if dtype == torch.float32 and isinstance(own, torch.dtype) and own.is_floating_point else dtype
 
 
 def _name(fn: Any) -> str:
@@ -104,7 +107,8 @@ class Throughput(HookBase):
     since the first launch.
 
     The peak (``peak_flops_per_sec=None``): :func:`~lightning_ext.perf.peak_flops` of the CUDA device
-    for ``peak_dtype`` (default: the compute dtype of the Trainer's precision); on a CPU,
+    for ``peak_dtype`` (default: the compute dtype of the Trainer's precision, or of its precision
+    plugin's ``dtype`` under ``"32-true"``: ``BitsandbytesPrecision`` computes in it); on a CPU,
     :func:`~lightning_ext.perf.measure_peak_flops` at the start of training (every rank at once, as they
     share the machine while training). No peak known: no MFU, said once.
 
@@ -237,8 +241,8 @@ class Throughput(HookBase):
         """This device's peak FLOP/s (see the class docstring); ``None`` (said once) when unknown."""
         if self.flops_fn is None or self.peak_flops_per_sec is not None:
             return self.peak_flops_per_sec
-        device = self.pl_module.device
-        dtype = self.peak_dtype or _compute_dtype(self.trainer.precision)
+        device, trainer = self.pl_module.device, self.trainer
+        dtype = self.peak_dtype or _compute_dtype(trainer.precision, trainer.strategy.precision_plugin)
         try:
             if device.type == "cuda":
                 return peak_flops(dtype, torch.cuda.get_device_name(device))

@@ -21,7 +21,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.loggers import Logger
-from lightning.pytorch.plugins import TorchCheckpointIO
+from lightning.pytorch.plugins import Precision, TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
@@ -551,6 +551,28 @@ def test_a_first_batch_skipped_by_training_step_is_not_the_one_counted() -> None
     metrics = throughput.last_metrics
     written = metrics["Throughput/flops_per_sec"] / metrics["Throughput/samples_per_sec"]
     assert count.backward > 0 and written == pytest.approx(count.model / 4, rel=1e-12)  # 4 samples a batch
+
+
+class _ComputesInBfloat16(Precision):
+    """Says ``"32-true"`` but computes in bfloat16 (as Lightning's ``BitsandbytesPrecision``)."""
+
+    dtype = torch.bfloat16
+
+
+def test_a_precision_plugin_computing_in_a_dtype_of_its_own_gets_that_dtypes_peak() -> None:
+    from lightning_ext.perf import measure_peak_flops
+
+    throughput = Throughput()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, plugins=[_ComputesInBfloat16()],
+        callbacks=[throughput, TrainingStats(every_n_train_steps=2)],
+    )  # fmt: skip
+    trainer.fit(_Model(fixed=True))
+    assert trainer.precision == "32-true"
+    metrics, bf16 = throughput.last_metrics, measure_peak_flops(torch.bfloat16)  # (measured once)
+    assert metrics["Throughput/flops_per_sec"] / metrics["Throughput/mfu"] == pytest.approx(bf16, rel=1e-6)
+    assert bf16 != measure_peak_flops(torch.float32)
 
 
 def test_without_a_peak_no_mfu_and_without_a_flush_nothing_is_written() -> None:
