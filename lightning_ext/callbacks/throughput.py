@@ -101,7 +101,8 @@ class Throughput(HookBase):
     summed at the flush) as ``skipped_steps``, and the start-up, data wait, validation and checkpointing
     parts above; it rides in the checkpoint (this callback's state), and a resumed job books the time
     since the checkpoint as ``restart`` (a fit from the checkpoint: ``test``/``validate`` with a
-    ``ckpt_path`` leave the ledger as it is). Rank zero's ledger is the job's (the one the checkpoint
+    ``ckpt_path`` leave the ledger as it is; a fit from a checkpoint without this callback's state warns
+    that the ledger starts from this launch). Rank zero's ledger is the job's (the one the checkpoint
     carries): ``report0()``-ed as ``Goodput/goodput`` and ``Goodput/<part>_sec`` (``productive``, the
     causes of :data:`~lightning_ext.perf.LOST_TIME_CAUSES`, ``other``), which add up to the wall time
     since the first launch.
@@ -334,6 +335,17 @@ class Throughput(HookBase):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         self._fitting = stage == "fit"
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if self._fitting and self.state_key not in checkpoint.get("callbacks", {}):  # (Lightning: silent)
+            self._warn(
+                f"Throughput: the checkpoint holds no state of {self.state_key}, so the goodput ledger "
+                "starts from this launch: the job's earlier time and restarts are not counted. HINT: "
+                "resume from a checkpoint written with the same Throughput in `callbacks`."
+            )
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -654,3 +654,21 @@ def test_validating_a_checkpoint_after_the_fit_is_no_restart(tmp_path: Path) -> 
     trainer.validate(model, ckpt_path=str(first), verbose=False)
     assert throughput.ledger.restarts == 0 and throughput.ledger.state_dict()["lost"] == booked["lost"]
     assert throughput.ledger.state_dict()["productive"] == booked["productive"]
+
+
+def test_resuming_from_a_checkpoint_without_its_state_says_that_goodput_starts_anew(tmp_path: Path) -> None:
+    # Lightning skips a callback whose state the checkpoint lacks without a word: the ledger started
+    # from the resume, and goodput was published as the job's.
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, limit_val_batches=0, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[ModelCheckpoint(dirpath=tmp_path)],
+    )  # fmt: skip
+    trainer.fit(_Model(fixed=True))
+    resumed = pl.Trainer(
+        accelerator="cpu", max_steps=4, limit_val_batches=0, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
+        callbacks=[Throughput(flops_fn=None), TrainingStats(every_n_train_steps=2)],
+    )  # fmt: skip
+    said = r"Throughput: the checkpoint holds no state of Throughput\{'index': 0\}, so the goodput ledger"
+    with pytest.warns(UserWarning, match=said):
+        resumed.fit(_Model(fixed=True), ckpt_path=str(next(tmp_path.glob("*.ckpt"))))
