@@ -122,6 +122,7 @@ class IterationTimer(HookBase):
         self._ddp_sync: DDPSyncTimer | None = None  # the DDP model's, when it has ours
         self._waits_timed = True  # the waits in the synchronization of the model are timed (or none)
         self._launches = 0  # its backward passes seen
+        self._iters_done = 0  # iterations ended (after_step) in this run
         # Of the timed iteration: (phase opened, perf_counter or CUDA event, collective_seconds(), DDP's
         # waits (start, end or None: this mark) in the phase this mark closes)
         self._marks: list[tuple[str, Any, float, list]] = []
@@ -159,7 +160,7 @@ class IterationTimer(HookBase):
             )
 
     def _timed(self) -> bool:
-        return self.iter - self.start_iter >= self.warmup_iter
+        return self._iters_done >= self.warmup_iter  # (not self.iter: manual optimization counts batches)
 
     def _mark(self, phase: str) -> None:
         """Open ``phase`` now (in a timed iteration); the mark keeps DDP's waits in the phase it closes."""
@@ -210,7 +211,7 @@ class IterationTimer(HookBase):
     @override
     def after_step(self) -> None:
         now = time.perf_counter()
-        iters_done = self.iter - self.start_iter + 1
+        self._iters_done = iters_done = self._iters_done + 1
         if iters_done > self.warmup_iter:  # (a validation run between its micro-batches left out)
             self._timed_sec += self.data_sec + self._busy_sec
             self._timed_iters += 1

@@ -220,6 +220,39 @@ def test_a_checkpoint_saved_after_validation_is_not_data_time(tmp_path):
     assert timer.timed_seconds == 6 * iteration - 2 * DATA_SEC  # the saves count as hooks
 
 
+class ManualEveryOtherBatch(SlowModule):
+    """Manual optimization stepping every other batch (Lightning's documented way to accumulate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    @override
+    def training_step(self, batch, batch_idx):
+        self.manual_backward(super().training_step(batch, batch_idx))
+        if batch_idx % 2 == 1:
+            optimizer = self.optimizers()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def test_manual_optimization_stepping_every_other_batch_warms_up_in_iterations():
+    # Lightning's step counter moves every batch under manual optimization: the warm-up ended after one
+    # iteration instead of 3, the first timed iteration held one micro-batch, the summary no total.
+    collector = Collector(regex="Timing/iteration_sec")
+    timer = IterationTimer(warmup_iter=3)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=6, callbacks=[timer], enable_progress_bar=False,
+        enable_model_summary=False, logger=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(ManualEveryOtherBatch(), DataLoader(SlowDataset(), batch_size=2))
+    collector.update()
+    iteration = 2 * (DATA_SEC + STEP_SEC + WAIT_SEC + BACKWARD_SEC) + OPTIMIZER_SEC
+    assert collector.num("Timing/iteration_sec") == timer.timed_iters == 3
+    assert collector.min("Timing/iteration_sec") == collector.max("Timing/iteration_sec") == iteration
+    assert timer.timed_seconds == 3 * iteration
+
+
 def test_a_plain_loop_accumulating_books_every_micro_batch_as_forward():
     # Without on_before_backward (a HookRunner), the second and third micro-batches' forward and
     # backward came after the first after_backward: they were booked as optimizer time.
