@@ -266,7 +266,7 @@ class TrainingStats(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._fitting = stage == "fit"  # (validate/test with a ckpt_path load no training state)
         if self._fitting:  # a new fit counts its iterations from its start (a resume: its checkpoint's)
-            self.last_flush_step, self._iterations = -1, None
+            self.last_flush_step, self._iterations, self._runs = -1, None, {}
         several = _dist.is_distributed() and _dist.get_world_size() > 1
         init_multiprocessing(
             rank=trainer.global_rank, sync_device=_dist.collective_device() if several else None
@@ -523,6 +523,7 @@ class TrainingStats(Callback):
         floor = max(self.straggler_min_sec, self.straggler_excess * sum(m for m in means if m == m))  # no NaN
         stragglers = {n: collector.straggler(n) for n in collector.updated() if pattern.fullmatch(n)}
         lines, slowest = [], stragglers.get(_SEC_PER_SAMPLE)  # by throughput: said in the others' lines
+        runs, self._runs = self._runs, {}  # a flush without a name's values ends its run
         for name, straggler in stragglers.items():
             if straggler is None:
                 continue
@@ -530,7 +531,7 @@ class TrainingStats(Callback):
             metrics[f"{self.prefix}{name}/straggler_ratio"] = straggler.ratio
             if name == _SEC_PER_SAMPLE:
                 continue
-            rank, count = self._runs.get(name, (-1, 0))
+            rank, count = runs.get(name, (-1, 0))
             counted = straggler.mean - straggler.median >= floor
             count = (count + 1 if rank == straggler.rank else 1) if counted else 0
             self._runs[name] = (straggler.rank, count)

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_ext.callbacks import IterationTimer, TrainingStats
 from lightning_ext.plugins import SyncBatchNormPlugin
+from lightning_ext.stats import Straggler
 from tests.helpers.distributed import run_distributed
 from tests.helpers.lightning_ddp import ddp_trainer, rank_zero_output
 
@@ -164,3 +165,34 @@ def test_a_job_without_a_straggler_prints_no_line(phase, world):
     assert len(rows) == PHASE // EVERY and lines == []
     # A straggler pattern that matched no reported name: said once, on rank zero.
     assert sum(MISSPELT in w for w in warned) == 1, warned
+
+
+class _Reduced:
+    """What ``TrainingStats`` reads of a flush's collector for the straggler: ``Timing/compute_sec``'s
+    ``straggler`` (``None``: the name had no values in the interval)."""
+
+    def __init__(self, straggler: Straggler | None) -> None:
+        self.straggler_ = straggler
+
+    def names(self) -> list[str]:
+        return ["Timing/compute_sec"] if self.straggler_ else []
+
+    def updated(self) -> list[str]:
+        return self.names()
+
+    def straggler(self, name: str) -> Straggler | None:
+        return self.straggler_
+
+
+def test_a_flush_without_the_names_values_ends_its_run(caplog: pytest.LogCaptureFixture) -> None:
+    # The count of flushes in a row went on over a flush without values (and over the fits of a reused
+    # callback): the line came one flush early.
+    stats, slow = TrainingStats(straggler_patience=2), Straggler(rank=1, mean=0.05, median=0.03, ratio=5 / 3)
+    stats._hosts = ["a", "b"]
+    with caplog.at_level("INFO"):
+        for step, straggler in enumerate([slow, None, slow, slow]):
+            stats._stragglers(_Reduced(straggler), step)
+    assert [m for m in caplog.messages if m.startswith("Straggler")] == [
+        "Straggler at iteration=3: rank 1 (host b), Timing/compute_sec 0.05 = 1.67x the median rank (0.03), "
+        "2 flushes"
+    ]
