@@ -67,7 +67,10 @@ class Throughput(HookBase):
     next micro-batch, or from the start of an epoch or the end of a validation run: the loading, the
     transfer and the end-of-batch work of the callbacks after this one); validation
     (``on_validation_start`` to ``on_validation_end``, the sanity check included, after which the start-up
-    goes on); checkpointing (from Lightning's call of ``state_dict``, when it gathers a checkpoint, to
+    goes on; after a micro-batch, from its end: Lightning makes the validation loader's iterator, which
+    may start workers and load a first batch, before ``on_validation_start``); checkpointing (from
+    Lightning's call of ``state_dict``, when it gathers a checkpoint, or after a micro-batch or a
+    validation run from its end: the model's weights are gathered first, an all-gather under FSDP, to
     this callback's next hook: the write and Lightning's barrier after it, and for a save at the end of a
     batch the next batch's fetch; a weights-only save is not seen); the flush's reductions
     (``before_stats_flush`` to ``stats_flush_metrics``); the rest (epoch ends). A rank's training time in
@@ -306,9 +309,18 @@ class Throughput(HookBase):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._switch("other")
 
+    def _since_the_batch(self, state: str) -> str:
+        """Enter ``state``, the time since the end of the last micro-batch (or validation run) its own:
+        what Lightning did before the hook that tells ``state`` (no data is fetched then); the state left."""
+        previous = self._state
+        if previous == "data":
+            self._state = state
+        self._switch(state)
+        return previous
+
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._validated_from = self._switch("validation")
+        self._validated_from = self._since_the_batch("validation")
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -327,7 +339,7 @@ class Throughput(HookBase):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        self._switch("checkpoint")  # Lightning gathers the checkpoint, then writes it
+        self._since_the_batch("checkpoint")  # Lightning gathers the checkpoint, then writes it
         self._book()
         return {"goodput": self.ledger.state_dict()}
 

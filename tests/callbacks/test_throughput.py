@@ -672,3 +672,42 @@ def test_resuming_from_a_checkpoint_without_its_state_says_that_goodput_starts_a
     said = r"Throughput: the checkpoint holds no state of Throughput\{'index': 0\}, so the goodput ledger"
     with pytest.warns(UserWarning, match=said):
         resumed.fit(_Model(fixed=True), ckpt_path=str(next(tmp_path.glob("*.ckpt"))))
+
+
+class _SlowStream(torch.utils.data.IterableDataset):
+    """A validation stream whose iterator takes ``SLEEP`` to open (Lightning opens it before
+    ``on_validation_start``)."""
+
+    def __iter__(self):
+        time.sleep(SLEEP)
+        yield _batch(2, 0)
+
+
+class _SlowToValidateAndToGather(_Model):
+    """Its validation loader opens slowly, and gathering its weights for a checkpoint takes ``SLEEP``
+    (as FSDP's all-gather of a full state dict: Lightning gathers them before any callback's hook)."""
+
+    def val_dataloader(self):
+        return DataLoader(_SlowStream(), batch_size=None)
+
+    def state_dict(self, *args, **kwargs):
+        time.sleep(SLEEP)
+        return super().state_dict(*args, **kwargs)
+
+
+def test_opening_the_validation_loader_and_gathering_a_checkpoint_are_not_training(tmp_path: Path) -> None:
+    # Both come after the end of a micro-batch and before the hook that tells them: they were booked
+    # as the wait for the next batch (training time, and goodput's data_wait).
+    throughput = Throughput(flops_fn=None)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=8, val_check_interval=4, num_sanity_val_steps=0, logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[throughput, TrainingStats(every_n_train_steps=8),
+                   ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)],
+    )  # fmt: skip
+    trainer.fit(_SlowToValidateAndToGather(fixed=True))
+    summary, saves = throughput.ledger.summary(), len(list(tmp_path.glob("*.ckpt")))
+    assert saves >= 4
+    assert summary["validation"] >= 2 * SLEEP  # a run (after step 4): its loader's opening and its step
+    assert summary["checkpointing"] >= saves * SLEEP
+    assert summary["data_wait"] < SLEEP and trainer.callback_metrics["Throughput/train_sec"] < SLEEP
