@@ -179,7 +179,8 @@ def measure_peak_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", 
 
     Args:
         dtype: floating-point dtype of the matmul operands.
-        device: where to run them (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...).
+        device: where to run them: a CPU or a CUDA device (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...;
+            the timing waits for the device on these only).
         size: rows and columns of the square operands; at least 16.
 
     Returns:
@@ -187,7 +188,8 @@ def measure_peak_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", 
 
     Raises:
         ValueError: ``size`` < 16 or ``dtype`` not float16, bfloat16, float32 or float64 (float8
-            matmuls need ``torch._scaled_mm``: give the peak yourself).
+            matmuls need ``torch._scaled_mm``: give the peak yourself); ``device`` neither a CPU nor a
+            CUDA device (an MPS or XPU timing would count the launches, not the work).
         TypeError: ``size`` not an int.
 
     Example::
@@ -201,6 +203,8 @@ def measure_peak_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", 
             f"measure_peak_flops: `dtype` must be one of {_MATMUL_DTYPES} (torch.mm's), got {dtype!r}"
         )
     where = torch.device(device)
+    if where.type not in ("cpu", "cuda"):
+        raise ValueError(f"measure_peak_flops: `device` must be a CPU or a CUDA device, got {device!r}")
     key = (str(where), dtype, size)
     if key not in _measured:
         a, b = (torch.randn(size, size, device=where).to(dtype) for _ in range(2))

@@ -69,6 +69,11 @@ def test_float32_reads_torchs_new_fp32_precision_setting_too():
         matmul.fp32_precision = previous
 
 
+def test_measuring_on_a_device_whose_timing_would_not_wait_for_it_raises():
+    with pytest.raises(ValueError, match=r"`device` must be a CPU or a CUDA device, got 'mps'"):
+        measure_peak_flops(torch.float32, "mps")
+
+
 def test_unknown_device_and_dtype_raise_with_a_hint():
     with pytest.raises(ValueError, match=r"no peak known for the device 'Radeon 7'\. HINT: give the peak"):
         peak_flops(torch.bfloat16, "Radeon 7")
