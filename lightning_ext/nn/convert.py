@@ -38,8 +38,11 @@ def _bn_args(module: BatchNormBase) -> tuple[Any, ...]:
 
 
 def _share_state(source: nn.Module, target: nn.Module) -> None:
-    """Give ``target`` the parameters, buffers (same objects), training flag and ``qconfig`` of ``source``."""
+    """Give ``target`` the parameters, buffers (same objects), hooks (the same tables: a hook registered
+    on either is on both, such as quantization-aware training's observers), training flag and
+    ``qconfig`` of ``source``."""
     set_module_tables(target, *module_tables(source))
+    target.__dict__.update({k: v for k, v in vars(source).items() if k.startswith("_") and "hook" in k})
     target.train(source.training)
     if hasattr(source, "qconfig"):
         target.qconfig = source.qconfig
@@ -62,8 +65,9 @@ def convert_sync_batchnorm(
     ``_BatchNorm`` (``BatchNorm1d/2d/3d``, ``torch.nn.SyncBatchNorm``, their subclasses and your own
     subclasses of ``_BatchNorm``), as ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` does.
 
-    Parameters and buffers are SHARED with the original layers (the same tensor objects); ``training``
-    and ``qconfig`` are copied. A subclass's own ``forward`` (an activation fused into the layer)
+    Parameters, buffers and hooks are SHARED with the original layers (the same tensor objects and
+    hook tables: a hook registered on either layer fires on both); ``training`` and ``qconfig`` are
+    copied. A subclass's own ``forward`` (an activation fused into the layer)
     gives way to :class:`SyncBatchNorm`'s, as with torch's converter; :func:`revert_sync_batchnorm`
     gives it back. Layers that already are :class:`SyncBatchNorm` are left as they are. No collective, no
     host sync.
@@ -120,7 +124,8 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     The restored layer is a copy of the original (same class and attributes) holding the converted
     layer's current settings (``eps``, ``momentum``, ``track_running_stats``, ..., as a schedule or
     Lightning's ``BaseFinetuning.freeze`` left them), parameters and buffers (shared tensor objects,
-    after any ``.to()`` or ``load_state_dict``), training flag and ``qconfig``; ``revert(convert(m))``
+    after any ``.to()`` or ``load_state_dict``), hooks (those registered while converted too),
+    training flag and ``qconfig``; ``revert(convert(m))``
     has an identical ``state_dict`` and outputs. A :class:`SyncBatchNorm` built directly becomes a
     local batch norm accepting any ``(N, C, *)`` input. No collective, no host sync.
 

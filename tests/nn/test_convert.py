@@ -149,3 +149,23 @@ def test_every_batch_norm_class_converts_and_settings_changed_while_converted_re
         assert (layer.momentum, layer.eps, layer.track_running_stats) == (0.01, 1e-2, False)
     with pytest.raises(ValueError, match=r"the lazy layer LazyBatchNorm1d\(0,.*has not seen an input yet"):
         convert_sync_batchnorm(nn.LazyBatchNorm1d())
+
+
+def test_hooks_fire_while_converted_and_those_added_then_survive_the_revert():
+    # Quantization-aware training's observers are forward hooks on the batch norm: they stopped
+    # observing while the layer was converted (QAT trained without fake-quantization there), and a
+    # hook registered on the converted layer was gone after the revert.
+    net, calls = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4)), []
+    net[1].register_forward_hook(lambda module, args, out: calls.append("original"))
+    net[1].register_forward_pre_hook(lambda module, args: calls.append("original pre"))
+    net = convert_sync_batchnorm(net)
+    net(torch.randn(2, 1, 5, 5))
+    assert calls == ["original pre", "original"]
+    net[1].register_forward_hook(lambda module, args, out: calls.append("converted"))
+    net[1].register_state_dict_pre_hook(lambda module, prefix, keep_vars: calls.append("state_dict"))
+    net = revert_sync_batchnorm(net)
+    assert type(net[1]) is nn.BatchNorm2d
+    calls.clear()
+    net(torch.randn(2, 1, 5, 5))
+    net.state_dict()
+    assert calls == ["original pre", "original", "converted", "state_dict"]
