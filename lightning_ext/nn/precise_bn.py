@@ -45,7 +45,8 @@ def update_bn_stats(
     ``running_var`` estimates) of all the elements it normalized, written in place in the buffers'
     dtype, whatever they held (NaN left by a diverged run included: at ``momentum=1`` BatchNorm's update
     ``0 * old + batch`` keeps a NaN, so non-finite entries are made finite first). Training flags,
-    momenta and ``num_batches_tracked`` are restored.
+    momenta and ``num_batches_tracked`` are restored, and the running statistics too when the update
+    fails (an exception from ``forward_fn``, an interrupt, the error below).
 
     Source: fvcore ``nn/precise_bn.py`` (``update_bn_stats``), which also weighs batches by elements
     per channel but writes the biased variance and leaves modes to its caller; every difference is
@@ -134,6 +135,7 @@ def _population_mode(model: nn.Module, layers: list[BatchNormBase]) -> Iterator[
     ``_Record`` its forward hook appends after each run."""
     flags = {m: m.training for m in model.modules()}
     saved = [(bn.momentum, bn.num_batches_tracked.clone()) for bn in layers]  # (track_running_stats)
+    found = [(bn.running_mean.clone(), bn.running_var.clone()) for bn in layers]
     records: list[list[_Record]] = [[] for _ in layers]
     handles = [bn.register_forward_hook(functools.partial(_record, r)) for bn, r in zip(layers, records)]
     handles += [bn.register_forward_pre_hook(_finite_running_stats) for bn in layers]
@@ -145,6 +147,11 @@ def _population_mode(model: nn.Module, layers: list[BatchNormBase]) -> Iterator[
             if isinstance(module, BatchNormBase) and not flag:
                 module.eval()
         yield records
+    except BaseException:  # a failed update (an error, an interrupt) leaves the statistics it found
+        for bn, (mean, var) in zip(layers, found):
+            bn.running_mean.copy_(mean)
+            bn.running_var.copy_(var)
+        raise
     finally:
         for handle in handles:
             handle.remove()

@@ -186,3 +186,26 @@ def test_a_layer_failing_on_one_rank_raises_on_every_rank_without_a_hang():
         "PreciseBN: BatchNorm layer 0 (BatchNorm2d) ran 0 times in one forward; each layer must run once"
     )
     assert out[0] == "PreciseBN: a BatchNorm layer failed on another rank"
+
+
+@pytest.mark.parametrize("failure", ["forward", "twice"])
+def test_a_failed_update_leaves_the_running_statistics_it_found(failure):
+    # The first batches' statistics (written at momentum 1) stayed in the buffers, and an
+    # OnExceptionCheckpoint saved them as the trained model's.
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(3)
+    bn.running_mean.fill_(10.0), bn.running_var.fill_(4.0)
+    data = [torch.randn(8, 3) for _ in range(4)]
+
+    def forward(model, batch):
+        if failure == "forward" and batch is data[2]:
+            raise KeyboardInterrupt  # (Ctrl-C during a long update)
+        model(batch)
+        if failure == "twice":
+            model(batch)
+
+    with pytest.raises(KeyboardInterrupt if failure == "forward" else RuntimeError):
+        update_bn_stats(bn, data, num_iter=4, forward_fn=forward)
+    assert torch.equal(bn.running_mean, torch.full((3,), 10.0))
+    assert torch.equal(bn.running_var, torch.full((3,), 4.0))
+    assert bn.momentum == 0.1 and bn.training
