@@ -9,6 +9,7 @@ no tensor, follows no ``.to()`` and is not in ``state_dict``).
 from __future__ import annotations
 
 import copy
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -118,7 +119,7 @@ def convert_sync_batchnorm(
     return converted
 
 
-def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
+def revert_sync_batchnorm(module: nn.Module, layers: Collection[nn.Module] | None = None) -> nn.Module:
     """Undo :func:`convert_sync_batchnorm`: every :class:`SyncBatchNorm` gets its ORIGINAL class back.
 
     The restored layer is a copy of the original (same class and attributes) holding the converted
@@ -131,6 +132,8 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
 
     Args:
         module: any module.
+        layers: revert only these :class:`SyncBatchNorm` layers (e.g. those one conversion made, not
+            the ones the model was built with); ``None``: every one.
 
     Returns:
         ``module`` with reverted children, or the reverted layer when ``module`` is one.
@@ -141,7 +144,7 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     if not isinstance(module, nn.Module):
         raise TypeError(f"`module` must be a torch.nn.Module, got {module!r}")
     reverted = module
-    if isinstance(module, SyncBatchNorm):
+    if isinstance(module, SyncBatchNorm) and (layers is None or module in layers):
         template = module.__dict__.get(_TEMPLATE_ATTR)
         reverted = (
             _strip(template) if template is not None else _BatchNormXd(*_bn_args(module), device="meta")
@@ -150,5 +153,5 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
             setattr(reverted, name, getattr(module, name))
         _share_state(module, reverted)
     for name, child in module.named_children():
-        reverted.add_module(name, revert_sync_batchnorm(child))
+        reverted.add_module(name, revert_sync_batchnorm(child, layers))
     return reverted

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any
 
 import torch
@@ -102,6 +103,7 @@ class SyncBatchNormPlugin(LayerSync):
         self.ddp_broadcast_buffers = ddp_broadcast_buffers
         # (model, its own `_ddp_params_and_buffers_to_ignore` or None) while applied.
         self._ddp_ignore: tuple[Module, Any] | None = None
+        self._converted: weakref.WeakSet[Module] = weakref.WeakSet()  # the layers apply() converted
 
     @override
     def apply(self, model: Module) -> Module:
@@ -111,19 +113,24 @@ class SyncBatchNormPlugin(LayerSync):
         every rank alike and in the same order.
         """
         group = self.process_group if self.group_size is None else create_process_groups(self.group_size)
+        built = {id(m) for m in model.modules() if isinstance(m, SyncBatchNorm)}  # the model's own: kept
         model = convert_sync_batchnorm(model, process_group=group, backend=self.backend)
+        self._converted = weakref.WeakSet(
+            m for m in model.modules() if isinstance(m, SyncBatchNorm) and id(m) not in built
+        )
         if not self.ddp_broadcast_buffers and is_distributed():
             self._exclude_from_ddp_buffer_sync(model)
         return model
 
     @override
     def revert(self, model: Module) -> Module:
-        """Give every converted layer its original class back, with the current parameters and buffers,
-        and the model its ``_ddp_params_and_buffers_to_ignore`` as before :meth:`apply`."""
+        """Give every layer :meth:`apply` converted its original class back, with the current parameters
+        and buffers (the :class:`SyncBatchNorm` layers the model was built with stay as they are), and
+        the model its ``_ddp_params_and_buffers_to_ignore`` as before :meth:`apply`."""
         if self._ddp_ignore is not None:
             (applied, previous), self._ddp_ignore = self._ddp_ignore, None
             set_ddp_ignored(applied, previous)
-        return revert_sync_batchnorm(model)
+        return revert_sync_batchnorm(model, layers=self._converted)
 
     def _exclude_from_ddp_buffer_sync(self, model: Module) -> None:
         buffers = {  # name in the model => buffer, of the layers synchronized over the whole world

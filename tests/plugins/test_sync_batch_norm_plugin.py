@@ -241,6 +241,16 @@ def test_apply_and_revert_without_trainer():
     assert type(reverted.net[0]) is nn.BatchNorm1d and reverted.net[0].weight is model.net[0].weight
 
 
+def test_revert_leaves_the_sync_batch_norm_layers_the_model_was_built_with():
+    # They became local _BatchNormXd layers after the fit: the next fit synchronized them over the
+    # whole world with the default backend, not over the user's group with theirs.
+    plugin = SyncBatchNormPlugin()
+    model = nn.Sequential(nn.BatchNorm1d(4), SyncBatchNorm(4, backend="reference"))
+    own = model[1]
+    reverted = plugin.revert(plugin.apply(model))
+    assert type(reverted[0]) is nn.BatchNorm1d and reverted[1] is own and own.backend == "reference"
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match=r"pass either `process_group` or `group_size`, not both"):
         SyncBatchNormPlugin(process_group=object(), group_size=2)
