@@ -671,6 +671,14 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
         if not _is_ours(state_dict):  # a GradScaler's: its scale, fresh counters
             self._start = {"hysteresis_tracker": self.hysteresis}
         else:
+            replaced = [f"{k}={state_dict[k]!r} (given {getattr(self, k)!r})" for k in _CONFIG
+                        if getattr(self, k) != state_dict[k]]  # fmt: skip
+            if replaced:  # (GradScaler's own settings are replaced silently, as GradScaler does)
+                warnings.warn(
+                    f"{type(self).__name__}.load_state_dict: the checkpoint's settings replace those "
+                    f"given to the constructor: {', '.join(replaced)}. HINT: to change them on a resume, "
+                    "set these attributes after loading.", stacklevel=2,
+                )  # fmt: skip
             for key in _CONFIG:
                 setattr(self, key, state_dict[key])
             self._start = {
@@ -804,7 +812,33 @@ class PerOptimizerLossScaler(DynamicLossScaler):
             child._name = name
             if name in self._pending:
                 child.load_state_dict(self._pending.pop(name))
+            elif self._pending:
+                warnings.warn(
+                    f"PerOptimizerLossScaler: the loaded state holds no scale named {name!r} (it holds "
+                    f"{sorted(self._pending)}): this optimizer's scale starts anew. HINT: name the "
+                    "optimizers as the run that saved it did (register_optimizer).", stacklevel=2,
+                )  # fmt: skip
         return child
+
+    def get_scale(self, optimizer: Optimizer | None = None) -> float:
+        """``optimizer``'s scale (:meth:`DynamicLossScaler.get_scale` of its scaler); without one (as
+        GradScaler's own methods call it), the scale each optimizer's starts from. Syncs host and device."""
+        return super().get_scale() if optimizer is None else self.optimizer_scaler(optimizer).get_scale()
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """GradScaler's, for every optimizer's scale (those made later too)."""
+        for scaler in (super(), *self._children.values()):
+            scaler.set_growth_factor(new_factor)
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """GradScaler's, for every optimizer's scale (those made later too)."""
+        for scaler in (super(), *self._children.values()):
+            scaler.set_backoff_factor(new_factor)
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """GradScaler's, for every optimizer's scale (those made later too)."""
+        for scaler in (super(), *self._children.values()):
+            scaler.set_growth_interval(new_interval)
 
     def scale(self, outputs: Any, *, optimizer: Optimizer | None = None) -> Any:
         """Multiply ``outputs`` by the scale of ``optimizer``, the optimizer that will step their gradients.

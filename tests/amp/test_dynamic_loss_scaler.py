@@ -1448,3 +1448,33 @@ def test_cuda_schedule_and_counters_match_the_cpu_state(cfg, fused):
     assert cuda.scale_tensor.device.type == "cuda"
     assert cuda.state_dict() == cpu.state_dict()
     assert cuda.skipped_steps == len(poison) and cuda.last_step_skipped == cpu.last_step_skipped
+
+
+def test_per_optimizer_scales_follow_the_setters_and_say_their_own_scale():
+    # set_growth_factor & co. reached the parent only (whose scale no optimizer uses); get_scale()
+    # could only give that one.
+    scaler = DynamicLossScaler("cpu", init_scale=8.0, growth_interval=1, per_optimizer=True, telemetry=False)
+    loop = _Loop(scaler, 1).run([(None,)])
+    opt = loop.opts[0]
+    assert scaler.get_scale(opt) == 16.0 and scaler.get_scale() == 8.0  # the one each scale starts from
+    scaler.set_growth_factor(4.0), scaler.set_backoff_factor(0.25), scaler.set_growth_interval(1)
+    loop.run([(None,)])
+    assert scaler.get_scale(opt) == 64.0
+    loop.run([(NAN,)])
+    assert scaler.get_scale(opt) == 16.0
+
+
+def test_a_resume_says_which_settings_the_checkpoint_replaced_and_which_scales_it_lacks():
+    saved = _Loop(DynamicLossScaler("cpu", telemetry=False), 1).run([(None,)]).scaler.state_dict()
+    tighter = DynamicLossScaler("cpu", init_scale=2.0**12, max_scale=2.0**12, hysteresis=4, telemetry=False)
+    with pytest.warns(UserWarning, match=r"the checkpoint's settings replace those given to the constructor: "
+                      r"hysteresis=1 \(given 4\), max_scale=None \(given 4096\.0\)"):  # fmt: skip
+        tighter.load_state_dict(saved)
+    named = _Loop(DynamicLossScaler("cpu", per_optimizer=True, telemetry=False), 1)  # "opt0"
+    state = named.run([(None,)]).scaler.state_dict()
+    renamed = DynamicLossScaler("cpu", per_optimizer=True, telemetry=False)
+    renamed.load_state_dict(state)
+    optimizer = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+    renamed.register_optimizer(optimizer, "G")
+    with pytest.warns(UserWarning, match=r"holds no scale named 'G' \(it holds \['opt0'\]\)"):
+        renamed.optimizer_scaler(optimizer)
