@@ -412,11 +412,17 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
         unusable = None if inv is None else torch.isinf(inv).float()
         with torch.no_grad():
             for dev, grads in self._grads_by_device(optimizer, allow_fp16).items():
+                # DTensor gradients (FSDP2, tensor parallelism): ATen's ops, which DTensor runs on every
+                # shard and reduces over the mesh (a compiled kernel reads no DTensor's memory)
+                distributed = any(hasattr(grad, "device_mesh") for grad in grads)
+                backend = get_backend("reference") if distributed else get_backend(device=dev)
                 if inv_scale is None:
-                    flags[dev] = get_backend(device=dev).run("check_finite", grads, dev)
+                    flags[dev] = backend.run("check_finite", grads, dev)
                 else:
                     inv = inv_scale.to(dev, non_blocking=True)
-                    flags[dev] = get_backend(device=dev).run("unscale_and_check_", grads, inv)
+                    flags[dev] = backend.run("unscale_and_check_", grads, inv)
+                if distributed and hasattr(flags[dev], "full_tensor"):  # (reduced over the mesh)
+                    flags[dev] = flags[dev].full_tensor()
                 if unusable is not None:
                     flags[dev] = torch.maximum(flags[dev], unusable.to(dev, non_blocking=True))
         if self.process_group is None or not is_distributed():

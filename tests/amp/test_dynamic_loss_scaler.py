@@ -1123,6 +1123,44 @@ def test_process_group_makes_every_rank_skip_when_one_shard_overflows():
     assert results[1][False] == (True, True, 4.0)
 
 
+def _fully_sharded_worker(rank, world_size):
+    """FSDP2 (``fully_shard``): DTensor gradients, an inf in rank 1's shard; per configuration, whether
+    this rank skipped and kept its weights."""
+    from torch.distributed.fsdp import fully_shard
+
+    results = {}
+    for name, scaler, fused in (
+        ("skip-only", dict(enabled=False, skip_nonfinite=True), False),
+        ("fp16 scale", dict(init_scale=8.0), False),
+        ("fused Adam", dict(init_scale=8.0), True),
+    ):
+        torch.manual_seed(0)
+        model = fully_shard(torch.nn.Linear(8, 4))
+        opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=True) if fused else torch.optim.SGD(
+            model.parameters(), lr=0.1)  # fmt: skip
+        scaler = DynamicLossScaler("cpu", **scaler, telemetry=False)
+        scaler.scale(model(torch.ones(2, 8)).square().sum()).backward()
+        if rank == 1:
+            model.weight.grad.to_local().view(-1)[0] = INF
+        before = model.weight.to_local().clone()
+        scaler.step(opt)
+        scaler.update()
+        results[name] = (scaler.last_step_skipped, torch.equal(before, model.weight.to_local()))
+    return results
+
+
+@pytest.mark.timeout(180)
+def test_dtensor_gradients_are_checked_on_every_shard_and_every_rank_skips():
+    # The compiled finite check read a DTensor's memory: the process died (SIGSEGV) and the others hung.
+    pytest.importorskip("torch.distributed.fsdp", minversion=None)
+    if not hasattr(torch.distributed.fsdp, "fully_shard"):
+        pytest.skip("this torch has no torch.distributed.fsdp.fully_shard")
+    # (FSDP2 keeps its device mesh, and the process group in it, referenced: torch's, not ours)
+    results = run_distributed(_fully_sharded_worker, 2, timeout=120, groups_outlive=True)
+    for rank in range(2):
+        assert results[rank] == dict.fromkeys(("skip-only", "fp16 scale", "fused Adam"), (True, True)), rank
+
+
 # ------------------------------------------------------------------------------------------------
 # per_optimizer=True: one scale per optimizer (StyleGAN2-ADA)
 # ------------------------------------------------------------------------------------------------
