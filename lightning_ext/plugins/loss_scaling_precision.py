@@ -425,14 +425,17 @@ class LossScalingPrecision(Precision):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """A checkpoint of Lightning's ``MixedPrecision`` (``FSDPPrecision``) resumes with its
-        ``GradScaler``'s scale and growth tracker (Lightning reads a plugin's state under the plugin's
-        class name only: the scale went back to ``init_scale``); per-optimizer scales start at
-        ``init_scale``, said in a warning (the checkpoint holds one scale)."""
-        theirs = checkpoint.get("MixedPrecision") or checkpoint.get("FSDPPrecision")
-        if type(self).__qualname__ in checkpoint or not theirs or self.scaler is None:
+        """A checkpoint of another of our plugins (``LossScalingPrecision`` into
+        ``LossScalingFSDPPrecision``, or a subclass) or of Lightning's ``MixedPrecision``
+        (``FSDPPrecision``) resumes with its scale and counters (Lightning reads a plugin's state under
+        the plugin's class name only: the scale went back to ``init_scale``); per-optimizer scales start
+        at ``init_scale`` from Lightning's one scale, said in a warning."""
+        ours = ("LossScalingPrecision", "LossScalingFSDPPrecision")
+        found = next((key for key in (*ours, "MixedPrecision", "FSDPPrecision") if checkpoint.get(key)), None)
+        if type(self).__qualname__ in checkpoint or found is None or self.scaler is None:
             return
-        if self.scaler.per_optimizer:
+        theirs = checkpoint[found]
+        if self.scaler.per_optimizer and found not in ours:
             rank_zero_warn(
                 "LossScalingPrecision: the checkpoint holds one loss scale of Lightning's precision plugin; "
                 "the per-optimizer scales start at init_scale"

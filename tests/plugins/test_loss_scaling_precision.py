@@ -448,6 +448,23 @@ def test_a_checkpoint_of_lightnings_mixed_precision_resumes_with_its_scale(tmp_p
     assert per_optimizer.steps == 1
 
 
+class _AnotherLossScalingPrecision(LossScalingPrecision):
+    """A user's subclass (or LossScalingFSDPPrecision): a plugin of another class name."""
+
+
+def test_a_checkpoint_of_another_of_our_plugins_resumes_with_its_scale(tmp_path: Path):
+    # LossScalingPrecision's state went unread under another plugin: the scale restarted at init_scale.
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**12, telemetry=False)
+    _trainer(LossScalingPrecision("16-mixed", scaler=scaler), max_steps=6, default_root_dir=tmp_path,
+             enable_checkpointing=True).fit(_Regression(poison={2: float("inf")}), _data())  # fmt: skip
+    path = next(tmp_path.rglob("*.ckpt"))
+    resumed = DynamicLossScaler("cpu", telemetry=False)
+    _trainer(_AnotherLossScalingPrecision("16-mixed", scaler=resumed), max_steps=7).fit(
+        _Regression(), _data(), ckpt_path=str(path)
+    )
+    assert resumed.get_scale() == 2.0**11 and resumed.skipped_steps == 1 and resumed.steps == 7
+
+
 def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path: Path):
     poison = {2: float("inf"), 7: float("nan")}
 
