@@ -82,7 +82,8 @@ def convert_sync_batchnorm(
         ``module`` with converted children, or a new layer when ``module`` itself is a batch norm.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module`` or ``backend`` is not a string.
+        TypeError: ``module`` is not an ``nn.Module``, ``backend`` is not a string, or a TorchScript
+            module (``torch.jit.script``) holds batch norms (none could be replaced).
         ValueError: a lazy batch norm (``LazyBatchNorm2d``, ...) has not seen an input yet (its
             parameters are not made: run one forward pass first).
 
@@ -100,6 +101,14 @@ def convert_sync_batchnorm(
         raise TypeError(f"`module` must be a torch.nn.Module, got {module!r}")
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"`backend` must be a kernel backend name (str) or None, got {backend!r}")
+    if isinstance(module, torch.jit.ScriptModule) and any(
+        "BatchNorm" in getattr(m, "original_name", "") for m in module.modules()
+    ):  # (its layers are compiled: none would be converted, silently)
+        raise TypeError(
+            f"convert_sync_batchnorm: {type(module).__name__} {getattr(module, 'original_name', '')!r} is a "
+            "TorchScript module holding batch norms, which cannot be replaced. HINT: convert the model "
+            "before torch.jit.script"
+        )
     converted = module
     if isinstance(module, BatchNormBase) and not isinstance(module, SyncBatchNorm):
         if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():

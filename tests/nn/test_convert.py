@@ -169,3 +169,10 @@ def test_hooks_fire_while_converted_and_those_added_then_survive_the_revert():
     net(torch.randn(2, 1, 5, 5))
     net.state_dict()
     assert calls == ["original pre", "original", "converted", "state_dict"]
+
+
+def test_a_torchscript_module_holding_batch_norms_raises_instead_of_converting_nothing():
+    scripted = torch.jit.script(nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4)))
+    with pytest.raises(TypeError, match=r"'Sequential' is a TorchScript module holding batch norms"):
+        convert_sync_batchnorm(nn.Sequential(nn.Linear(2, 2), scripted))
+    convert_sync_batchnorm(torch.jit.script(nn.Linear(2, 2)))  # nothing to replace: fine
