@@ -125,8 +125,8 @@ class SyncBatchNormPlugin(LayerSync):
     @override
     def revert(self, model: Module) -> Module:
         """Give every layer :meth:`apply` converted its original class back, with the current parameters
-        and buffers (the :class:`SyncBatchNorm` layers the model was built with stay as they are), and
-        the model its ``_ddp_params_and_buffers_to_ignore`` as before :meth:`apply`."""
+        and buffers (the :class:`~lightning_ext.nn.SyncBatchNorm` layers the model was built with stay as
+        they are), and the model its ``_ddp_params_and_buffers_to_ignore`` as before :meth:`apply`."""
         if self._ddp_ignore is not None:
             (applied, previous), self._ddp_ignore = self._ddp_ignore, None
             set_ddp_ignored(applied, previous)
