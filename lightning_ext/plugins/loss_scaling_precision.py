@@ -173,6 +173,7 @@ class LossScalingPrecision(Precision):
         # "ask the scaler" (after an update; free unless the optimizer was fused).
         self._skipped_this_batch: bool | None = False
         self._update_pending = False  # a step of the shared scale awaits its update
+        self._stepped: set[int] = set()  # id(optimizer) of those stepped since the last update
         # id(optimizer) -> its health: unscaled for its next step (manual optimization's clipping, or
         # this step's); None outside optimizer_step (while it runs, clipping finds them unscaled)
         self._unscaled: dict[int, Any] | None = {}
@@ -327,6 +328,7 @@ class LossScalingPrecision(Precision):
         if health is not None:
             self._report_health(optimizer, *health, taken=bool(stepped))
         self._update_pending = True
+        self._stepped.add(id(optimizer))
         if self.scaler.per_optimizer or model.automatic_optimization:
             self._update(optimizer)
         return step_output
@@ -391,9 +393,25 @@ class LossScalingPrecision(Precision):
     def _update(self, optimizer: Optimizer | None = None) -> None:
         """Move the scale for the steps since the last update (only ``optimizer``'s own, if given)."""
         if self._update_pending:
+            held = self._held_gradients() if optimizer is None else []
+            before = self.scaler.scale_tensor.clone() if held else None
             self.scaler.update(optimizer=optimizer)
+            if before is not None:  # at the new scale, as the next backward adds to them (no host sync)
+                ratio = (self.scaler.scale_tensor.double() / before.double()).float()
+                for grad in held:
+                    grad.mul_(ratio.to(grad.device, grad.dtype))
             self._update_pending = False
             self._skipped_this_batch = None
+        self._stepped.clear()
+
+    def _held_gradients(self) -> list[Tensor]:
+        """The scaled gradients of the optimizers that did not step since the last update of a shared
+        scale (manual optimization accumulating for one optimizer while another steps)."""
+        if self.scaler.per_optimizer or self.scaler.scale_tensor is None or len(self._optimizers) < 2:
+            return []
+        done = self._stepped | set(self._unscaled or {})  # (unscaled ones wait for their step, unscaled)
+        held = [o for o in self._optimizers if id(o) not in done]
+        return [p.grad for o in held for g in o.param_groups for p in g["params"] if p.grad is not None]
 
     @override
     def clip_gradients(

@@ -246,3 +246,54 @@ def test_resume_restores_both_scales_and_equals_the_uninterrupted_run(tmp_path: 
     assert plugin.scaler.skipped_steps == 2
     for p, q in zip(resumed.parameters(), full.parameters()):
         assert torch.equal(p, q)
+
+
+_X = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+
+
+class _OneAccumulates(LightningModule):
+    """Manual optimization with one shared scale: ``a`` steps every batch (overflowing at ``poison``),
+    ``b`` accumulates over two; records each step of ``b``'s applied gradient (lr 1)."""
+
+    def __init__(self, poison: int | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.poison, self.applied = nn.Linear(8, 1), nn.Linear(8, 1), poison, []
+        self.automatic_optimization = False
+
+    @override
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        (x,) = batch
+        self.manual_backward(self.b(x).float().square().mean())
+        loss_a = self.a(x).float().square().mean()
+        self.manual_backward(loss_a * float("inf") if batch_idx == self.poison else loss_a)
+        opt_a.step()
+        opt_a.zero_grad()
+        if batch_idx % 2 == 1:
+            before = self.b.weight.detach().clone()
+            opt_b.step()
+            opt_b.zero_grad()
+            self.applied.append(before - self.b.weight.detach())
+
+    @override
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.a.parameters(), lr=0.0), torch.optim.SGD(self.b.parameters(), lr=1.0)
+
+
+@pytest.mark.parametrize("poison", [0, None])  # the scale backs off, or grows, under b's gradients
+def test_a_shared_scale_moving_under_another_optimizers_accumulated_gradients_keeps_them_right(poison):
+    # b's gradients of batch 0 were scaled by the scale before a's update and unscaled by the one
+    # after: b applied 2 g0 + g1 after a back-off (g0 / 2 + g1 after a growth), silently.
+    model = _OneAccumulates(poison)
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**4, growth_interval=1, telemetry=False)
+    Trainer(
+        accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, plugins=[LossScalingPrecision("16-mixed", scaler=scaler)],
+    ).fit(model, DataLoader(TensorDataset(_X[:4]), batch_size=2))
+    reference = _OneAccumulates(poison)
+    for x in _X[:4].split(2):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = reference.b(x)
+        out.float().square().mean().backward()
+    torch.testing.assert_close(model.applied[0], reference.b.weight.grad, rtol=1e-3, atol=1e-5)
