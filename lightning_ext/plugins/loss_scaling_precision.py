@@ -77,11 +77,12 @@ class LossScalingPrecision(Precision):
     scale that owns it moves: in automatic optimization at the accumulation
     boundary; in manual optimization a per-optimizer scale right after its optimizer's ``step()``, a
     shared scale before the next backward or at the end of ``training_step`` (one backward may feed
-    several optimizers' steps, GradScaler's pattern). An optimizer may step several times per
-    ``training_step`` (a WGAN-GP critic loop, StyleGAN2-ADA's lazy regularization), each step checked,
-    skipped and counted on its own. A skipped step does not advance step-interval LR schedulers (module
-    docstring) but counts toward ``trainer.global_step`` and ``max_steps``. Checkpoints hold the
-    scaler's state.
+    several optimizers' steps, GradScaler's pattern; the gradients of an optimizer that has not stepped
+    since, accumulating over batches, are brought to the new scale). An optimizer may step several
+    times per ``training_step`` (a WGAN-GP critic loop, StyleGAN2-ADA's lazy regularization), each step
+    checked, skipped and counted on its own. A skipped step does not advance step-interval LR
+    schedulers (module docstring) but counts toward ``trainer.global_step`` and ``max_steps``.
+    Checkpoints hold the scaler's state.
 
     With one scale per optimizer (``DynamicLossScaler(..., per_optimizer=True)``, StyleGAN2-ADA's GAN
     setup) each backward is scaled by the scale of the optimizer that will step its gradients: the one
