@@ -55,12 +55,27 @@ class LossScalingFSDPPrecision(LossScalingPrecision, FSDPPrecision):
     ) -> tuple[torch.nn.Module, list[Optimizer], list[Any]]:
         if self.scaler is not None and self.scaler.process_group is None and dist.is_initialized():
             self.scaler.process_group = dist.group.WORLD
+        self._shard_group = _shard_group(model)
         return super().connect(model, optimizers, lr_schedulers)
 
     @override
     def _reduce_squares(self, squares: Tensor) -> Tensor:
-        """Each rank holds a shard: the squares of the whole model are the SUM over the ranks."""
-        if dist.is_initialized():
-            group = self.scaler.process_group if self.scaler is not None else None
+        """Each rank holds a shard: the squares of the whole model are their SUM over the ranks that
+        split the gradients, FSDP's sharding group (within a node under ``HYBRID_SHARD``; none under
+        ``NO_SHARD``, where every rank holds them all)."""
+        group = getattr(self, "_shard_group", None)
+        if dist.is_initialized() and group is not False:
+            group = group or (self.scaler.process_group if self.scaler is not None else None)
             all_reduce_(squares, op=dist.ReduceOp.SUM, group=group or dist.group.WORLD)
         return squares
+
+
+def _shard_group(model: torch.nn.Module) -> Any:
+    """The process group over which FSDP splits ``model``'s gradients: ``False`` when it does not
+    (``NO_SHARD``), ``None`` when no ``FullyShardedDataParallel`` is found."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    fsdp = next((m for m in model.modules() if isinstance(m, FullyShardedDataParallel)), None)
+    if fsdp is None:
+        return None
+    return False if fsdp.sharding_strategy == ShardingStrategy.NO_SHARD else fsdp.process_group

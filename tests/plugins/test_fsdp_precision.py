@@ -136,3 +136,37 @@ def test_fsdp_strategy_trains_with_our_scaling_and_skips_a_poisoned_step(tmp_pat
         torch.equal(a, b) for a, b in zip(model.snapshots[POISON_STEP - 1], model.snapshots[POISON_STEP])
     )
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.5 ** (STEPS - 1))
+
+
+def _gradient_norms(rank: int, world_size: int) -> dict[str, tuple[float, float]]:
+    """Per sharding strategy: the gradient norm the plugin reports (this rank's squares reduced as it
+    reduces them) and the norm of the whole model's gradient, one process."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    norms = {}
+    for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD):
+        torch.manual_seed(0)
+        model = FSDP(torch.nn.Linear(8, 4), device_id=torch.device("cpu"), sharding_strategy=strategy)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        plugin = LossScalingFSDPPrecision("16-mixed", scaler=DynamicLossScaler("cpu", telemetry=False))
+        plugin.connect(model, [optimizer], [])
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+        model(x).square().sum().backward()
+        squares, _ = plugin._health_before_step(optimizer)
+        torch.manual_seed(0)
+        reference = torch.nn.Linear(8, 4)
+        reference(x).square().sum().backward()
+        true = torch.sqrt(sum(p.grad.double().square().sum() for p in reference.parameters())).item()
+        norms[strategy.name] = (plugin._reduce_squares(squares[None]).sqrt().item(), true)
+        del model, optimizer
+    return norms
+
+
+@pytest.mark.timeout(240)
+def test_the_gradient_norm_sums_over_the_ranks_that_split_the_gradients():
+    # Under NO_SHARD every rank holds the whole gradient: the norm summed over the world was sqrt(2)
+    # times too large on 2 ranks.
+    for norms in run_distributed(_gradient_norms, 2, timeout=200):
+        for strategy, (reported, true) in norms.items():
+            assert reported == pytest.approx(true, rel=1e-5), strategy
