@@ -114,7 +114,8 @@ class Throughput(HookBase):
     for ``peak_dtype`` (default: the compute dtype of the Trainer's precision, or of its precision
     plugin's ``dtype`` under ``"32-true"``: ``BitsandbytesPrecision`` computes in it); on a CPU,
     :func:`~lightning_ext.perf.measure_peak_flops` at the start of training (every rank at once, as they
-    share the machine while training). No peak known: no MFU, said once.
+    share the machine while training). No peak known: no MFU, said once. The float32 peak for a model
+    with convolutions, which cuDNN runs in TF32 by default: said once (``peak_dtype="tf32"``).
 
     Put it before ``TrainingStats`` in ``callbacks``; one ``TrainingStats`` collects its names (the
     intervals are those of its flushes): with several, give the others a ``regex`` that excludes them
@@ -249,13 +250,31 @@ class Throughput(HookBase):
         dtype = self.peak_dtype or _compute_dtype(trainer.precision, trainer.strategy.precision_plugin)
         try:
             if device.type == "cuda":
-                return peak_flops(dtype, torch.cuda.get_device_name(device))
+                name = torch.cuda.get_device_name(device)
+                peak = peak_flops(dtype, name)
+                if dtype == torch.float32 and peak == peak_flops("fp32", name):  # (matmuls in float32)
+                    self._warn_tf32_convolutions()
+                return peak
             if not isinstance(dtype, torch.dtype):
                 raise ValueError(f"measure_peak_flops: no {dtype!r} matmul to measure")
             return measure_peak_flops(dtype, str(device))
         except ValueError as err:
             self._warn(f"Throughput: no peak for MFU ({err}). HINT: pass peak_flops_per_sec.")
             return None
+
+    def _warn_tf32_convolutions(self) -> None:
+        """Say so when cuDNN runs the model's convolutions in TF32 under the float32 peak."""
+        try:
+            tf32 = torch.backends.cudnn.allow_tf32
+        except RuntimeError:  # (torch's legacy and new settings mixed: the new one decides)
+            tf32 = torch.backends.cudnn.conv.fp32_precision == "tf32"
+        if tf32 and any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in self.pl_module.modules()):
+            self._warn(
+                "Throughput: MFU is against the float32 peak, but cuDNN runs this model's convolutions in "
+                "TF32 (torch.backends.cudnn.allow_tf32, on by default): where they are most of the FLOPs, "
+                "MFU reads up to 8x too high. HINT: pass peak_dtype='tf32', or set "
+                "torch.backends.cudnn.allow_tf32 = False."
+            )
 
     @override
     def on_train_batch_start(

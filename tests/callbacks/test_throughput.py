@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import time
+import types
+import warnings
 from pathlib import Path
 
 import lightning
@@ -711,3 +713,36 @@ def test_opening_the_validation_loader_and_gathering_a_checkpoint_are_not_traini
     assert summary["validation"] >= 2 * SLEEP  # a run (after step 4): its loader's opening and its step
     assert summary["checkpointing"] >= saves * SLEEP
     assert summary["data_wait"] < SLEEP and trainer.callback_metrics["Throughput/train_sec"] < SLEEP
+
+
+class _ConvNet(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+
+
+class _TrainerOf:
+    """What the peak's choice reads of a Trainer."""
+
+    precision, progress_bar_callback = "32-true", None
+    strategy = types.SimpleNamespace(precision_plugin=None)
+
+
+def test_an_fp32_convolution_net_on_cuda_hears_that_cudnn_runs_its_convolutions_in_tf32(monkeypatch) -> None:
+    # cuDNN's TF32 is on by default for convolutions (not for matmuls): against the float32 peak an
+    # fp32 ResNet's MFU read up to 8x too high, over 100 %, without a word. (The choice of the peak is
+    # tested without a GPU: the module says it is on one, torch names the device.)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    module, trainer = _ConvNet(), _TrainerOf()
+    module._device = torch.device("cuda", 0)
+    throughput = Throughput()
+    throughput._attach(trainer, module)
+    said = r"cuDNN runs this model's convolutions in TF32 .* HINT: pass peak_dtype='tf32'"
+    with pytest.warns(UserWarning, match=said):
+        assert throughput._find_peak() == pytest.approx(66.9e12)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    throughput = Throughput()
+    throughput._attach(trainer, module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert throughput._find_peak() == pytest.approx(66.9e12)
