@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import weakref
 from typing import Any
 
 import torch
@@ -103,7 +102,7 @@ class SyncBatchNormPlugin(LayerSync):
         self.ddp_broadcast_buffers = ddp_broadcast_buffers
         # (model, its own `_ddp_params_and_buffers_to_ignore` or None) while applied.
         self._ddp_ignore: tuple[Module, Any] | None = None
-        self._converted: weakref.WeakSet[Module] = weakref.WeakSet()  # the layers apply() converted
+        self._converted: set[int] = set()  # id() of the layers apply() converted (alive until revert)
 
     @override
     def apply(self, model: Module) -> Module:
@@ -115,9 +114,7 @@ class SyncBatchNormPlugin(LayerSync):
         group = self.process_group if self.group_size is None else create_process_groups(self.group_size)
         built = {id(m) for m in model.modules() if isinstance(m, SyncBatchNorm)}  # the model's own: kept
         model = convert_sync_batchnorm(model, process_group=group, backend=self.backend)
-        self._converted = weakref.WeakSet(
-            m for m in model.modules() if isinstance(m, SyncBatchNorm) and id(m) not in built
-        )
+        self._converted = {id(m) for m in model.modules() if isinstance(m, SyncBatchNorm)} - built
         if not self.ddp_broadcast_buffers and is_distributed():
             self._exclude_from_ddp_buffer_sync(model)
         return model
@@ -130,7 +127,8 @@ class SyncBatchNormPlugin(LayerSync):
         if self._ddp_ignore is not None:
             (applied, previous), self._ddp_ignore = self._ddp_ignore, None
             set_ddp_ignored(applied, previous)
-        return revert_sync_batchnorm(model, layers=self._converted)
+        converted, self._converted = self._converted, set()
+        return revert_sync_batchnorm(model, layers=[m for m in model.modules() if id(m) in converted])
 
     def _exclude_from_ddp_buffer_sync(self, model: Module) -> None:
         buffers = {  # name in the model => buffer, of the layers synchronized over the whole world

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
@@ -247,7 +248,9 @@ def test_revert_leaves_the_sync_batch_norm_layers_the_model_was_built_with():
     plugin = SyncBatchNormPlugin()
     model = nn.Sequential(nn.BatchNorm1d(4), SyncBatchNorm(4, backend="reference"))
     own = model[1]
-    reverted = plugin.revert(plugin.apply(model))
+    converted = plugin.apply(model)
+    pickle.loads(pickle.dumps(plugin))  # (ddp_spawn sends the plugin to its workers)
+    reverted = plugin.revert(converted)
     assert type(reverted[0]) is nn.BatchNorm1d and reverted[1] is own and own.backend == "reference"
 
 
