@@ -712,7 +712,7 @@ def test_opening_the_validation_loader_and_gathering_a_checkpoint_are_not_traini
     assert saves >= 4
     assert summary["validation"] >= 2 * SLEEP  # a run (after step 4): its loader's opening and its step
     assert summary["checkpointing"] >= saves * SLEEP
-    assert summary["data_wait"] < SLEEP and trainer.callback_metrics["Throughput/train_sec"] < SLEEP
+    assert summary["data_wait"] < SLEEP  # (they were: at least (1 + saves) SLEEP)
 
 
 class _ConvNet(pl.LightningModule):
