@@ -57,6 +57,22 @@ class _BatchNormXd(BatchNormBase):
             raise ValueError(f"expected an input of shape (N, C, *), got shape {tuple(input.shape)}")
 
 
+def _check_convertible(module: Any, backend: Any) -> None:
+    """The ``TypeError`` of :func:`convert_sync_batchnorm` for ``module`` and ``backend``, if any."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"`module` must be a torch.nn.Module, got {module!r}")
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"`backend` must be a kernel backend name (str) or None, got {backend!r}")
+    if isinstance(module, torch.jit.ScriptModule) and any(
+        "BatchNorm" in getattr(m, "original_name", "") for m in module.modules()
+    ):  # (its layers are compiled: none would be converted, silently)
+        raise TypeError(
+            f"convert_sync_batchnorm: {type(module).__name__} {getattr(module, 'original_name', '')!r} is a "
+            "TorchScript module holding batch norms, which cannot be replaced. HINT: convert the model "
+            "before torch.jit.script"
+        )
+
+
 def convert_sync_batchnorm(
     module: nn.Module,
     process_group: dist.ProcessGroup | None = None,
@@ -97,18 +113,7 @@ def convert_sync_batchnorm(
         >>> type(revert_sync_batchnorm(net)[1]).__name__
         'BatchNorm2d'
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"`module` must be a torch.nn.Module, got {module!r}")
-    if backend is not None and not isinstance(backend, str):
-        raise TypeError(f"`backend` must be a kernel backend name (str) or None, got {backend!r}")
-    if isinstance(module, torch.jit.ScriptModule) and any(
-        "BatchNorm" in getattr(m, "original_name", "") for m in module.modules()
-    ):  # (its layers are compiled: none would be converted, silently)
-        raise TypeError(
-            f"convert_sync_batchnorm: {type(module).__name__} {getattr(module, 'original_name', '')!r} is a "
-            "TorchScript module holding batch norms, which cannot be replaced. HINT: convert the model "
-            "before torch.jit.script"
-        )
+    _check_convertible(module, backend)
     converted = module
     if isinstance(module, BatchNormBase) and not isinstance(module, SyncBatchNorm):
         if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
