@@ -31,6 +31,15 @@ _CAUSES = {"startup": "startup", "data": "data_wait", "validation": "validation"
            "checkpoint": "checkpointing"}  # state => cause
 
 
+def _cudnn_uses_tf32() -> bool:
+    """Whether cuDNN runs float32 convolutions in TF32 (``torch.backends.cudnn.allow_tf32``, on by
+    default; where torch's new ``torch.backends.cudnn.conv.fp32_precision`` was set too, that)."""
+    try:
+        return torch.backends.cudnn.allow_tf32
+    except RuntimeError:  # (torch's legacy and new settings mixed: the new one decides)
+        return torch.backends.cudnn.conv.fp32_precision == "tf32"
+
+
 def _compute_dtype(precision: str, plugin: Any) -> torch.dtype | str:
     """The dtype of most matmuls under a Lightning ``precision`` (``"bf16-mixed"``, ``"16-true"``, ...)
     and its precision plugin: one that says ``"32-true"`` but computes in a ``dtype`` of its own
@@ -114,8 +123,11 @@ class Throughput(HookBase):
     for ``peak_dtype`` (default: the compute dtype of the Trainer's precision, or of its precision
     plugin's ``dtype`` under ``"32-true"``: ``BitsandbytesPrecision`` computes in it); on a CPU,
     :func:`~lightning_ext.perf.measure_peak_flops` at the start of training (every rank at once, as they
-    share the machine while training). No peak known: no MFU, said once. The float32 peak for a model
-    with convolutions, which cuDNN runs in TF32 by default: said once (``peak_dtype="tf32"``).
+    share the machine while training). No peak known: no MFU, said once. In float32 on CUDA, cuDNN runs
+    the convolutions as ``torch.backends.cudnn.allow_tf32`` says (TF32 by default) and the matmuls as
+    the matmul precision says: where their peaks differ, a count weighs them by its FLOPs (the peak is
+    then ``model / (convolution / conv peak + rest / peak)``, the rate of doing each at its own peak);
+    with a callable ``flops_fn`` and a model with convolutions it is said once.
 
     Put it before ``TrainingStats`` in ``callbacks``; one ``TrainingStats`` collects its names (the
     intervals are those of its flushes): with several, give the others a ``regex`` that excludes them
@@ -177,6 +189,7 @@ class Throughput(HookBase):
         self._state, self._since = "startup", time.perf_counter()  # (the same clock in spawned ranks)
         self._validated_from = "data"  # the state a validation run returns to (the sanity check: startup)
         self._peak: float | None = None  # this device's peak FLOP/s in use
+        self._conv_peak: float | None = None  # its convolutions' own, where it differs
         self._flops_per_sample: tuple[float, float] | None = None  # (model, hardware) from the count
         self._counter: tuple[FlopCounter, Any] | None = None  # open over the counted micro-batch
         self._flushes = 0
@@ -244,6 +257,7 @@ class Throughput(HookBase):
 
     def _find_peak(self) -> float | None:
         """This device's peak FLOP/s (see the class docstring); ``None`` (said once) when unknown."""
+        self._conv_peak = None
         if self.flops_fn is None or self.peak_flops_per_sec is not None:
             return self.peak_flops_per_sec
         device, trainer = self.pl_module.device, self.trainer
@@ -252,8 +266,10 @@ class Throughput(HookBase):
             if device.type == "cuda":
                 name = torch.cuda.get_device_name(device)
                 peak = peak_flops(dtype, name)
-                if dtype == torch.float32 and peak == peak_flops("fp32", name):  # (matmuls in float32)
-                    self._warn_tf32_convolutions()
+                if dtype == torch.float32:  # (cuDNN's setting for the convolutions, not the matmuls')
+                    conv_peak = peak_flops("tf32" if _cudnn_uses_tf32() else "fp32", name)
+                    self._conv_peak = conv_peak if conv_peak != peak else None
+                    self._warn_mixed_peaks()
                 return peak
             if not isinstance(dtype, torch.dtype):
                 raise ValueError(f"measure_peak_flops: no {dtype!r} matmul to measure")
@@ -262,19 +278,27 @@ class Throughput(HookBase):
             self._warn(f"Throughput: no peak for MFU ({err}). HINT: pass peak_flops_per_sec.")
             return None
 
-    def _warn_tf32_convolutions(self) -> None:
-        """Say so when cuDNN runs the model's convolutions in TF32 under the float32 peak."""
-        try:
-            tf32 = torch.backends.cudnn.allow_tf32
-        except RuntimeError:  # (torch's legacy and new settings mixed: the new one decides)
-            tf32 = torch.backends.cudnn.conv.fp32_precision == "tf32"
-        if tf32 and any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in self.pl_module.modules()):
+    def _warn_mixed_peaks(self) -> None:
+        """Say so when the model's convolutions run at another float32 peak than its matmuls and the
+        FLOPs are the user's (a count splits them: :meth:`_mixed_peak`)."""
+        if self._conv_peak is None or self.flops_fn == "count":
+            return
+        if any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in self.pl_module.modules()):
+            conv, matmul = ("TF32", "float32") if _cudnn_uses_tf32() else ("float32", "TF32")
             self._warn(
-                "Throughput: MFU is against the float32 peak, but cuDNN runs this model's convolutions in "
-                "TF32 (torch.backends.cudnn.allow_tf32, on by default): where they are most of the FLOPs, "
-                "MFU reads up to 8x too high. HINT: pass peak_dtype='tf32', or set "
-                "torch.backends.cudnn.allow_tf32 = False."
+                f"Throughput: MFU is against the peak of float32 matmuls, which run in {matmul}, but cuDNN "
+                f"runs this model's convolutions in {conv} (torch.backends.cudnn.allow_tf32): where they "
+                "are most of the FLOPs, MFU is off by up to 8x. HINT: flops_fn='count' weighs the two "
+                "peaks by the counted FLOPs, or pass peak_flops_per_sec."
             )
+
+    def _mixed_peak(self, count: Any) -> float | None:
+        """The peak of ``count``'s FLOPs when its convolutions have a peak of their own: the FLOP/s of
+        doing each at its peak, ``model / (convolution / conv peak + rest / peak)``."""
+        if self._conv_peak is None or self._peak is None or not count.model:
+            return self._peak
+        rest = count.model - count.convolution
+        return count.model / (count.convolution / self._conv_peak + rest / self._peak)
 
     @override
     def on_train_batch_start(
@@ -299,6 +323,7 @@ class Throughput(HookBase):
         skipped = not outputs and pl_module.automatic_optimization  # no loss, no backward: count the next
         if samples and not skipped:  # (a host read of a tensor, once)
             self._flops_per_sample = (count.model / float(samples), count.hardware / float(samples))
+            self._peak = self._mixed_peak(count)
         self._switch("data")
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 

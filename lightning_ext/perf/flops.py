@@ -51,11 +51,14 @@ class FlopCount:
         forward: FLOPs of the forward pass.
         backward: FLOPs of the backward pass, recomputation excluded.
         recomputed: FLOPs of forward passes recomputed during the backward (activation checkpointing).
+        convolution: of ``forward + backward``, the FLOPs of convolutions (in float32 on CUDA they run
+            as cuDNN's TF32 setting says, the other ops as the matmul precision says).
     """
 
     forward: int
     backward: int
     recomputed: int = 0
+    convolution: int = 0
 
     @property
     def model(self) -> int:
@@ -84,22 +87,25 @@ class FlopCounter:
         >>> with FlopCounter() as counter:
         ...     net(torch.randn(16, 8)).sum().backward()
         >>> counter.count  # forward 2·16·8·4; backward: the weight's gradient only
-        FlopCount(forward=1024, backward=1024, recomputed=0)
+        FlopCount(forward=1024, backward=1024, recomputed=0, convolution=0)
     """
 
     def __init__(self) -> None:
-        self._flops = {"forward": 0, "backward": 0, "recomputed": 0}
+        self._flops = {"forward": 0, "backward": 0, "recomputed": 0, "convolution": 0}
         self._mode = FlopCounterMode(display=False, custom_mapping=_MISSING_FORMULAS)
         # Each formula of this counter's own table also files its count by phase (no global changed).
-        self._mode.flop_registry = {op: self._filed(f) for op, f in self._mode.flop_registry.items()}
+        registry = self._mode.flop_registry
+        self._mode.flop_registry = {op: self._filed(f, "conv" in str(op)) for op, f in registry.items()}
 
-    def _filed(self, formula: Callable[..., int]) -> Callable[..., int]:
+    def _filed(self, formula: Callable[..., int], convolution: bool) -> Callable[..., int]:
         def counted(*args: Any, **kwargs: Any) -> int:
             flops = formula(*args, **kwargs)
             phase = (
                 "forward" if not in_backward() else "recomputed" if torch.is_grad_enabled() else "backward"
             )
             self._flops[phase] += flops
+            if convolution and phase != "recomputed":
+                self._flops["convolution"] += flops
             return flops
 
         return counted

@@ -30,7 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ext._compat import at_least
 from lightning_ext.callbacks import IterationTimer, Throughput, TrainingStats
-from lightning_ext.perf import LOST_TIME_CAUSES
+from lightning_ext.perf import LOST_TIME_CAUSES, count_flops, peaks
 from tests.helpers.distributed import run_distributed
 from tests.helpers.lightning_ddp import ddp_trainer, rank_zero_output
 
@@ -718,31 +718,68 @@ def test_opening_the_validation_loader_and_gathering_a_checkpoint_are_not_traini
 class _ConvNet(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(288, 4))
 
 
 class _TrainerOf:
-    """What the peak's choice reads of a Trainer."""
+    """What the peak's choice and the count's hooks read of a Trainer."""
 
-    precision, progress_bar_callback = "32-true", None
+    precision, progress_bar_callback, callbacks, global_step = "32-true", None, [], 0
     strategy = types.SimpleNamespace(precision_plugin=None)
 
 
-def test_an_fp32_convolution_net_on_cuda_hears_that_cudnn_runs_its_convolutions_in_tf32(monkeypatch) -> None:
-    # cuDNN's TF32 is on by default for convolutions (not for matmuls): against the float32 peak an
-    # fp32 ResNet's MFU read up to 8x too high, over 100 %, without a word. (The choice of the peak is
-    # tested without a GPU: the module says it is on one, torch names the device.)
+def _on_cuda(module: pl.LightningModule, monkeypatch, **kwargs) -> tuple[Throughput, _TrainerOf]:
+    """A Throughput attached to ``module`` as if on an H100 (the peak's choice is tested without a GPU:
+    the module says it is on one, torch names the device), and its Trainer (keep it: a weak reference)."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    module, trainer = _ConvNet(), _TrainerOf()
     module._device = torch.device("cuda", 0)
-    throughput = Throughput()
+    throughput, trainer = Throughput(**kwargs), _TrainerOf()
     throughput._attach(trainer, module)
-    said = r"cuDNN runs this model's convolutions in TF32 .* HINT: pass peak_dtype='tf32'"
+    return throughput, trainer
+
+
+def _counted_step(throughput: Throughput, module: pl.LightningModule, x: torch.Tensor) -> None:
+    """One micro-batch through the hooks that count its FLOPs (the step itself on the CPU)."""
+    throughput.on_train_batch_start(throughput.trainer, module, x, 0)
+    module.net(x).sum().backward()
+    throughput.on_train_batch_end(throughput.trainer, module, {"loss": 0.0}, x, 0)
+
+
+@pytest.mark.parametrize("conv_tf32", [True, False])
+def test_an_fp32_convolution_net_on_cuda_gets_the_peak_of_its_counted_convolutions_and_matmuls(
+    monkeypatch, conv_tf32: bool
+) -> None:
+    # cuDNN runs float32 convolutions in TF32 by default (allow_tf32), matmuls as the matmul precision
+    # says: against the float32 peak an fp32 ResNet's MFU read up to 8x too high (over 100 %); with
+    # TF32 matmuls and float32 convolutions it read too low. The count weighs the two peaks.
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", conv_tf32)
+    monkeypatch.setattr(peaks, "_matmuls_use_tf32", lambda: not conv_tf32)
+    module = _ConvNet()
+    throughput, _trainer = _on_cuda(module, monkeypatch)
+    x = torch.randn(2, 3, 8, 8)
+    count = count_flops(module.net, x)
+    module.zero_grad()
+    conv, rest = count.convolution, count.model - count.convolution
+    assert conv == 2 * (2 * 2 * 8 * 36 * 27) and rest > 0  # forward and the weight's gradient
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to say: the count splits the FLOPs
+        matmul_peak = throughput._peak = throughput._find_peak()
+    conv_peak, other = (494.7e12, 66.9e12) if conv_tf32 else (66.9e12, 494.7e12)
+    assert matmul_peak == pytest.approx(other)
+    _counted_step(throughput, module, x)
+    assert throughput._flops_per_sample[0] == count.model / 2
+    assert throughput._peak == pytest.approx(count.model / (conv / conv_peak + rest / other))
+
+
+def test_a_flops_formula_for_an_fp32_convolution_net_on_cuda_hears_of_the_two_peaks(monkeypatch) -> None:
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    monkeypatch.setattr(peaks, "_matmuls_use_tf32", lambda: False)
+    throughput, _trainer = _on_cuda(_ConvNet(), monkeypatch, flops_fn=lambda batch: 1e9)
+    said = r"matmuls, which run in float32, but cuDNN runs this model's convolutions in TF32 .* HINT:"
     with pytest.warns(UserWarning, match=said):
         assert throughput._find_peak() == pytest.approx(66.9e12)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    throughput = Throughput()
-    throughput._attach(trainer, module)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # both in float32: one peak
+    throughput, _trainer = _on_cuda(_ConvNet(), monkeypatch, flops_fn=lambda batch: 1e9)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert throughput._find_peak() == pytest.approx(66.9e12)

@@ -77,7 +77,8 @@ def test_causal_attention_counts_the_full_score_matrix():
 
 def test_count_flops_forward_only_outputs_and_errors():
     net, x = _net(), torch.randn(2, 3, 7, 5)
-    assert count_flops(net, x, backward=False) == FlopCount(_flop_counter_mode(lambda: net(x)), 0)
+    conv = 2 * 2 * 8 * (7 * 5) * (3 * 3 * 3)  # 2 per multiply-add, N C_out (H W) (C_in k k)
+    assert count_flops(net, x, backward=False) == FlopCount(_flop_counter_mode(lambda: net(x)), 0, 0, conv)
     pair = count_flops(lambda x: (net(x), net(x).argmax(dim=1)), x)  # integer outputs are left out
     assert pair.forward == 2 * _flop_counter_mode(lambda: net(x))
     with (
