@@ -9,6 +9,7 @@ import weakref
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
@@ -260,6 +261,15 @@ class HookBase(Callback):
         except Exception as exc:  # the original exception keeps propagating; let the other hooks run
             log.exception("%s.after_train() raised while handling %r", type(self).__qualname__, exception)
             _add_note(exception, f"{type(self).__qualname__}.after_train() also raised {exc!r}")
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    """``module.device`` (a LightningModule's), else that of its first parameter or buffer (a plain
+    module under :class:`~lightning_ext.callbacks.HookRunner`), else the CPU."""
+    device = getattr(module, "device", None)
+    if device is None:
+        device = next(itertools.chain(module.parameters(), module.buffers()), torch.empty(0)).device
+    return torch.device(device)
 
 
 def _iterations_done(trainer: pl.Trainer) -> int:

@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from lightning_ext._checks import check_int
 from lightning_ext._clock import elapsed, now
-from lightning_ext.callbacks.hook_base import HookBase
+from lightning_ext.callbacks.hook_base import HookBase, _module_device
 from lightning_ext.distributed import collective_seconds, get_world_size
 from lightning_ext.distributed.ddp_sync_timer import DDPSyncTimer
 from lightning_ext.stats import report
@@ -142,7 +142,7 @@ class IterationTimer(HookBase):
     def before_train(self) -> None:
         self._reset()
         self._timed_start = time.perf_counter() if self.warmup_iter == 0 else None
-        self._cuda = self.pl_module is not None and _device_type(self.pl_module) == "cuda"
+        self._cuda = self.pl_module is not None and _module_device(self.pl_module).type == "cuda"
         models = (getattr(self.trainer.strategy, "model", None), self.pl_module)
         ddp = next((m for model in models if isinstance(model, torch.nn.Module) for m in model.modules()
                     if isinstance(m, DistributedDataParallel)), None)  # fmt: skip
@@ -257,14 +257,6 @@ class IterationTimer(HookBase):
 
 def _completed(mark: Any) -> bool:
     return isinstance(mark, float) or mark.query()
-
-
-def _device_type(module: torch.nn.Module) -> str:
-    """``module.device.type`` (a LightningModule's), else that of its first parameter or buffer."""
-    device = getattr(module, "device", None)
-    if device is None:
-        device = next(itertools.chain(module.parameters(), module.buffers()), torch.empty(0)).device
-    return torch.device(device).type
 
 
 def _fmt(seconds: float) -> str:

@@ -7,7 +7,7 @@ import torch
 from typing_extensions import override
 
 from lightning_ext._checks import check_int
-from lightning_ext.callbacks.hook_base import HookBase
+from lightning_ext.callbacks.hook_base import HookBase, _module_device
 from lightning_ext.stats import report
 
 __all__ = ["ResourceStats"]
@@ -64,7 +64,7 @@ class ResourceStats(HookBase):
         if (self.iter + 1) % self.every_n_train_steps:
             return
         values = {"cpu_mem_gb": psutil.Process().memory_info().rss / _GB}
-        device = self.pl_module.device
+        device = _module_device(self.pl_module)
         if device.type == "cuda":
             values["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated(device) / _GB
             values["peak_gpu_mem_reserved_gb"] = torch.cuda.max_memory_reserved(device) / _GB

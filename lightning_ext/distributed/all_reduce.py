@@ -158,7 +158,8 @@ def all_reduce_(
     Args:
         tensor: any shape and dtype; reduced in place.
         op: ``torch.distributed.ReduceOp``.
-        group: process group (default: WORLD).
+        group: process group (default: WORLD); on a rank outside it
+            (``torch.distributed.GroupMember.NON_GROUP_MEMBER``), nothing is done, as by torch.
         async_op: return a handle with ``wait()`` (already completed, except for a tensor too large
             for a shared-memory slot).
 
@@ -177,6 +178,8 @@ def all_reduce_(
     process-group path at every reduction (a host read of the flag or the check).
     """
     group = group if group is not None else dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # this rank is outside the group: as torch, nothing
+        return _Done() if async_op else None
     if torch.compiler.is_compiling():
         dist.all_reduce(tensor, op=op, group=group)  # traced as a functional collective
         return _Done() if async_op else None

@@ -181,7 +181,8 @@ def _write_population_stats(layers: list[BatchNormBase], records: list[list[_Rec
     counts = torch.tensor([[r[0] for r in runs] for runs in records], dtype=torch.float64)  # (layer, batch)
     synchronized: dict[Any, list[int]] = {}  # process group => its layers: one all_reduce of their counts
     for i, layer in enumerate(layers):
-        if isinstance(layer, (SyncBatchNorm, nn.SyncBatchNorm)) and is_distributed():
+        synced = isinstance(layer, (SyncBatchNorm, nn.SyncBatchNorm)) and is_distributed()
+        if synced and get_world_size(layer.process_group) > 1:  # (as its forward: not outside its group)
             synchronized.setdefault(layer.process_group, []).append(i)
     for group, indices in synchronized.items():
         packed = counts[indices].to(collective_device(group))

@@ -15,6 +15,7 @@ from lightning_ext.callbacks import (
     IterationTimer,
     LossMonitor,
     PreciseBN,
+    ResourceStats,
     hook_base,
     iteration_timer,
 )
@@ -398,6 +399,13 @@ def test_hooks_check_what_they_need_from_the_runner_themselves():
     with pytest.raises(ValueError, match=r"PreciseBN\(data_loader=None\) reads the training loader, but"):
         runner.before_train()
     assert len(recorder.after_train_exceptions) == 1  # the hook that started was told
+
+
+def test_resource_stats_reports_from_a_plain_module():
+    # A plain nn.Module has no .device (a LightningModule's): the first report raised AttributeError.
+    model, resources = nn.Linear(3, 1), ResourceStats(every_n_train_steps=1)
+    run_loop(HookRunner([resources], model), model, epochs=1, per_epoch=1)
+    assert resources.last_report["cpu_mem_gb"] > 0 and "peak_gpu_mem_gb" not in resources.last_report
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,8 +8,10 @@ import itertools
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from lightning_ext.distributed import all_reduce_
 from lightning_ext.nn import SyncBatchNorm, update_bn_stats
 from tests.helpers.distributed import run_distributed
 
@@ -164,6 +166,34 @@ def test_sync_batchnorm_population_over_two_ranks():
         used, layer.running_mean, layer.running_var, _ = out[rank]["plain"]
         assert used == 3
         assert_population(layer, conv, shards[rank])
+
+
+def _subgroup_worker(rank: int, world_size: int) -> tuple:
+    """A SyncBatchNorm synchronized over a group of rank 0 alone: rank 1 is outside it (``new_group``
+    gives it ``NON_GROUP_MEMBER``, which the layer takes, as torch's does)."""
+    group = dist.new_group([0])
+    torch.manual_seed(0)
+    layer = SyncBatchNorm(3, momentum=0.2, process_group=group)
+    model = nn.Sequential(nn.Conv2d(2, 3, 1), layer)
+    batches = make_batches(SIZES[rank], seed=10 + rank)
+    used = update_bn_stats(model, batches, num_iter=10, forward_fn=forward_first)
+    ones = torch.ones(2)
+    all_reduce_(ones, group=group, async_op=True).wait()  # outside the group: nothing, as torch's all_reduce
+    return used, layer.running_mean.clone(), layer.running_var.clone(), ones
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_outside_a_synchronized_layers_group_takes_its_own_population():
+    # Rank 1 raised "Invalid process group specified" (its all_reduce_ with the non-member group), and
+    # rank 0 went on to wait in its next collective until the timeout.
+    out = run_distributed(_subgroup_worker, 2, timeout=150)
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 3, 1)
+    for rank, (used, running_mean, running_var, ones) in enumerate(out):
+        layer = nn.BatchNorm2d(3)
+        layer.running_mean, layer.running_var = running_mean, running_var
+        assert used == 3 and torch.equal(ones, torch.ones(2))  # (the ranks agree on their batches)
+        assert_population(layer, conv, make_batches(SIZES[rank], seed=10 + rank)[:3])
 
 
 def _skipped_layer_worker(rank: int, world_size: int) -> str:
