@@ -90,11 +90,16 @@ class TrainingStats(Callback):
 
     Stages. While Lightning runs validation, test or predict, the callback sets that stage
     (:func:`~lightning_ext.stats.set_stage`): a ``report()`` in a ``forward`` that serves every loop
-    files validation values apart from training ones. With ``on_epoch``, the values of each
-    validation run are written once, at its end (not for the sanity check, whose values are
-    dropped), under ``prefix + "val/" + name``; those of a test run under ``prefix + "test/" +
-    name``; those of predict are not collected. A flush writes only the names that received values
-    since the previous flush of their stage: a name is never written twice for the same values.
+    files validation values apart from training ones, until the next training hook (or the end of a
+    ``validate``/``test``/``predict`` call): a LightningModule's ``on_validation_end`` runs after the
+    callbacks'. With ``on_epoch``, the values of each validation run are written at its end (not for
+    the sanity check, whose values are dropped), under ``prefix + "val/" + name``; those of a test run
+    under ``prefix + "test/" + name``; those of predict are not collected. A LightningModule's
+    ``on_*_epoch_end`` runs after the callbacks' too: what it (or ``on_validation_end``) reports after
+    an epoch-end flush is written at the same step, at the next training hook or the call's end (for
+    ``ModelCheckpoint``/``EarlyStopping`` at the next epoch end). A flush writes only the names that
+    received values since the previous flush of their stage: a name is never written twice for the
+    same values.
 
     Agreement. Every flush passes its step to :meth:`Collector.update
     <lightning_ext.stats.Collector.update>`, so ranks that flush at different steps raise on every rank
@@ -246,6 +251,9 @@ class TrainingStats(Callback):
         self.collector: Collector | None = None  # the training values
         self.stage_collectors: dict[str, Collector] = {}  # stage => its values (with ``on_epoch``)
         self._outer_stage: str | None = None  # the stage set before a loop's
+        self._inside: str | None = None  # the loop's stage this callback set (until _leave)
+        self._late: tuple[str | None, int] | None = None  # (stage, step) of the last epoch-end flush
+        self._flush_sec: float | None = None  # the last flush's time, reported at the next one
         self.last_flush_step = -1  # iterations done at the last step-triggered flush
         self._iterations: int | None = None  # iterations done in this fit (None: read at its start)
         self._fitting = True  # the stage set up is a fit (a checkpoint loaded is its state)
@@ -287,15 +295,19 @@ class TrainingStats(Callback):
             _fast_tensorboard_checksums()
         for device in {torch.device("cpu"), pl_module.device} - {torch.device("meta")}:  # the kernels
             get_backend(device=device)  # load now, in the start-up (a second at the first flush)
-        if self.collector is None:
-            self.collector = Collector(**self._collector_args, stragglers=self.stragglers)
-            if self.on_epoch:
-                self.stage_collectors = {
-                    stage: Collector(**self._collector_args, stage=stage) for stage in STAGE_PREFIXES
-                }
+        # New collectors at every setup (clear_statistics() between Trainers detaches the old ones), with
+        # what the old ones published (keep_previous), or what a checkpoint loaded before setup holds
+        carried = self._pending_state or (self.state_dict() if self.collector is not None else None)
+        self.collector = Collector(**self._collector_args, stragglers=self.stragglers)
+        if self.on_epoch:
+            self.stage_collectors = {
+                stage: Collector(**self._collector_args, stage=stage) for stage in STAGE_PREFIXES
+            }
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
             self._pending_state = None
+        elif carried is not None:
+            self._load_collectors(carried)
 
     def _agree(self, trainer: pl.Trainer) -> None:
         """Gather every rank's host name and arguments; raise on every rank unless the arguments agree."""
@@ -334,39 +346,70 @@ class TrainingStats(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._leave(trainer)
         self._global_step = trainer.global_step
         if self._iterations is None:  # (automatic optimization: Lightning's count, restored on resume)
             self._iterations = _iterations_done(trainer)
 
     @override
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._outer_stage = set_stage("validate")
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._leave(trainer)
 
     @override
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        set_stage(self._outer_stage)
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._leave(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._leave(trainer)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._leave(trainer)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._enter(trainer, "validate")
 
     @override
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._outer_stage = set_stage("test")
-
-    @override
-    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        set_stage(self._outer_stage)
+        self._enter(trainer, "test")
 
     @override
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._outer_stage = set_stage("predict")
-
-    @override
-    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        set_stage(self._outer_stage)
+        self._enter(trainer, "predict")
 
     @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        set_stage(self._outer_stage)  # a loop that raised leaves no stage behind
+        self._late = None  # (no collective now: the other ranks may be gone)
+        self._leave(trainer)  # a loop that raised leaves no stage behind
+
+    def _enter(self, trainer: pl.Trainer, stage: str) -> None:
+        """Have ``report()`` file values under ``stage`` until :meth:`_leave` (the late values of the
+        previous epoch-end flush written first). Several ``TrainingStats`` alike: the first that enters
+        keeps the stage outside."""
+        self._leave(trainer)
+        previous = set_stage(stage)
+        if previous != stage:
+            self._outer_stage = previous
+        self._inside = stage
+
+    def _leave(self, trainer: pl.Trainer) -> None:
+        """Write what was reported after the last epoch-end flush (a LightningModule's ``on_*_epoch_end``
+        and ``on_*_end``, which run after the callbacks') at its step, then go back to the stage outside
+        the loop; nothing to do, nothing done. The same on every rank (a collective when late)."""
+        if self._late is not None:
+            (stage, step), self._late = self._late, None
+            self._publish(trainer, stage, step)
+        if self._inside is not None:
+            current = set_stage(self._outer_stage)
+            if current != self._inside:  # another TrainingStats left it first: what it restored stays
+                set_stage(current)
+            self._inside = None
 
     @override
     def on_sanity_check_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -376,19 +419,26 @@ class TrainingStats(Callback):
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.on_epoch and not trainer.sanity_checking:
-            self.flush(trainer, stage="validate")
+            self._flush_epoch(trainer, "validate")
 
     @override
     def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.on_epoch:
-            self.flush(trainer, stage="test")
+            self._flush_epoch(trainer, "test")
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._leave(trainer)  # (a validation run at the epoch's end)
         if self.on_epoch:
-            self.flush(trainer)
+            self._flush_epoch(trainer, None)
         if self._flushes:
             self._warn_unmatched()
+
+    def _flush_epoch(self, trainer: pl.Trainer, stage: str | None) -> None:
+        """The epoch-end flush of ``stage``; what is reported after it is written at ``_leave``."""
+        step = _iterations_done(trainer)
+        self.flush(trainer, step, stage)
+        self._late = (stage, step)
 
     def _warn_unmatched(self) -> None:
         """Warn, once and on rank zero, about each pattern that matched no reported name."""
@@ -416,7 +466,7 @@ class TrainingStats(Callback):
         ``ModelCheckpoint``/``EarlyStopping``), and the sketched names' histograms to the TensorBoard
         and W&B loggers (rank zero); to a ``TensorBoardLogger`` whose ``log_metrics`` is Lightning's,
         without a ``prefix``, all of it as one event (the same values). Its wall time is ``report()``-ed as
-        ``Timing/stats_flush_sec`` (seen at the next flush). Must run on every rank, at the same
+        ``Timing/stats_flush_sec`` at the next flush (in its interval). Must run on every rank, at the same
         ``step``: ``Collector.update(step=step)`` runs collectives and checks it. Synchronizes host and
         device once.
 
@@ -435,28 +485,38 @@ class TrainingStats(Callback):
                 f"TrainingStats.flush: `stage` must be None or one of {sorted(self.stage_collectors)}, "
                 f"got {stage!r}"
             )
-        collector = self.collector if stage is None else self.stage_collectors[stage]
         start = time.perf_counter()
+        if self._flush_sec is not None:  # the previous flush's own time, a training statistic
+            outer = set_stage(None)
+            report(_FLUSH_TIME_NAME, self._flush_sec)
+            set_stage(outer)
         step = _iterations_done(trainer) if step is None else step
-        contributors = _contributors(trainer, self.regex) if stage is None else []
-        for contributor in contributors:
+        contributors = _contributors(trainer, self.regex) if stage is None else None
+        for contributor in contributors or ():
             contributor.before_stats_flush()
+        metrics = self._publish(trainer, stage, step, contributors)
+        self._flush_sec = time.perf_counter() - start
+        self._flushes += stage is None
+        if self._flushes == _CHECK_AFTER:
+            self._warn_unmatched()
+        return metrics
+
+    def _publish(
+        self, trainer: pl.Trainer, stage: str | None, step: int, contributors: list[Any] | None = None
+    ) -> dict[str, float]:
+        """Update the collector of ``stage`` and write its statistics at ``step`` (with ``contributors``,
+        a training flush's derived keys too); what was written."""
+        collector = self.collector if stage is None else self.stage_collectors[stage]
         collector.update(step=step)
         self._check_keys(collector)
         prefix = self.prefix + ("" if stage is None else STAGE_PREFIXES[stage])
         metrics = self._metrics(collector, prefix, step)
-        if stage is None:
+        if contributors is not None:
             metrics.update(self._derived(collector, step, contributors))
         self._write(trainer, collector, metrics, self._histograms(trainer, collector, prefix), step)
         if metrics:
             values = torch.tensor(list(metrics.values()), dtype=torch.float32)  # views of one tensor:
             trainer.callback_metrics.update(zip(metrics, values.unbind()))  # a fifth of one tensor a key
-        outer = set_stage(None)  # the flush's own time is a training statistic
-        report(_FLUSH_TIME_NAME, time.perf_counter() - start)
-        set_stage(outer)
-        self._flushes += stage is None
-        if self._flushes == _CHECK_AFTER:
-            self._warn_unmatched()
         return metrics
 
     def _check_keys(self, collector: Collector) -> None:
@@ -599,6 +659,9 @@ class TrainingStats(Callback):
         if self.collector is None:  # before setup made the collectors: loaded by setup
             self._pending_state = state_dict
             return
+        self._load_collectors(state_dict)
+
+    def _load_collectors(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("collector") is not None:
             self.collector.load_state_dict(state_dict["collector"])
         for stage, state in state_dict.get("stages", {}).items():

@@ -310,7 +310,7 @@ def test_validation_epoch_flush_feeds_model_checkpoint_and_drops_sanity_check(tm
     assert float(checkpoint.best_model_score) == 1.0 and "epoch=0" in checkpoint.best_model_path
     # Validation values go to the validation stage only: training never saw Loss/val.
     val = stats.stage_collectors["validate"]
-    assert val.num("Loss/val") == 2 and val.mean("Loss/val") == 2.0 and val.updated() == ["Loss/val"]
+    assert val.num("Loss/val") == 2 and val.mean("Loss/val") == 2.0  # (kept by its last, late, flush)
     assert stats.collector is not None and "Loss/val" not in stats.collector.names()
 
 
@@ -395,7 +395,9 @@ def test_manual_accumulation_counts_iterations_and_a_reused_callback_counts_from
     # training) counts from that fit's start (it stayed silent until the first fit's count).
     clear_statistics()
     stats = TrainingStats(every_n_train_steps=2, regex="Batch/.*", stats=("mean", "num"), on_epoch=False)
-    for _ in range(2):
+    for fit in range(3):  # the third after clear_statistics(), which detaches every collector: it
+        if fit == 2:  # wrote nothing (the callback kept its detached collectors)
+            clear_statistics()
         flushes = _batch_flushes(stats, _ManualAccumulation())
         assert [step for step, _ in flushes] == [3, 7]  # iterations 2 and 4 end with batches 3 and 7
         assert [(m["Batch/idx"], m["Batch/idx/num"]) for _, m in flushes] == [(1.5, 4), (5.5, 4)]
@@ -541,6 +543,56 @@ def test_values_of_validation_never_mix_with_training_ones(every: int) -> None:
     # predict: values reported there are not collected (no stage of TrainingStats takes them)
     trainer.predict(_ForwardReports(), DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=4))
     assert stats.collector is not None and stats.collector.names() == ["Input/x", "Timing/stats_flush_sec"]
+
+
+class _EpochEndReports(_ForwardReports):
+    """Also reports from the LightningModule's end hooks, which Lightning runs after the callbacks':
+    ``Val/run`` and ``Val/end`` (the validation run's index) and ``Epoch/metric`` (the epoch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs = 0
+
+    def on_validation_epoch_end(self):
+        if not self.trainer.sanity_checking:
+            report("Val/run", float(self.runs))
+
+    def on_validation_end(self):
+        if not self.trainer.sanity_checking:
+            report("Val/end", float(self.runs))
+            self.runs += 1
+
+    def on_train_epoch_end(self):
+        report("Epoch/metric", float(self.current_epoch))
+
+
+def test_values_of_the_modules_end_hooks_are_written_at_their_step_with_two_callbacks() -> None:
+    # Two TrainingStats left the stage at "validate" after the first validation run (the second one
+    # restored what the first had set), so training values went into validation statistics; values
+    # the module reported in on_validation_epoch_end were written one run late (the last run's never),
+    # those of its on_validation_end went into training statistics, and those of on_train_epoch_end
+    # were written one epoch late (the last epoch's never).
+    clear_statistics()
+    logger = _Steps()
+    stats = TrainingStats(5, regex="Input/.*|Val/.*|Epoch/.*", stats=("num", "mean"))
+    other = TrainingStats(5, regex="Other/.*", stats=("num", "mean"))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, val_check_interval=5, num_sanity_val_steps=2,
+        logger=logger, callbacks=[stats, other], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(_EpochEndReports())
+
+    def rows(key: str) -> list[tuple[int, float, float]]:
+        return [(s, m[f"{key}/num"], m[key]) for s, m in logger.logged if f"{key}/num" in m]
+
+    assert rows("Input/x") == [(5 * k + 4, 20, 20 * (k % 2) + 9.5) for k in range(4)]
+    assert rows("val/Input/x") == [(5 * k + 4, 12, 1005.5) for k in range(4)]
+    assert rows("val/Val/run") == rows("val/Val/end") == [(5 * k + 4, 1, float(k)) for k in range(4)]
+    assert rows("Epoch/metric") == [(10, 1, 0.0), (20, 1, 1.0)]
+    assert "Val/end" not in stats.collector.names()  # (never a training value)
+    steps = [s for s, _ in logger.logged]
+    assert steps == sorted(steps)
 
 
 class _Spread(pl.LightningModule):
