@@ -178,6 +178,18 @@ def check_regex(owner: str, name: str, value: Any) -> re.Pattern[str]:
         raise ValueError(f"{owner}: `{name}` must be a regular expression, got {value!r} ({err})") from None
 
 
+def check_label(owner: str, arg: str, value: Any) -> None:
+    """``TypeError``/``ValueError`` naming ``owner`` and ``arg`` unless ``value`` is a non-empty str of
+    printable characters (a statistic's name, a stage): no control character such as ``"\\n"``."""
+    if not isinstance(value, str):
+        raise TypeError(f"{owner}: `{arg}` must be a str, got {type(value).__name__} {value!r:.80}")
+    if not value or not value.isprintable():
+        raise ValueError(
+            f"{owner}: `{arg}` must be a non-empty str of printable characters, without control "
+            f"characters such as '\\n' or '\\x1f', got {value!r:.80}"
+        )
+
+
 def check_choice(
     owner: str, name: str, value: Any, choices: Collection[Any], *, hint: str | None = None
 ) -> None:

@@ -17,7 +17,6 @@ what layout, and who may touch what.
   ``reporting._attach`` (the one call of the collector's side into ``report()``'s), ``report()``'s
   side gives the store ``settings()``, the synchronization settings (rank, collective device, process
   group), and ``forget_routes()``, called when rows move.
-- :func:`check_label`, shared by both sides.
 
 Nothing here runs a collective or synchronizes host and device, except ``local`` when a collector's
 values lived on another device than its collectives (one copy).
@@ -39,18 +38,6 @@ __all__: list[str] = []  # private: the interface of the two sides of lightning_
 
 _MIN_ROWS = 64  # rows of a slab at least (it doubles when full)
 _HINTS = 20  # names a store remembers having refused (for Collector.unmatched)
-
-
-def check_label(owner: str, arg: str, value: Any) -> None:
-    """``TypeError``/``ValueError`` naming ``owner`` and ``arg`` unless ``value`` is a non-empty str of
-    printable characters (a statistic's name, a stage): no control character such as ``"\\n"``."""
-    if not isinstance(value, str):
-        raise TypeError(f"{owner}: `{arg}` must be a str, got {type(value).__name__} {value!r:.80}")
-    if not value or not value.isprintable():
-        raise ValueError(
-            f"{owner}: `{arg}` must be a non-empty str of printable characters, without control "
-            f"characters such as '\\n' or '\\x1f', got {value!r:.80}"
-        )
 
 
 # What report() adds a value into: a name's accumulator row, its shift and its sketch counts (or None)

@@ -15,10 +15,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lightning_ext._checks import check_bool, check_int, check_number, check_regex
+from lightning_ext._checks import check_bool, check_int, check_label, check_number, check_regex
 from lightning_ext.distributed import all_reduce_, is_distributed
 from lightning_ext.stats import reporting
-from lightning_ext.stats._wire import Store, check_label
+from lightning_ext.stats._wire import Store
 from lightning_ext.stats.sketch import LogHistogram
 
 __all__ = ["Collector", "Straggler"]
@@ -297,11 +297,16 @@ class Collector:
                 naming the ranks and their arguments and steps); nothing is published and the values
                 received stay for the next update.
             TypeError, ValueError: ``step`` is not an int ``>= 0`` or ``None``.
+            ValueError: :func:`~lightning_ext.stats.init_multiprocessing`'s ``rank`` is not this
+                process's in its ``process_group``, or the process is outside that group.
         """
         if not (step is None or (type(step) is int and step >= 0)):  # (the check's cost, in every flush)
             check_int("Collector.update", "step", step, ge=0, optional=True)
         rank, device, group = settings = self._store.settings()
         world = dist.get_world_size(group=group) if device is not None and is_distributed() else 1
+        if world != 1 and rank != dist.get_rank(group):  # (-1 for both outside the group)
+            raise ValueError(f"Collector.update: init_multiprocessing(rank={rank}), but this process is "
+                             f"rank {dist.get_rank(group)} of the group (-1: outside it): pass that rank")
         if device is None:  # single process: where the values are
             device = next(iter(self._store.slabs)) if len(self._store.slabs) == 1 else _CPU
         if device != self._device or world != self._world:
@@ -593,19 +598,21 @@ class Collector:
         ``keep_previous`` needs after a resume)."""
         kept = {name: self._sketch(name) for arg, name in self._row if arg == "quantiles"}
         sketches = {name: (int(s[0]), int(s[1]), torch.from_numpy(s[2])) for name, s in kept.items() if s}
-        return {"names": self.names(), "values": dict(self._read()), "sketches": sketches}
+        settings = (self.sketch.relative_accuracy, tuple(self.sketch.value_range))
+        return {"names": self.names(), "values": dict(self._read()), "sketches": sketches, "sketch": settings}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the same checkpoint must be loaded on every rank). Rows of five
-        values (no non-finite count) load with a count of 0; a sketch saved in another layout is not
-        restored."""
+        values (no non-finite count) load with a count of 0; sketches saved in another layout or with
+        another ``relative_accuracy`` or ``value_range`` (their buckets are others) are not restored."""
         names, values = sorted(state["names"]), state["values"]
         rows = [[*values[n], 0.0][:6] if n in values else _UNPUBLISHED for n in names]
         self._index = {n: i for i, n in enumerate(names)}
         self._published = published = torch.tensor(rows, dtype=torch.float64).reshape(-1, 6)
         self._next_shift = torch.where(published[:, 0] > 0, published[:, 1], 0.0)
         self._idle = torch.ones(len(names), dtype=torch.float64)  # no update yet: nothing updated
-        saved = {n: s for n, s in state.get("sketches", {}).items() if isinstance(s, tuple)}
+        ours = state.get("sketch") == (self.sketch.relative_accuracy, tuple(self.sketch.value_range))
+        saved = {n: s for n, s in state.get("sketches", {}).items() if isinstance(s, tuple) and ours}
         self._row = {("quantiles", n): j for j, n in enumerate(saved)}  # one count a word
         self._slowest = np.full(len(saved), -math.inf)  # (no straggler kept)
         self._windows = np.array([[s[0], s[1], 53] for s in saved.values()], np.int64).reshape(-1, 3).T

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from lightning_ext import distributed
-from lightning_ext._checks import check_int
-from lightning_ext.stats._wire import Accumulator, Store, check_label
+from lightning_ext._checks import check_int, check_label
+from lightning_ext.stats._wire import Accumulator, Store
 
 __all__ = ["clear_statistics", "init_multiprocessing", "report", "report0", "set_stage"]
 

@@ -146,14 +146,14 @@ class LogHistogram:
 
     def value(self, level: int, position: int, lo: float, hi: float) -> float:
         """The estimate of the bucket at ``position`` of the layout at collapse level ``level``: its
-        representative ``2 gamma_c^k / (gamma_c + 1)``, signed, clipped to ``[lo, hi]``; 0 in the zero
-        bucket, ``lo`` or ``hi`` in an overflow bucket."""
+        representative ``2 gamma_c^k / (gamma_c + 1)``, signed (0 in the zero bucket), clipped to
+        ``[lo, hi]``; ``lo`` or ``hi`` in an overflow bucket."""
         step, groups = 1 << level, self._groups(level)
         g = position - groups - 1
         if abs(g) > groups:  # an overflow bucket
             return lo if g < 0 else hi
         value = 2.0 * self.gamma ** (self.first - 1 + abs(g) * step) / (self.gamma**step + 1.0)
-        return min(max(math.copysign(value, g), lo), hi) if g else 0.0
+        return min(max(math.copysign(value, g) if g else 0.0, lo), hi)
 
     def limits(self, level: int) -> np.ndarray:
         """float64 ``(2 M_c + 4,)``: the bucket limits of the layout at ``level``, ``-inf .. +inf`` (bucket

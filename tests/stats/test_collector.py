@@ -218,6 +218,13 @@ def _distributed_schedule(rank: int, world_size: int) -> dict:
             report0("Sub/r0", float(rank + 10))  # rank 0 of the subgroup (global rank 0) only
             sub.update()
             out["subgroup"] = sub.as_dict()
+        if rank:  # a rank that is not init_multiprocessing's (rank 2 is 1 there; rank 1 is outside):
+            clear_statistics()  # it raises before any collective (else: report0's values lost, or
+            init_multiprocessing(rank=rank, sync_device="cpu", process_group=group)  # its own alone)
+            report("Sub/x", 1.0)
+            said = rf"init_multiprocessing\(rank={rank}\), but this process is rank {(-1, 1)[rank - 1]} of"
+            with pytest.raises(ValueError, match=said):
+                Collector(regex="Sub/.*").update()
         dist.barrier()
     return out
 

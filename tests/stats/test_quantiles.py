@@ -194,6 +194,32 @@ def test_quantile_edge_cases_single_process() -> None:
             c.quantile("x", [0.5, bad])
 
 
+@pytest.mark.parametrize("other", [{"relative_accuracy": 0.05}, {"value_range": (1e-3, 1e3)}])
+def test_a_sketch_saved_with_other_settings_is_not_restored(other: dict) -> None:
+    # Its buckets are others: restored, it read [200, 200] for the quartiles of [100, 200]
+    clear_statistics()
+    saved = Collector(quantiles="q")
+    report("q", [100.0, 200.0])
+    saved.update()
+    state = saved.state_dict()
+    same, changed = Collector(quantiles="q"), Collector(quantiles="q", **other)
+    same.load_state_dict(state), changed.load_state_dict(state)
+    assert same.quantile("q", [0.25, 0.75]) == saved.quantile("q", [0.25, 0.75])
+    assert np.isnan(changed.quantile("q", [0.25, 0.75])).all() and changed.mean("q") == 150.0
+
+
+def test_the_zero_bucket_reads_within_the_exact_extremes() -> None:
+    # Values all below the range's low end read 0 (the zero bucket), below their exact min
+    clear_statistics()
+    c = Collector(quantiles="x", value_range=(1e-3, 1e3))
+    report("x", [1e-9, 2e-9, 3e-9])
+    c.update()
+    assert c.quantile("x", [0.01, 0.5, 0.99]) == [1e-9, 1e-9, 1e-9]
+    report("x", [-3e-9, -1e-9])
+    c.update()
+    assert c.quantile("x", [0.01, 0.99]) == [-1e-9, -1e-9]
+
+
 def test_overflow_reads_as_the_exact_extreme() -> None:
     clear_statistics()
     c = Collector(quantiles="x", value_range=(1e-3, 1e3))
