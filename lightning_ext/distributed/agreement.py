@@ -1,10 +1,11 @@
 """What the ranks must agree on for one reduction, and how the process-group path checks it.
 
 A *descriptor* is one int64 word, non-negative and below ``2**62`` (so that ``[d, -d]`` rides in a
-MAX): element count (bits 15-61), dtype (bits 5-14), layout (bit 4: not strided) and op (bits 0-3;
-0: an op without a name). Every dtype of the installed torch has a code: its place in a table of
-names that only grows (codes never change), or, for a dtype the table does not name, a stable hash
-of its name into codes 256-1023; either way an error message names the dtype.
+MAX): element count (bits 16-61), a NaN flag element (bit 15: the tensor is a float MAX or MIN staged
+with it, see ``all_reduce._keeping_nans``, and named without it), dtype (bits 5-14), layout (bit 4: not
+strided) and op (bits 0-3; 0: an op without a name). Every dtype of the installed torch has a code:
+its place in a table of names that only grows (codes never change), or, for a dtype the table does
+not name, a stable hash of its name into codes 256-1023; either way an error message names the dtype.
 
 The process group (gloo aborts the process when the ranks send collectives of different sizes, NCCL
 hangs or reads the wrong bytes) is checked by ``_Agreement``, which makes the wire symmetric before
@@ -86,19 +87,20 @@ _FLAGS = {  # op -> (the flag of a rank that holds the predicted tensor, the dty
 _Wire = tuple[Any, int, int, torch.Tensor]
 
 
-def _descriptor(tensor: torch.Tensor, op: Any) -> int:
+def _descriptor(tensor: torch.Tensor, op: Any, nan_flag: bool = False) -> int:
     """What every rank must agree on for one reduction, as one int64 word (module docstring)."""
     dtype = _DTYPE_CODES.get(tensor.dtype) or _dtype_code(str(tensor.dtype).removeprefix("torch."))
     sparse = tensor.layout != torch.strided
-    return tensor.numel() << 15 | dtype << 5 | sparse << 4 | _OP_CODES.get(op, 0)
+    return tensor.numel() << 16 | nan_flag << 15 | dtype << 5 | sparse << 4 | _OP_CODES.get(op, 0)
 
 
 def _describe(descriptor: int) -> str:
-    """``"SUM of 9 float32"``: a descriptor in words."""
+    """``"SUM of 9 float32"``: a descriptor in words (a tensor staged with a NaN flag, without it)."""
     op = _OP_NAMES[(descriptor & 0xF) - 1] if descriptor & 0xF else "another op"
     code = descriptor >> 5 & 0x3FF
     layout = " (not strided)" if descriptor >> 4 & 1 else ""
-    return f"{op} of {descriptor >> 15} {_CODE_NAMES.get(code, f'dtype #{code}')}{layout}"
+    numel = (descriptor >> 16) - (descriptor >> 15 & 1)
+    return f"{op} of {numel} {_CODE_NAMES.get(code, f'dtype #{code}')}{layout}"
 
 
 def _wire(descriptor: int, device: torch.device) -> _Wire | None:
@@ -108,7 +110,7 @@ def _wire(descriptor: int, device: torch.device) -> _Wire | None:
     normal, dtypes = _FLAGS.get(op, (0, ()))
     if descriptor >> 4 & 1 or name not in dtypes:
         return None
-    return op, descriptor >> 15, normal, torch.full((1,), normal, dtype=_TORCH_DTYPES[name], device=device)
+    return op, descriptor >> 16, normal, torch.full((1,), normal, dtype=_TORCH_DTYPES[name], device=device)
 
 
 def _check_agreement(descriptors: list[int], group: Any, transport: str) -> None:

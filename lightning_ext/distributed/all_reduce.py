@@ -17,6 +17,7 @@ transport, as every rank runs the same program.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import threading
@@ -151,6 +152,10 @@ def all_reduce_(
       disagreement, an ``all_gather`` of one int64 per rank naming the ranks. Reduced before the call
       returns, ``async_op`` included: a check left for ``wait()`` could meet another collective.
 
+    A floating MAX or MIN keeps a NaN of any rank where it is, on both transports (the process group's
+    own keeps it from rank 0 only, with gloo): there one flag element rides along, and only when a
+    rank holds a NaN, a second reduction places them.
+
     The first call on a group decides its route (one collective; a segment's set-up: four more, once).
     Under ``torch.compile`` tracing: the process group's ``all_reduce``, unchecked (module docstring).
     Waits end with the group's timeout.
@@ -199,15 +204,47 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool) -> An
         _all_reduce(staged, op, group, False)
         tensor.copy_(staged)
         return _Done() if async_op else None
+    keep_nans = op in _NAN_FLAG and tensor.is_floating_point()  # (the process group's drop them)
     if route.segment is not None:
         descriptors = route.segment.all_reduce_(tensor, op, _descriptor(tensor, op))
         _check_agreement(descriptors, group, "shared memory")
         if shm._fits(tensor, op):
             return _Done() if async_op else None
+        if not keep_nans:
+            return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        _keeping_nans(tensor, op, lambda buffer, staged: dist.all_reduce(buffer, op=op, group=group))
     elif route.agreement is not None:
-        route.agreement.all_reduce_(tensor, op, _descriptor(tensor, op), group)
-        return _Done() if async_op else None
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        def reduce(buffer: torch.Tensor, staged: bool = False) -> None:  # (staged: named as the caller's)
+            route.agreement.all_reduce_(buffer, op, _descriptor(buffer, op, staged), group)
+
+        if keep_nans:
+            _keeping_nans(tensor, op, reduce)
+        else:
+            reduce(tensor)
+    else:
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _Done() if async_op else None
+
+
+_NAN_FLAG = {dist.ReduceOp.MAX: 1, dist.ReduceOp.MIN: -1}  # a rank's "I hold a NaN", as the op keeps it
+
+
+def _keeping_nans(tensor: torch.Tensor, op: Any, reduce: Any) -> None:
+    """A floating ``tensor`` reduced by MAX or MIN through ``reduce(buffer, staged)`` (the process group's
+    reduction in place; ``staged``: ``tensor`` with a flag element), a NaN of any rank kept where it is,
+    as the shared-memory path keeps it (``torch.maximum``): gloo keeps it only from rank 0, and NCCL's
+    comparisons may drop it. The flag element rides along (one host read); when a rank flagged, a second
+    reduction of the ranks' NaN masks places them."""
+    flat, flag = tensor.reshape(-1), _NAN_FLAG[op]
+    nans = torch.isnan(flat)
+    staged = torch.cat((flat, (nans.any() * flag).to(flat.dtype).reshape(1)))
+    reduce(staged, True)
+    result = staged[:-1]
+    if staged[-1].item() != 0:  # the same on every rank: the second reduction is everyone's
+        mask = (nans * flag).to(flat.dtype)
+        reduce(mask, False)
+        result = result.masked_fill(mask != 0, math.nan)
+    tensor.copy_(result.view_as(tensor))
 
 
 def shm_available(group: dist.ProcessGroup | None = None) -> bool:

@@ -503,5 +503,5 @@ def test_a_descriptor_names_op_count_and_layout_and_fits_a_max_pair() -> None:
         assert _describe(_descriptor(torch.ones(2), getattr(dist.ReduceOp, op))) == f"{op} of 2 float32"
     sparse = torch.ones(5).to_sparse()
     assert _describe(_descriptor(sparse, dist.ReduceOp.SUM)) == "SUM of 5 float32 (not strided)"
-    largest = torch.empty(2**47 - 1, dtype=torch.uint8, device="meta")  # 140 TB
+    largest = torch.empty(2**46 - 1, dtype=torch.uint8, device="meta")  # 70 TB
     assert 0 <= _descriptor(largest, dist.ReduceOp.PREMUL_SUM) < 2**62  # [d, -d] rides in an int64 MAX

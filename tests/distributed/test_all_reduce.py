@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
+import math
 import os
 import platform
 import re
@@ -350,6 +353,39 @@ def test_a_strided_tensor_is_reduced_exactly_on_both_transports(shm_env: str) ->
     finally:
         os.environ.pop(SHM_ENV_VAR)
     assert all(all(rank) for rank in results), results
+
+
+def _nans(rank: int, world_size: int) -> list[tuple]:
+    """A NaN on one rank (each rank in turn), in a tensor of a slot and one larger than a slot, float32 and
+    float64, by MAX and by MIN, twice (before and after the process-group path predicts it): every rank's
+    result, and the expected one (``torch.maximum``/``torch.minimum`` over the ranks' tensors)."""
+    out = []
+    for n in (5, shm._SLOT_BYTES // 4 + 3):
+        ops = (dist.ReduceOp.MAX, dist.ReduceOp.MIN)
+        for dtype, op, at in itertools.product((torch.float32, torch.float64), ops, range(world_size)):
+            tensors = [torch.arange(n, dtype=dtype) * (1 + r) - 2 * r for r in range(world_size)]
+            tensors[at][1] = tensors[(at + 1) % world_size][3] = math.nan
+            combine = torch.maximum if op == dist.ReduceOp.MAX else torch.minimum
+            expected = functools.reduce(combine, tensors)
+            for _ in range(2):
+                x = tensors[rank].clone()
+                all_reduce_(x, op=op)
+                same_nans = torch.equal(x.isnan(), expected.isnan())
+                out.append((same_nans, torch.equal(x.nan_to_num(), expected.nan_to_num())))
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shm_env", ["1", "0"])
+def test_a_nan_on_any_rank_survives_max_and_min_on_both_transports(shm_env: str) -> None:
+    # gloo's MAX and MIN keep a NaN only from rank 0: on the process group (and for a tensor larger
+    # than a shared-memory slot) a NaN on another rank was dropped, the finite extreme published.
+    os.environ[SHM_ENV_VAR] = shm_env
+    try:
+        results = run_distributed(_nans, 3, timeout=90)
+    finally:
+        os.environ.pop(SHM_ENV_VAR)
+    assert all(all(a and b for a, b in rank) for rank in results), results
 
 
 # ------------------------------------------------------------------ the process-group path's results
