@@ -204,26 +204,30 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool) -> An
         _all_reduce(staged, op, group, False)
         tensor.copy_(staged)
         return _Done() if async_op else None
-    keep_nans = op in _NAN_FLAG and tensor.is_floating_point()  # (the process group's drop them)
     if route.segment is not None:
         descriptors = route.segment.all_reduce_(tensor, op, _descriptor(tensor, op))
         _check_agreement(descriptors, group, "shared memory")
         if shm._fits(tensor, op):
             return _Done() if async_op else None
-        if not keep_nans:
+        if not _drops_nans(tensor, op):
             return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
         _keeping_nans(tensor, op, lambda buffer, staged: dist.all_reduce(buffer, op=op, group=group))
     elif route.agreement is not None:
         def reduce(buffer: torch.Tensor, staged: bool = False) -> None:  # (staged: named as the caller's)
             route.agreement.all_reduce_(buffer, op, _descriptor(buffer, op, staged), group)
 
-        if keep_nans:
+        if _drops_nans(tensor, op):
             _keeping_nans(tensor, op, reduce)
         else:
             reduce(tensor)
     else:
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     return _Done() if async_op else None
+
+
+def _drops_nans(tensor: torch.Tensor, op: Any) -> bool:
+    """Whether the process group's reduction of ``tensor`` by ``op`` may drop a NaN: a floating MAX or MIN."""
+    return op in _NAN_FLAG and tensor.is_floating_point()
 
 
 _NAN_FLAG = {dist.ReduceOp.MAX: 1, dist.ReduceOp.MIN: -1}  # a rank's "I hold a NaN", as the op keeps it
