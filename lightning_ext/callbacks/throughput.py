@@ -66,8 +66,10 @@ class Throughput(HookBase):
     never read on the host), and the model FLOPs: ``flops_fn="count"`` counts the first micro-batch of a
     run with :class:`~lightning_ext.perf.FlopCounter` (``FlopCounterMode``'s conventions, in the real
     step, under its precision; a micro-batch that ``training_step`` skipped by returning ``None`` ran
-    no backward: the next one is counted) and scales them with the samples; a callable gives a
-    micro-batch's FLOPs (variable sequence lengths: a formula of the batch); ``None`` counts none.
+    no backward: the next one is counted) and scales them with the samples (those of a skipped
+    micro-batch by the forward's FLOPs only; they count as samples); a callable gives a micro-batch's
+    FLOPs (variable sequence lengths: a formula of the batch, called for skipped ones too); ``None``
+    counts none.
 
     Time, host wall time. Every second of a rank goes to one part, switched by this callback's Lightning
     hooks: the start-up (from the callback's construction, or a resume's load of its state, to the start
@@ -190,7 +192,7 @@ class Throughput(HookBase):
         self._validated_from = "data"  # the state a validation run returns to (the sanity check: startup)
         self._peak: float | None = None  # this device's peak FLOP/s in use
         self._conv_peak: float | None = None  # its convolutions' own, where it differs
-        self._flops_per_sample: tuple[float, float] | None = None  # (model, hardware) from the count
+        self._flops_per_sample: tuple[float, ...] | None = None  # (model, hardware, forward), counted
         self._counter: tuple[FlopCounter, Any] | None = None  # open over the counted micro-batch
         self._flushes = 0
         self._fitting = True  # the stage set up is a fit (a checkpoint loaded resumes the job)
@@ -209,6 +211,7 @@ class Throughput(HookBase):
         """Zero the interval's counts and seconds."""
         self._interval = dict.fromkeys(_STATES, 0.0)  # seconds by state since the last flush
         self._samples: int | Tensor = 0
+        self._forward_only: int | Tensor = 0  # of which in micro-batches that ran no backward
         self._tokens: int | Tensor = 0
         self._flops: float | Tensor = 0.0  # with a flops_fn
         self._iterations = 0
@@ -305,7 +308,7 @@ class Throughput(HookBase):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._switch("step")
-        samples = (self.samples_fn or extract_batch_size)(batch)
+        samples = self._batch_samples = (self.samples_fn or extract_batch_size)(batch)
         self._samples = self._samples + samples
         if self.tokens_fn is not None:
             self._tokens = self._tokens + self.tokens_fn(batch)
@@ -322,8 +325,11 @@ class Throughput(HookBase):
         count, samples = self._close_counter()
         skipped = not outputs and pl_module.automatic_optimization  # no loss, no backward: count the next
         if samples and not skipped:  # (a host read of a tensor, once)
-            self._flops_per_sample = (count.model / float(samples), count.hardware / float(samples))
+            per_sample = (count.model, count.hardware, count.forward)
+            self._flops_per_sample = tuple(flops / float(samples) for flops in per_sample)
             self._peak = self._mixed_peak(count)
+        if skipped:  # its samples count their forward's FLOPs only
+            self._forward_only = self._forward_only + self._batch_samples
         self._switch("data")
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
@@ -440,7 +446,9 @@ class Throughput(HookBase):
             report("Throughput/tokens", self._tokens)
         flops = hardware = None
         if self._flops_per_sample is not None:
-            flops, hardware = (per_sample * samples for per_sample in self._flops_per_sample)
+            model, hardware, forward = self._flops_per_sample
+            stepped, forward_only = samples - self._forward_only, self._forward_only
+            flops, hardware = (x * stepped + forward * forward_only for x in (model, hardware))
         elif callable(self.flops_fn):
             flops = self._flops
         if flops is not None:
