@@ -515,19 +515,35 @@ void affine_pass(const Layout& l, const T* u, const T* v, T* out, const Acc* a, 
 
 // ------------------------------------------------------------------------------ batch norm
 
+// Channel k's local center: the median of up to CENTER_SAMPLES finite elements spread evenly over it
+// (positions j (rows - 1) / (m - 1), as the triton backend's _local_center), the shift where none is
+// finite (no inf - inf): a value of the data's bulk, whatever one element is.
+constexpr int64_t CENTER_SAMPLES = 33;
+template <typename T, typename Acc>
+Acc local_center(const T* xp, const Layout& l, int64_t k, double shift) {
+  const int64_t m = std::min(CENTER_SAMPLES, l.rows);
+  std::vector<Acc> seen;
+  for (int64_t j = 0; j < m; ++j) {
+    const int64_t r = m > 1 ? j * (l.rows - 1) / (m - 1) : 0;
+    const Acc v = load(xp, l.channels_last ? r * l.c + k : (r / l.s) * l.c * l.s + k * l.s + r % l.s);
+    if (std::isfinite(v)) seen.push_back(v);
+  }
+  if (seen.empty()) return static_cast<Acc>(shift);
+  const auto mid = seen.begin() + (seen.size() - 1) / 2;  // the lower median, as torch.nanmedian
+  std::nth_element(seen.begin(), mid, seen.end());
+  return *mid;
+}
+
 // p[1..2C] = [sum(x - shift), sum((x - shift)^2)] per channel of xd, elements in Acc. The pass sums
-// about a LOCAL shift f, a value of the channel itself (its first element if finite), so that float32
-// partial sums see deviations of the data's own spread even when the common shift (the running mean)
-// is far from the data; the float64 totals are then moved to the common shift c:
+// about a LOCAL shift f, a value of the channel's bulk (local_center), so that float32 partial sums see
+// deviations of the data's own spread even when the common shift (the running mean) is far from the
+// data, or one element is; the float64 totals are then moved to the common shift c:
 // sum(x - c) = t1 + n d, sum((x - c)^2) = t2 + 2 d t1 + n d^2, d = f - c.
 template <typename T, typename Acc>
 void moment_sums(const T* xp, const Layout& l, const std::vector<double>& s, double* p) {
   const int64_t c = l.c;
   std::vector<Acc> local(c);
-  for (int64_t k = 0; k < c; ++k) {
-    const Acc first = load(xp, l.channels_last ? k : k * l.s);
-    local[k] = std::isfinite(first) ? first : static_cast<Acc>(s[k]);  // inf/NaN: no inf - inf
-  }
+  for (int64_t k = 0; k < c; ++k) local[k] = local_center<T, Acc>(xp, l, k, s[k]);
   const Acc* fp = local.data();
   channel_sums<Acc>(
       l, p + 1, p + 1 + c,
