@@ -516,8 +516,8 @@ void affine_pass(const Layout& l, const T* u, const T* v, T* out, const Acc* a, 
 // ------------------------------------------------------------------------------ batch norm
 
 // Channel k's local center: the median of up to CENTER_SAMPLES finite elements spread evenly over it
-// (positions j (rows - 1) / (m - 1), as the triton backend's _local_center), the shift where none is
-// finite (no inf - inf): a value of the data's bulk, whatever one element is.
+// (positions j (rows - 1) / (m - 1)), the shift where none is finite (no inf - inf): a value of the
+// data's bulk, whatever one element is.
 constexpr int64_t CENTER_SAMPLES = 33;
 template <typename T, typename Acc>
 Acc local_center(const T* xp, const Layout& l, int64_t k, double shift) {

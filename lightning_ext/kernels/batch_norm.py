@@ -8,8 +8,6 @@ Liger-Kernel ``ops/layer_norm.py``), and the op's registration at the end of the
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -214,8 +212,9 @@ def _batch_norm_backward_elemt_reference(
 # tensor of a call allows it. A tile is BLOCK_S positions x BLOCK_C channels, masked at both edges.
 # Reductions split the (n, spatial block) units of each channel block over SPLIT programs with
 # per-lane float32 (float64 for float64 input) accumulators, write (SPLIT, 2, C) partials, and a
-# small kernel sums them in float64 in a fixed order (deterministic). Moments are summed about a
-# value of the channel's bulk (_local_center) and moved to the caller's shift in float64.
+# small kernel sums them in float64 in a fixed order (deterministic). Moments: each program sums about
+# the mean of its first tile (a value of the data's bulk, whatever one element is) and writes it with
+# its count, (SPLIT, 4, C) float64; the combine moves each partial to the caller's shift in float64.
 
 _TILE, _NUM_WARPS = 2048, 4  # elementwise: elements per tile, warps
 _RED_TILE, _RED_NUM_WARPS = 4096, 8  # reductions
@@ -227,22 +226,33 @@ if HAS_TRITON:
     def _bn_sums_kernel(
         u_ptr,  # u: (N, C, S) strided: x (MOMENTS) or dy
         v_ptr,  # v: (N, C, S) strided: x (unused for MOMENTS)
-        mean_ptr,  # (C,) float: the mean; for MOMENTS the local center (ACC)
-        part_ptr,  # partials: (SPLIT, 2, C) ACC
+        mean_ptr,  # (C,) float: the mean (unused for MOMENTS)
+        part_ptr,  # partials: (SPLIT, 2, C) ACC; MOMENTS (SPLIT, 4, C) float64 [S1, S2, center, count]
         N, C, S, un, uc, us, vn, vc, vs,
         s_blocks, units_per_split,  # spatial blocks per image; (n, block) units per program
         ACC: tl.constexpr, MOMENTS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
-        # MOMENTS: [sum(x - f), sum((x - f)^2)], f the local center; else [sum(dy), sum(dy * (x - mean))].
+        # MOMENTS: [sum(x - f), sum((x - f)^2), f, count], f the mean of the program's first tile (0 when
+        # not finite); else [sum(dy), sum(dy * (x - mean))].
         pid_s = tl.program_id(1)
         cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < C
         c64 = cols.to(tl.int64)
-        center = tl.load(mean_ptr + cols, mask=cmask, other=0.0).to(ACC)
         lanes = tl.arange(0, BLOCK_S)
+        u0 = pid_s * units_per_split
+        if MOMENTS:
+            n = tl.cast(u0 // s_blocks, tl.int64)
+            pos = (u0 % s_blocks) * BLOCK_S + lanes.to(tl.int64)
+            valid = (pos < S) & (u0 + tl.zeros([BLOCK_S], dtype=tl.int32) < N * s_blocks)
+            mask = valid[:, None] & cmask[None, :]
+            g = tl.load(u_ptr + n * un + (pos * us)[:, None] + (c64 * uc)[None, :], mask=mask, other=0.0)
+            center = tl.sum(g.to(ACC), axis=0) / tl.maximum(tl.sum(valid.to(ACC), axis=0), 1.0)
+            center = tl.where(tl.abs(center) < float("inf"), center, 0.0)  # (NaN too: no inf - inf)
+            count = tl.zeros([BLOCK_C], dtype=tl.float64)
+        else:
+            center = tl.load(mean_ptr + cols, mask=cmask, other=0.0).to(ACC)
         a1 = tl.zeros([BLOCK_S, BLOCK_C], dtype=ACC)
         a2 = tl.zeros([BLOCK_S, BLOCK_C], dtype=ACC)
-        u0 = pid_s * units_per_split
         for u in range(u0, u0 + units_per_split):  # the last split's extra units are masked out
             n = tl.cast(u // s_blocks, tl.int64)
             pos = (u % s_blocks) * BLOCK_S + lanes.to(tl.int64)
@@ -254,42 +264,49 @@ if HAS_TRITON:
                 d = tl.where(mask, g - center[None, :], 0.0)
                 a1 += d
                 a2 += d * d
+                count += tl.sum(valid.to(tl.float64), axis=0)
             else:
                 x = tl.load(v_ptr + n * vn + (pos * vs)[:, None] + (c64 * vc)[None, :], mask=mask, other=0.0)
                 a1 += g
                 a2 += tl.where(mask, g * (x.to(ACC) - center[None, :]), 0.0)
-        tl.store(part_ptr + pid_s * 2 * C + cols, tl.sum(a1, axis=0), mask=cmask)
-        tl.store(part_ptr + (pid_s * 2 + 1) * C + cols, tl.sum(a2, axis=0), mask=cmask)
+        rows = 4 if MOMENTS else 2
+        tl.store(part_ptr + pid_s * rows * C + cols, tl.sum(a1, axis=0), mask=cmask)
+        tl.store(part_ptr + (pid_s * rows + 1) * C + cols, tl.sum(a2, axis=0), mask=cmask)
+        if MOMENTS:
+            tl.store(part_ptr + (pid_s * rows + 2) * C + cols, center, mask=cmask)
+            tl.store(part_ptr + (pid_s * rows + 3) * C + cols, count, mask=cmask)
 
     @triton.jit
     def _bn_combine_kernel(
-        part_ptr,  # partials: (SPLIT, 2, C) ACC
-        center_ptr,  # (C,) (MOMENTS only): the partials' local center
+        part_ptr,  # partials: (SPLIT, 2, C) ACC; MOMENTS (SPLIT, 4, C) float64 [S1, S2, center, count]
         shift_ptr,  # (C,) float (MOMENTS only): the caller's shift
         out_ptr,  # MOMENTS: (2C + 1,) float64 [n, S1, S2]; else (2C,) [sum(dy), sum(dy (x - mean))]
-        C, SPLIT, total,
+        C, SPLIT,
         MOMENTS: tl.constexpr, BLOCK_SPLIT: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
         cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < C
         rows = tl.arange(0, BLOCK_SPLIT)
+        width = 4 if MOMENTS else 2
         t1 = tl.zeros([BLOCK_C], dtype=tl.float64)
         t2 = tl.zeros([BLOCK_C], dtype=tl.float64)
+        if MOMENTS:
+            c = tl.load(shift_ptr + cols, mask=cmask, other=0.0).to(tl.float64)
         for i0 in range(0, SPLIT, BLOCK_SPLIT):  # fixed order: the same result on every run
             r = i0 + rows
             mask = (r < SPLIT)[:, None] & cmask[None, :]
-            base = part_ptr + (r * 2 * C)[:, None] + cols[None, :]
-            t1 += tl.sum(tl.load(base, mask=mask, other=0.0).to(tl.float64), axis=0)
-            t2 += tl.sum(tl.load(base + C, mask=mask, other=0.0).to(tl.float64), axis=0)
-        if MOMENTS:  # from the center f to the shift c: S1c = S1f + n d, S2c = S2f + 2 d S1f + n d^2
-            f = tl.load(center_ptr + cols, mask=cmask, other=0.0).to(tl.float64)
-            d = f - tl.load(shift_ptr + cols, mask=cmask, other=0.0).to(tl.float64)
-            n = tl.cast(total, tl.float64)  # out[0] = n is written by the launcher
-            tl.store(out_ptr + 1 + cols, t1 + n * d, mask=cmask)
-            tl.store(out_ptr + 1 + C + cols, t2 + 2.0 * d * t1 + n * d * d, mask=cmask)
-        else:
-            tl.store(out_ptr + cols, t1.to(out_ptr.dtype.element_ty), mask=cmask)
-            tl.store(out_ptr + C + cols, t2.to(out_ptr.dtype.element_ty), mask=cmask)
+            base = part_ptr + (r * width * C)[:, None] + cols[None, :]
+            s1 = tl.load(base, mask=mask, other=0.0).to(tl.float64)
+            s2 = tl.load(base + C, mask=mask, other=0.0).to(tl.float64)
+            if MOMENTS:  # each partial from its center f to the shift c: S1 + n d, S2 + 2 d S1 + n d^2
+                d = tl.load(base + 2 * C, mask=mask, other=0.0) - c[None, :]
+                n = tl.load(base + 3 * C, mask=mask, other=0.0)
+                s1, s2 = s1 + n * d, s2 + 2.0 * d * s1 + n * d * d
+            t1 += tl.sum(s1, axis=0)
+            t2 += tl.sum(s2, axis=0)
+        first = 1 if MOMENTS else 0  # (MOMENTS: out[0] = n is written by the launcher)
+        tl.store(out_ptr + first + cols, t1.to(out_ptr.dtype.element_ty), mask=cmask)
+        tl.store(out_ptr + first + C + cols, t2.to(out_ptr.dtype.element_ty), mask=cmask)
 
     @triton.jit
     def _bn_affine_kernel(
@@ -381,8 +398,7 @@ def _acc(x: Tensor) -> object:
 
 
 def _channel_sums(u: Tensor, v: Tensor, mean: Tensor, out: Tensor, shift: Tensor | None) -> Tensor:
-    """Launch the sums kernel and the combine kernel (MOMENTS when ``shift`` is given: about ``mean``,
-    the local center) into ``out``."""
+    """Launch the sums kernel and the combine kernel (MOMENTS when ``shift`` is given) into ``out``."""
     moments = shift is not None
     (u, v), n, c, s, strides = _geometry(u, v)
     block_s, block_c = _tiles(c, s, strides[1] == 1, _RED_TILE)
@@ -393,47 +409,29 @@ def _channel_sums(u: Tensor, v: Tensor, mean: Tensor, out: Tensor, shift: Tensor
     target = 4 if u.is_cpu else sm_count(u.device) * _PROGRAMS_PER_SM
     per = triton.cdiv(units, max(1, min(units, target // c_blocks)))
     split = triton.cdiv(units, per)
-    part = torch.empty(split, 2, c, dtype=_stat_dtype(u), device=u.device)
+    part = torch.empty(split, 4 if moments else 2, c, dtype=torch.float64 if moments else _stat_dtype(u),
+                       device=u.device)  # fmt: skip
     _bn_sums_kernel[(c_blocks, split)](
         u, v, mean, part, n, c, s, *strides, s_blocks, per,
         ACC=_acc(u), MOMENTS=moments, BLOCK_S=block_s, BLOCK_C=block_c, **_opts(u, True),
     )  # fmt: skip
     block = min(triton.next_power_of_2(c), 64)
     _bn_combine_kernel[(triton.cdiv(c, block),)](
-        part, mean, shift if moments else mean, out, c, split, n * s,
+        part, shift if moments else mean, out, c, split,
         MOMENTS=moments, BLOCK_SPLIT=_COMBINE_ROWS, BLOCK_C=block, **_opts(u, True),
     )  # fmt: skip
     return out
 
 
 def _batch_norm_moments_triton(x: Tensor, shift: Tensor) -> Tensor:
-    """Per-block sums about the local center (:func:`_local_center`), then a float64 combine into the
+    """Per-block sums about the mean of each program's first tile, then a float64 combine into the
     payload."""
     c = x.shape[1]
     out = torch.zeros(2 * c + 1, dtype=torch.float64, device=x.device)
     if x.numel() == 0:
         return out
     out[:1].fill_(x.numel() // c)  # no host-to-device copy: capturable in a CUDA graph
-    return _channel_sums(x, x, _local_center(x, shift), out, shift)
-
-
-_CENTER_SAMPLES = 33  # elements of a channel whose median is its local center (the cpu kernel's too)
-
-
-def _local_center(x: Tensor, shift: Tensor) -> Tensor:
-    """(C,) in the sums' dtype (float64 for float64 ``x``, else float32): the median of up to 33 finite
-    elements spread evenly over each channel of ``x`` (positions ``j (N S - 1) // 32``), ``shift``
-    where none is finite. Float32 sums about a value of the data's bulk see deviations of its spread,
-    whatever one element is (about one element 1000 standard deviations off, ``M2`` lost 3e-3); no
-    host sync."""
-    rows, c = x.numel() // x.shape[1], x.shape[1]
-    m = min(_CENTER_SAMPLES, rows)
-    r = torch.arange(m, device=x.device) * (rows - 1) // max(m - 1, 1)
-    x3 = x.reshape(x.shape[0], c, -1)
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    samples = x3[r // x3.shape[2], :, r % x3.shape[2]].to(dtype)  # (m, C)
-    median = samples.masked_fill(~samples.isfinite(), math.nan).nanmedian(dim=0).values
-    return torch.where(median.isnan(), shift.to(dtype), median)
+    return _channel_sums(x, x, shift, out, shift)
 
 
 def _batch_norm_backward_reduce_triton(dy: Tensor, x: Tensor, mean: Tensor) -> Tensor:
