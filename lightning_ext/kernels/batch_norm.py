@@ -17,6 +17,17 @@ from lightning_ext.kernels.backend import define_op
 __all__ = ["payload_moments"]  # an op family: its ops are registered below (lightning_ext.kernels.ops)
 
 
+def _output(x: Tensor) -> Tensor:
+    """An empty tensor like ``x`` in the memory format of the elementwise ops' output (ATen's
+    ``batch_norm``'s, the ``cpu`` kernels'): channels-last for a 4-d (5-d) ``x`` in channels-last
+    (3d) and not contiguous, else contiguous. Their fakes say the same: inductor checks the strides."""
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    fmt = formats.get(x.dim(), torch.contiguous_format)
+    if x.is_contiguous() or not x.is_contiguous(memory_format=fmt):
+        fmt = torch.contiguous_format
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+
+
 def _stat_dtype(x: Tensor) -> torch.dtype:
     """Dtype of per-channel sums for input ``x``: float64 for float64 input, else float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -446,9 +457,9 @@ def _affine(
 ) -> Tensor:  # fmt: skip
     """Launch the elementwise kernel: ``out`` in ``v``'s (``x``'s) memory format from ``u`` and ``v``;
     the backward when ``sums`` and ``count`` are given."""
+    out = _output(v)
     if v.numel() == 0:
-        return torch.empty_like(v)
-    out = torch.empty_like(_ncs(v)[0])
+        return out
     (u, v, out), n, c, s, strides = _geometry(u, v, out)
     block_s, block_c = _tiles(c, s, strides[1] == 1, _TILE)
     grid = (triton.cdiv(s, block_s), triton.cdiv(c, block_c), min(n, 65535))
@@ -516,7 +527,7 @@ batch_norm_gather_stats = define_op(
 batch_norm_elemt = define_op(
     "batch_norm_elemt(Tensor x, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias) -> Tensor",
     _batch_norm_elemt_reference,
-    fake=lambda x, *_: torch.empty_like(x),
+    fake=lambda x, *_: _output(x),
     triton=_batch_norm_elemt_triton,
 )
 batch_norm_backward_reduce = define_op(
@@ -529,6 +540,6 @@ batch_norm_backward_elemt = define_op(
     "batch_norm_backward_elemt(Tensor dy, Tensor x, Tensor mean, Tensor invstd, Tensor? weight, "
     "Tensor sums, Tensor count) -> Tensor",
     _batch_norm_backward_elemt_reference,
-    fake=lambda dy, x, *_: torch.empty_like(x),
+    fake=lambda dy, x, *_: _output(x),
     triton=_batch_norm_backward_elemt_triton,
 )

@@ -268,3 +268,30 @@ def test_compile_sync_batch_norm_training_matches_eager(backend: KernelBackend):
         e, c = getattr(eager, name), getattr(module, name)
         torch.testing.assert_close(c, e, atol=0, rtol=8 * torch.finfo(torch.float32).eps, msg=name)
     assert int(module.num_batches_tracked) == int(eager.num_batches_tracked) == 3
+
+
+@pytest.mark.parametrize("layout", ["(N, L, C) transposed", "NCHW with H and W swapped", "channels_last"])
+def test_the_elementwise_ops_fakes_have_the_kernels_strides(backend: KernelBackend, layout: str):
+    """The output of ``batch_norm_elemt`` and ``batch_norm_backward_elemt`` has the strides their fakes
+    say, in any dense layout: inductor checks them (a SyncBatchNorm over ``h.transpose(1, 2)``, the
+    BatchNorm1d-over-a-sequence pattern, failed to compile: the fakes kept the input's strides, the
+    kernels write contiguous outputs there)."""
+    device, key = backend_device(backend), backend.name
+    gen = torch.Generator().manual_seed(3)
+    x = {
+        "(N, L, C) transposed": lambda: torch.randn(3, 7, 4, generator=gen).transpose(1, 2),
+        "NCHW with H and W swapped": lambda: torch.randn(2, 4, 5, 3, generator=gen).transpose(2, 3),
+        "channels_last": lambda: torch.randn(2, 4, 3, 5, generator=gen).to(memory_format=torch.channels_last),
+    }[layout]().to(device)
+    dy = torch.randn(x.shape, generator=gen).to(device)
+    mean, invstd, weight = (torch.rand(4, generator=gen).to(device) + 0.5 for _ in range(3))
+    sums = torch.randn(8, generator=gen).to(device)
+    count = torch.tensor(21.0, dtype=torch.float64, device=device)
+    lib = torch.ops.lightning_ext
+    for op, args in (
+        (lib.batch_norm_elemt, (x, mean, invstd, weight, None, key)),
+        (lib.batch_norm_backward_elemt, (dy, x, mean, invstd, weight, sums, count, key)),
+    ):
+        with torch._subclasses.FakeTensorMode() as mode:
+            fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+        assert fake.stride() == op(*args).stride(), (op, layout)
