@@ -31,10 +31,8 @@ __all__ = ["clear_statistics", "init_multiprocessing", "report", "report0", "set
 T = TypeVar("T")
 _CPU = torch.device("cpu")
 _STRIDED = torch.strided
-_UNCOUNTABLE = frozenset(  # dtypes whose elements are no real numbers
-    (torch.complex32, torch.complex64, torch.complex128, torch.qint8, torch.quint8, torch.qint32,
-     torch.quint4x2, torch.quint2x4)
-)  # fmt: skip
+_UNCOUNTABLE = frozenset((torch.complex32, torch.complex64, torch.complex128, torch.qint8, torch.quint8,
+                          torch.qint32, torch.quint4x2, torch.quint2x4))  # (no real numbers) # fmt: skip
 _CONVERTED = {  # dtypes the kernels do not read, and what report() converts them to (exactly)
     torch.bool: torch.uint8,
     **{getattr(torch, f"uint{b}"): torch.float64 for b in (16, 32, 64)},  # (uint64 above 2^53: rounded)
@@ -147,7 +145,8 @@ def set_stage(stage: str | None) -> str | None:
     serves training and validation feeds a training collector and a validation one separately.
     :class:`~lightning_ext.callbacks.TrainingStats` sets Lightning's stage (``"validate"``,
     ``"test"``, ``"predict"``) while those loops run; plain and Fabric loops call it themselves if
-    they want stages. Process-local: no collective, no sync.
+    they want stages. Process-local: no collective, no sync. Under ``torch.compile`` it breaks the graph
+    (with ``fullgraph=True`` the compile raises): call it outside the compiled region.
 
     Args:
         stage: a non-empty str of printable characters (any name, e.g. ``"validate"``) or ``None``.
@@ -167,6 +166,8 @@ def set_stage(stage: str | None) -> str | None:
         >>> _ = set_stage(previous); train.update(); val.update(); train.mean("x"), val.mean("x")
         (1.0, 5.0)
     """
+    if torch.compiler.is_compiling():  # (traced, it would take effect after the graph's reports)
+        torch._dynamo.graph_break()
     if stage is not None:
         check_label("set_stage", "stage", stage)
     previous, _state.stage = _state.stage, stage
@@ -264,7 +265,8 @@ def report(name: str, value: T) -> T:
     host-device sync, no collective. Under ``torch.compile`` (``fullgraph=True`` included) a tensor or
     number is one opaque graph node, the custom op ``lightning_ext::report_``, running this eager
     path: a flush does not retrace the model (lists and NumPy arrays break the graph; a Python number is
-    a constant of the graph: one that changes between calls recompiles, so report it outside).
+    a constant of the graph: one that changes between calls recompiles, and with ``fullgraph=True``
+    raises past dynamo's recompile limit, so report it outside).
 
     Args:
         name: statistic name, printable, conventionally ``"Group/quantity_unit"`` (``"Loss/total"``).
@@ -325,9 +327,12 @@ _TOKEN = torch.zeros(())  # what _report_op "writes"
 
 
 def _report_traced(name: str, value: T) -> T:
-    """What ``report()`` traces under ``torch.compile``: the value as a tensor, into the custom op."""
+    """What ``report()`` traces under ``torch.compile``: the value as a tensor, into the custom op (a
+    NumPy scalar, which dynamo traces as a 0-dim array, as a float64 tensor)."""
     check_label("report(name, value)", "name", name)
-    _report_op(_as_tensor(name, value), _TOKEN, name)
+    scalar = isinstance(value, (np.ndarray, np.generic)) and value.ndim == 0  # (a tuple: dynamo traces it)
+    x = torch.as_tensor(value, dtype=torch.float64) if scalar else _as_tensor(name, value)
+    _report_op(x, _TOKEN, name)
     return value
 
 

@@ -103,6 +103,49 @@ def test_the_stage_of_a_compiled_report_is_read_when_it_runs():
 
 
 @pytest.mark.timeout(180)
+def test_numpy_scalars_are_one_node_under_fullgraph():
+    # dynamo traces a NumPy scalar as a 0-dim array: report() read its dtype, which dynamo cannot trace
+    # (fullgraph=True raised; without it, the graph broke)
+    import numpy as np
+
+    clear_statistics()
+    collector = Collector()
+    def step(x, v):
+        report("v", v)
+        return x * 2
+
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    for value in (np.float64(0.5), np.float32(1.5), np.int64(4)):
+        compiled(torch.ones(3), value)
+    collector.update()
+    assert (collector.num("v"), collector.mean("v")) == (3, 2.0)
+
+
+@pytest.mark.timeout(180)
+def test_set_stage_inside_a_compiled_function_breaks_the_graph():
+    # Traced, set_stage took effect after the graph had run: the values reported after it inside the
+    # graph went to the stage outside (a validation value into training statistics).
+    from lightning_ext.stats import set_stage
+
+    def step(x):
+        previous = set_stage("validate")
+        report("v", x)
+        set_stage(previous)
+        report("t", x)
+        return x * 2
+
+    clear_statistics()
+    train, val = Collector(), Collector(stage="validate")
+    torch.compile(step, backend="eager")(torch.ones(2))
+    train.update(), val.update()
+    assert (train.names(), val.names()) == (["t"], ["v"])
+    torch._dynamo.reset()  # (else the frames compiled above serve the call)
+    with pytest.raises(Exception, match="graph_break"):
+        torch.compile(step, backend="eager", fullgraph=True)(torch.ones(2))
+    set_stage(None)
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("rank", [0, 1])
 def test_report0_compiles_with_fullgraph_on_every_rank(rank):
     """``report0`` on a rank other than 0 registers the name only: it did so with a list, which broke
