@@ -157,7 +157,8 @@ def all_reduce_(
     rank holds a NaN, a second reduction places them.
 
     The first call on a group decides its route (one collective; a segment's set-up: four more, once).
-    Under ``torch.compile`` tracing: the process group's ``all_reduce``, unchecked (module docstring).
+    Under ``torch.compile`` tracing: the process group's ``all_reduce``, unchecked (module docstring),
+    a NaN kept by MAX or MIN as its backend keeps it.
     Waits end with the group's timeout.
 
     Args:
