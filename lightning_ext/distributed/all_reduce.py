@@ -11,8 +11,12 @@ traces as a functional collective (a graph node that inductor schedules, ``fullg
 included). The shared-memory path cannot be traced: it is host code that spins on flags in a mapped
 file, and hidden in an opaque custom op it would give the compiler a reduction without collective
 semantics, free to reorder against other collectives. Neither check runs there (it is host code
-too). Eager and compiled reductions over one group may alternate: each collective is matched on one
-transport, as every rank runs the same program.
+too), and a MAX or MIN keeps NaNs as the backend does. Eager and compiled reductions over one group
+may alternate: each collective is matched on one transport, as every rank runs the same program.
+
+Outside tracing, a floating MAX or MIN keeps a NaN of any rank where it is, on both transports (the
+process group's own keeps it from rank 0 only, with gloo): there one flag element rides along, and only
+when a rank holds a NaN, a second reduction places them (``_keeping_nans``).
 """
 
 from __future__ import annotations
@@ -145,20 +149,13 @@ def all_reduce_(
       by SUM, MAX, MIN or PRODUCT is reduced in the segment in rank order (bitwise identical on every
       rank; with 3+ ranks a float sum's last bits may differ from the process group's, which adds in
       its own order), anything else by the process group once the header agreed.
-    - the process group's ``all_reduce``, checked by predicting each reduction's descriptor from the
-      group's agreed history (:mod:`lightning_ext.distributed.agreement`): steady state, one
-      ``all_reduce`` of the tensor staged with one flag element; a reduction not predicted, or every
-      one with ``LIGHTNING_EXT_CHECK_COLLECTIVES=1`` on any rank, first a MAX of two int64; a
-      disagreement, an ``all_gather`` of one int64 per rank naming the ranks. Reduced before the call
-      returns, ``async_op`` included: a check left for ``wait()`` could meet another collective.
-
-    A floating MAX or MIN keeps a NaN of any rank where it is, on both transports (the process group's
-    own keeps it from rank 0 only, with gloo): there one flag element rides along, and only when a
-    rank holds a NaN, a second reduction places them.
+    - the process group's ``all_reduce``, checked as :mod:`lightning_ext.distributed.agreement` says
+      (steady state: one ``all_reduce`` of the tensor staged with one flag element), reduced before
+      the call returns, ``async_op`` included; a floating MAX or MIN keeps a NaN of any rank (module
+      docstring).
 
     The first call on a group decides its route (one collective; a segment's set-up: four more, once).
-    Under ``torch.compile`` tracing: the process group's ``all_reduce``, unchecked (module docstring),
-    a NaN kept by MAX or MIN as its backend keeps it.
+    Under ``torch.compile`` tracing: the process group's ``all_reduce``, unchecked (module docstring).
     Waits end with the group's timeout.
 
     Args:
@@ -166,8 +163,7 @@ def all_reduce_(
         op: ``torch.distributed.ReduceOp``.
         group: process group (default: WORLD); on a rank outside it
             (``torch.distributed.GroupMember.NON_GROUP_MEMBER``), nothing is done, as by torch.
-        async_op: return a handle with ``wait()`` (already completed, except for a tensor too large
-            for a shared-memory slot).
+        async_op: return a handle with ``wait()`` (completed, but for a tensor beyond a shm slot).
 
     Returns:
         ``None``, or the work handle when ``async_op``.
