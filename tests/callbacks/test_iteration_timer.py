@@ -551,8 +551,8 @@ def run_job(tmp_path: Path, world: int, sync_bn: bool):
 @pytest.mark.parametrize(("world", "sync_bn"), [(2, False), (3, True)])
 def test_a_rank_slow_in_its_backward_is_named_and_a_quiet_job_names_nobody(tmp_path, world, sync_bn):
     rows, lines = run_job(tmp_path, world, sync_bn)
-    assert [step for step, _ in rows] == list(range(EVERY - 1, STEPS, EVERY))
-    assert [line for line in lines if line[0] < SLOW_FROM] == []  # quiet: no line
+    assert [step for step, _ in rows] == list(range(EVERY - 1, STEPS, EVERY)), rows
+    assert [line for line in lines if line[0] < SLOW_FROM] == [], (rows, lines)  # quiet: no line
     # Slow: its rank is the straggler of every flush, named from the second such flush (patience 2)
     # at nearly every flush then, and nobody else is.
     slow = [step for step, _ in rows if step >= SLOW_FROM]

@@ -8,7 +8,7 @@ that hung, so a deadlocked collective fails the test instead of stalling CI.
 
 Where it runs (torchmetrics' test suite shares one process pool the same way):
 
-- By default, for 2 or 3 ranks, on a **pool**: one set of spawned workers per world size, started at
+- By default, for 2 or 3 ranks, on a **pool**: one set of workers per world size, started at
   the first call and reused by every later call of the test session, their gloo process group already
   initialized. Before each call a worker takes the parent's environment variables; after it, the
   worker clears the pack's process-wide state (:func:`lightning_ext.reset`), restores its environment
@@ -17,7 +17,7 @@ Where it runs (torchmetrics' test suite shares one process pool the same way):
   failure, timeout or interruption kills the pool, so the next call starts a new one: a failing or
   hanging test cannot leave its state to a later one.
 - With ``fresh=True`` (and for ``groups_outlive=True``, other world sizes, or a ``timeout`` longer than
-  the pool's process group allows), on **fresh processes** spawned for this call only. A test opts out
+  the pool's process group allows), on **fresh processes** started for this call only. A test opts out
   of the pool this way when it kills or crashes a rank, breaks a collective (mismatched calls, a rank
   that never joins, a destroyed group), changes state that :func:`lightning_ext.reset` does not restore
   or that is read at import time, or needs a new interpreter for another reason.
@@ -284,17 +284,36 @@ def _collect(results: mp.Queue, procs: list[mp.Process], fn: Callable[..., Any],
     return [outputs[rank] for rank in range(world_size)]
 
 
+def _context() -> Any:
+    """The workers' start method: a fork server that imported torch, ``torch._dynamo`` and Lightning once
+    (with ``OMP_NUM_THREADS=1``: no thread runs in it, so forking it is safe). A worker then starts in
+    milliseconds instead of the seconds those imports take each spawned process; it is a new process
+    that has run nothing else, and takes the parent's environment (``_started``), working directory
+    and ``sys.path`` (the start method sends those) at its start."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "lightning.pytorch"])
+    return ctx
+
+
+def _started(environ: dict[str, str], target: Callable[..., None], *args: Any) -> None:
+    """In a worker: the parent's environment at the start (a forked worker has the fork server's), then
+    ``target(*args)``."""
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
+
+
 def _spawn(world_size: int, target: Callable[..., None], *args: Any) -> tuple[list[mp.Process], str]:
-    """Start ``target(rank, world_size, init_file, *args)`` on ``world_size`` spawned processes."""
+    """Start ``target(rank, world_size, init_file, *args)`` on ``world_size`` worker processes."""
     store_dir = tempfile.mkdtemp(prefix="lightning_ext_dist_")
     init_file = os.path.join(store_dir, "store")
-    ctx = mp.get_context("spawn")
+    ctx, environ = _context(), {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
-        ctx.Process(target=target, args=(rank, world_size, init_file, *args), daemon=True)
+        ctx.Process(target=_started, args=(environ, target, rank, world_size, init_file, *args), daemon=True)
         for rank in range(world_size)
     ]
     env_backup = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # read when the child imports torch
+    os.environ["OMP_NUM_THREADS"] = "1"  # read when the fork server (its first start) imports torch
     try:
         for proc in procs:
             proc.start()
@@ -315,10 +334,10 @@ def _stop(procs: list[mp.Process], store_dir: str) -> None:
 
 
 class _Pool:
-    """``world_size`` spawned workers in one gloo group that run one call after another."""
+    """``world_size`` workers in one gloo group that run one call after another."""
 
     def __init__(self, world_size: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results: mp.Queue = ctx.Queue()
         self.procs, self.store_dir = _spawn(world_size, _pool_worker, self.tasks, self.results)
@@ -352,8 +371,7 @@ atexit.register(_close_pools)
 def _run_fresh(
     fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, timeout: float, groups_outlive: bool
 ) -> list[Any]:
-    ctx = mp.get_context("spawn")
-    results: mp.Queue = ctx.Queue()
+    results: mp.Queue = _context().Queue()
     procs, store_dir = _spawn(world_size, _fresh_worker, timeout, fn, args, kwargs, results, groups_outlive)
     try:
         outputs = _collect(results, procs, fn, timeout)
@@ -392,7 +410,7 @@ def run_distributed(
         fn: a top-level function of an importable module.
         world_size: the number of ranks, >= 1.
         timeout: seconds the call may take on every rank, process start-up included.
-        fresh: run on processes spawned for this call instead of the pool (see the module docstring).
+        fresh: run on processes started for this call instead of the pool (see the module docstring).
         groups_outlive: ``fn`` leaves process groups referenced (implies ``fresh``).
 
     Returns:
