@@ -83,12 +83,12 @@ class Throughput(HookBase):
     Lightning's call of ``state_dict``, when it gathers a checkpoint, or after a micro-batch or a
     validation run from its end: the model's weights are gathered first, an all-gather under FSDP, to
     this callback's next hook: the write and Lightning's barrier after it, and for a save at the end of a
-    batch the next batch's fetch; a weights-only save is not seen); the flush's reductions
-    (``before_stats_flush`` to ``stats_flush_metrics``); the rest (epoch ends). A rank's training time in
-    an interval is its wall time less validation, checkpointing and the flush. On CUDA a part ends when
-    the host leaves it (device work still queued lands in the next part), and before a flush it
-    synchronizes the device, so that an interval holds all of its device work (the flush's read would wait
-    for the same work).
+    batch the next batch's fetch; a weights-only save is not seen); the flush (its reductions and its
+    writes to the loggers: ``before_stats_flush`` to ``after_stats_flush``); the rest (epoch ends). A
+    rank's training time in an interval is its wall time less validation, checkpointing and the flush.
+    On CUDA a part ends when the host leaves it (device work still queued lands in the next part), and
+    before a flush it synchronizes the device, so that an interval holds all of its device work (the
+    flush's read would wait for the same work).
 
     Per rank and flush it ``report()``-s (ordinary names: ``TrainingStats`` writes their statistics)
     ``Throughput/samples``, ``Throughput/train_sec`` and ``Throughput/sec_per_sample`` (its training
@@ -462,10 +462,14 @@ class Throughput(HookBase):
     def stats_flush_metrics(self, collector: Collector) -> dict[str, float]:
         """The keys derived from the reduced values (see the class docstring), identical on every
         rank; :class:`~lightning_ext.callbacks.TrainingStats` writes them with its own. Local."""
-        self._switch(self._resume)
         metrics = _throughput_metrics(collector)
         self.last_metrics = metrics or self.last_metrics
         return metrics
+
+    def after_stats_flush(self) -> None:
+        """Leave the flush's part of the time (:class:`~lightning_ext.callbacks.TrainingStats` calls it
+        when the flush ends, its writes to the loggers done)."""
+        self._switch(self._resume)
 
 
 def _throughput_metrics(collector: Collector) -> dict[str, float]:

@@ -147,12 +147,13 @@ class TrainingStats(Callback):
     gathered once, at ``setup``.
 
     Contributors. A callback of the Trainer that defines ``before_stats_flush()``,
-    ``stats_flush_metrics(collector)`` and ``stats_flush_names`` (the names the first reports:
-    :class:`~lightning_ext.callbacks.Throughput`) takes part in every training flush of the one
-    ``TrainingStats`` whose ``regex`` matches any of those names, on every rank: the first is called
-    right before the collector's update (it ``report()``-s its values of the interval since that
+    ``stats_flush_metrics(collector)``, ``after_stats_flush()`` and ``stats_flush_names`` (the names the
+    first reports: :class:`~lightning_ext.callbacks.Throughput`) takes part in every training flush of
+    the one ``TrainingStats`` whose ``regex`` matches any of those names, on every rank: the first is
+    called right before the collector's update (it ``report()``-s its values of the interval since that
     callback's previous flush), the second after it, and returns keys derived from the reduced values
-    (identical on every rank), written with the others (behind ``prefix``). Several ``TrainingStats``
+    (identical on every rank), written with the others (behind ``prefix``); the third when the flush
+    ends, its writes to the loggers done (also when it raised). Several ``TrainingStats``
     collecting its names raise at ``setup`` (the flushes of each would cut the others' intervals). The
     contributors' ``repr`` is among the arguments the ranks must agree on at ``setup``.
 
@@ -494,7 +495,11 @@ class TrainingStats(Callback):
         contributors = _contributors(trainer, self.regex) if stage is None else None
         for contributor in contributors or ():
             contributor.before_stats_flush()
-        metrics = self._publish(trainer, stage, step, contributors)
+        try:
+            metrics = self._publish(trainer, stage, step, contributors)
+        finally:  # (the writes to the loggers included)
+            for contributor in contributors or ():
+                contributor.after_stats_flush()
         self._flush_sec = time.perf_counter() - start
         self._flushes += stage is None
         if self._flushes == _CHECK_AFTER:
@@ -686,6 +691,11 @@ def _check_contributors(trainer: pl.Trainer) -> None:
     stats = [cb for cb in trainer.callbacks if isinstance(cb, TrainingStats)]
     for contributor in _contributors(trainer):
         names, kind = getattr(contributor, "stats_flush_names", None), type(contributor).__name__
+        if not callable(getattr(contributor, "after_stats_flush", None)):
+            raise TypeError(
+                f"TrainingStats: the callback {kind} defines stats_flush_metrics() but no "
+                "after_stats_flush(): a contributor defines both (called when the flush ends)"
+            )
         if not isinstance(names, tuple | list) or not names or not all(isinstance(n, str) for n in names):
             raise TypeError(
                 f"TrainingStats: the callback {kind} defines stats_flush_metrics() but its "

@@ -718,6 +718,65 @@ def test_opening_the_validation_loader_and_gathering_a_checkpoint_are_not_traini
     assert summary["data_wait"] < SLEEP  # (they were: at least (1 + saves) SLEEP)
 
 
+class _SlowLogger(_Metrics):
+    """Writes as :class:`_Metrics` does, after sleeping ``SLEEP``: a logger slow to write a flush."""
+
+    def log_metrics(self, metrics, step=None):
+        time.sleep(SLEEP)
+        super().log_metrics(metrics, step)
+
+
+def test_the_flushes_writes_to_the_loggers_are_not_training(tmp_path: Path) -> None:
+    # They come after the flush's derived keys: they were booked as the wait for the next batch
+    # (training time, and goodput's data_wait), so a slow logger lowered samples/s and MFU.
+    throughput, stats = Throughput(flops_fn=None), TrainingStats(every_n_train_steps=2)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=8, limit_val_batches=0, logger=_SlowLogger(str(tmp_path / "m.pt")),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[throughput, stats],
+    )  # fmt: skip
+    trainer.fit(_Model(fixed=True))
+    written = [row for _, row in torch.load(tmp_path / "m.pt") if "Throughput/train_sec" in row]
+    assert len(written) == 4
+    # 2 iterations of a small MLP an interval, against a write of SLEEP after each of the 3 earlier flushes
+    assert all(row["Throughput/train_sec"] < SLEEP for row in written), written
+    assert throughput.ledger.summary()["data_wait"] < SLEEP  # (it was: at least 3 SLEEP)
+
+
+class _Contributor(Callback):
+    """A contributor of its own that reports and derives nothing."""
+
+    stats_flush_names = ("Mine/x",)
+
+    def before_stats_flush(self):
+        pass
+
+    def stats_flush_metrics(self, collector):
+        return {}
+
+    def after_stats_flush(self):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"stats_flush_names": None},
+         r"stats_flush_metrics\(\) but its `stats_flush_names` is None: it must be a non-empty tuple"),
+        ({"after_stats_flush": None}, r"_Contributor defines stats_flush_metrics\(\) but no after_stats"),
+    ],
+)
+def test_a_contributor_without_its_names_or_its_end_raises_at_setup(change, match) -> None:
+    contributor = _Contributor()
+    vars(contributor).update(change)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[contributor, TrainingStats(every_n_train_steps=1)],
+    )  # fmt: skip
+    with pytest.raises(TypeError, match=match):
+        trainer.fit(_Model(fixed=True))
+
+
 class _ConvNet(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
