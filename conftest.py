@@ -67,16 +67,16 @@ def _starts_processes(function: types.FunctionType, depth: int = 2) -> bool:
 # run first (`make test` keeps pytest-xdist's queue in this order, `--no-loadscope-reorder`), so that the
 # two workers end together, the many short files filling the end (longest-processing-time-first).
 _LONGEST_FIRST = (
-    "tests/docs/test_docs.py",  # ~340 s
-    "tests/kernels/test_cpu.py",  # ~90 s
-    "tests/nn/test_compile_resnet.py",
+    "tests/docs/test_docs.py",  # ~320 s
+    "tests/nn/test_compile_resnet.py",  # ~70 s
+    "tests/kernels/test_cpu.py",
     "tests/examples/test_digits.py",
+    "tests/callbacks/test_throughput.py",
     "tests/examples/test_gan.py",
-    "tests/helpers/test_distributed_harness.py",
-    "tests/stats/test_collector.py",
-    "tests/nn/test_compile.py",
+    "tests/kernels/test_batch_norm.py",
     "tests/examples/test_fabric_digits.py",
-    "tests/distributed/test_agreement.py",  # ~45 s
+    "tests/nn/test_compile.py",
+    "tests/plugins/test_compiled_training.py",  # ~35 s
 )
 
 
