@@ -20,7 +20,11 @@ Where it runs (torchmetrics' test suite shares one process pool the same way):
   the pool's process group allows), on **fresh processes** started for this call only. A test opts out
   of the pool this way when it kills or crashes a rank, breaks a collective (mismatched calls, a rank
   that never joins, a destroyed group), changes state that :func:`lightning_ext.reset` does not restore
-  or that is read at import time, or needs a new interpreter for another reason.
+  or that the pack reads at import time, or needs a new process for another reason.
+
+Every worker is forked from one fork server per test session that imported torch, ``torch._dynamo``
+and Lightning (``_context``): those come imported, as the server found them. A test of their own
+import-time behaviour runs an interpreter of its own (``subprocess``).
 
 Clean exit of a fresh worker: after ``fn`` returns, the worker clears the pack's process-wide state,
 waits at a barrier until every rank has finished its collectives, destroys every process group, and
