@@ -22,7 +22,7 @@ Where it runs (torchmetrics' test suite shares one process pool the same way):
   that never joins, a destroyed group), changes state that :func:`lightning_ext.reset` does not restore
   or that the pack reads at import time, or needs a new process for another reason.
 
-Every worker is forked from one fork server per test session that imported torch, ``torch._dynamo``
+Every worker is forked from one fork server per pytest process that imported torch, ``torch._dynamo``
 and Lightning (``_context``): those come imported, as the server found them. A test of their own
 import-time behaviour runs an interpreter of its own (``subprocess``).
 
