@@ -1,7 +1,7 @@
 """FLOPs of a training step, counted by ``torch.utils.flop_counter.FlopCounterMode`` and split by phase.
 
 Conventions (``FlopCounterMode``'s, which this module keeps): 2 FLOPs per multiply-add; only matmuls,
-convolutions and attention are counted (elementwise ops, norms and the optimizer are not); a backward
+convolutions and attention are counted (elementwise ops, norms and the optimizer's step are not); a backward
 counts what autograd runs, about twice the forward (a gradient for the input and one for the weight;
 none for an input that needs no gradient, so a first layer's backward is about its forward).
 Attention (``scaled_dot_product_attention``): the full ``L × S`` score matrix, causal or not, as the
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from lightning_ext._checks import check_int, check_number
@@ -76,7 +77,9 @@ class FlopCounter:
 
     ``FlopCounterMode`` counts every op; each count is filed by when it runs: outside a backward pass
     (forward), inside one with gradients disabled (backward), inside one with gradients enabled (a
-    forward that ``torch.utils.checkpoint`` recomputes, reentrant or not, runs so). A backward with
+    forward that ``torch.utils.checkpoint`` recomputes, reentrant or not, runs so); inside a
+    ``torch.optim.Optimizer``'s ``step`` (an optimizer with matmuls, such as Muon's Newton-Schulz
+    iterations) nothing is counted: model FLOPs are the forward's and the backward's. A backward with
     ``create_graph=True`` (a gradient penalty) counts as recomputed: its split is wrong, its total is
     right. Wrap a real step once (the count depends on shapes, not values): the counting itself costs
     a Python call per op. Conventions: the module docstring.
@@ -92,6 +95,7 @@ class FlopCounter:
 
     def __init__(self) -> None:
         self._flops = {"forward": 0, "backward": 0, "recomputed": 0, "convolution": 0}
+        self._stepping = 0  # optimizer steps running (their ops are not counted)
         self._mode = FlopCounterMode(display=False, custom_mapping=_MISSING_FORMULAS)
         # Each formula of this counter's own table also files its count by phase (no global changed).
         registry = self._mode.flop_registry
@@ -100,6 +104,8 @@ class FlopCounter:
     def _filed(self, formula: Callable[..., int], convolution: bool) -> Callable[..., int]:
         def counted(*args: Any, **kwargs: Any) -> int:
             flops = formula(*args, **kwargs)
+            if self._stepping:  # an optimizer's step: not the model's
+                return flops
             phase = (
                 "forward" if not in_backward() else "recomputed" if torch.is_grad_enabled() else "backward"
             )
@@ -111,11 +117,20 @@ class FlopCounter:
         return counted
 
     def __enter__(self) -> FlopCounter:
-        self._flops = dict.fromkeys(self._flops, 0)
+        self._flops, self._stepping = dict.fromkeys(self._flops, 0), 0
+        self._hooks = (
+            register_optimizer_step_pre_hook(lambda *_: self._step(1)),
+            register_optimizer_step_post_hook(lambda *_: self._step(-1)),
+        )
         self._mode.__enter__()
         return self
 
+    def _step(self, change: int) -> None:
+        self._stepping += change
+
     def __exit__(self, *exc_info: Any) -> None:
+        for hook in self._hooks:
+            hook.remove()
         self._mode.__exit__(*exc_info)
 
     @property

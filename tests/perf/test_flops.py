@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.optim.optimizer import _global_optimizer_pre_hooks
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -37,6 +38,37 @@ def test_phases_add_up_to_flop_counter_modes_count():
     assert count.model == count.hardware == forward + backward > 0
     # Conv2d: 2 * N * C_out * H * W * C_in * 3 * 3; Linear: 2 * N * 280 * 10.
     assert forward == 2 * 4 * 8 * 7 * 5 * 3 * 9 + 2 * 4 * 280 * 10
+
+
+class _Orthogonalizing(torch.optim.SGD):
+    """SGD whose step first runs a matmul per parameter (as Muon's Newton-Schulz iterations do)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = p.grad.reshape(p.grad.shape[0], -1)
+                p.grad.copy_((g @ g.T @ g).reshape(p.grad.shape))
+        return super().step(closure)
+
+
+def test_an_optimizers_step_is_not_counted():
+    # Its FLOPs are not the model's: counted, they were filed as forward and scaled with the samples
+    # (72x the model's FLOPs for an MLP under Muon).
+    net, x, y = _net(), torch.randn(4, 3, 7, 5), torch.tensor([1, 2, 3, 4])
+    optimizer = _Orthogonalizing(net.parameters(), lr=0.1)
+    F.cross_entropy(net(x), y).backward()
+    assert _flop_counter_mode(optimizer.step) > 0  # it does run matmuls
+    with FlopCounter() as counter:
+        F.cross_entropy(net(x), y).backward()
+        optimizer.step()
+        F.cross_entropy(net(x), y).backward()  # counted again after the step
+    with FlopCounter() as model_only:
+        F.cross_entropy(net(x), y).backward()
+    assert counter.count.model == 2 * model_only.count.model > 0
+    with FlopCounter() as after:  # the hooks went with the block
+        optimizer.step()
+    assert after.count.model == 0 and not _global_optimizer_pre_hooks
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
