@@ -40,6 +40,15 @@ def _cudnn_uses_tf32() -> bool:
         return torch.backends.cudnn.conv.fp32_precision == "tf32"
 
 
+def _conv_peak(name: str) -> float:
+    """The peak of float32 convolutions on the CUDA device ``name`` (in the table): as cuDNN's TF32
+    setting says, float32 on a device without a TF32 unit (an MI250X, where ROCm's setting is the same)."""
+    try:
+        return peak_flops("tf32" if _cudnn_uses_tf32() else "fp32", name)
+    except ValueError:  # no TF32 column (its float32 peak was found: the device is in the table)
+        return peak_flops("fp32", name)
+
+
 def _compute_dtype(precision: str, plugin: Any) -> torch.dtype | str:
     """The dtype of most matmuls under a Lightning ``precision`` (``"bf16-mixed"``, ``"16-true"``, ...)
     and its precision plugin: one that says ``"32-true"`` but computes in a ``dtype`` of its own
@@ -270,7 +279,7 @@ class Throughput(HookBase):
                 name = torch.cuda.get_device_name(device)
                 peak = peak_flops(dtype, name)
                 if dtype == torch.float32:  # (cuDNN's setting for the convolutions, not the matmuls')
-                    conv_peak = peak_flops("tf32" if _cudnn_uses_tf32() else "fp32", name)
+                    conv_peak = _conv_peak(name)
                     self._conv_peak = conv_peak if conv_peak != peak else None
                     self._warn_mixed_peaks()
                 return peak

@@ -807,6 +807,19 @@ def _counted_step(throughput: Throughput, module: pl.LightningModule, x: torch.T
     throughput.on_train_batch_end(throughput.trainer, module, {"loss": 0.0}, x, 0)
 
 
+def test_float32_on_a_device_without_tf32_gets_its_float32_peak(monkeypatch) -> None:
+    # cuDNN's TF32 setting is on by default, also on ROCm: the convolutions' TF32 peak was looked up on
+    # a device without a TF32 unit, which raised, and the matmuls' float32 peak was lost with it (no MFU).
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    module = _ConvNet()
+    throughput, _trainer = _on_cuda(module, monkeypatch)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "AMD Instinct MI250X/MI250")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert throughput._find_peak() == peaks.peak_flops(torch.float32, "AMD Instinct MI250X/MI250") > 0
+    assert throughput._conv_peak is None  # the convolutions at the same float32 peak
+
+
 @pytest.mark.parametrize("conv_tf32", [True, False])
 def test_an_fp32_convolution_net_on_cuda_gets_the_peak_of_its_counted_convolutions_and_matmuls(
     monkeypatch, conv_tf32: bool
