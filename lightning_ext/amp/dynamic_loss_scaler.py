@@ -67,7 +67,8 @@ _RULES: dict[str, tuple[Callable[..., None], dict[str, Any]]] = {
     "scale": (check_number, {"ge": 0.0}),  # a state's scale: 0 once a diverged run underflowed
     "growth_factor": (check_number, {"gt": 1.0}),
     "backoff_factor": (check_number, {"gt": 0.0, "lt": 1.0}),
-    **dict.fromkeys(("growth_interval", "hysteresis"), (check_int, {"ge": 1})),
+    "growth_interval": (check_int, {"ge": 1}),
+    "hysteresis": (check_int, {"ge": 1, "le": 2**31 - 1}),  # (its tracker is an int32 device tensor)
     **dict.fromkeys(("_growth_tracker", *_COUNTERS), (check_int, {"ge": 0})),
     "schedule": (check_choice, {"choices": _SCHEDULES}),
     "on_min_scale": (check_choice, {"choices": _POLICIES}),
@@ -222,8 +223,9 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
             ``per_optimizer``) not a bool, ``schedule`` or ``on_min_scale`` not a str, or
             ``process_group`` not a process group.
         ValueError: ``growth_factor <= 1``, ``backoff_factor`` outside ``(0, 1)``, an interval or
-            ``hysteresis < 1``, non-positive increments or bounds, ``init_scale`` outside the bounds,
-            an unknown ``schedule`` / ``on_min_scale``, or a ``device`` that is not a device type.
+            ``hysteresis < 1`` (or ``hysteresis >= 2**31``), non-positive increments or bounds,
+            ``init_scale`` outside the bounds, an unknown ``schedule`` / ``on_min_scale``, or a
+            ``device`` that is not a device type.
 
     Tiny scales and scale 0: without ``min_scale`` a run whose gradients stay non-finite backs the
     float32 scale off until it underflows to 0 (from ``2**16`` in 166 steps, as GradScaler's does).
@@ -632,7 +634,9 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
         if pending:
             return sum((f.to(pending[0].device) for f in pending[1:]), pending[0]) > 0
         state = self._device_state
-        return state["found_inf"] > 0 if state is not None else torch.zeros((), dtype=torch.bool)
+        if state is None:  # before the first use: the loaded (or unpickled) state's, else False
+            return torch.tensor(self._start.get("found_inf", 0.0) > 0)
+        return state["found_inf"] > 0
 
     @property
     def scale_tensor(self) -> Tensor | None:

@@ -127,8 +127,8 @@ class LossScalingPrecision(Precision):
     Raises:
         ValueError: unknown ``precision``, or a scaler whose enabled state does not fit it.
         TypeError: ``precision`` not a str, ``skip_nonfinite``, ``grad_norm`` or ``update_ratio`` not
-            a bool, ``scaler`` not a ``DynamicLossScaler``, or ``optimizer_names`` not a sequence of
-            distinct non-empty strings.
+            a bool, ``scaler`` not a ``DynamicLossScaler``, ``device`` not a str or None, or
+            ``optimizer_names`` not a sequence of distinct non-empty strings.
 
     Example::
 
@@ -148,6 +148,11 @@ class LossScalingPrecision(Precision):
         update_ratio: bool = False,
     ) -> None:
         check_choice(type(self).__name__, "precision", precision, _PRECISIONS)
+        if device is not None and not (isinstance(device, str) and device):
+            raise TypeError(
+                f"{type(self).__name__}: `device` must be a device type str ('cuda', 'cpu': torch.autocast's "
+                f"device_type) or None (the model's), got {type(device).__name__} {device!r}"
+            )
         for name, value in (("skip_nonfinite", skip_nonfinite), ("grad_norm", grad_norm),
                             ("update_ratio", update_ratio)):  # fmt: skip
             check_bool(type(self).__name__, name, value)

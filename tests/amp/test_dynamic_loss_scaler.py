@@ -661,8 +661,9 @@ def test_skip_only_protocol_misuse_raises_grad_scalers_errors():
         (dict(log2_increment=0.0), ValueError, r"`log2_increment` must be a finite number > 0\.0, got 0\.0"),
         (dict(log2_decrement=-1.0), ValueError, r"`log2_decrement` must be a finite number > 0\.0, got -1\."),
         (dict(log2_decrement="1"), TypeError, r"`log2_decrement` must be a finite number > 0\.0, got '1'"),
-        (dict(hysteresis=0), ValueError, r"`hysteresis` must be an int >= 1, got 0"),
-        (dict(hysteresis=True), TypeError, r"`hysteresis` must be an int >= 1, got True \(bool\)"),
+        (dict(hysteresis=0), ValueError, r"`hysteresis` must be an int in \[1, 2147483647\], got 0"),
+        (dict(hysteresis=True), TypeError, r"`hysteresis` must be an int in \[1, 2147483647\], got True \("),
+        (dict(hysteresis=2**31), ValueError, r"`hysteresis` must be an int in \[1, 2147483647\], got 21474"),
         (dict(min_scale="1"), TypeError, r"`min_scale` must be a finite number > 0\.0 or None, got '1'"),
         (dict(min_scale=0.0), ValueError, r"`min_scale` must be a finite number > 0\.0 or None, got 0\.0"),
         (dict(max_scale=-1.0), ValueError, r"`max_scale` must be a finite number > 0\.0 or None, got -1\.0"),
@@ -727,6 +728,19 @@ def test_state_dict_round_trip_continues_identically():
     _, _, s1 = _train(first, _sgd, poison_steps={0, 3}, steps=6)
     _, _, s2 = _train(second, _sgd, poison_steps={0, 3}, steps=6)
     assert s1 == s2 and first.state_dict() == second.state_dict()
+
+
+@pytest.mark.parametrize("last_skipped", [True, False])
+def test_last_step_skipped_survives_a_load_a_pickle_and_a_copy_before_the_next_step(last_skipped):
+    # Before its first step a loaded scaler said False whatever the state said (its counters were right).
+    scaler = DynamicLossScaler("cpu", telemetry=False)
+    _train(scaler, _sgd, poison_steps={2} if last_skipped else {1}, steps=3)
+    assert scaler.last_step_skipped is last_skipped
+    loaded = DynamicLossScaler("cpu", telemetry=False)
+    loaded.load_state_dict(scaler.state_dict())
+    for other in (loaded, pickle.loads(pickle.dumps(scaler)), copy.deepcopy(scaler)):
+        assert other.last_step_skipped is last_skipped
+        assert bool(other.last_step_skipped_tensor) is last_skipped
 
 
 def test_log2_state_dict_round_trip():
@@ -910,7 +924,7 @@ _BAD_ENTRIES = {  # entry -> (error, message after the owner); each comes with s
     "backoff_factor": (NAN, TypeError, "`backoff_factor` must be a finite number in (0.0, 1.0), got nan"),
     "growth_interval": (0, ValueError, "`growth_interval` must be an int >= 1, got 0"),
     "schedule": ("bogus", ValueError, "`schedule` must be one of ('exponential', 'log2'), got 'bogus'"),
-    "hysteresis": (-1, ValueError, "`hysteresis` must be an int >= 1, got -1"),
+    "hysteresis": (-1, ValueError, "`hysteresis` must be an int in [1, 2147483647], got -1"),
     "log2_increment": (INF, TypeError, "`log2_increment` must be a finite number > 0.0, got inf (float)"),
     "consecutive_hysteresis": (1, TypeError, "`consecutive_hysteresis` must be a bool, got 1 (int)"),
     "min_scale": (2048.0, ValueError, "need min_scale <= scale <= max_scale, got min_scale=2048.0, "),

@@ -552,6 +552,9 @@ def test_bad_arguments_raise():
     ):
         LossScalingPrecision("16-mixed", scaler=torch.amp.GradScaler("cpu"))
     assert LossScalingPrecision("32-true", skip_nonfinite=False).scaler is None
+    for device in (0, torch.device("cpu"), ""):  # 0 was taken as no device: CPU autocast on a GPU model
+        with pytest.raises(TypeError, match=r"`device` must be a device type str \('cuda', 'cpu': torch"):
+            LossScalingPrecision("16-mixed", device=device)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU defaults")
