@@ -202,7 +202,7 @@ class Throughput(HookBase):
         self._peak: float | None = None  # this device's peak FLOP/s in use
         self._conv_peak: float | None = None  # its convolutions' own, where it differs
         self._flops_per_sample: tuple[float, ...] | None = None  # (model, hardware, forward), counted
-        self._counter: tuple[FlopCounter, Any] | None = None  # open over the counted micro-batch
+        self._counter: FlopCounter | None = None  # open over the counted micro-batch
         self._flushes = 0
         self._fitting = True  # the stage set up is a fit (a checkpoint loaded resumes the job)
         self._unbooked()
@@ -317,38 +317,38 @@ class Throughput(HookBase):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._switch("step")
-        samples = self._batch_samples = (self.samples_fn or extract_batch_size)(batch)
-        self._samples = self._samples + samples
-        if self.tokens_fn is not None:
-            self._tokens = self._tokens + self.tokens_fn(batch)
-        if callable(self.flops_fn):
-            self._flops = self._flops + self.flops_fn(batch)
-        elif self.flops_fn == "count" and self._flops_per_sample is None and self._counter is None:
-            self._counter = (FlopCounter().__enter__(), samples)
+        if self.flops_fn == "count" and self._flops_per_sample is None and self._counter is None:
+            self._counter = FlopCounter().__enter__()
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        count, samples = self._close_counter()
+        # Counted at the end: the module's on_train_batch_start, after this callback's, may cancel a batch
+        samples = (self.samples_fn or extract_batch_size)(batch)
+        self._samples = self._samples + samples
+        if self.tokens_fn is not None:
+            self._tokens = self._tokens + self.tokens_fn(batch)
+        if callable(self.flops_fn):
+            self._flops = self._flops + self.flops_fn(batch)
+        count = self._close_counter()
         skipped = not outputs and pl_module.automatic_optimization  # no loss, no backward: count the next
-        if samples and not skipped:  # (a host read of a tensor, once)
+        if count is not None and samples and not skipped:  # (a host read of a tensor, once)
             per_sample = (count.model, count.hardware, count.forward)
             self._flops_per_sample = tuple(flops / float(samples) for flops in per_sample)
             self._peak = self._mixed_peak(count)
         if skipped:  # its samples count their forward's FLOPs only
-            self._forward_only = self._forward_only + self._batch_samples
+            self._forward_only = self._forward_only + samples
         self._switch("data")
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
-    def _close_counter(self) -> tuple[Any, Any]:
-        """The FLOPs counted and the samples they are of, ``(None, 0)`` without an open count."""
-        if self._counter is None:
-            return None, 0
-        (counter, samples), self._counter = self._counter, None
-        counter.__exit__(None, None, None)
-        return counter.count, samples
+    def _close_counter(self) -> Any:
+        """The FLOPs counted, ``None`` without an open count."""
+        counter, self._counter = self._counter, None
+        if counter is not None:
+            counter.__exit__(None, None, None)
+        return counter.count if counter is not None else None
 
     @override
     def after_step(self) -> None:
@@ -366,6 +366,7 @@ class Throughput(HookBase):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close_counter()  # a batch the module cancelled (which ends the epoch) counts nothing
         self._switch("other")
 
     def _since_the_batch(self, state: str) -> str:

@@ -119,7 +119,7 @@ class FlopCounter:
     def __enter__(self) -> FlopCounter:
         self._flops, self._stepping = dict.fromkeys(self._flops, 0), 0
         self._hooks = (
-            register_optimizer_step_pre_hook(lambda *_: self._step(1)),
+            register_optimizer_step_pre_hook(self._step_begins),
             register_optimizer_step_post_hook(lambda *_: self._step(-1)),
         )
         self._mode.__enter__()
@@ -127,6 +127,25 @@ class FlopCounter:
 
     def _step(self, change: int) -> None:
         self._stepping += change
+
+    def _step_begins(self, optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Stop counting for the optimizer's step, but not for its ``closure`` (Lightning runs the
+        forward and the backward in one): the closure is wrapped to count."""
+        self._step(1)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # (args[0]: the optimizer)
+        if not callable(closure):
+            return None
+
+        def counted(*a: Any, **k: Any) -> Any:
+            self._step(-1)
+            try:
+                return closure(*a, **k)
+            finally:
+                self._step(1)
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": counted}
+        return (args[0], counted, *args[2:]), kwargs
 
     def __exit__(self, *exc_info: Any) -> None:
         for hook in self._hooks:

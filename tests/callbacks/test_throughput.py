@@ -718,6 +718,65 @@ def test_opening_the_validation_loader_and_gathering_a_checkpoint_are_not_traini
     assert summary["data_wait"] < SLEEP  # (they were: at least (1 + saves) SLEEP)
 
 
+class _CutAt3(_Model):
+    """Ends each epoch at its batch 3 (Lightning's ``on_train_batch_start`` returning -1)."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if batch_idx == 3 else None
+
+
+def test_a_batch_that_the_module_cancels_is_not_counted(tmp_path: Path) -> None:
+    # Lightning calls the callbacks' on_train_batch_start before the module's, which may cancel the
+    # batch: its samples, tokens and FLOPs were counted (16 samples an epoch where 12 trained).
+    throughput = Throughput(tokens_fn=_tokens, peak_flops_per_sec=PEAK)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=2, limit_val_batches=0, logger=_Metrics(str(tmp_path / "m.pt")),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[throughput, TrainingStats(every_n_train_steps=100)],
+    )  # fmt: skip
+    module = _CutAt3(fixed=True)
+    trainer.fit(module)
+    written = [row for _, row in torch.load(tmp_path / "m.pt") if "Throughput/samples" in row]
+    batches = [_batch(4, i) for i in range(3)]  # each epoch's three trained batches
+    assert trainer.global_step == 6 and [row["Throughput/samples"] for row in written] == [12.0, 12.0]
+    assert [row["Throughput/tokens"] for row in written] == [float(sum(_tokens(b) for b in batches))] * 2
+    flops = _flops_per_sample() * 12
+    assert [row["Throughput/flops"] for row in written] == [pytest.approx(flops, rel=1e-12)] * 2
+
+
+class _MatmulsInItsStep(torch.optim.SGD):
+    """SGD whose step runs Lightning's closure, then a matmul per weight (as Muon's Newton-Schulz)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
+        for p in (p for group in self.param_groups for p in group["params"] if p.grad is not None):
+            if p.grad.dim() == 2:
+                p.grad.copy_(p.grad @ p.grad.T @ p.grad)
+        super().step()
+        return loss
+
+
+class _Orthogonalized(_Model):
+    def configure_optimizers(self):
+        return _MatmulsInItsStep(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_an_optimizer_with_matmuls_in_its_step_adds_no_model_flops(accumulate: int) -> None:
+    # The counted micro-batch steps without accumulation: the step's matmuls were counted as forward
+    # FLOPs (72x the model's for an MLP under Muon), not with accumulation.
+    throughput = Throughput(peak_flops_per_sec=PEAK)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, accumulate_grad_batches=accumulate, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[throughput, TrainingStats(every_n_train_steps=2)],
+    )  # fmt: skip
+    trainer.fit(_Orthogonalized(fixed=True))
+    assert throughput._flops_per_sample[0] == pytest.approx(_flops_per_sample(), rel=1e-12)
+
+
 class _SlowLogger(_Metrics):
     """Writes as :class:`_Metrics` does, after sleeping ``SLEEP``: a logger slow to write a flush."""
 
