@@ -429,13 +429,16 @@ class Throughput(HookBase):
 
     # ------------------------------------------------------------------ TrainingStats' flush
 
-    def before_stats_flush(self) -> None:
+    def before_stats_flush(self, late: bool = False) -> None:
         """``report()`` this rank's values of the interval since the last flush (see the class
         docstring); :class:`~lightning_ext.callbacks.TrainingStats` calls it on every rank right
-        before its collector's update."""
-        if self.pl_module.device.type == "cuda":
+        before its collector's update. With ``late`` (the publication of values reported after an
+        epoch-end flush), only enter the flush's part of the time."""
+        if self.pl_module.device.type == "cuda" and not late:
             torch.cuda.synchronize(self.pl_module.device)  # (the flush's read would wait for it)
         self._resume = self._switch("flush")
+        if late:
+            return
         self._book()
         self._flushes += 1
         if self._iterations:

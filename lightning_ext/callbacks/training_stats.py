@@ -153,7 +153,9 @@ class TrainingStats(Callback):
     called right before the collector's update (it ``report()``-s its values of the interval since that
     callback's previous flush), the second after it, and returns keys derived from the reduced values
     (identical on every rank), written with the others (behind ``prefix``); the third when the flush
-    ends, its writes to the loggers done (also when it raised). Several ``TrainingStats``
+    ends, its writes to the loggers done (also when it raised). A publication of what was reported
+    after an epoch-end flush (below) calls the first with ``late=True`` (it reports nothing then) and
+    the third. Several ``TrainingStats``
     collecting its names raise at ``setup`` (the flushes of each would cut the others' intervals). The
     contributors' ``repr`` is among the arguments the ranks must agree on at ``setup``.
 
@@ -405,7 +407,14 @@ class TrainingStats(Callback):
         the loop; nothing to do, nothing done. The same on every rank (a collective when late)."""
         if self._late is not None:
             (stage, step), self._late = self._late, None
-            self._publish(trainer, stage, step)
+            contributors = _contributors(trainer, self.regex)  # (their time: the flush's, no values)
+            for contributor in contributors:
+                contributor.before_stats_flush(late=True)
+            try:
+                self._publish(trainer, stage, step)
+            finally:
+                for contributor in contributors:
+                    contributor.after_stats_flush()
         if self._inside is not None:
             current = set_stage(self._outer_stage)
             if current != self._inside:  # another TrainingStats left it first: what it restored stays

@@ -31,6 +31,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_ext._compat import at_least
 from lightning_ext.callbacks import IterationTimer, Throughput, TrainingStats
 from lightning_ext.perf import LOST_TIME_CAUSES, count_flops, peaks
+from lightning_ext.stats import report
 from tests.helpers.distributed import run_distributed
 from tests.helpers.lightning_ddp import ddp_trainer, rank_zero_output
 
@@ -785,19 +786,28 @@ class _SlowLogger(_Metrics):
         super().log_metrics(metrics, step)
 
 
+class _ReportsAtEpochEnd(_Model):
+    """Reports in its ``on_train_epoch_end``, which Lightning runs after the callbacks' (a late value)."""
+
+    def on_train_epoch_end(self):
+        report("Epoch/score", float(self.current_epoch))
+
+
 def test_the_flushes_writes_to_the_loggers_are_not_training(tmp_path: Path) -> None:
-    # They come after the flush's derived keys: they were booked as the wait for the next batch
-    # (training time, and goodput's data_wait), so a slow logger lowered samples/s and MFU.
+    # They come after the flush's derived keys, and those of a late value at the next epoch's start:
+    # they were booked as the wait for the next batch (training time, and goodput's data_wait), so a
+    # slow logger lowered samples/s and MFU.
     throughput, stats = Throughput(flops_fn=None), TrainingStats(every_n_train_steps=2)
     trainer = pl.Trainer(
-        accelerator="cpu", max_steps=8, limit_val_batches=0, logger=_SlowLogger(str(tmp_path / "m.pt")),
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[throughput, stats],
+        accelerator="cpu", max_epochs=2, limit_train_batches=4, limit_val_batches=0,
+        logger=_SlowLogger(str(tmp_path / "m.pt")), enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[throughput, stats],
     )  # fmt: skip
-    trainer.fit(_Model(fixed=True))
-    written = [row for _, row in torch.load(tmp_path / "m.pt") if "Throughput/train_sec" in row]
-    assert len(written) == 4
-    # 2 iterations of a small MLP an interval, against a write of SLEEP after each of the 3 earlier flushes
+    trainer.fit(_ReportsAtEpochEnd(fixed=True))
+    rows = [row for _, row in torch.load(tmp_path / "m.pt")]
+    written = [row for row in rows if "Throughput/train_sec" in row]
+    assert len(written) == 4 and sum("Epoch/score" in row for row in rows) == 2  # (the late ones written)
+    # 2 iterations of a small MLP an interval, against a write of SLEEP after each earlier flush
     assert all(row["Throughput/train_sec"] < SLEEP for row in written), written
     assert throughput.ledger.summary()["data_wait"] < SLEEP  # (it was: at least 3 SLEEP)
 
