@@ -559,7 +559,7 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
         if self.schedule == "log2":
             back_off = schedules._log2_(
                 scale, s["log2_scale"], tracker, s["hysteresis_tracker"], found_inf,
-                self.log2_increment, self.log2_decrement, self.hysteresis,
+                self.log2_increment, self.log2_decrement, self.hysteresis, self._growth_interval,
             )  # fmt: skip
         else:
             back_off = schedules._exponential_(

@@ -72,7 +72,8 @@ def _exponential_(scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Ten
 
 
 def _log2_(scale: Tensor, log2_scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tensor,
-          found_inf: Tensor, increment: float, decrement: float, hysteresis: int) -> Tensor:  # fmt: skip
+          found_inf: Tensor, increment: float, decrement: float, hysteresis: int,
+          growth_interval: int) -> Tensor:  # fmt: skip
     """StyleGAN2-ADA's schedule with hysteresis, one optimizer step.
 
     Args:
@@ -80,11 +81,14 @@ def _log2_(scale: Tensor, log2_scale: Tensor, growth_tracker: Tensor, hysteresis
             float32 underflows).
         log2_scale: float64 0-dim, the authoritative value; in place; growth stops at
             ``log2(float32 max)`` (a scale above it would be inf).
-        growth_tracker: int32 0-dim, clean steps in a row; in place.
+        growth_tracker: int32 0-dim, clean steps in a row modulo ``growth_interval`` (GradScaler's range:
+            the state loads into GradScaler or the exponential schedule, which grow when it reaches
+            ``growth_interval - 1``); in place.
         hysteresis_tracker: int32 0-dim, overflows still tolerated; refilled on every clean step.
         found_inf: float32 0-dim, nonzero iff the step's gradients had an inf/NaN.
         increment, decrement: ``log2(scale)`` change per clean step / per back-off.
         hysteresis: the tracker's value after a clean step, ``>= 1``.
+        growth_interval: the modulus of ``growth_tracker``, ``>= 1``.
 
     Returns:
         bool 0-dim ``back_off`` on the scale's device.
@@ -95,7 +99,7 @@ def _log2_(scale: Tensor, log2_scale: Tensor, growth_tracker: Tensor, hysteresis
     step.masked_fill_(back_off, -decrement)
     grown = log2_scale + step  # growth beyond float32's largest scale is refused, as GradScaler does
     log2_scale.copy_(torch.where(step > 0, grown.clamp(max=_LOG2_FLOAT32_MAX), grown))
-    growth_tracker.copy_(torch.where(overflow, 0, growth_tracker + 1))
+    growth_tracker.copy_(torch.where(overflow, 0, (growth_tracker + 1) % growth_interval))
     hysteresis_tracker.copy_(torch.where(overflow, after, hysteresis))
     scale.copy_(torch.exp2(log2_scale))
     return back_off

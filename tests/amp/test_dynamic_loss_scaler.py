@@ -97,7 +97,8 @@ def _run_schedule(found_infs, init, schedule="exponential", min_scale=None, max_
         found_inf = torch.tensor(float(f))
         if schedule == "log2":
             back_off = schedules._log2_(scale, log2_scale, growth_tracker, hysteresis_tracker, found_inf,
-                                       kw["increment"], kw["decrement"], hysteresis)  # fmt: skip
+                                       kw["increment"], kw["decrement"], hysteresis,
+                                       kw["growth_interval"])  # fmt: skip
         else:
             back_off = schedules._exponential_(
                 scale, growth_tracker, hysteresis_tracker, found_inf,
@@ -784,6 +785,22 @@ def test_grad_scaler_state_dicts_load_both_ways():
     assert back.state_dict() == ref.state_dict()
     with pytest.raises(RuntimeError, match="The source state dict is empty"):
         ours.load_state_dict({})
+
+
+def test_a_log2_state_loads_into_grad_scaler_which_goes_on_growing():
+    # The log2 schedule's tracker counted clean steps without bound: GradScaler, which grows when its
+    # tracker reaches growth_interval - 1, never grew again after loading one past it.
+    ours = DynamicLossScaler("cpu", schedule="log2", growth_interval=10, telemetry=False)
+    _train(ours, _sgd, poison_steps=set(), steps=25)
+    state = ours.state_dict()
+    assert state["_growth_tracker"] == 25 % 10
+    ref = torch.amp.GradScaler("cpu")
+    ref.load_state_dict(state)
+    _, _, scales = _train(ref, _sgd, poison_steps=set(), steps=15)
+    assert scales[-1] == 4 * state["scale"]  # grown after 5 and after 15 more clean steps
+    copied = DynamicLossScaler("cpu", telemetry=False)
+    copied.load_state_dict(state)  # our own round trip stays lossless
+    assert copied.state_dict() == state
 
 
 # Every state the scaler can reach, as (config, history): each history row is one iteration, a value
