@@ -434,7 +434,7 @@ class Throughput(HookBase):
         docstring); :class:`~lightning_ext.callbacks.TrainingStats` calls it on every rank right
         before its collector's update. With ``late`` (the publication of values reported after an
         epoch-end flush), only enter the flush's part of the time."""
-        if self.pl_module.device.type == "cuda" and not late:
+        if not late and self.pl_module.device.type == "cuda":
             torch.cuda.synchronize(self.pl_module.device)  # (the flush's read would wait for it)
         self._resume = self._switch("flush")
         if late:

@@ -155,9 +155,9 @@ class TrainingStats(Callback):
     (identical on every rank), written with the others (behind ``prefix``); the third when the flush
     ends, its writes to the loggers done (also when it raised). A publication of what was reported
     after an epoch-end flush (below) calls the first with ``late=True`` (it reports nothing then) and
-    the third. Several ``TrainingStats``
-    collecting its names raise at ``setup`` (the flushes of each would cut the others' intervals). The
-    contributors' ``repr`` is among the arguments the ranks must agree on at ``setup``.
+    the third. Several ``TrainingStats`` collecting its names raise at ``setup`` (the flushes of each
+    would cut the others' intervals). The contributors' ``repr`` is among the arguments the ranks must
+    agree on at ``setup``.
 
     Warnings, once, on rank zero: straggler names of ``IterationTimer`` asked for on several
     processes without it in the callbacks (at the start of training), and a pattern (``regex``,
