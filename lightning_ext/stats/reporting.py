@@ -255,17 +255,16 @@ def _route(name: Any) -> _Route:
 def report(name: str, value: T) -> T:
     """Accumulate ``value`` under ``name`` for every collector whose regex matches; return ``value``.
 
-    Callable anywhere (under autocast, ``torch.no_grad`` or inference mode) on any subset of ranks, in
-    any order; not thread-safe. A name nobody collects costs a dict lookup and a type check; else the
-    value is accumulated where it lives (numbers and NumPy data on the CPU) by the kernel backend's
-    ``accumulate_moments_`` (resolved once per collector and device), once per collector that takes
-    it: float64 count and sums of the finite elements shifted by the first value (16/32-bit elements
-    may be squared in float32 first), min, max, and the count of NaN and ``±inf`` elements. A name's
-    first report in a stage checks it; an empty value registers it (NaN until it has values). No
-    host-device sync, no collective. Under ``torch.compile`` (``fullgraph=True`` included) a tensor or
-    number is one opaque graph node, the custom op ``lightning_ext::report_``, running this eager
-    path: a flush does not retrace the model (lists and NumPy arrays break the graph; a Python number is
-    a constant of the graph: one that changes between calls recompiles, and with ``fullgraph=True``
+    Callable anywhere (under autocast, ``torch.no_grad`` or inference mode) on any subset of ranks, in any
+    order; not thread-safe. A name nobody collects costs a dict lookup and a type check; else the value is
+    accumulated where it lives (numbers and NumPy data on the CPU) by the kernel backend's
+    ``accumulate_moments_``, once per collector that takes it: float64 count and sums of the finite elements
+    shifted by the first value (16/32-bit elements may be squared in float32 first), min, max, and the count
+    of NaN and ``±inf`` elements. A name's first report in a stage checks it; an empty value registers it (NaN
+    until it has values). No host-device sync, no collective. Under ``torch.compile`` (``fullgraph=True``
+    included) a tensor or number is one opaque graph node, the custom op ``lightning_ext::report_``, running
+    this eager path: a flush does not retrace the model (lists and NumPy arrays break the graph; a Python
+    number is a constant of the graph: one that changes between calls recompiles, and with ``fullgraph=True``
     raises past dynamo's recompile limit, so report it outside).
 
     Args:
