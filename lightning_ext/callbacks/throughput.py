@@ -432,8 +432,9 @@ class Throughput(HookBase):
     def before_stats_flush(self, late: bool = False) -> None:
         """``report()`` this rank's values of the interval since the last flush (see the class
         docstring); :class:`~lightning_ext.callbacks.TrainingStats` calls it on every rank right
-        before its collector's update. With ``late`` (the publication of values reported after an
-        epoch-end flush), only enter the flush's part of the time."""
+        before its collector's update; on CUDA it synchronizes the device first. With ``late`` (the
+        publication of values reported after an epoch-end flush), only enter the flush's part of the
+        time (no sync)."""
         if not late and self.pl_module.device.type == "cuda":
             torch.cuda.synchronize(self.pl_module.device)  # (the flush's read would wait for it)
         self._resume = self._switch("flush")

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import re
 import socket
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -407,14 +408,8 @@ class TrainingStats(Callback):
         the loop; nothing to do, nothing done. The same on every rank (a collective when late)."""
         if self._late is not None:
             (stage, step), self._late = self._late, None
-            contributors = _contributors(trainer, self.regex)  # (their time: the flush's, no values)
-            for contributor in contributors:
-                contributor.before_stats_flush(late=True)
-            try:
+            with _flushing(_contributors(trainer, self.regex), late=True):  # (no values of theirs)
                 self._publish(trainer, stage, step)
-            finally:
-                for contributor in contributors:
-                    contributor.after_stats_flush()
         if self._inside is not None:
             current = set_stage(self._outer_stage)
             if current != self._inside:  # another TrainingStats left it first: what it restored stays
@@ -502,13 +497,8 @@ class TrainingStats(Callback):
             set_stage(outer)
         step = _iterations_done(trainer) if step is None else step
         contributors = _contributors(trainer, self.regex) if stage is None else None
-        for contributor in contributors or ():
-            contributor.before_stats_flush()
-        try:
+        with _flushing(contributors or []):  # (the writes to the loggers included)
             metrics = self._publish(trainer, stage, step, contributors)
-        finally:  # (the writes to the loggers included)
-            for contributor in contributors or ():
-                contributor.after_stats_flush()
         self._flush_sec = time.perf_counter() - start
         self._flushes += stage is None
         if self._flushes == _CHECK_AFTER:
@@ -681,6 +671,19 @@ class TrainingStats(Callback):
         for stage, state in state_dict.get("stages", {}).items():
             if stage in self.stage_collectors:
                 self.stage_collectors[stage].load_state_dict(state)
+
+
+@contextlib.contextmanager
+def _flushing(contributors: list[Any], late: bool = False) -> Iterator[None]:
+    """The contributors' part of a flush: ``before_stats_flush(late=late)`` (with ``late``, their time
+    only: no values of theirs), then the block, then ``after_stats_flush()``, also when it raised."""
+    for contributor in contributors:
+        contributor.before_stats_flush(late=late)
+    try:
+        yield
+    finally:
+        for contributor in contributors:
+            contributor.after_stats_flush()
 
 
 def _contributors(trainer: pl.Trainer, regex: str | None = None) -> list[Any]:

@@ -34,6 +34,7 @@ from lightning_ext.perf import LOST_TIME_CAUSES, count_flops, peaks
 from lightning_ext.stats import report
 from tests.helpers.distributed import run_distributed
 from tests.helpers.lightning_ddp import ddp_trainer, rank_zero_output
+from tests.perf.test_flops import _Orthogonalizing
 
 LENGTH, WIDTH = 6, 8  # tokens per sequence (padded), features per token
 EVERY, ACCUMULATE, STEPS = 3, 2, 12  # flush period (iterations), micro-batches per iteration: 4 flushes
@@ -745,23 +746,9 @@ def test_a_batch_that_the_module_cancels_is_not_counted(tmp_path: Path) -> None:
     assert [row["Throughput/flops"] for row in written] == [pytest.approx(flops, rel=1e-12)] * 2
 
 
-class _MatmulsInItsStep(torch.optim.SGD):
-    """SGD whose step runs Lightning's closure, then a matmul per weight (as Muon's Newton-Schulz)."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        with torch.enable_grad():
-            loss = closure() if closure is not None else None
-        for p in (p for group in self.param_groups for p in group["params"] if p.grad is not None):
-            if p.grad.dim() == 2:
-                p.grad.copy_(p.grad @ p.grad.T @ p.grad)
-        super().step()
-        return loss
-
-
 class _Orthogonalized(_Model):
     def configure_optimizers(self):
-        return _MatmulsInItsStep(self.parameters(), lr=0.01)
+        return _Orthogonalizing(self.parameters(), lr=0.01)  # (with Lightning's closure)
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])

@@ -41,18 +41,19 @@ def test_phases_add_up_to_flop_counter_modes_count():
 
 
 class _Orthogonalizing(torch.optim.SGD):
-    """SGD whose step first runs a matmul per parameter (as Muon's Newton-Schulz iterations do)."""
+    """SGD whose step runs its closure (Lightning passes one), then a matmul per parameter (as Muon's
+    Newton-Schulz iterations do)."""
 
     @torch.no_grad()
     def step(self, closure=None):
-        if closure is not None:
-            with torch.enable_grad():
-                closure()
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
         for group in self.param_groups:
             for p in group["params"]:
                 g = p.grad.reshape(p.grad.shape[0], -1)
                 p.grad.copy_((g @ g.T @ g).reshape(p.grad.shape))
-        return super().step()
+        super().step()
+        return loss
 
 
 def test_an_optimizers_step_is_not_counted():
