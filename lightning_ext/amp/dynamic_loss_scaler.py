@@ -681,16 +681,7 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
         if not _is_ours(state_dict):  # a GradScaler's: its scale, fresh counters
             self._start = {"hysteresis_tracker": self.hysteresis}
         else:
-            replaced = [f"{k}={state_dict[k]!r} (given {getattr(self, k)!r})" for k in _CONFIG
-                        if getattr(self, k) != state_dict[k]]  # fmt: skip
-            if replaced:  # (GradScaler's own settings are replaced silently, as GradScaler does)
-                warnings.warn(
-                    f"{type(self).__name__}.load_state_dict: the checkpoint's settings replace those "
-                    f"given to the constructor: {', '.join(replaced)}. HINT: to change them on a resume, "
-                    "set these attributes after loading.", stacklevel=2,
-                )  # fmt: skip
-            for key in _CONFIG:
-                setattr(self, key, state_dict[key])
+            self._adopt_settings(state_dict)
             self._start = {
                 "log2_scale": float(state_dict["log2_scale"]),
                 "hysteresis_tracker": state_dict["_hysteresis_tracker"],
@@ -699,6 +690,20 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
             }
         if self._device_state is not None:
             self._fill_device_state()
+
+    def _adopt_settings(self, state: Mapping[str, Any]) -> None:
+        """Take the settings of our ``state``, saying which it replaced (GradScaler's own settings are
+        replaced silently, as GradScaler does)."""
+        replaced = [f"{k}={state[k]!r} (given {getattr(self, k)!r})" for k in _CONFIG
+                    if getattr(self, k) != state[k]]  # fmt: skip
+        if replaced:
+            warnings.warn(
+                f"{type(self).__name__}.load_state_dict: the checkpoint's settings replace those given to "
+                f"the constructor: {', '.join(replaced)}. HINT: to change them on a resume, set these "
+                "attributes after loading.", stacklevel=3,
+            )  # fmt: skip
+        for key in _CONFIG:
+            setattr(self, key, state[key])
 
     def _check_state(self, state: Mapping[str, Any], owner: str) -> None:
         """Raise unless this scaler can load ``state`` whole (see :meth:`load_state_dict`)."""
@@ -790,6 +795,16 @@ class PerOptimizerLossScaler(DynamicLossScaler):
         self._children: dict[str, DynamicLossScaler] = {}  # name -> that optimizer's scaler
         self._names: dict[int, str] = {}  # id(optimizer) -> name
         self._pending: dict[str, dict[str, Any]] = {}  # loaded states of scalers not yet used
+        self._overrides: dict[str, Any] = {}  # the settings set here since the last load
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        """A setting (an attribute named as a keyword argument of :class:`DynamicLossScaler`) set here
+        holds for every optimizer's scale, those made or loaded later too."""
+        super().__setattr__(key, value)
+        if key in _OPTIONS and "_overrides" in self.__dict__:
+            self._overrides[key] = value
+            for child in self._children.values():
+                setattr(child, key, value)
 
     def register_optimizer(self, optimizer: Optimizer, name: str) -> None:
         """Name ``optimizer``'s scale: telemetry ``AMP/<name>/...`` and its state-dict key.
@@ -821,7 +836,7 @@ class PerOptimizerLossScaler(DynamicLossScaler):
             )  # fmt: skip
             child._name = name
             if name in self._pending:
-                child.load_state_dict(self._pending.pop(name))
+                self._load(child, self._pending.pop(name))
             elif self._pending:
                 warnings.warn(
                     f"PerOptimizerLossScaler: the loaded state holds no scale named {name!r} (it holds "
@@ -917,11 +932,23 @@ class PerOptimizerLossScaler(DynamicLossScaler):
             )
         for name, state in states.items():
             self._check_state(state, f"{type(self).__name__}.load_state_dict (the scale {name!r})")
+        ours = [s for s in states.values() if _is_ours(s)]
+        if ours and all(all(s[k] == ours[0][k] for k in _CONFIG) for s in ours):
+            self._adopt_settings(ours[0])  # (said here, once)
+        self._overrides = {}
         for name, state in states.items():
             if name in self._children:
-                self._children[name].load_state_dict(state)
+                self._load(self._children[name], state)
             else:
                 self._pending[name] = state
+
+    def _load(self, child: DynamicLossScaler, state: dict[str, Any]) -> None:
+        """Load ``state`` into an optimizer's scaler, then the settings set here since the last load."""
+        with warnings.catch_warnings():  # (load_state_dict said which settings the checkpoint replaced)
+            warnings.filterwarnings("ignore", "DynamicLossScaler.load_state_dict: the checkpoint's settings")
+            child.load_state_dict(state)
+        for key, value in self._overrides.items():
+            setattr(child, key, value)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_names": {}}  # object ids mean nothing in another process

@@ -1547,3 +1547,27 @@ def test_a_resume_says_which_settings_the_checkpoint_replaced_and_which_scales_i
     renamed.register_optimizer(optimizer, "G")
     with pytest.warns(UserWarning, match=r"holds no scale named 'G' \(it holds \['opt0'\]\)"):
         renamed.optimizer_scaler(optimizer)
+
+
+@pytest.mark.parametrize("used_before_load", [False, True])
+def test_per_optimizer_settings_set_after_a_resume_hold_for_every_optimizer(used_before_load):
+    # The settings set on the scaler after load_state_dict (as its warning's HINT says) were reverted by
+    # the checkpoint's when an optimizer's scale was first used (its state loaded then), and a setting
+    # set on the scaler reached no optimizer's scale already made; the warning came at that first use.
+    saved = _Loop(DynamicLossScaler("cpu", per_optimizer=True, telemetry=False), 2).run([(None, None)])
+    state = saved.scaler.state_dict()  # max_scale=None, hysteresis=1
+    resumed = _Loop(DynamicLossScaler("cpu", init_scale=4.0, max_scale=8.0, per_optimizer=True,
+                                      telemetry=False), 2)  # fmt: skip
+    if used_before_load:
+        resumed.run([(None, None)])
+    with pytest.warns(UserWarning, match=r"constructor: max_scale=None \(given 8\.0\)"):
+        resumed.scaler.load_state_dict(state)
+    assert resumed.scaler.max_scale is None  # the checkpoint's, as a shared scale's
+    resumed.scaler.max_scale, resumed.scaler.hysteresis = 2.0**15, 3  # below the loaded scale, 2**16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once, at the load
+        resumed.run([(None, None)] * 3)
+    for opt in resumed.opts:
+        child = resumed.scaler.optimizer_scaler(opt)
+        assert (child.max_scale, child.hysteresis, child.get_scale()) == (2.0**15, 3, 2.0**15)
+    assert resumed.scaler.state_dict()["per_optimizer"]["opt1"]["max_scale"] == 2.0**15
