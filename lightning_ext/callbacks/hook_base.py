@@ -120,6 +120,7 @@ class HookBase(Callback):
         self._running = False  # before_train ran and after_train has not yet
         self._in_step = False  # between before_step and after_step
         self._step_global_step = 0  # trainer.global_step when the current iteration began
+        self._step_batches = 0  # micro-batches of the current iteration that ended
         self._last_batch_end: float | None = None  # perf_counter at the end of the last micro-batch
         #: seconds the current iteration waited for data (see the class docstring).
         self.data_sec = 0.0
@@ -226,7 +227,7 @@ class HookBase(Callback):
             self.data_sec += wait
             return
         self.data_sec = wait
-        self._in_step, self._step_global_step = True, trainer.global_step
+        self._in_step, self._step_global_step, self._step_batches = True, trainer.global_step, 0
         self._call("before_step")
 
     @override
@@ -237,10 +238,16 @@ class HookBase(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._step_batches += 1
         if self._in_step and trainer.global_step != self._step_global_step:
             self._in_step = False
             self._call("after_step")
         self._last_batch_end = time.perf_counter()
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._step_batches:  # the module cancelled the iteration's only batch (-1 from its
+            self._in_step = False  # on_train_batch_start, after ours): the next batch begins another
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -368,6 +368,7 @@ class Throughput(HookBase):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close_counter()  # a batch the module cancelled (which ends the epoch) counts nothing
         self._switch("other")
+        super().on_train_epoch_end(trainer, pl_module)
 
     def _since_the_batch(self, state: str) -> str:
         """Enter ``state``, the time since the end of the last micro-batch (or validation run) its own:

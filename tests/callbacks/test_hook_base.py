@@ -266,3 +266,31 @@ def test_state_round_trip_with_two_instances(tmp_path):
 def test_trainer_before_attachment_raises():
     with pytest.raises(RuntimeError, match=r"Recorder.trainer is only available once the hook is attached"):
         Recorder().trainer
+
+
+class CancelsTheFourthBatch(TinyModule):
+    """Returns -1 from ``on_train_batch_start`` at batch 3: Lightning ends the epoch there, after the
+    callbacks' ``on_train_batch_start`` ran."""
+
+    @override
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if batch_idx == 3 else None
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])  # (with 2, batch 2's gradients wait for the next epoch's)
+def test_an_iteration_the_module_cancelled_is_not_merged_into_the_next_epochs_first(accumulate):
+    # The cancelled batch's before_step left the hook inside an iteration: the next epoch's first
+    # batch was taken for a later micro-batch of it (no before_step), so that iteration ran from the
+    # cancelled batch, across the epoch's end and validation, to the next epoch's first step.
+    hook = Recorder()
+    make_trainer([hook], max_steps=-1, max_epochs=2, accumulate_grad_batches=accumulate).fit(
+        CancelsTheFourthBatch(), tiny_loader(n=16)
+    )
+    steps = [event for event in hook.events if event[0] in ("before_step", "after_step")]
+    per_epoch = 3 // accumulate  # batches 0-2 run
+    expected = []
+    for it in range(2 * per_epoch):
+        expected += [("before_step", it), ("after_step", it)]
+        if it % per_epoch == per_epoch - 1:
+            expected += [("before_step", it + 1)]  # the cancelled batch's (callbacks run first)
+    assert steps == expected

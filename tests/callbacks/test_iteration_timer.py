@@ -189,6 +189,35 @@ def test_a_validation_run_between_the_micro_batches_of_an_iteration_is_not_its_t
     assert timer.summary.splitlines()[0].endswith(f"({iteration:.4f} s / it)")
 
 
+class CancellingModule(SlowModule):
+    """Cancels batch 3 of each epoch (-1 from its ``on_train_batch_start``, which Lightning calls after
+    the callbacks'), and works ``VAL_SEC`` at each epoch's end."""
+
+    @override
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if batch_idx == 3 else None
+
+    @override
+    def on_train_epoch_end(self):
+        _clock.advance(VAL_SEC)
+
+
+def test_a_batch_the_module_cancelled_is_not_the_next_iterations_time():
+    # The cancelled batch's start began an iteration that the next epoch's first batch continued: its
+    # forward_sec ran from the cancelled batch across the epoch's end (VAL_SEC more).
+    collector = Collector(regex="Timing/.*")
+    trainer = L.Trainer(
+        accelerator="cpu", max_epochs=3, callbacks=[IterationTimer(warmup_iter=0)], enable_progress_bar=False,
+        enable_model_summary=False, logger=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(CancellingModule(), DataLoader(SlowDataset(), batch_size=2))
+    collector.update()
+    assert collector.num("Timing/forward_sec") == 9  # 3 batches an epoch ran
+    assert collector.max("Timing/forward_sec") == STEP_SEC + WAIT_SEC
+    iteration = DATA_SEC + STEP_SEC + WAIT_SEC + BACKWARD_SEC + OPTIMIZER_SEC
+    assert collector.max("Timing/iteration_sec") == iteration
+
+
 SAVE_SEC = 2.0**-2  # per checkpoint save
 
 
