@@ -875,8 +875,8 @@ bool float32_sums_hold(const Moments& m, double shift) {
 // min, acc[4] = max of them, acc[5] += the count of the others (NaN, +-inf). Float input sums about the
 // shift rounded to float32, moved to the float64 shift in float64: sum(x - c) = t1 + n d, sum((x - c)^2)
 // = t2 + 2 d t1 + n d^2, d = c32 - c; values too far from the shift (or too close to it) for float32
-// squares take a float64 pass instead. A NaN shift (a row without values yet) becomes the first value
-// of x (0 if not finite).
+// squares take a float64 pass instead. A NaN shift (a row without values yet) becomes the first finite
+// value of x (NaN without one).
 void accumulate_moments_(Tensor& acc, const Tensor& x, Tensor& shift) {
   TORCH_CHECK(acc.numel() == 6 && acc.scalar_type() == at::kDouble && acc.is_contiguous() && shift.numel() == 1 &&
                   shift.scalar_type() == at::kDouble,
@@ -892,9 +892,10 @@ void accumulate_moments_(Tensor& acc, const Tensor& x, Tensor& shift) {
   AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, xd.scalar_type(), "accumulate_moments_", [&] {
     using Acc = MomentAcc<scalar_t>;
     const scalar_t* p = xd.const_data_ptr<scalar_t>();
-    if (std::isnan(c)) {
-      const double first = static_cast<double>(p[0]);
-      c = *shift_at = std::isfinite(first) ? first : 0.0;
+    if (std::isnan(c)) {  // the first finite element (the row's shift stays NaN without one)
+      int64_t i = 0;
+      while (i < xd.numel() && !std::isfinite(static_cast<double>(p[i]))) ++i;
+      c = i < xd.numel() ? (*shift_at = static_cast<double>(p[i])) : 0.0;
     }
     used_shift = static_cast<double>(static_cast<Acc>(c));
     total = finite_moments_of<scalar_t, Acc>(p, xd.numel(), static_cast<Acc>(c));

@@ -32,9 +32,13 @@ _EPS = torch.finfo(torch.float64).eps
 
 
 def _start_shift_(shift: Tensor, x: Tensor) -> None:
-    """A NaN ``shift`` becomes the first element of the non-empty ``x`` (0 if not finite); no host sync."""
-    first = x.detach().reshape(-1)[0].to(torch.float64)
-    shift.copy_(torch.where(shift.isnan(), torch.where(first.isfinite(), first, 0.0), shift))
+    """A NaN ``shift`` becomes the first finite element of the non-empty ``x`` (NaN without one); no host
+    sync."""
+    v = x.detach().reshape(-1)
+    finite = v.isfinite()
+    i = finite.to(torch.uint8).argmax().reshape(1)  # the first finite element (0 without one)
+    first, found = v.index_select(0, i)[0].to(torch.float64), finite.index_select(0, i)[0]
+    shift.copy_(torch.where(shift.isnan() & found, first, shift))
 
 
 def _accumulate_moments_reference(acc: Tensor, x: Tensor, shift: Tensor) -> None:
@@ -42,7 +46,7 @@ def _accumulate_moments_reference(acc: Tensor, x: Tensor, shift: Tensor) -> None
 
     ``acc += [n, sum(x - shift), sum((x - shift)^2), ., ., k]`` over the ``n`` finite elements (``k``
     the non-finite ones: NaN, ``+inf``, ``-inf``), ``acc[3] = min(acc[3], min)``, ``acc[4] = max(acc[4],
-    max)`` of the finite ones. A shift near the data (its first value) keeps the variance
+    max)`` of the finite ones. A shift near the data (its first finite value) keeps the variance
     ``(S2 - S1^2 / n) / n`` accurate (shifted-data algorithm, Chan, Golub & LeVeque 1983). Element
     arithmetic is float64, except that for float16/bfloat16/float32 input a backend may form ``x -
     shift`` and its square in float32 and sum them in runs of at most 32 terms before float64 takes them,
@@ -54,7 +58,7 @@ def _accumulate_moments_reference(acc: Tensor, x: Tensor, shift: Tensor) -> None
         x: real tensor of any shape and dtype (bool and complex excluded); empty adds nothing (a tensor
             that requires grad is read as it is, nothing recorded).
         shift: float64 0-dim tensor on ``x``'s device, finite, or NaN for a row without values yet:
-            then set in place to the first element of a non-empty ``x`` (0 if not finite) first.
+            then set in place to the first finite element of ``x`` first (NaN without one).
 
     Reference: a float64 copy, the non-finite elements masked (no host sync), a shifted sum and a dot
     product (BLAS).

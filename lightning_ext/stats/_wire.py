@@ -4,8 +4,8 @@ what layout, and who may touch what.
 
 - An *accumulator row* (the layout of the kernel op ``accumulate_moments_``,
   :mod:`lightning_ext.kernels.moments`): float64 ``[n, S1, S2, min, max, nonfinite]``, the finite
-  values' count, sums shifted by the row's *shift* (the first value after a reset, 0 if not finite:
-  NaN until then), extremes, and the count of NaN and ``±inf``.
+  values' count, sums shifted by the row's *shift* (the first finite value after a reset: NaN until
+  then), extremes, and the count of NaN and ``±inf``.
 - :class:`Store`: one collector's rows in one order for every device: its agreed names (sorted), then
   the names reported since, and the sketch counts of the sketched ones in the same order; one
   :class:`Slab` of tensors per device its names' values lived on. ``report()``'s side asks
@@ -47,7 +47,7 @@ Accumulator = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, "Slab"]
 
 class Slab:
     """A store's rows on one device: float64 ``rows`` ``(capacity, 6)``, ``shifts`` ``(capacity,)`` (one
-    storage, NaN: no value yet, the kernel sets it to the first value) and sketch counts ``hist``, in
+    storage, NaN: no finite value yet, the kernel sets it to the first one) and sketch counts ``hist``, in
     the store's order, with the ``views`` of the agreed ones. Normal tensors (not inference tensors): a
     first value in Lightning's validation loop (inference mode) leaves rows that training values may
     be added into."""

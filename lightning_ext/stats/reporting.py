@@ -259,7 +259,7 @@ def report(name: str, value: T) -> T:
     order; not thread-safe. A name nobody collects costs a dict lookup and a type check; else the value is
     accumulated where it lives (numbers and NumPy data on the CPU) by the kernel backend's
     ``accumulate_moments_``, once per collector that takes it: float64 count and sums of the finite elements
-    shifted by the first value (16/32-bit elements may be squared in float32 first), min, max, and the count
+    shifted by the first finite value (16/32-bit elements may be squared in float32), min, max, and the count
     of NaN and ``±inf`` elements. A name's first report in a stage checks it; an empty value registers it (NaN
     until it has values). No host-device sync, no collective. Under ``torch.compile`` (``fullgraph=True``
     included) a tensor or number is one opaque graph node, the custom op ``lightning_ext::report_``, running

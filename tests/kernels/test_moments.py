@@ -196,12 +196,14 @@ def test_non_finite_values_are_counted_apart_and_hide_nothing(backend, dtype, n)
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64, torch.int64], ids=str)
 def test_a_nan_shift_becomes_the_first_value(backend, dtype):
-    """A row's shift is NaN until its first value: the op sets it to the first element of ``x`` (0 when
-    that is not finite) and sums about it; an empty ``x`` leaves row and shift as they are."""
+    """A row's shift is NaN until its first finite value: the op sets it to the first finite element of
+    ``x`` and sums about it (a shift of 0 for data far from 0 lost the variance to float32 squares); an
+    empty ``x``, or one without a finite element, leaves the shift NaN."""
     device = backend_device(backend)
     cases = [([3.0, 5.0], 3.0, [2.0, 2.0, 4.0, 3.0, 5.0, 0.0]), ([], math.nan, _fresh().tolist())]
     if dtype.is_floating_point:
-        cases.append(([math.inf, 1.0, 2.0], 0.0, [2.0, 3.0, 5.0, 1.0, 2.0, 1.0]))
+        cases.append(([math.inf, 1.0, 2.0], 1.0, [2.0, 1.0, 1.0, 1.0, 2.0, 1.0]))
+        cases.append(([math.nan, -math.inf], math.nan, [0.0, 0.0, 0.0, math.inf, -math.inf, 2.0]))
     for values, shift_want, acc_want in cases:
         acc, shift = _fresh().to(device), torch.tensor(math.nan, dtype=torch.float64, device=device)
         backend.run("accumulate_moments_", acc, torch.tensor(values, dtype=dtype, device=device), shift)

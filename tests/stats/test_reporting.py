@@ -169,6 +169,23 @@ def test_stable_std_when_mean_dominates() -> None:
     assert abs(naive_m2 - c.std("Big/t") ** 2 * x.numel()) > 1e-3 * x.numel()  # the check discriminates
 
 
+def test_a_non_finite_first_value_keeps_the_std_of_the_rest() -> None:
+    """An interval whose first value is NaN: its shift was 0, and float32 values far from 0 (squared in
+    float32 by the ``cpu`` backend) published a std of 0.0 for a batch whose std is 0.816, and one
+    0.44 % low for a run of scalar losses."""
+    gen = torch.Generator().manual_seed(0)
+    batch = 1e4 + torch.arange(1000, dtype=torch.float32) % 3
+    losses = [float("nan"), *(2.0 + 1e-3 * torch.randn(200, generator=gen)).float()]  # 0-dim float32
+    c = Collector()
+    report("Loss/batch", torch.cat([torch.tensor([float("nan")]), batch]))
+    for loss in losses:
+        report("Loss/step", loss if isinstance(loss, torch.Tensor) else torch.tensor(loss))
+    c.update()
+    _check(c, "Loss/batch", batch.double(), lanes=True)
+    _check(c, "Loss/step", torch.stack(losses[1:]).double(), lanes=True)
+    assert c.nonfinite("Loss/batch") == c.nonfinite("Loss/step") == 1
+
+
 def test_names_nobody_collects_are_not_accumulated_but_still_checked() -> None:
     report("Early", 1.0)  # before any collector: nobody will see it
     c = Collector(regex="Loss/.*")
