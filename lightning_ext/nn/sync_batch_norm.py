@@ -6,7 +6,7 @@ combines the gathered (mean, invstd) pairs by reconstructing the variance from `
 
 Forward (training): each rank computes, with the kernel backend of its input's device, the
 per-channel count and sums about a shift ``c`` identical on every rank (the ``running_mean``
-buffer; zero without running statistics) — a float64 payload of ``2C + 1`` numbers::
+buffer, its non-finite entries 0; zero without running statistics) — a float64 payload of ``2C + 1`` numbers::
 
     [ n_r,  sum(x_r - c),  sum((x_r - c)**2) ]
 
@@ -111,8 +111,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
                 update, group, backend):  # type: ignore[override]  # fmt: skip
         c = x.shape[1]
-        if running_mean is not None:
-            shift = running_mean.to(torch.float64, copy=True)
+        if running_mean is not None:  # (one non-finite batch left it inf or NaN: no shift there)
+            shift = running_mean.to(torch.float64, copy=True).nan_to_num_(0.0, 0.0, 0.0)
         else:
             shift = torch.zeros(c, dtype=torch.float64, device=x.device)
         payload = backend.run("batch_norm_moments", x, shift)
@@ -359,7 +359,8 @@ def sync_batch_norm_stats(
 
     Args:
         x: float16/bfloat16/float32/float64 tensor of shape ``(N, C, *)``, any memory format.
-        shift: ``(C,)`` float tensor identical on every rank (e.g. the running mean); zeros if ``None``.
+        shift: ``(C,)`` float tensor identical on every rank (e.g. the running mean; a non-finite
+            entry counts as 0); zeros if ``None``.
         process_group: group to reduce over (default: WORLD).
         backend: kernel backend name (default: auto).
         sync: ``False`` computes the same quantities locally, without a collective.
@@ -379,6 +380,8 @@ def sync_batch_norm_stats(
         shift = torch.zeros(x.shape[1], dtype=torch.float64, device=x.device)
     if isinstance(shift, Tensor) and shift.dtype not in (torch.float32, torch.float64):
         shift = shift.double()
+    if isinstance(shift, Tensor):  # a non-finite entry takes 0 (moments about it would be NaN)
+        shift = shift.nan_to_num(0.0, 0.0, 0.0)
     payload = _backend(backend, x.device).run("batch_norm_moments", x.detach(), shift, check=True)
     if sync and is_distributed():
         all_reduce_(payload, group=process_group)

@@ -554,3 +554,14 @@ def test_non_finite_input_gives_torchs_result_without_warnings():
     torch.testing.assert_close(y, ref(x), equal_nan=True)
     torch.testing.assert_close(ours.running_mean, ref.running_mean, equal_nan=True)
     torch.testing.assert_close(ours.running_var, ref.running_var, equal_nan=True)
+    # The next batches train on their own statistics, as torch's: the moments were taken about the
+    # running mean, inf or NaN from then on, and every later output was NaN (0 of 5 finite).
+    for _ in range(5):
+        x = torch.randn(4, C, 3, 3)
+        y = ours(x)
+        assert y.isfinite().all()
+        torch.testing.assert_close(y, ref(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.running_mean, ref.running_mean, equal_nan=True)
+    count, mean, m2 = sync_batch_norm_stats(x, shift=ours.running_mean)  # (non-finite there too)
+    torch.testing.assert_close(mean, x.double().mean((0, 2, 3)))
+    torch.testing.assert_close(m2, x.double().var((0, 2, 3), unbiased=False) * count)
