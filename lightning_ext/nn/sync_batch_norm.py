@@ -297,7 +297,7 @@ class SyncBatchNorm(_BatchNorm):
         if self.training and is_distributed() and get_world_size(group) > 1:
             return self._function(input, update, group)
         if self.training and self.track_running_stats and self.momentum is None:
-            return self._function(input, update, None)  # the cumulative factor stays on the device
+            return self._cumulative(input, update)
         # torch's rule: no synchronization; plain local batch norm (ATen).
         running_mean, running_var = self.running_mean, self.running_var
         if self.training and not self.track_running_stats:
@@ -308,6 +308,21 @@ class SyncBatchNorm(_BatchNorm):
         return F.batch_norm(
             input, running_mean, running_var, self.weight, self.bias, bn_training, factor, self.eps
         )
+
+    def _cumulative(self, input: Tensor, update: bool) -> Tensor:
+        """Local training with ``momentum=None``: ATen's batch norm by the batch's own statistics
+        (differentiable twice, as torch's), the running statistics moved toward them by ``1 /
+        num_batches_tracked`` on the device (torch reads that count on the host: a sync)."""
+        output = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        if update and input.numel() > input.shape[1]:  # (F.batch_norm raised for one value a channel)
+            with torch.no_grad():
+                x = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
+                dims = [0, *range(2, input.dim())]  # (var_mean's mean of an inf is NaN, not torch's inf)
+                mean, var = x.mean(dims), x.var(dims, correction=1)
+                factor = self.num_batches_tracked.reciprocal().to(self.running_mean.dtype)
+                for running, batch in ((self.running_mean, mean), (self.running_var, var)):
+                    running.mul_(1 - factor).add_(batch.to(running.dtype) * factor)  # (ATen's order)
+        return output
 
     def _function(self, input: Tensor, update: bool, group: dist.ProcessGroup | None) -> Tensor:
         """The training forward through the kernels, over ``group`` (one all_reduce; ``None``: this rank

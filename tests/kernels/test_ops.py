@@ -14,6 +14,7 @@ import torch
 from lightning_ext.kernels import OPS as REGISTERED
 from lightning_ext.kernels import KernelBackend
 from lightning_ext.nn import SyncBatchNorm
+from tests.helpers.simulated_group import simulate_a_group
 from tests.kernels.conftest import backend_device
 
 OPS = [
@@ -83,6 +84,9 @@ def test_eager_use_imports_no_dynamo():
         "    backend.run('check_finite', [x], x.device)\n"
         "    acc = torch.tensor([0.0, 0.0, 0.0, float('inf'), -float('inf'), 0.0], dtype=torch.float64)\n"
         "    backend.run('accumulate_moments_', acc, x, torch.tensor(0.0, dtype=torch.float64))\n"
+        "    sbn = lightning_ext.nn.sync_batch_norm  # a rank of a group whose others add nothing\n"
+        "    sbn.is_distributed, sbn.get_world_size = lambda: True, lambda group=None: 2\n"
+        "    sbn.all_reduce_ = lambda tensor, group=None: None\n"
         "    layer = lightning_ext.nn.SyncBatchNorm(3, momentum=None, backend=backend.name)\n"
         "    layer(torch.randn(5, 3, 2, requires_grad=True)).sum().backward()  # through the kernels\n"
         "print(backend.name, 'torch._dynamo' in sys.modules)\n"
@@ -233,10 +237,11 @@ def test_compile_fullgraph_calls_custom_ops(backend: KernelBackend, compiler: st
         torch.testing.assert_close(g, e, atol=0, rtol=0)
 
 
-def test_compile_sync_batch_norm_training_matches_eager(backend: KernelBackend):
-    """``SyncBatchNorm``'s training path without a process group (``momentum=None``: the cumulative
-    average, which runs the kernels) compiles whole under AOT autograd: output, every gradient and the
-    running statistics equal eager's over three steps."""
+def test_compile_sync_batch_norm_training_matches_eager(backend: KernelBackend, monkeypatch):
+    """``SyncBatchNorm``'s training path through the kernels (one process as a rank:
+    :func:`simulate_a_group`; ``momentum=None``, the cumulative average) compiles whole under AOT
+    autograd: output, every gradient and the running statistics equal eager's over three steps."""
+    simulate_a_group(monkeypatch)
     torch._dynamo.reset()
     device = backend_device(backend)
     gen = torch.Generator().manual_seed(2)

@@ -33,6 +33,7 @@ import lightning_ext
 from lightning_ext.kernels import ReferenceBackend, registry
 from lightning_ext.nn import SyncBatchNorm, convert_sync_batchnorm
 from tests.helpers.distributed import run_distributed
+from tests.helpers.simulated_group import simulate_a_group
 
 C = 4
 # Per step, the batch of rank 0 and of rank 1. The conv net gets no empty shard: inductor's code for
@@ -119,9 +120,10 @@ def test_compiled_fullgraph_inductor_matches_eager_on_two_ranks():
 
 
 @pytest.mark.timeout(120)
-def test_first_backend_lookup_inside_the_graph():
+def test_first_backend_lookup_inside_the_graph(monkeypatch):
     """With the backend cache empty (a fresh ``ddp_spawn`` worker, a new device, here a reset) the
     graph's first lookup selects and loads the backend outside the graph: no break, same results."""
+    simulate_a_group(monkeypatch)
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, C), SyncBatchNorm(C, momentum=None), nn.ReLU())
@@ -154,10 +156,11 @@ def eager_only_backend():
 
 
 @pytest.mark.timeout(120)
-def test_backend_without_compile_support_runs_eagerly_with_one_warning(eager_only_backend):
-    """One process, ``momentum=None`` (the kernels' path without a group): without ``fullgraph`` the
+def test_backend_without_compile_support_runs_eagerly_with_one_warning(eager_only_backend, monkeypatch):
+    """One process as a rank (:func:`simulate_a_group`: the kernels' path): without ``fullgraph`` the
     layers run eagerly at a graph break, with ONE warning for both layers and all steps, and the same
     results as eager; with ``fullgraph=True`` torch.compile raises instead of breaking the graph."""
+    simulate_a_group(monkeypatch)
     torch._dynamo.reset()
 
     def net():

@@ -437,6 +437,26 @@ def test_single_process_fallback_matches_torch():
     torch.testing.assert_close(m2_b, m2, **tol)
 
 
+def test_a_gradient_penalty_differentiates_the_cumulative_local_layer_twice_as_torch():
+    # momentum=None outside distributed training took the layer's own autograd Function, whose
+    # backward is not differentiable: create_graph=True raised where torch's layer (and ours with a
+    # momentum) differentiate twice.
+    torch.manual_seed(0)
+    ours, ref = SyncBatchNorm(C, momentum=None), nn.BatchNorm2d(C, momentum=None)
+    for _ in range(3):
+        x = torch.randn(4, C, 3, 3, requires_grad=True)
+        penalties = []
+        for layer in (ours, ref):
+            (grad,) = torch.autograd.grad(layer(x).pow(3).sum(), x, create_graph=True)
+            penalties.append(grad.square().sum())
+            (second,) = torch.autograd.grad(penalties[-1], x)
+            penalties.append(second)
+        torch.testing.assert_close(penalties[0], penalties[2])
+        torch.testing.assert_close(penalties[1], penalties[3], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours.running_mean, ref.running_mean)
+    torch.testing.assert_close(ours.running_var, ref.running_var)
+
+
 def test_autocast_keeps_float32_statistics():
     bn = SyncBatchNorm(C, momentum=None)
     conv = nn.Conv2d(2, C, 1)
