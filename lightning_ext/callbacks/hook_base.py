@@ -76,7 +76,9 @@ class HookBase(Callback):
     Lightning fetches a loader without ``__len__`` one batch ahead, batch ``i + 1`` before
     iteration ``i``'s ``before_step``: that fetch failing gives ``i``, the iterations completed.
     ``self.iter`` is also the step at which Lightning logs iteration ``i``'s ``self.log`` values,
-    and that of every row this package's callbacks write.
+    and that of every row this package's callbacks write. The periods of this package's hooks
+    (``every_n_train_steps``) count iterations, from ``start_iter``: in manual optimization Lightning's
+    count, and so ``self.iter``, counts every batch, also one that stepped no optimizer.
 
     ``self.data_sec``: the seconds the current iteration waited for data, host wall time from the end
     of the previous micro-batch (or the start of the epoch, or the end of a validation run) to the
@@ -121,6 +123,7 @@ class HookBase(Callback):
         self._in_step = False  # between before_step and after_step
         self._step_global_step = 0  # trainer.global_step when the current iteration began
         self._step_batches = 0  # micro-batches of the current iteration that ended
+        self._steps_done = 0  # iterations done (start_iter at before_train), the periodic hooks' count
         self._last_batch_end: float | None = None  # perf_counter at the end of the last micro-batch
         #: seconds the current iteration waited for data (see the class docstring).
         self.data_sec = 0.0
@@ -199,7 +202,7 @@ class HookBase(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._attach(trainer, pl_module)
         self.exception = None
-        self.start_iter = _iterations_done(trainer)
+        self.start_iter = self._steps_done = _iterations_done(trainer)
         self._in_step, self._last_batch_end = False, None
         self._running = True
         self._call("before_train")
@@ -240,7 +243,7 @@ class HookBase(Callback):
     ) -> None:
         self._step_batches += 1
         if self._in_step and trainer.global_step != self._step_global_step:
-            self._in_step = False
+            self._in_step, self._steps_done = False, self._steps_done + 1
             self._call("after_step")
         self._last_batch_end = time.perf_counter()
 

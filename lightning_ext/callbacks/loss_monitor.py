@@ -219,7 +219,7 @@ class LossMonitor(HookBase):
         self._data_sec += self.data_sec
         if self._pending is not None:
             self._collect()
-        if (self.iter + 1) % self.every_n_train_steps == 0:
+        if self._steps_done % self.every_n_train_steps == 0:
             self._agree()
 
     @override

@@ -133,7 +133,7 @@ class PreciseBN(HookBase):
     @override
     def after_step(self) -> None:
         steps = self.every_n_train_steps
-        if self.trainer.is_last_batch if steps is None else (self.iter + 1) % steps == 0:
+        if self.trainer.is_last_batch if steps is None else self._steps_done % steps == 0:
             self.update_stats()
 
     @override

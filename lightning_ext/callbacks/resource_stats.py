@@ -19,7 +19,8 @@ class ResourceStats(HookBase):
     """Report this rank's memory every ``every_n_train_steps`` iterations.
 
     Names (float scalars; :class:`TrainingStats` logs their mean and max over all ranks, at
-    Lightning's step of the batch that flushes; the report period counts :attr:`~HookBase.iter`):
+    Lightning's step of the batch that flushes; the report period counts iterations, as
+    :class:`HookBase` says):
 
     - ``Resources/cpu_mem_gb``: resident set size of the process (``psutil``), GiB;
     - ``Resources/peak_gpu_mem_gb`` and ``Resources/peak_gpu_mem_reserved_gb`` (CUDA modules only):
@@ -61,7 +62,7 @@ class ResourceStats(HookBase):
 
     @override
     def after_step(self) -> None:
-        if (self.iter + 1) % self.every_n_train_steps:
+        if self._steps_done % self.every_n_train_steps:
             return
         values = {"cpu_mem_gb": psutil.Process().memory_info().rss / _GB}
         device = _module_device(self.pl_module)

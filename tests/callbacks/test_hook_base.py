@@ -294,3 +294,51 @@ def test_an_iteration_the_module_cancelled_is_not_merged_into_the_next_epochs_fi
         if it % per_epoch == per_epoch - 1:
             expected += [("before_step", it + 1)]  # the cancelled batch's (callbacks run first)
     assert steps == expected
+
+
+class StepsEveryOtherBatch(TinyModule):
+    """Manual optimization stepping on the even batches, with a batch norm, the loss NaN from batch
+    ``nan_from`` on."""
+
+    def __init__(self, nan_from: int | None = None) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.bn, self.nan_from, self.batches = nn.BatchNorm1d(4), nan_from, 0
+
+    @override
+    def forward(self, x):
+        return self.net(self.bn(x))
+
+    @override
+    def training_step(self, batch, batch_idx):
+        self.batches += 1
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        if self.nan_from is not None and batch_idx >= self.nan_from:
+            loss = loss * float("nan")
+        self.manual_backward(loss)
+        if batch_idx % 2 == 0:
+            self.optimizers().step()
+            self.optimizers().zero_grad()
+        return loss
+
+
+def test_periodic_hooks_count_iterations_under_manual_optimization():
+    # Their period read Lightning's count, which counts every batch in manual optimization; after_step
+    # saw only the batches that stepped (0, 2, 4, ...), so (iter + 1) % 2 was never 0: LossMonitor
+    # checked the loss only at the end of training (the NaN trained 16 batches), PreciseBN and
+    # ResourceStats never ran during training.
+    from lightning_ext.callbacks import LossMonitor, PreciseBN, ResourceStats
+    from lightning_ext.stats import Collector
+
+    collector = Collector(regex="Resources/.*")
+    precise, resources = PreciseBN(every_n_train_steps=2, num_iter=1), ResourceStats(every_n_train_steps=2)
+    make_trainer([precise, resources], max_steps=-1, max_epochs=1).fit(StepsEveryOtherBatch(), tiny_loader())
+    collector.update()
+    assert precise.batches_used == [1] * 4  # 8 iterations in 16 batches: one update every 2
+    assert collector.num("Resources/cpu_mem_gb") == 4
+    module = StepsEveryOtherBatch(nan_from=3)
+    with pytest.raises(FloatingPointError, match=r"iteration=3 .*\n.*\n.*after_step\(\) at iteration=6"):
+        trainer = make_trainer([LossMonitor(every_n_train_steps=2)], max_steps=-1, max_epochs=1)
+        trainer.fit(module, tiny_loader())
+    assert module.batches == 7  # checked after iterations 2 and 4 (batches 2 and 6; Lightning's steps)
