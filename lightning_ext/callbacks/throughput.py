@@ -140,7 +140,8 @@ class Throughput(HookBase):
     then ``model / (convolution / conv peak + rest / peak)``, the rate of doing each at its own peak);
     with a callable ``flops_fn`` and a model with convolutions it is said once.
 
-    Put it before ``TrainingStats`` in ``callbacks``; one ``TrainingStats`` collects its names (the
+    Put it before ``TrainingStats`` in ``callbacks`` (``setup`` raises otherwise: a flush at a batch's
+    end would come before it counted that batch); one ``TrainingStats`` collects its names (the
     intervals are those of its flushes): with several, give the others a ``regex`` that excludes them
     (``setup`` raises otherwise). ``TrainingStats`` checks at ``setup`` that every rank has the same
     ``Throughput`` (its ``repr``). Host syncs: one at the first micro-batch with

@@ -157,8 +157,9 @@ class TrainingStats(Callback):
     ends, its writes to the loggers done (also when it raised). A publication of what was reported
     after an epoch-end flush (below) calls the first with ``late=True`` (it reports nothing then) and
     the third. Several ``TrainingStats`` collecting its names raise at ``setup`` (the flushes of each
-    would cut the others' intervals). The contributors' ``repr`` is among the arguments the ranks must
-    agree on at ``setup``.
+    would cut the others' intervals), and so does a contributor that comes after it in ``callbacks``
+    (its count of a batch would come after that batch's flush). The contributors' ``repr`` is among the
+    arguments the ranks must agree on at ``setup``.
 
     Warnings, once, on rank zero: straggler names of ``IterationTimer`` asked for on several
     processes without it in the callbacks (at the start of training), and a pattern (``regex``,
@@ -698,8 +699,9 @@ def _contributors(trainer: pl.Trainer, regex: str | None = None) -> list[Any]:
 
 def _check_contributors(trainer: pl.Trainer) -> None:
     """``TypeError`` for a contributor without its names, ``ValueError`` for one whose names several
-    ``TrainingStats`` collect: each of their flushes would report its interval and start the next, so
-    every collector but the most frequent would derive rates from pieces of its interval."""
+    ``TrainingStats`` collect (each of their flushes would report its interval and start the next, so
+    every collector but the most frequent would derive rates from pieces of its interval) or that
+    comes after the one that collects them."""
     stats = [cb for cb in trainer.callbacks if isinstance(cb, TrainingStats)]
     for contributor in _contributors(trainer):
         names, kind = getattr(contributor, "stats_flush_names", None), type(contributor).__name__
@@ -722,6 +724,13 @@ def _check_contributors(trainer: pl.Trainer) -> None:
                 f"(regex={[cb.regex for cb in takers]}): each flush would report its interval and start "
                 f"the next, so the others' rates would be wrong. HINT: one TrainingStats collects them; "
                 f"exclude them from the others, e.g. regex='(?!{exclude}).*'"
+            )
+        if takers and trainer.callbacks.index(contributor) > trainer.callbacks.index(takers[0]):
+            raise ValueError(
+                f"TrainingStats: {kind} comes after the TrainingStats that collects its names in "
+                "`callbacks`: Lightning calls their on_train_batch_end in that order, so a flush there "
+                f"would miss the batch {kind} counts then (every interval one batch late). HINT: put "
+                f"{kind} first"
             )
 
 

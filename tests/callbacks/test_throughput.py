@@ -643,6 +643,15 @@ def test_one_training_stats_takes_its_names_and_another_one_cuts_no_interval() -
     with pytest.raises(ValueError, match=r"2 TrainingStats collect names that Throughput reports .*"
                        r"regex=\['\.\*', '\.\*'\].*regex='\(\?!Goodput/\|Throughput/\)\.\*'"):  # fmt: skip
         both.fit(_Model(fixed=True))
+    # After the TrainingStats that collects its names: a flush at a batch's end ran before Throughput
+    # counted that batch, and every interval's samples came one batch late (setup raises now).
+    late = pl.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[TrainingStats(every_n_train_steps=1), Throughput(flops_fn=None)],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"Throughput comes after the TrainingStats .* HINT: put Throughput"):
+        late.fit(_Model(fixed=True))
 
 
 def test_validating_a_checkpoint_after_the_fit_is_no_restart(tmp_path: Path) -> None:
