@@ -119,7 +119,8 @@ class LossMonitor(HookBase):
     that tolerate writes from two threads (TensorBoard's ``SummaryWriter`` does; ``CSVLogger`` is not
     documented as thread-safe). A logger that raises: on one process the exception is re-raised at
     once (or at that next ``after_step``); on several it is flagged at the next agreement point and
-    raised there on every rank (the failing rank re-raises it, the others a ``RuntimeError`` naming it).
+    raised there on every rank (the failing rank re-raises it, the others a ``RuntimeError`` naming it);
+    after the last one, training's successful end asks every rank (one ``all_gather_object``).
 
     Source: detectron2's ``SimpleTrainer._write_metrics`` (``engine/train_loop.py``), which checks
     on rank 0 only (the other ranks hang in the next collective) and drops writer exceptions.
@@ -228,10 +229,10 @@ class LossMonitor(HookBase):
             if self.exception is None:  # success: every rank is here, collectives are safe
                 if self._pending is not None:
                     self._collect()
-                if self._first_bad is not None or self._writer_error is not None:
+                if self._first_bad is not None:  # iterations since the last agreement point (every rank)
                     self._agree(final=True)
-                if self._writer_error is not None:  # the final write itself failed on this rank
-                    raise self._writer_error
+                if self._keys is not None:  # (set at the first iteration: on every rank alike)
+                    self._agree_on_writers()
         finally:
             if self._executor is not None:
                 failed = self.exception is not None
@@ -261,6 +262,15 @@ class LossMonitor(HookBase):
             self._pending = (self._executor.submit(self._write, metrics, step), metrics, error)
         else:
             self._finish(lambda: self._write(metrics, step), metrics, error)
+
+    def _agree_on_writers(self) -> None:
+        """After the last write: raise on every rank when it failed on one (only rank zero writes, so
+        only it knows: one ``all_gather_object`` on several ranks)."""
+        failed = [rank for rank, row in enumerate(self._gather()) if row[2]]
+        if self._writer_error is not None:
+            raise self._writer_error
+        if failed:
+            raise RuntimeError(f"LossMonitor: the writer failed on rank(s) {failed}; see that rank's error")
 
     def _decide(self, summary: dict[str, Any]) -> BaseException | None:
         """The exception an agreement point raises on every rank once written: the non-finite loss (a

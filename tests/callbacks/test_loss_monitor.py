@@ -292,12 +292,15 @@ def _fit_with_nan_on_rank1(rank: int, world_size: int) -> list[tuple[str, int]]:
             outcomes.append(("no exception", trainer.global_step))
         except FloatingPointError as exc:
             outcomes.append((str(exc).splitlines()[0], trainer.global_step))
-    for async_write in (False, True):  # rank 0's logger fails at the first write (iteration 3)
+    # rank 0's logger fails at the first write (iteration 3); with max_steps=4 it is the last one, after
+    # which rank 0 alone ran another agreement (its collectives): rank 1 left, rank 0 waited out the
+    # group's timeout and its error was lost
+    for async_write, max_steps in ((False, 16), (True, 16), (False, 4), (True, 4)):
         trainer = L.Trainer(
             accelerator="cpu",
             devices=world_size,
             strategy="ddp",
-            max_steps=16,
+            max_steps=max_steps,
             callbacks=[LossMonitor(every_n_train_steps=4, async_write=async_write)],
             enable_progress_bar=False,
             enable_model_summary=False,
@@ -320,6 +323,7 @@ def test_nan_on_rank1_raises_on_every_rank_at_the_same_step():
     assert results[0][:2] == results[1][:2] == [(message, 8), (message, 9)]
     # a writer failure on rank 0 is agreed at the next agreement point (iteration 7) and raised on
     # both ranks: rank 0 re-raises its own error, rank 1 names it; async one iteration later
-    assert results[0][2:] == [("OSError: disk full", 8), ("OSError: disk full", 9)]
+    disk_full = "OSError: disk full"
+    assert results[0][2:] == [(disk_full, 8), (disk_full, 9), (disk_full, 4), (disk_full, 4)]
     failed = "RuntimeError: LossMonitor: the writer failed on rank(s) [0]; see that rank's error"
-    assert results[1][2:] == [(failed, 8), (failed, 9)]
+    assert results[1][2:] == [(failed, 8), (failed, 9), (failed, 4), (failed, 4)]
