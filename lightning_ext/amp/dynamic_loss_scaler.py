@@ -543,9 +543,9 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
             schedules._count_(*(self._device_state[key] for key in _COUNTERS), found)
         if found_infs:  # (one optimizer's flag itself: no kernel)
             combined = sum(found_infs[1:], found_infs[0])
-        else:  # update(new_scale) without a step since the last update
+            self._device_state["found_inf"].copy_(combined)
+        else:  # update(new_scale) without a step since the last update: the last step's flag stays
             combined = torch.zeros((), dtype=torch.float32, device=device)
-        self._device_state["found_inf"].copy_(combined)
         if self._enabled and new_scale is not None:
             self._set_scale(new_scale)
         elif self._enabled:
@@ -657,7 +657,7 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
         log2 = host["log2_scale"] if self.schedule == "log2" else _log2(base.get("scale", 1.0))
         return {
             **base, **{key: getattr(self, key) for key in _CONFIG}, "log2_scale": log2,
-            "_hysteresis_tracker": int(host["hysteresis_tracker"]),
+            "_hysteresis_tracker": min(int(host["hysteresis_tracker"]), self.hysteresis),  # (as used)
             **{key: int(host[key]) for key in _COUNTERS}, "last_step_skipped": host["found_inf"] > 0,
         }  # fmt: skip
 

@@ -31,9 +31,10 @@ __all__: list[str] = []  # the scalers' maths: private helpers, tested directly
 _LOG2_FLOAT32_MAX = math.log2(torch.finfo(torch.float32).max)  # the log2 schedule's ceiling
 
 
-def _hysteresis(overflow: Tensor, tracker: Tensor) -> tuple[Tensor, Tensor]:
-    """``(back_off, tracker after the overflow)``: Megatron-LM's rule."""
-    after = tracker - overflow.to(tracker.dtype)
+def _hysteresis(overflow: Tensor, tracker: Tensor, hysteresis: int) -> tuple[Tensor, Tensor]:
+    """``(back_off, tracker after the overflow)``: Megatron-LM's rule; a tracker above ``hysteresis``
+    (lowered during the run) counts as ``hysteresis``."""
+    after = tracker.clamp(max=hysteresis) - overflow.to(tracker.dtype)
     return overflow & (after <= 0), after
 
 
@@ -61,7 +62,7 @@ def _exponential_(scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Ten
     if hysteresis == 1:
         amp_update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
         return overflow
-    back_off, after = _hysteresis(overflow, hysteresis_tracker)
+    back_off, after = _hysteresis(overflow, hysteresis_tracker, hysteresis)
     # A tolerated overflow resets the growth count without backing off: from -1, GradScaler's op
     # (told "clean") leaves the tracker at 0 and cannot grow (growth_interval >= 1).
     growth_tracker.copy_(torch.where(overflow & ~back_off, -1, growth_tracker))
@@ -94,7 +95,7 @@ def _log2_(scale: Tensor, log2_scale: Tensor, growth_tracker: Tensor, hysteresis
         bool 0-dim ``back_off`` on the scale's device.
     """
     overflow = found_inf > 0
-    back_off, after = _hysteresis(overflow, hysteresis_tracker)
+    back_off, after = _hysteresis(overflow, hysteresis_tracker, hysteresis)
     step = torch.full_like(log2_scale, increment).masked_fill_(overflow, 0.0)
     step.masked_fill_(back_off, -decrement)
     grown = log2_scale + step  # growth beyond float32's largest scale is refused, as GradScaler does

@@ -1571,3 +1571,46 @@ def test_per_optimizer_settings_set_after_a_resume_hold_for_every_optimizer(used
         child = resumed.scaler.optimizer_scaler(opt)
         assert (child.max_scale, child.hysteresis, child.get_scale()) == (2.0**15, 3, 2.0**15)
     assert resumed.scaler.state_dict()["per_optimizer"]["opt1"]["max_scale"] == 2.0**15
+
+
+def _scaled_step(scaler, model, optimizer, bad: bool) -> None:
+    optimizer.zero_grad()
+    scaler.scale(model(torch.ones(1, 3)).sum()).backward()
+    if bad:
+        model.weight.grad.fill_(float("inf"))
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def test_a_scale_set_by_hand_after_a_skipped_step_saves_a_state_that_loads():
+    # update(new_scale) without a step since the last update wrote found_inf=0 over the skipped step's
+    # flag, so the state said "a run of 1 overflow, last step not skipped": load_state_dict refused the
+    # checkpoint the scaler had written (GradScaler's own loads).
+    model = torch.nn.Linear(3, 1)
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**10, telemetry=False)
+    _scaled_step(scaler, model, torch.optim.SGD(model.parameters(), lr=0.1), bad=True)
+    scaler.update(512.0)
+    state = scaler.state_dict()
+    assert (state["scale"], state["last_step_skipped"], state["consecutive_overflows"]) == (512.0, True, 1)
+    resumed = DynamicLossScaler("cpu", telemetry=False)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state
+
+
+@pytest.mark.parametrize("schedule", ["exponential", "log2"])
+def test_hysteresis_lowered_during_a_run_holds_at_once_and_its_state_loads(schedule):
+    # The tracker kept the old tolerance (3) after hysteresis was lowered to 1 (as the load's HINT
+    # says to change it): the log2 schedule tolerated the next overflows instead of backing off, and
+    # every later checkpoint (tracker 3 > hysteresis 1) was refused by load_state_dict.
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**10, hysteresis=3, schedule=schedule, telemetry=False)
+    _scaled_step(scaler, model, optimizer, bad=False)
+    scaler.hysteresis = 1
+    state = scaler.state_dict()
+    assert state["_hysteresis_tracker"] == 1
+    DynamicLossScaler("cpu", schedule=schedule, telemetry=False).load_state_dict(state)
+    before = scaler.get_scale()
+    _scaled_step(scaler, model, optimizer, bad=True)
+    assert scaler.get_scale() < before  # backed off at the first overflow
+    DynamicLossScaler("cpu", schedule=schedule, telemetry=False).load_state_dict(scaler.state_dict())
