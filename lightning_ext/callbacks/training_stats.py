@@ -806,7 +806,7 @@ def _histogram_fields(collector: Collector, name: str) -> dict[str, Any] | None:
     num, mean, std = collector.num(name), collector.mean(name), collector.std(name)
     return dict(
         min=edges[0], max=edges[-1], num=int(counts.sum()), sum=num * mean,
-        sum_squares=num * (std**2 + mean**2), bucket_limits=edges[1:][kept].tolist(),
+        sum_squares=num * (std * std + mean * mean), bucket_limits=edges[1:][kept].tolist(),  # (** raises)
         bucket_counts=counts[kept].tolist(),
     )  # fmt: skip
 

@@ -731,6 +731,21 @@ def test_tensorboard_histograms_write_a_run_of_empty_buckets_as_one_bucket() -> 
     clear_statistics()
 
 
+def test_a_histogram_of_float64_values_beyond_float32_reaches_tensorboard() -> None:
+    # Its sum of squares overflowed a Python float power (OverflowError: the flush raised on rank zero
+    # alone, its TensorBoardLogger writing nothing); it is inf, as TensorBoard takes it.
+    from lightning_ext.callbacks.training_stats import _histogram_fields
+    from lightning_ext.stats import Collector
+
+    clear_statistics()
+    collector = Collector(quantiles="Grad/norm")
+    report("Grad/norm", [1e200])
+    collector.update()
+    fields = _histogram_fields(collector, "Grad/norm")
+    assert (fields["num"], fields["sum"], fields["sum_squares"]) == (1, 1e200, math.inf)
+    clear_statistics()
+
+
 def test_histograms_reach_tensorboard_and_unmatched_patterns_are_said_once(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
