@@ -12,6 +12,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 
 from lightning_ext.callbacks.hook_base import HookBase
+from lightning_ext.callbacks.throughput import Throughput
 from lightning_ext.distributed import get_rank, get_world_size
 
 __all__ = ["HookRunner"]
@@ -75,7 +76,8 @@ class HookRunner:
         train_dataloader: the training loader: the data of a ``PreciseBN`` without ``data_loader``.
 
     Raises:
-        TypeError: a hook is not a :class:`HookBase`, or ``module`` not an ``nn.Module``.
+        TypeError: a hook is not a :class:`HookBase`, or is a ``Throughput`` (it needs a Trainer), or
+            ``module`` not an ``nn.Module``.
         ValueError: a hook is given twice.
 
     Example::
@@ -110,6 +112,12 @@ class HookRunner:
         for hook in hooks:
             if not isinstance(hook, HookBase):
                 raise TypeError(f"HookRunner: `hooks` must hold HookBase instances, got {hook!r}")
+            if isinstance(hook, Throughput):
+                raise TypeError(
+                    "HookRunner: Throughput needs a Lightning Trainer (the batches it hands its callbacks, "
+                    "and the flush of a TrainingStats). HINT: in a plain loop, lightning_ext.perf "
+                    "(count_flops, mfu, GoodputLedger) gives the same figures to report()"
+                )
         if len({id(h) for h in hooks}) != len(hooks):
             raise ValueError(f"HookRunner: each hook may be given once, got {hooks!r}")
         if not isinstance(module, nn.Module):

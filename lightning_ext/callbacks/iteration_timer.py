@@ -251,8 +251,8 @@ class IterationTimer(HookBase):
             )
         lines.append(f"Total training time: {_fmt(total)} ({_fmt(hooks)} on hooks)")
         self.summary = "\n".join(lines)
-        for line in lines:
-            rank_zero_info(line)
+        for line in lines if self.trainer.is_global_zero else ():  # (a runner in workers that
+            rank_zero_info(line)  # torch.multiprocessing started: Lightning's rank is unknown there)
 
 
 def _completed(mark: Any) -> bool:

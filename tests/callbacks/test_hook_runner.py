@@ -460,3 +460,12 @@ def test_precise_bn_runs_under_fabric_autocast_and_writes_to_fabric_loggers():
     run_loop(runner, model, epochs=1, per_epoch=2)
     assert autocast == [(True, torch.bfloat16)] * 2
     assert [step for step, _ in logger.records] == [1]  # iteration 1
+
+
+def test_throughput_in_a_plain_loop_is_refused_naming_what_to_use():
+    # It was taken, then failed at the first after_step inside Lightning's batch-size inference
+    # (MisconfigurationException: "We could not infer the batch_size...").
+    from lightning_ext.callbacks import Throughput
+
+    with pytest.raises(TypeError, match=r"Throughput needs a Lightning Trainer .* HINT: .*perf"):
+        HookRunner([Throughput()], nn.Linear(2, 1))

@@ -329,6 +329,20 @@ def test_summary_logged_when_training_fails(caplog):
     assert "Overall training speed: 3 iterations" in caplog.text
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_plain_loop_logs_the_summary_on_rank_zero_only(rank, caplog, monkeypatch):
+    # Under a HookRunner in workers torch.multiprocessing started, Lightning's rank_zero_info does not
+    # know the rank (no RANK variable): every rank logged the summary.
+    monkeypatch.setattr(HookRunner, "global_rank", property(lambda self: rank))
+    timer, model = IterationTimer(warmup_iter=0), nn.Linear(3, 1)
+    with caplog.at_level("INFO"), HookRunner([timer], model) as runner:
+        for _ in range(2):
+            runner.before_step()
+            runner.after_step(model(torch.ones(3)).sum())
+    assert "Total training time" in timer.summary
+    assert ("Total training time" in caplog.text) == (rank == 0)
+
+
 @pytest.mark.parametrize(
     ("bad", "error", "got"),
     [(-1, ValueError, "-1"), (1.5, TypeError, r"1\.5 \(float\)"), (True, TypeError, r"True \(bool\)"),
