@@ -50,34 +50,35 @@ def _tflops(fp32: float, tf32: float | None, bf16: float, fp16: float, fp8: floa
 _H100_SXM = _tflops(66.9, 494.7, 989.4, 989.4, 1978.9)
 _HOPPER_NVL = _tflops(60.0, 417.5, 835.5, 835.5, 1670.5)
 _CDNA3 = _tflops(163.4, 653.7, 1307.4, 1307.4, 2614.9)
-# First match wins: a more specific pattern (GB200, H100 NVL/PCIe) comes before a more general one.
+# First match wins: a more specific pattern (GB200, H100 NVL/PCIe) comes before a more general one; a
+# model number is matched whole (no "A100" in "RTX A1000").
 DEVICE_PEAKS: tuple[DevicePeak, ...] = (
-    DevicePeak("GB200", "NVIDIA GB200 (NVL72, per GPU)", _tflops(80, 1250, 2500, 2500, 5000),
+    DevicePeak(r"GB200(?!\d)", "NVIDIA GB200 (NVL72, per GPU)", _tflops(80, 1250, 2500, 2500, 5000),
                "NVIDIA GB200 NVL72 datasheet (individual Blackwell GPU, sparse figures halved)"),
-    DevicePeak("B200", "NVIDIA B200 (HGX, SXM)", _tflops(75, 1100, 2250, 2250, 4500),
+    DevicePeak(r"B200(?!\d)", "NVIDIA B200 (HGX, SXM)", _tflops(75, 1100, 2250, 2250, 4500),
                "NVIDIA HGX B200 datasheet (individual Blackwell GPU, sparse figures halved)"),
-    DevicePeak(r"H200.*NVL", "NVIDIA H200 NVL (PCIe)", _HOPPER_NVL,
+    DevicePeak(r"H200(?!\d).*NVL", "NVIDIA H200 NVL (PCIe)", _HOPPER_NVL,
                "NVIDIA H200 Tensor Core GPU datasheet (H200 NVL column, sparse figures halved)"),
-    DevicePeak("H200", "NVIDIA H200 SXM", _H100_SXM,
+    DevicePeak(r"H200(?!\d)", "NVIDIA H200 SXM", _H100_SXM,
                "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column: H100 SXM's compute)"),
-    DevicePeak(r"H100.*NVL", "NVIDIA H100 NVL (PCIe)", _HOPPER_NVL,
+    DevicePeak(r"H100(?!\d).*NVL", "NVIDIA H100 NVL (PCIe)", _HOPPER_NVL,
                "NVIDIA H100 Tensor Core GPU datasheet (H100 NVL column, sparse figures halved)"),
-    DevicePeak(r"H100.*PCIe", "NVIDIA H100 PCIe", _tflops(51.2, 378, 756, 756, 1513),
+    DevicePeak(r"H100(?!\d).*PCIe", "NVIDIA H100 PCIe", _tflops(51.2, 378, 756, 756, 1513),
                "NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe column, sparse figures halved)"),
-    DevicePeak("H100", "NVIDIA H100 SXM", _H100_SXM,
+    DevicePeak(r"H100(?!\d)", "NVIDIA H100 SXM", _H100_SXM,
                "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column, sparse figures halved); "
                "NVIDIA H100 Tensor Core GPU Architecture whitepaper"),
-    DevicePeak("A100", "NVIDIA A100 (SXM4 and PCIe alike)", _tflops(19.5, 156, 312, 312, None),
+    DevicePeak(r"A100(?!\d)", "NVIDIA A100 (SXM4 and PCIe alike)", _tflops(19.5, 156, 312, 312, None),
                "NVIDIA A100 Tensor Core GPU datasheet (dense figures)"),
-    DevicePeak("L40S", "NVIDIA L40S", _tflops(91.6, 183, 362.05, 362.05, 733),
+    DevicePeak(r"L40S", "NVIDIA L40S", _tflops(91.6, 183, 362.05, 362.05, 733),
                "NVIDIA L40S GPU datasheet (dense figures)"),
     DevicePeak(r"\bL4\b", "NVIDIA L4", _tflops(30.3, 60, 121, 121, 242.5),
                "NVIDIA L4 Tensor Core GPU datasheet (sparse figures halved)"),
-    DevicePeak("MI325X", "AMD Instinct MI325X (OAM)", _CDNA3,
+    DevicePeak(r"MI325X", "AMD Instinct MI325X (OAM)", _CDNA3,
                "AMD Instinct MI325X accelerator datasheet (dense figures)"),
-    DevicePeak("MI300X", "AMD Instinct MI300X (OAM)", _CDNA3,
+    DevicePeak(r"MI300X", "AMD Instinct MI300X (OAM)", _CDNA3,
                "AMD Instinct MI300X accelerator datasheet (dense figures)"),
-    DevicePeak("MI250X", "AMD Instinct MI250X (per GCD)",
+    DevicePeak(r"MI250X", "AMD Instinct MI250X (per GCD)",
                _tflops(47.85, None, 191.5, 191.5, None),
                "AMD Instinct MI250X accelerator datasheet (peak matrix figures of the OAM module halved: "
                "each of its two dies, GCDs, is one torch device)"),
@@ -129,7 +130,8 @@ def peak_flops(dtype: torch.dtype | str, device_name: str | None = None) -> floa
 
     Raises:
         ValueError: an unknown ``dtype``; no CUDA device and no ``device_name``; a device the table
-            does not know, or that has no unit for ``dtype`` (fp8 on an A100).
+            does not know, or that has no unit for ``dtype`` (fp8 on an A100); a MIG instance (a share
+            of a GPU).
 
     Example::
 
@@ -144,6 +146,11 @@ def peak_flops(dtype: torch.dtype | str, device_name: str | None = None) -> floa
         if not torch.cuda.is_available():
             raise ValueError(f"peak_flops: no CUDA device and no `device_name`. {hint}")
         device_name = torch.cuda.get_device_name()
+    if re.search(r"\bMIG\b", device_name):
+        raise ValueError(
+            f"peak_flops: {device_name!r} is a MIG instance, which has a share of the GPU's compute units "
+            f"(a 1g slice: a seventh of an A100's or H100's), not the datasheet's peak. {hint}"
+        )
     entry = next((e for e in DEVICE_PEAKS if re.search(e.pattern, device_name, re.IGNORECASE)), None)
     if entry is None:
         raise ValueError(f"peak_flops: no peak known for the device {device_name!r}. {hint}")

@@ -31,6 +31,24 @@ def test_peak_from_the_device_name(device_name, dtype, tflops):
     assert peak_flops(dtype, device_name) == pytest.approx(tflops * 1e12, rel=1e-12)
 
 
+@pytest.mark.parametrize("device_name", ["NVIDIA RTX A1000 Laptop GPU", "NVIDIA RTX A1000 6GB Laptop GPU"])
+def test_a_model_number_is_matched_whole(device_name):
+    # "A100" matched inside "A1000": a laptop GPU got the A100's 312 TFLOP/s, its MFU 100x low.
+    with pytest.raises(ValueError, match=r"no peak known for the device"):
+        peak_flops(torch.bfloat16, device_name)
+    assert peak_flops(torch.bfloat16, "NVIDIA A100X") == 312e12  # (a suffix letter is the same chip)
+
+
+_MIG_SLICES = ["NVIDIA A100-SXM4-40GB MIG 1g.5gb", "NVIDIA H100 80GB HBM3 MIG 3g.40gb"]
+
+
+@pytest.mark.parametrize("device_name", _MIG_SLICES)
+def test_a_mig_slice_has_no_datasheet_peak(device_name):
+    # It got the whole GPU's peak: the MFU of a 1g slice read 7x low.
+    with pytest.raises(ValueError, match=r"a MIG instance.* share of the GPU's .* HINT: give the peak"):
+        peak_flops(torch.bfloat16, device_name)
+
+
 def test_fp8_is_its_own_column_never_int8s():
     # fp8 is asked for and answered (twice bf16 on Hopper), and a device without an fp8 unit refuses
     # instead of falling back to another column.
