@@ -368,7 +368,7 @@ class TrainingStats(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._leave(trainer)
+        self._leave(trainer, late=False)  # (the later callbacks' on_train_end may report: teardown writes)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -403,11 +403,12 @@ class TrainingStats(Callback):
             self._outer_stage = previous
         self._inside = stage
 
-    def _leave(self, trainer: pl.Trainer) -> None:
+    def _leave(self, trainer: pl.Trainer, late: bool = True) -> None:
         """Write what was reported after the last epoch-end flush (a LightningModule's ``on_*_epoch_end``
-        and ``on_*_end``, which run after the callbacks') at its step, then go back to the stage outside
-        the loop; nothing to do, nothing done. The same on every rank (a collective when late)."""
-        if self._late is not None:
+        and ``on_*_end``, which run after the callbacks') at its step (unless not ``late``), then go back
+        to the stage outside the loop; nothing to do, nothing done. The same on every rank (a
+        collective when late)."""
+        if late and self._late is not None:
             (stage, step), self._late = self._late, None
             with _flushing(_contributors(trainer, self.regex), late=True):  # (no values of theirs)
                 self._publish(trainer, stage, step)

@@ -351,6 +351,29 @@ class _Steps(pl.loggers.Logger):
         pass
 
 
+class _ReportsAtTheEnd(pl.Callback):
+    """After ``TrainingStats`` in ``callbacks``: reports a final figure in ``on_train_end`` (as
+    ``examples/gan.py`` reports its final FID)."""
+
+    def on_train_end(self, trainer, pl_module):
+        report("Eval/final", 7.0)
+
+
+def test_a_value_reported_in_a_later_callbacks_on_train_end_is_written() -> None:
+    # TrainingStats' own on_train_end published what came after its epoch-end flush, before the
+    # callbacks after it ran theirs: their values were dropped without a word (the GAN job's FID/end).
+    clear_statistics()
+    logger = _Steps()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=4, logger=logger, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[TrainingStats(every_n_train_steps=2, regex="Eval/.*"), _ReportsAtTheEnd()],
+    )  # fmt: skip
+    trainer.fit(_Spread())
+    rows = [(step, row["Eval/final"]) for step, row in logger.logged if "Eval/final" in row]
+    assert rows == [(4, 7.0)], logger.logged  # at the epoch-end flush's step, after the last one
+
+
 def _batch_flushes(stats: TrainingStats, model: pl.LightningModule) -> list[tuple[int, dict]]:
     """The rows holding ``Batch/idx`` that ``stats`` wrote in one epoch of ``model`` (its own Trainer)."""
     logger = _Steps()
