@@ -358,8 +358,11 @@ def build_trainer(args: argparse.Namespace, run_dir: Path) -> tuple[L.Trainer, d
     }
     if args.precise_bn_iters > 0:
         features["precise_bn"] = PreciseBN(num_iter=args.precise_bn_iters)
-    checkpoint = ModelCheckpoint(run_dir / "checkpoints", monitor="val/Accuracy", mode="max", save_last=True)
-    callbacks = [*features.values(), checkpoint, ProgressBar()]
+    # The best model by validation accuracy, and last.ckpt at every epoch's end: Lightning writes a
+    # monitored callback's last.ckpt only with a new best, so a plateau left it epochs behind.
+    best = ModelCheckpoint(run_dir / "checkpoints", "best-{epoch}-{step}", monitor="val/Accuracy", mode="max")
+    latest = ModelCheckpoint(run_dir / "checkpoints", "latest-{epoch}-{step}", save_last=True)
+    callbacks = [*features.values(), best, latest, ProgressBar()]
     features["precision"] = LossScalingPrecision(args.precision, scaler=scaler, update_ratio=True)
     plugins: list[Any] = [features["precision"]]
     several = args.devices * args.num_nodes > 1
