@@ -86,8 +86,9 @@ def convert_sync_batchnorm(
     hook tables: a hook registered on either layer fires on both); ``training`` and ``qconfig`` are
     copied. A subclass's own ``forward`` (an activation fused into the layer)
     gives way to :class:`SyncBatchNorm`'s, as with torch's converter; :func:`revert_sync_batchnorm`
-    gives it back. Layers that already are :class:`SyncBatchNorm` are left as they are. No collective, no
-    host sync.
+    gives it back. Layers that already are :class:`SyncBatchNorm` are left as they are; a layer used
+    under several names becomes one layer (torch's converter converts its first name only). No
+    collective, no host sync.
 
     Args:
         module: any module (e.g. a LightningModule).
@@ -113,8 +114,16 @@ def convert_sync_batchnorm(
         >>> type(revert_sync_batchnorm(net)[1]).__name__
         'BatchNorm2d'
     """
+    return _convert(module, process_group, backend, {})
+
+
+def _convert(module: nn.Module, process_group: Any, backend: Any, done: dict[int, nn.Module]) -> nn.Module:
+    """:func:`convert_sync_batchnorm` of ``module``; ``done``: the modules converted so far, by id (a
+    layer used under two names stays one layer)."""
+    if id(module) in done:
+        return done[id(module)]
     _check_convertible(module, backend)
-    converted = module
+    converted = done[id(module)] = module
     if isinstance(module, BatchNormBase) and not isinstance(module, SyncBatchNorm):
         if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
             raise ValueError(
@@ -128,8 +137,10 @@ def convert_sync_batchnorm(
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         _warm_backend(backend, tensors[0].device if tensors else None)
         object.__setattr__(converted, _TEMPLATE_ATTR, _strip(module))
-    for name, child in module.named_children():
-        converted.add_module(name, convert_sync_batchnorm(child, process_group, backend))
+        done[id(module)] = converted
+    for name, child in list(module._modules.items()):  # (every name: named_children skips a repeat)
+        if child is not None:
+            converted.add_module(name, _convert(child, process_group, backend, done))
     return converted
 
 
@@ -157,7 +168,14 @@ def revert_sync_batchnorm(module: nn.Module, layers: Collection[nn.Module] | Non
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"`module` must be a torch.nn.Module, got {module!r}")
-    reverted = module
+    return _revert(module, layers, {})
+
+
+def _revert(module: nn.Module, layers: Collection[nn.Module] | None, done: dict[int, nn.Module]) -> nn.Module:
+    """:func:`revert_sync_batchnorm` of ``module``; ``done``: the modules reverted so far, by id."""
+    if id(module) in done:
+        return done[id(module)]
+    reverted = done[id(module)] = module
     if isinstance(module, SyncBatchNorm) and (layers is None or module in layers):
         template = module.__dict__.get(_TEMPLATE_ATTR)
         reverted = (
@@ -166,6 +184,8 @@ def revert_sync_batchnorm(module: nn.Module, layers: Collection[nn.Module] | Non
         for name in _SETTINGS:  # (as they are now)
             setattr(reverted, name, getattr(module, name))
         _share_state(module, reverted)
-    for name, child in module.named_children():
-        reverted.add_module(name, revert_sync_batchnorm(child, layers))
+        done[id(module)] = reverted
+    for name, child in list(module._modules.items()):  # (every name: named_children skips a repeat)
+        if child is not None:
+            reverted.add_module(name, _revert(child, layers, done))
     return reverted

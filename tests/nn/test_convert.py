@@ -176,3 +176,29 @@ def test_a_torchscript_module_holding_batch_norms_raises_instead_of_converting_n
     with pytest.raises(TypeError, match=r"'Sequential' is a TorchScript module holding batch norms"):
         convert_sync_batchnorm(nn.Sequential(nn.Linear(2, 2), scripted))
     convert_sync_batchnorm(torch.jit.script(nn.Linear(2, 2)))  # nothing to replace: fine
+
+
+class _SharedNorm(nn.Module):
+    """One batch norm used under two names (applied twice in the forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm2d(3)
+        self.conv = nn.Conv2d(3, 3, 1)
+        self.bn2 = self.bn
+
+    def forward(self, x):
+        return self.bn2(self.conv(self.bn(x)))
+
+
+def test_a_layer_used_under_two_names_stays_one_layer_through_convert_and_revert():
+    # named_children skips a module it has seen: the second name stayed a BatchNorm2d sharing the
+    # converted layer's tensors, unsynchronized (the plugin, which keeps DDP from broadcasting the
+    # converted layers' buffers, let the ranks' running statistics drift apart), and revert made two
+    # layers of one.
+    model = _SharedNorm()
+    converted = convert_sync_batchnorm(model)
+    assert type(converted.bn) is SyncBatchNorm and converted.bn2 is converted.bn
+    reverted = revert_sync_batchnorm(converted)
+    assert type(reverted.bn) is nn.BatchNorm2d and reverted.bn2 is reverted.bn
+    assert list(reverted.state_dict()) == list(_SharedNorm().state_dict())
