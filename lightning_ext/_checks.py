@@ -105,7 +105,10 @@ def check_number(owner: str, name: str, value: Any, **bounds: Any) -> None:
         TypeError: SyncBatchNorm: `eps` must be a finite number > 0.0, got nan (float)
     """
 
-    finite = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    try:
+        finite = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:  # an int beyond float64's range
+        finite = False
     _check_bounded("a finite number", finite, owner, name, value, **bounds)
 
 

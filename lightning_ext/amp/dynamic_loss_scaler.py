@@ -61,6 +61,7 @@ _DEVICE_STATE = {
 
 # The rule of each constructor argument and state-dict entry, by name: the constructor and
 # load_state_dict check with the same rules and messages (_check).
+_F32_MAX = torch.finfo(torch.float32).max
 _RULES: dict[str, tuple[Callable[..., None], dict[str, Any]]] = {
     **dict.fromkeys(("init_scale", "log2_increment", "log2_decrement"), (check_number, {"gt": 0.0})),
     **dict.fromkeys(("min_scale", "max_scale"), (check_number, {"gt": 0.0, "optional": True})),
@@ -97,6 +98,12 @@ def _check(owner: str, values: Mapping[str, Any]) -> None:
         if key in _RULES:
             check, bounds = _RULES[key]
             check(owner, key, value, **bounds)
+    for key in ("init_scale", "min_scale", "max_scale"):  # the scale is a float32 tensor
+        if values.get(key) is not None and not 2.0**-149 <= values[key] <= _F32_MAX:
+            raise ValueError(
+                f"{owner}: `{key}` must be a finite number float32 holds, in [2**-149, {_F32_MAX:.4g}], got "
+                f"{values[key]!r}"
+            )
     scale = "init_scale" if "init_scale" in values else "scale"
     low, high = values.get("min_scale") or 0.0, values.get("max_scale") or math.inf
     if low > high or not low <= values.get(scale, low) <= high:
@@ -223,8 +230,9 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
             ``per_optimizer``) not a bool, ``schedule`` or ``on_min_scale`` not a str, or
             ``process_group`` not a process group.
         ValueError: ``growth_factor <= 1``, ``backoff_factor`` outside ``(0, 1)``, an interval or
-            ``hysteresis < 1`` (or ``hysteresis >= 2**31``), non-positive increments or bounds,
-            ``init_scale`` outside the bounds, an unknown ``schedule`` / ``on_min_scale``, or a
+            ``hysteresis < 1`` (or ``hysteresis >= 2**31``), non-positive increments, a scale or bound
+            float32 does not hold (outside ``[2**-149, 3.4e38]``), ``init_scale`` outside the bounds,
+            an unknown ``schedule`` / ``on_min_scale``, or a
             ``device`` that is not a device type.
 
     Tiny scales and scale 0: without ``min_scale`` a run whose gradients stay non-finite backs the

@@ -15,7 +15,14 @@ from typing_extensions import override
 
 from lightning_ext._checks import check_number
 from lightning_ext.callbacks.hook_base import HookBase
-from lightning_ext.perf import LOST_TIME_CAUSES, FlopCounter, GoodputLedger, measure_peak_flops, peak_flops
+from lightning_ext.perf import (
+    LOST_TIME_CAUSES,
+    FlopCounter,
+    GoodputLedger,
+    measure_peak_flops,
+    peak_flops,
+    peaks,
+)
 from lightning_ext.stats import Collector, report, report0
 
 __all__ = ["Throughput"]
@@ -160,7 +167,8 @@ class Throughput(HookBase):
     Raises:
         TypeError: ``samples_fn``/``tokens_fn`` neither ``None`` nor callable, ``flops_fn`` neither
             ``"count"``, ``None`` nor callable, ``peak_flops_per_sec`` not a finite number.
-        ValueError: ``peak_flops_per_sec <= 0``.
+        ValueError: ``peak_flops_per_sec <= 0``; ``peak_dtype`` not a matmul dtype or a column of the
+            peak table (:func:`~lightning_ext.perf.peak_flops`).
 
     Example::
 
@@ -192,6 +200,13 @@ class Throughput(HookBase):
                 raise TypeError(f"Throughput: `{arg}` must be {allowed} (batch -> count), got {fn!r}")
         if peak_flops_per_sec is not None:
             check_number("Throughput", "peak_flops_per_sec", peak_flops_per_sec, gt=0.0)
+        known = isinstance(peak_dtype, str) and peak_dtype in peaks._DTYPE_KEYS
+        known = known or any(peak_dtype is d for d in (None, *peaks._MATMUL_DTYPES, *peaks._FP8))
+        if not known:  # (else no MFU for the whole run, said once at its start)
+            raise ValueError(
+                f"Throughput: `peak_dtype` must be None, a matmul dtype (float16, bfloat16, float32, "
+                f"float64, float8) or one of {peaks._DTYPE_KEYS}, got {peak_dtype!r}"
+            )
         self.samples_fn, self.tokens_fn, self.flops_fn = samples_fn, tokens_fn, flops_fn
         self.peak_flops_per_sec, self.peak_dtype = peak_flops_per_sec, peak_dtype
         #: the job's goodput ledger (this rank's; rank zero's is written and checkpointed).

@@ -17,7 +17,7 @@ from importlib import metadata
 
 import torch
 
-from lightning_ext._checks import check_int
+from lightning_ext._checks import check_bool, check_int
 from lightning_ext._compat import assume_constant_result
 from lightning_ext.kernels._triton import TritonBackend, forget_sm_counts
 from lightning_ext.kernels.backend import KernelBackend, ReferenceBackend
@@ -97,7 +97,7 @@ def register_backend(
 
     Raises:
         ValueError: invalid ``name``/``devices``, or ``name`` already registered and ``replace=False``.
-        TypeError: ``factory`` not callable, ``priority`` not an int.
+        TypeError: ``factory`` not callable, ``priority`` not an int, ``replace`` not a bool.
 
     Example::
 
@@ -106,6 +106,7 @@ def register_backend(
         >>> "my_reference" in available_backends()
         True
     """
+    check_bool("register_backend", "replace", replace)
     entry = BackendEntry(name, factory, devices, priority)
     with _lock:
         if name in _entries and not replace:

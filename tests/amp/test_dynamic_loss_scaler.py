@@ -1614,3 +1614,17 @@ def test_hysteresis_lowered_during_a_run_holds_at_once_and_its_state_loads(sched
     _scaled_step(scaler, model, optimizer, bad=True)
     assert scaler.get_scale() < before  # backed off at the first overflow
     DynamicLossScaler("cpu", schedule=schedule, telemetry=False).load_state_dict(scaler.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [({"init_scale": 1e-50}, "init_scale"), ({"min_scale": 1e-50}, "min_scale"),
+     ({"max_scale": 1e39}, "max_scale"), ({"init_scale": 1e39}, "init_scale"),
+     ({"init_scale": 10**400}, "init_scale")],
+)  # fmt: skip
+def test_a_scale_float32_cannot_hold_is_refused_at_construction(kwargs, name):
+    # 1e-50 became a float32 scale of 0: every step skipped, without a word; 1e39 failed at the first
+    # scale() or update() ("value cannot be converted to type float without overflow"), naming nothing;
+    # an int beyond float64 raised OverflowError from the check itself.
+    with pytest.raises((ValueError, TypeError), match=rf"`{name}` must be a finite number"):
+        DynamicLossScaler("cpu", **kwargs)

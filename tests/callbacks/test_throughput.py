@@ -923,3 +923,12 @@ def test_a_flops_formula_for_an_fp32_convolution_net_on_cuda_hears_of_the_two_pe
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert throughput._find_peak() == pytest.approx(66.9e12)
+
+
+@pytest.mark.parametrize("peak_dtype", ["garbage", "", False, 0, [1], torch.int8])
+def test_a_peak_dtype_the_table_cannot_take_is_refused_at_construction(peak_dtype) -> None:
+    # Anything was taken: the run then went without MFU (a warning at its start), and a falsy value
+    # silently meant the precision's dtype.
+    with pytest.raises(ValueError, match=r"`peak_dtype` must be None, a matmul dtype"):
+        Throughput(peak_dtype=peak_dtype)
+    assert Throughput(peak_dtype="fp8").peak_dtype == "fp8" and Throughput(peak_dtype=torch.float64)

@@ -320,3 +320,12 @@ def test_the_kernels_package_has_no_import_cycle():
             if module not in seen:
                 seen.add(module)
                 frontier |= graph[module]
+
+
+def test_replace_must_be_a_bool():
+    # replace="no" (truthy) replaced the built-in reference backend, its devices with it.
+    from lightning_ext.kernels import ReferenceBackend, registry
+
+    with pytest.raises(TypeError, match=r"register_backend: `replace` must be a bool"):
+        registry.register_backend("reference", ReferenceBackend, ("cpu",), replace="no")
+    assert "cuda" in registry._entries["reference"].devices
