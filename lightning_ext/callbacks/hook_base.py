@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import types
 import weakref
 from typing import Any
 
@@ -83,7 +84,11 @@ class HookBase(Callback):
     ``self.data_sec``: the seconds the current iteration waited for data, host wall time from the end
     of the previous micro-batch (or the start of the epoch, or the end of a validation run) to the
     start of each of its micro-batches, summed over them; set before ``before_step`` (the one
-    measurement of data time, which ``IterationTimer`` and ``LossMonitor`` read). A micro-batch after
+    measurement of data time, which ``IterationTimer`` and ``LossMonitor`` read), less ``self.sync_sec``:
+    the seconds of those waits spent in Lightning's SIGTERM broadcast (2.5.2+, with several ranks: the
+    epoch loop's ``_broadcast_sigterm_tensor`` before each fetch, which the hook times while it trains),
+    where the fast ranks wait for a rank slow after its last collective of an iteration (in its
+    optimizer step), a synchronization and not data. A micro-batch after
     a checkpoint's save (which ``ModelCheckpoint`` runs in its ``on_validation_end`` or
     ``on_train_batch_end``, after every other callback's) adds nothing: the save is not data, and the
     time until the batch cannot be split into the save and the loading of the batch fetched then.
@@ -127,6 +132,9 @@ class HookBase(Callback):
         self._last_batch_end: float | None = None  # perf_counter at the end of the last micro-batch
         #: seconds the current iteration waited for data (see the class docstring).
         self.data_sec = 0.0
+        #: seconds the current iteration waited in Lightning's SIGTERM broadcast (class docstring).
+        self.sync_sec = 0.0
+        self._synced = 0.0  # seconds in that broadcast since _last_batch_end
         self._key_index: int | None = None  # position among same-class hooks of the trainer
         self._instance_id = next(_instance_ids)
 
@@ -188,6 +196,25 @@ class HookBase(Callback):
         elif self.trainer.is_global_zero:
             bar.print(f"UserWarning: {message}")
 
+    def _time_lightnings_broadcast(self, install: bool) -> None:
+        """Run the trainer's SIGTERM broadcast (class docstring) inside ``_in_lightnings_broadcast``
+        (``install``), or no longer."""
+        loop = getattr(getattr(self._trainer_ref, "fit_loop", None), "epoch_loop", None)
+        broadcast = getattr(loop, "_broadcast_sigterm_tensor", None)
+        if broadcast is None or not install:
+            if getattr(broadcast, "__self__", None) is self:  # ours: the loop's own method again
+                del loop._broadcast_sigterm_tensor  # (another hook's wrapper inside ours goes too)
+            return
+        inside = self._in_lightnings_broadcast
+        loop._broadcast_sigterm_tensor = types.MethodType(lambda hook: inside(broadcast), self)
+
+    def _in_lightnings_broadcast(self, broadcast: Any) -> None:
+        start = time.perf_counter()
+        try:
+            broadcast()
+        finally:
+            self._synced += time.perf_counter() - start
+
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._trainer_ref = trainer if isinstance(trainer, weakref.ProxyType) else weakref.proxy(trainer)
         self.pl_module = pl_module
@@ -205,15 +232,16 @@ class HookBase(Callback):
         self.start_iter = self._steps_done = _iterations_done(trainer)
         self._in_step, self._last_batch_end = False, None
         self._running = True
+        self._time_lightnings_broadcast(install=True)
         self._call("before_train")
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last_batch_end = time.perf_counter()  # epoch-boundary work is not data time
+        self._last_batch_end, self._synced = time.perf_counter(), 0.0  # epoch-boundary work is not data
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last_batch_end = time.perf_counter()  # nor is a validation run between batches
+        self._last_batch_end, self._synced = time.perf_counter(), 0.0  # nor a validation run between batches
 
     @override
     def on_save_checkpoint(
@@ -225,11 +253,12 @@ class HookBase(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        wait = 0.0 if self._last_batch_end is None else time.perf_counter() - self._last_batch_end
+        synced, self._synced = 0.0 if self._last_batch_end is None else self._synced, 0.0
+        wait = 0.0 if self._last_batch_end is None else time.perf_counter() - self._last_batch_end - synced
         if self._in_step:  # a later micro-batch of the same iteration
-            self.data_sec += wait
+            self.data_sec, self.sync_sec = self.data_sec + wait, self.sync_sec + synced
             return
-        self.data_sec = wait
+        self.data_sec, self.sync_sec = wait, synced
         self._in_step, self._step_global_step, self._step_batches = True, trainer.global_step, 0
         self._call("before_step")
 
@@ -245,7 +274,7 @@ class HookBase(Callback):
         if self._in_step and trainer.global_step != self._step_global_step:
             self._in_step, self._steps_done = False, self._steps_done + 1
             self._call("after_step")
-        self._last_batch_end = time.perf_counter()
+        self._last_batch_end, self._synced = time.perf_counter(), 0.0
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -256,6 +285,7 @@ class HookBase(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._running:  # (self.exception is None: on_exception would have ended the run)
             self._running = False
+            self._time_lightnings_broadcast(install=False)
             self._call("after_train")
 
     @override
@@ -265,6 +295,7 @@ class HookBase(Callback):
         if not self._running:
             return
         self._running = self._in_step = False
+        self._time_lightnings_broadcast(install=False)
         self.exception = exception
         try:
             self.after_train()

@@ -39,15 +39,18 @@ class IterationTimer(HookBase):
       micro-batch to the start of the next, which holds the loading, the batch's transfer and the
       end-of-batch work of the callbacks after this one, a statistics flush included).
     - ``Timing/forward_sec``: from the start of a micro-batch to ``on_before_backward`` (the
-      ``training_step``), and between a backward and the next (manual optimization).
+      ``training_step``), and between a backward and the next (manual optimization); and, under a
+      Trainer, Lightning's wait before each batch's fetch in its broadcast of the SIGTERM flag (from
+      Lightning 2.5.2: the epoch loop's ``_broadcast_sigterm_tensor``, timed by this hook while it
+      trains), a synchronization of the ranks that is not data.
     - ``Timing/backward_sec``: from ``on_before_backward`` to ``on_after_backward``.
     - ``Timing/optimizer_sec``: from the last ``on_after_backward`` to the end of the micro-batch
       (gradient clipping, the optimizer step, LR schedulers, the hooks around them).
     - ``Timing/collective_sec``: the seconds of the last three spent waiting in collectives: the
       package's own (:func:`~lightning_ext.distributed.collective_seconds`: SyncBatchNorm's all-reduce,
-      a loss scaler's) and DDP's (:class:`~lightning_ext.distributed.DDPSyncTimer`): its buffer
+      a loss scaler's), DDP's (:class:`~lightning_ext.distributed.DDPSyncTimer`): its buffer
       broadcast before the forward and its gradient all-reduce, from this rank's last bucket launch to
-      the end of its backward.
+      the end of its backward, and Lightning's SIGTERM broadcast.
     - ``Timing/compute_sec``: forward + backward + optimizer less those waits.
 
     So the iteration is the wall time from the end of the previous iteration to the end of this one,
@@ -126,7 +129,7 @@ class IterationTimer(HookBase):
         # Of the timed iteration: (phase opened, perf_counter or CUDA event, collective_seconds(), DDP's
         # waits (start, end or None: this mark) in the phase this mark closes)
         self._marks: list[tuple[str, Any, float, list]] = []
-        self._pending: deque[tuple[float, list[tuple[str, Any, float, list]]]] = deque()  # (data, marks)
+        self._pending: deque[tuple[float, float, list]] = deque()  # (data, Lightning's broadcast, marks)
 
     @property
     def timed_iters(self) -> int:
@@ -213,18 +216,18 @@ class IterationTimer(HookBase):
         now = time.perf_counter()
         self._iters_done = iters_done = self._iters_done + 1
         if iters_done > self.warmup_iter:  # (a validation run between its micro-batches left out)
-            self._timed_sec += self.data_sec + self._busy_sec
+            self._timed_sec += self.data_sec + self.sync_sec + self._busy_sec
             self._timed_iters += 1
-            self._pending.append((self.data_sec, self._marks))
+            self._pending.append((self.data_sec, self.sync_sec, self._marks))
             self._report_completed()
         elif iters_done == self.warmup_iter:
             self._timed_start = now
 
     def _report_completed(self) -> None:
         """Report the timings of the iterations whose marks are all taken (CUDA: completed)."""
-        while self._pending and _completed(self._pending[0][1][-1][1]):
-            data, marks = self._pending.popleft()
-            parts = dict.fromkeys(_PARTS, 0.0)
+        while self._pending and _completed(self._pending[0][-1][-1][1]):
+            data, sync, marks = self._pending.popleft()
+            parts = dict(zip(_PARTS, (sync, 0.0, 0.0, sync)))  # (Lightning's broadcast: forward, waited)
             for (phase, start, waited, _), (_, end, waited_end, waits) in itertools.pairwise(marks):
                 if phase != "data":  # (no overlap: the package's collectives in a backward end before DDP's)
                     ddp = sum(elapsed(a, end if b is None else b) for a, b in waits)

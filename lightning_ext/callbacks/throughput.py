@@ -90,7 +90,9 @@ class Throughput(HookBase):
     Time, host wall time. Every second of a rank goes to one part, switched by this callback's Lightning
     hooks: the start-up (from the callback's construction, or a resume's load of its state, to the start
     of training: the spawn, the setup, the preparation, a peak measured); a training step
-    (``on_train_batch_start`` to ``on_train_batch_end`` of each micro-batch); data wait (from there to the
+    (``on_train_batch_start`` to ``on_train_batch_end`` of each micro-batch, and the wait before its
+    fetch in Lightning's SIGTERM broadcast, 2.5.2+, where the fast ranks wait for one slow in its
+    optimizer step, as they would in DDP's gradient all-reduce); data wait (from there to the
     next micro-batch, or from the start of an epoch or the end of a validation run: the loading, the
     transfer and the end-of-batch work of the callbacks after this one); validation
     (``on_validation_start`` to ``on_validation_end``, the sanity check included, after which the start-up
@@ -358,6 +360,15 @@ class Throughput(HookBase):
             self._forward_only = self._forward_only + samples
         self._switch("data")
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    @override
+    def _in_lightnings_broadcast(self, broadcast: Any) -> None:
+        """The wait for the other ranks before a batch's fetch: the step's time, as DDP's waits, not data."""
+        previous = self._switch("step")
+        try:
+            super()._in_lightnings_broadcast(broadcast)
+        finally:
+            self._switch(previous)
 
     def _close_counter(self) -> Any:
         """The FLOPs counted, ``None`` without an open count."""

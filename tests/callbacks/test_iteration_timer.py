@@ -26,7 +26,7 @@ from lightning_ext.distributed.ddp_sync_timer import DDPSyncTimer
 from lightning_ext.plugins import SyncBatchNormPlugin
 from lightning_ext.stats import Collector, init_multiprocessing
 from tests.helpers.distributed import run_distributed
-from tests.helpers.lightning_ddp import ddp_trainer, rank_zero_output
+from tests.helpers.lightning_ddp import broadcast_sigterm_flag, ddp_trainer, rank_zero_output
 
 # The timer reads a fake clock that only the data set, the training step, the backward, the optimizer
 # step, a later callback and a fake collective advance, by these exact binary fractions: the measured
@@ -37,6 +37,7 @@ WAIT_SEC = 2.0**-10  # per training_step, in a (fake) collective of the package
 BACKWARD_SEC = 2.0**-7  # per backward, in a tensor hook
 OPTIMIZER_SEC = 2.0**-8  # per optimizer step, in on_before_optimizer_step
 HOOK_SEC = 2.0**-9  # per micro-batch, in a callback's on_train_batch_end after the timer
+SYNC_SEC = 2.0**-11  # per batch, in Lightning's SIGTERM broadcast before the fetch (several ranks)
 
 
 class FakeClock:
@@ -114,7 +115,10 @@ class EndOfBatchWork(L.Callback):
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_the_parts_of_an_iteration_add_up_to_its_wall_time(accumulate):
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_the_parts_of_an_iteration_add_up_to_its_wall_time(accumulate, broadcast, monkeypatch):
+    if broadcast:  # the fast ranks wait there for a slow one: a collective's wait, not data
+        broadcast_sigterm_flag(monkeypatch, lambda: _clock.advance(SYNC_SEC))
     collector = Collector(regex="Timing/.*")
     timer, work = IterationTimer(warmup_iter=2), EndOfBatchWork()
     trainer = L.Trainer(
@@ -129,15 +133,15 @@ def test_the_parts_of_an_iteration_add_up_to_its_wall_time(accumulate):
     )
     trainer.fit(SlowModule(), DataLoader(SlowDataset(), batch_size=2))
     collector.update()
-    k = accumulate
+    k, sync = accumulate, SYNC_SEC if broadcast else 0.0
     # Per iteration (micro-batches summed), exact: the times are sums of binary fractions. The later
     # callback's work at the end of a micro-batch is in the wait before the next one: data time.
     expected = {
         "data": k * (DATA_SEC + HOOK_SEC),
-        "forward": k * (STEP_SEC + WAIT_SEC),
+        "forward": k * (STEP_SEC + WAIT_SEC + sync),
         "backward": k * BACKWARD_SEC,
         "optimizer": OPTIMIZER_SEC,
-        "collective": k * WAIT_SEC,
+        "collective": k * (WAIT_SEC + sync),
         "compute": k * (STEP_SEC + BACKWARD_SEC) + OPTIMIZER_SEC,
     }
     expected["iteration"] = sum(expected[p] for p in ("data", "forward", "backward", "optimizer"))
@@ -150,6 +154,7 @@ def test_the_parts_of_an_iteration_add_up_to_its_wall_time(accumulate):
     assert {b - a for a, b in itertools.pairwise(work.ends)} == {expected["iteration"]}
     assert timer.timed_iters == 6
     assert timer.timed_seconds == 6 * expected["iteration"]
+    assert "_broadcast_sigterm_tensor" not in vars(trainer.fit_loop.epoch_loop)  # the loop's own again
     lines = timer.summary.splitlines()
     assert lines[0] == f"Overall training speed: 6 iterations in 0:00:00 ({expected['iteration']:.4f} s / it)"
     assert lines[1] == "Total training time: 0:00:00 (0:00:00 on hooks)"  # hooks took no (fake) time
@@ -543,15 +548,22 @@ class _Data(Dataset):
 
 
 class _Model(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, slow_in: str) -> None:
         super().__init__()
-        self.net = _net()
+        self.net, self.slow_in = _net(), slow_in
+
+    def _slow(self, where: str) -> bool:
+        return self.slow_in == where and self.global_step >= SLOW_FROM and self.global_rank == SLOW_RANK
 
     def training_step(self, batch, batch_idx):
         out = self.net(batch)
-        if self.global_step >= SLOW_FROM and self.global_rank == SLOW_RANK:
+        if self._slow("backward"):
             _sleep_in_backward(out, EXTRA_SEC)  # the others wait in SyncBatchNorm's and DDP's all-reduce
         return out.square().mean()
+
+    def on_before_optimizer_step(self, optimizer):
+        if self._slow("optimizer"):  # the others wait in the next iteration's first collective:
+            time.sleep(EXTRA_SEC)  # Lightning's (>= 2.5.2) SIGTERM broadcast before the fetch, else DDP's
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -560,7 +572,7 @@ class _Model(L.LightningModule):
         return DataLoader(_Data(), batch_size=BATCH)
 
 
-def _trainer_job(rank: int, world: int, sync_bn: bool, log_dir: str) -> list[str]:
+def _trainer_job(rank: int, world: int, sync_bn: bool, log_dir: str, slow_in: str) -> list[str]:
     """Train ``STEPS`` steps on ``world`` ranks (Lightning's ``"ddp"`` on the harness's workers),
     logging to a CSV file in ``log_dir``; what this rank logged (rank zero's straggler lines)."""
     trainer = ddp_trainer(
@@ -575,14 +587,14 @@ def _trainer_job(rank: int, world: int, sync_bn: bool, log_dir: str) -> list[str
         enable_checkpointing=False,
     )
     with rank_zero_output() as (logged, _):
-        trainer.fit(_Model())
+        trainer.fit(_Model(slow_in))
     return logged
 
 
-def run_job(tmp_path: Path, world: int, sync_bn: bool):
+def run_job(tmp_path: Path, world: int, sync_bn: bool, slow_in: str = "backward"):
     """Train ``STEPS`` steps on ``world`` DDP ranks; the steps of the flushes' CSV rows and their
     straggler ranks, and the straggler lines ``(iteration, rank, name)`` printed on rank zero."""
-    logged = run_distributed(_trainer_job, world, sync_bn, str(tmp_path), timeout=200)
+    logged = run_distributed(_trainer_job, world, sync_bn, str(tmp_path), slow_in, timeout=200)
     assert all(lines == [] for lines in logged[1:])  # rank zero's lines only
     with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
         key = "Timing/compute_sec/straggler_rank"
@@ -591,9 +603,10 @@ def run_job(tmp_path: Path, world: int, sync_bn: bool):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("world", "sync_bn"), [(2, False), (3, True)])
-def test_a_rank_slow_in_its_backward_is_named_and_a_quiet_job_names_nobody(tmp_path, world, sync_bn):
-    rows, lines = run_job(tmp_path, world, sync_bn)
+@pytest.mark.parametrize(("world", "sync_bn", "slow_in"), [(2, False, "backward"), (3, True, "backward"),
+                                                           (2, False, "optimizer")])  # fmt: skip
+def test_a_rank_slow_in_its_backward_is_named_and_a_quiet_job_names_nobody(tmp_path, world, sync_bn, slow_in):
+    rows, lines = run_job(tmp_path, world, sync_bn, slow_in)
     assert [step for step, _ in rows] == list(range(EVERY - 1, STEPS, EVERY)), rows
     assert [line for line in lines if line[0] < SLOW_FROM] == [], (rows, lines)  # quiet: no line
     # Slow: its rank is the straggler of every flush, named from the second such flush (patience 2)
@@ -602,4 +615,5 @@ def test_a_rank_slow_in_its_backward_is_named_and_a_quiet_job_names_nobody(tmp_p
     assert all(rank == SLOW_RANK for step, rank in rows if step in slow), rows
     named = [i for i, rank, name in lines if (rank, name) == (SLOW_RANK, "Timing/compute_sec")]
     assert len(named) == len(lines) and len(named) >= len(slow) - 3, (slow, lines)
-    print(f"{world} ranks, SyncBatchNorm {sync_bn}: named at {len(named)} of {len(slow) - 1} flushes")
+    print(f"{world} ranks, SyncBatchNorm {sync_bn}, slow in its {slow_in}: named at {len(named)} of "
+          f"{len(slow) - 1} flushes")  # fmt: skip

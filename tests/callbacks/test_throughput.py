@@ -33,7 +33,7 @@ from lightning_ext.callbacks import IterationTimer, Throughput, TrainingStats
 from lightning_ext.perf import LOST_TIME_CAUSES, count_flops, peaks
 from lightning_ext.stats import report
 from tests.helpers.distributed import run_distributed
-from tests.helpers.lightning_ddp import ddp_trainer, rank_zero_output
+from tests.helpers.lightning_ddp import broadcast_sigterm_flag, ddp_trainer, rank_zero_output
 from tests.perf.test_flops import _Orthogonalizing
 
 LENGTH, WIDTH = 6, 8  # tokens per sequence (padded), features per token
@@ -806,6 +806,23 @@ def test_the_flushes_writes_to_the_loggers_are_not_training(tmp_path: Path) -> N
     # 2 iterations of a small MLP an interval, against a write of SLEEP after each earlier flush
     assert all(row["Throughput/train_sec"] < SLEEP for row in written), written
     assert throughput.ledger.summary()["data_wait"] < SLEEP  # (it was: at least 3 SLEEP)
+
+
+def test_the_wait_in_lightnings_sigterm_broadcast_is_the_steps_and_not_data(monkeypatch) -> None:
+    # With several ranks Lightning broadcasts a SIGTERM flag before each batch's fetch, where the fast
+    # ranks wait for one slow in its optimizer step: the wait of a synchronization inside training, as
+    # one in DDP's gradient all-reduce, not goodput's data_wait (it was).
+    broadcast_sigterm_flag(monkeypatch, lambda: time.sleep(SLEEP / 3))
+    throughput = Throughput(flops_fn=None)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=3, limit_val_batches=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[throughput, TrainingStats(every_n_train_steps=3)],
+    )  # fmt: skip
+    trainer.fit(_Model(fixed=True))
+    summary = throughput.ledger.summary()
+    assert summary["data_wait"] < SLEEP / 3 and summary["productive"] >= SLEEP, summary
+    assert trainer.callback_metrics["Throughput/train_sec"] >= SLEEP  # (training time, as it was)
 
 
 class _Contributor(Callback):

@@ -22,7 +22,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-__all__ = ["ddp_trainer", "rank_zero_output"]
+__all__ = ["broadcast_sigterm_flag", "ddp_trainer", "rank_zero_output"]
 
 
 def ddp_trainer(rank: int, world_size: int, strategy: str = "ddp", **kwargs: Any) -> pl.Trainer:
@@ -59,3 +59,19 @@ def rank_zero_output() -> Iterator[tuple[list[str], list[str]]]:
             warned.extend(str(w.message) for w in caught)
     finally:
         logger.removeHandler(handler)
+
+
+def broadcast_sigterm_flag(monkeypatch: Any, broadcast: Any) -> None:
+    """Have the training epoch loop of a one-process Trainer call ``broadcast()`` where Lightning's
+    (2.5.2+) with several ranks calls its SIGTERM broadcast (``_broadcast_sigterm_tensor``, before each
+    batch's fetch), as that broadcast: where the fast ranks wait for a rank slow after its last
+    collective of an iteration."""
+    loop = pl.loops.training_epoch_loop._TrainingEpochLoop
+    advance = loop.advance
+
+    def advance_after_the_broadcast(self: Any, data_fetcher: Any) -> None:
+        self._broadcast_sigterm_tensor()
+        advance(self, data_fetcher)
+
+    monkeypatch.setattr(loop, "advance", advance_after_the_broadcast)
+    monkeypatch.setattr(loop, "_broadcast_sigterm_tensor", lambda self: broadcast(), raising=False)
