@@ -109,8 +109,10 @@ class TrainingStats(Callback):
 
     Non-finite values. The statistics of a name are those of its finite values; a flush where some of
     its values were NaN or ``±inf`` also writes ``name + "/nonfinite"``, their count over all ranks, and
-    warns once per name (rank zero). A name whose values were all non-finite is written with ``num`` 0
-    and NaN for the other statistics.
+    warns once per name (rank zero); a later flush where the name had values and none of them was
+    non-finite writes no such key, and sets it to 0 in ``trainer.callback_metrics`` (what
+    ``ModelCheckpoint`` and ``EarlyStopping`` monitor). A name whose values were all non-finite is
+    written with ``num`` 0 and NaN for the other statistics.
 
     Keys. A reported name that equals a key a flush derives from another name (``"Loss/std"`` beside
     ``"Loss"`` with ``"std"`` in ``stats``, ``"Loss/nonfinite"``, ``"Loss/straggler_rank"``, ...) raises a
@@ -523,6 +525,10 @@ class TrainingStats(Callback):
         if metrics:
             values = torch.tensor(list(metrics.values()), dtype=torch.float32)  # views of one tensor:
             trainer.callback_metrics.update(zip(metrics, values.unbind()))  # a fifth of one tensor a key
+        if self._warned:  # a count of non-finite values no longer true: 0 for the monitors (not logged)
+            keys = {f"{prefix}{name}/nonfinite" for name in collector.updated()} - metrics.keys()
+            stale = keys & trainer.callback_metrics.keys()
+            trainer.callback_metrics.update((key, torch.tensor(0.0)) for key in stale)
         return metrics
 
     def _check_keys(self, collector: Collector) -> None:

@@ -594,23 +594,26 @@ class Collector:
         return {k: dict(num=round(r[0]), mean=r[1], std=r[2], min=r[3], max=r[4]) for k, r in rows.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        """The published statistics and agreed names, and the quantile sketches (what
-        ``keep_previous`` needs after a resume)."""
+        """The published statistics and agreed names, the quantile sketches (what ``keep_previous``
+        needs after a resume) and the updates each name went without values (``forget_after``'s)."""
         kept = {name: self._sketch(name) for arg, name in self._row if arg == "quantiles"}
         sketches = {name: (int(s[0]), int(s[1]), torch.from_numpy(s[2])) for name, s in kept.items() if s}
         settings = (self.sketch.relative_accuracy, tuple(self.sketch.value_range))
-        return {"names": self.names(), "values": dict(self._read()), "sketches": sketches, "sketch": settings}
+        idle = dict(zip(self._names, self._host("idle").tolist()))
+        return {"names": self.names(), "values": dict(self._read()), "sketches": sketches, "sketch": settings,
+                "idle": idle}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the same checkpoint must be loaded on every rank). Rows of five
         values (no non-finite count) load with a count of 0; sketches saved in another layout or with
-        another ``relative_accuracy`` or ``value_range`` (their buckets are others) are not restored."""
+        another ``relative_accuracy`` or ``value_range`` (their buckets are others) are not restored; a
+        name without its count of updates without values (an older checkpoint) gets 1."""
         names, values = sorted(state["names"]), state["values"]
         rows = [[*values[n], 0.0][:6] if n in values else _UNPUBLISHED for n in names]
         self._index = {n: i for i, n in enumerate(names)}
         self._published = published = torch.tensor(rows, dtype=torch.float64).reshape(-1, 6)
         self._next_shift = torch.where(published[:, 0] > 0, published[:, 1], 0.0)
-        self._idle = torch.ones(len(names), dtype=torch.float64)  # no update yet: nothing updated
+        self._idle = torch.tensor([state.get("idle", {}).get(n, 1.0) for n in names], dtype=torch.float64)
         ours = state.get("sketch") == (self.sketch.relative_accuracy, tuple(self.sketch.value_range))
         saved = {n: s for n, s in state.get("sketches", {}).items() if isinstance(s, tuple) and ours}
         self._row = {("quantiles", n): j for j, n in enumerate(saved)}  # one count a word

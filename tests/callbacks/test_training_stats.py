@@ -855,6 +855,28 @@ def test_non_finite_values_are_counted_beside_the_statistics_of_the_finite_ones(
     )
 
 
+class _NanOnce(_NonFinite):
+    def training_step(self, batch, batch_idx):
+        report("V", math.nan if batch_idx == 1 else float(batch_idx))
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_count_of_non_finite_values_no_longer_true_is_0_in_callback_metrics() -> None:
+    # ModelCheckpoint and EarlyStopping read callback_metrics: the NaN of the first interval must not
+    # stay beside the later intervals' statistics there (it did, until another interval had one)
+    clear_statistics()
+    logger = _Steps()
+    stats = TrainingStats(every_n_train_steps=2, regex="V", stats=("mean",))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=6, logger=logger, callbacks=[stats],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="non-finite"):
+        trainer.fit(_NanOnce())
+    assert [(step, m["V/nonfinite"]) for step, m in logger.logged if "V/nonfinite" in m] == [(1, 1.0)]
+    assert trainer.callback_metrics["V"] == 4.5 and trainer.callback_metrics["V/nonfinite"] == 0.0
+
+
 class _Colliding(pl.LightningModule):
     def __init__(self, name: str) -> None:
         super().__init__()

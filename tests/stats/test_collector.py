@@ -638,6 +638,28 @@ def test_state_dict_and_pickle_round_trip() -> None:
     assert clone.updated() == ["Loss"]  # the views follow the unpickled buffers, not pickled copies
 
 
+def test_a_resume_keeps_the_count_of_updates_without_values() -> None:
+    # forget_after counts the updates a name went without values: a resumed run forgets it at the same
+    # update as the uninterrupted one (it started every count at 1 again)
+    c = Collector(forget_after=4)
+    report("A", 1.0), report("B", 1.0)
+    c.update()
+    for _ in range(2):  # B: two updates without values
+        report("A", 1.0)
+        c.update()
+    state, names = pickle.dumps(c.state_dict()), []
+    for collector in (c, None):
+        if collector is None:  # the resumed run
+            clear_statistics()
+            collector = Collector(forget_after=4)
+            collector.load_state_dict(pickle.loads(state))
+        for _ in range(2):
+            report("A", 1.0)
+            collector.update()
+            names.append(collector.names())
+    assert names == [["A", "B"], ["A"]] * 2
+
+
 def test_an_interval_of_non_finite_values_only_drops_the_sketch_as_it_drops_the_statistics() -> None:
     """keep_previous keeps what a name had when it received nothing; a name that received only NaN or
     ±inf received values: its percentiles are NaN like its mean, not the last interval's."""
