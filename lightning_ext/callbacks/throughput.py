@@ -67,6 +67,13 @@ def _compute_dtype(precision: str, plugin: Any) -> torch.dtype | str:
     return own if dtype == torch.float32 and isinstance(own, torch.dtype) and own.is_floating_point else dtype
 
 
+def _compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` or one of its submodules runs under ``torch.compile`` (``torch.compile(m)``,
+    ``m.compile()``, or a LightningModule compiled before ``fit``)."""
+    compiled = (hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) for m in module.modules())
+    return getattr(module, "_compiler_ctx", None) is not None or any(compiled)
+
+
 def _name(fn: Any) -> str:
     return getattr(fn, "__qualname__", repr(fn)) if fn is not None else "None"
 
@@ -147,7 +154,10 @@ class Throughput(HookBase):
     the convolutions as ``torch.backends.cudnn.allow_tf32`` says (TF32 by default) and the matmuls as
     the matmul precision says: where their peaks differ, a count weighs them by its FLOPs (the peak is
     then ``model / (convolution / conv peak + rest / peak)``, the rate of doing each at its own peak);
-    with a callable ``flops_fn`` and a model with convolutions it is said once.
+    with a callable ``flops_fn`` and a model with convolutions it is said once. ``flops_fn="count"``
+    counts nothing for a model that holds a ``torch.compile``-d module (said once): dynamo would run
+    its code eagerly for the rest of the process after a step under ``FlopCounterMode`` (a function
+    compiled inside the forward is not detected).
 
     Put it before ``TrainingStats`` in ``callbacks`` (``setup`` raises otherwise: a flush at a batch's
     end would come before it counted that batch); one ``TrainingStats`` collects its names (the
@@ -221,6 +231,7 @@ class Throughput(HookBase):
         self._conv_peak: float | None = None  # its convolutions' own, where it differs
         self._flops_per_sample: tuple[float, ...] | None = None  # (model, hardware, forward), counted
         self._counter: FlopCounter | None = None  # open over the counted micro-batch
+        self._counts = flops_fn == "count"  # whether it counts (not a compiled model: before_train)
         self._flushes = 0
         self._fitting = True  # the stage set up is a fit (a checkpoint loaded resumes the job)
         self._unbooked()
@@ -279,6 +290,13 @@ class Throughput(HookBase):
 
     @override
     def before_train(self) -> None:
+        self._counts = self.flops_fn == "count" and not _compiled(self.pl_module)
+        if self.flops_fn == "count" and not self._counts:
+            self._warn("Throughput: flops_fn='count' counts a micro-batch under FlopCounterMode, which makes "
+                       "torch.compile run the model's compiled code eagerly for the rest of the process (and "
+                       "raise with fullgraph=True): no FLOPs are counted, so no MFU. HINT: count them once "
+                       "on the eager model with lightning_ext.perf.FlopCounter and pass flops_fn=lambda "
+                       "batch: flops_per_sample * len(batch).")  # fmt: skip
         self._flops_per_sample, self._peak = None, self._find_peak()  # (a measured peak: in the start-up)
         self._switch("other")
         self._restart()
@@ -288,7 +306,7 @@ class Throughput(HookBase):
     def _find_peak(self) -> float | None:
         """This device's peak FLOP/s (see the class docstring); ``None`` (said once) when unknown."""
         self._conv_peak = None
-        if self.flops_fn is None or self.peak_flops_per_sec is not None:
+        if not (self._counts or callable(self.flops_fn)) or self.peak_flops_per_sec is not None:
             return self.peak_flops_per_sec
         device, trainer = self.pl_module.device, self.trainer
         dtype = self.peak_dtype or _compute_dtype(trainer.precision, trainer.strategy.precision_plugin)
@@ -335,7 +353,7 @@ class Throughput(HookBase):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._switch("step")
-        if self.flops_fn == "count" and self._flops_per_sample is None and self._counter is None:
+        if self._counts and self._flops_per_sample is None and self._counter is None:
             self._counter = FlopCounter().__enter__()
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
@@ -412,7 +430,8 @@ class Throughput(HookBase):
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._switch("startup" if self._validated_from == "startup" else "data")  # (the sanity check's)
+        # (the sanity check's start-up; a trainer.validate() outside a fit's: the time until the next fit)
+        self._switch(self._validated_from if self._validated_from in ("startup", "other") else "data")
         super().on_validation_end(trainer, pl_module)
 
     @override

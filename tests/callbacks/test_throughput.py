@@ -604,6 +604,47 @@ def test_without_a_peak_no_mfu_and_without_a_flush_nothing_is_written() -> None:
         lonely.fit(_Model(fixed=True))
 
 
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_compiled_model_keeps_running_compiled_and_its_flops_are_not_counted(fullgraph: bool) -> None:
+    # A step under FlopCounterMode made dynamo run the compiled code eagerly for the rest of the
+    # process (the rates then those of an eager model), and raise with fullgraph=True.
+    calls = []
+
+    def backend(graph, inputs):  # runs the traced graph, counting its calls
+        return lambda *args: calls.append(1) or graph.forward(*args)
+
+    model = _Model(fixed=True)
+    model.net = torch.compile(model.net, backend=backend, fullgraph=fullgraph)
+    throughput = Throughput(peak_flops_per_sec=PEAK)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[throughput, TrainingStats(every_n_train_steps=2)],
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="Throughput: flops_fn='count' counts a micro-batch under Flop"):
+        trainer.fit(model)
+    assert len(calls) == 4  # every step ran the compiled code
+    assert "Throughput/samples_per_sec" in throughput.last_metrics
+    assert "Throughput/mfu" not in throughput.last_metrics
+
+
+def test_the_time_after_a_validate_outside_a_fit_is_not_data_wait_nor_validation() -> None:
+    throughput = Throughput(flops_fn=None)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=1, limit_train_batches=2, limit_val_batches=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, callbacks=[throughput, TrainingStats(every_n_train_steps=2)],
+    )  # fmt: skip
+    model = _Model(fixed=True)
+    trainer.fit(model)
+    trainer.validate(model, verbose=False)
+    time.sleep(SLEEP)  # (a notebook's pause before the next fit)
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(model)
+    summary = throughput.ledger.summary()
+    assert summary["data_wait"] < SLEEP and summary["validation"] < 3 * SLEEP + SLEEP / 2, summary
+    assert summary["other"] >= SLEEP, summary
+
+
 class _EveryFlush(Callback):
     """The keys of every flush of the ``TrainingStats`` ``stats`` (its own ``flush``, wrapped)."""
 
