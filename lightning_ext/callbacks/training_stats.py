@@ -186,7 +186,8 @@ class TrainingStats(Callback):
         straggler_min_sec: the seconds (``>= 0``) from which that excess counts.
         straggler_patience: the flushes in a row (``>= 1``) at which it must count before a line.
         forget_after: passed to ``Collector``: flushes in a row without values after which a name is
-            forgotten (``None``: never).
+            forgotten (``None``: never); the publication of late values at an epoch-end flush's step
+            is no flush.
 
     Raises:
         ValueError: ``every_n_train_steps < 1``, ``stats`` is empty or holds an unknown statistic or

@@ -137,7 +137,8 @@ class Collector:
         value_range: ``(low, high)``, the magnitudes the sketch covers with that accuracy.
         stragglers: names (``re.fullmatch``) whose slowest rank :meth:`straggler` names; ``None``: none.
         forget_after: updates in a row without a value on any rank after which a name is forgotten
-            (an int ``>= 1``; ``None``: never), so that the flush costs what the names in use cost.
+            (an int ``>= 1``; ``None``: never), so that the flush costs what the names in use cost; an
+            update at the ``step`` of the previous one (a publication of late values) does not count.
 
     Raises:
         TypeError: ``regex``/``quantiles``/``stragglers`` is not a str (the last two: or None),
@@ -181,6 +182,7 @@ class Collector:
         self._index, self._row = {}, {}  # (what _layout carries over: nothing yet)
         self._layout([], _CPU, 1)
         self._agreed_in: Any = None  # the settings in which the ranks agreed on the configuration
+        self._step: int | None = None  # of the last update
         self._fingerprint = _fingerprint(repr(self))
         self._attach()
 
@@ -311,13 +313,17 @@ class Collector:
             device = next(iter(self._store.slabs)) if len(self._store.slabs) == 1 else _CPU
         if device != self._device or world != self._world:
             self._layout(self._names, device, world)
-        forgettable = self._reduce(float(-1 if step is None else step), rank if world > 1 else 0, settings)
+        same, self._step = step is not None and step == self._step, step  # late values at a step: an
+        forget, rank = 0 if same else self.forget_after or 0, rank if world > 1 else 0  # uncounted update
+        forgettable = self._reduce(float(-1 if step is None else step), rank, settings, forget)
+        if same:  # its names without values: not updated(), nor one more update without values
+            self._idle.sub_(self._idle.gt(0) * (1.0 - 2.0**-20))
         if forgettable:  # the same on every rank: the idle counts come from the reduced counts
             names = [n for n, i in zip(self._names, self._host("idle")) if i < self.forget_after]
             self._layout(names, self._device, self._world)
             self._store.layout(names)
 
-    def _reduce(self, step: float, rank: int, settings: Any) -> int:
+    def _reduce(self, step: float, rank: int, settings: Any, forget: int) -> int:
         """Agree, reduce and finish (class docstring); the names that may be forgotten."""
         store, group, world = self._store, settings[2], self._world
         extra, local = store.extra(), store.local(self._device)
@@ -347,12 +353,12 @@ class Collector:
         if not together:
             size = 5 * len(self._names) + (len(self._named) * int(windows[-2]) if windows is not None else 0)
             _all_reduce(self._sum[:size], dist.ReduceOp.SUM, group, world)
-        again, forgettable = self._finish(local, center)  # (the rows emptied unless again)
+        again, forgettable = self._finish(local, center, forget)  # (the rows emptied unless again)
         if again:  # rare; the same on every rank
             self._idle.sub_(1).clamp_(min=0)  # (the second finish counts the idle names' update again)
             center = self._recenter(local, rank)
             _all_reduce(self._moments, dist.ReduceOp.SUM, group, world)
-            again, forgettable = self._finish(local, center)
+            again, forgettable = self._finish(local, center, forget)
         if windows is not None:
             self._publish_sketches(windows)
         if again or not local[3]:  # rows not emptied, or merged from several devices' (and their counts)
@@ -375,11 +381,11 @@ class Collector:
         self._max.copy_(reduced)
         return center
 
-    def _finish(self, local: tuple, center: torch.Tensor) -> tuple[int, int]:
+    def _finish(self, local: tuple, center: torch.Tensor, forget: int) -> tuple[int, int]:
         """Publish (``moments_finish_``, which empties the rows ``local`` unless ``again``); ``(again,
         forgettable)``, one host read."""
         out, self._memo = (self._published, self._next_shift, self._idle, self._flags, *local[:2]), {}
-        args = (self._extremes, self._moments, center, self.keep_previous, self.forget_after or 0)
+        args = (self._extremes, self._moments, center, self.keep_previous, forget)
         self._store.backend(self._device).run("moments_finish_", *out, *args)
         return tuple(int(flag) for flag in self._host("flags").tolist())  # (again, forgettable)
 
@@ -599,9 +605,8 @@ class Collector:
         kept = {name: self._sketch(name) for arg, name in self._row if arg == "quantiles"}
         sketches = {name: (int(s[0]), int(s[1]), torch.from_numpy(s[2])) for name, s in kept.items() if s}
         settings = (self.sketch.relative_accuracy, tuple(self.sketch.value_range))
-        idle = dict(zip(self._names, self._host("idle").tolist()))
         return {"names": self.names(), "values": dict(self._read()), "sketches": sketches, "sketch": settings,
-                "idle": idle}  # fmt: skip
+                "idle": dict(zip(self._names, self._host("idle").tolist()))}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the same checkpoint must be loaded on every rank). Rows of five

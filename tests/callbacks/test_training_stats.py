@@ -287,9 +287,12 @@ class ValidatingModule(pl.LightningModule):
         return DataLoader(_dataset(), batch_size=8)
 
 
-def test_validation_epoch_flush_feeds_model_checkpoint_and_drops_sanity_check(tmp_path: Path) -> None:
+@pytest.mark.parametrize("forget_after", [100, 1])  # 1: the publication of late values is no flush
+def test_validation_epoch_flush_feeds_model_checkpoint_and_drops_sanity_check(tmp_path: Path, forget_after):
     clear_statistics()
-    stats = TrainingStats(every_n_train_steps=1000, regex="Loss/.*", prefix="stats/")
+    stats = TrainingStats(
+        every_n_train_steps=1000, regex="Loss/.*", prefix="stats/", forget_after=forget_after
+    )
     checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="stats/val/Loss/val", mode="min", save_top_k=1)
     trainer = pl.Trainer(
         accelerator="cpu",

@@ -638,6 +638,21 @@ def test_state_dict_and_pickle_round_trip() -> None:
     assert clone.updated() == ["Loss"]  # the views follow the unpickled buffers, not pickled copies
 
 
+def test_an_update_at_the_step_of_the_previous_one_is_not_counted_by_forget_after() -> None:
+    # TrainingStats publishes late values (a module's on_*_epoch_end) at the step of its epoch-end
+    # flush: that second update counted, and forget_after=1 forgot every other name there
+    c = Collector(forget_after=2)
+    report("A", 1.0), report("B", 1.0)
+    c.update(step=1)
+    report("A", 1.0)
+    c.update(step=2)  # B: one update without values
+    c.update(step=2)  # late values (none): not counted, and nothing updated
+    assert (c.names(), c.updated()) == (["A", "B"], [])
+    report("A", 1.0)
+    c.update(step=3)  # B: two updates without values
+    assert (c.names(), c.updated()) == (["A"], ["A"])
+
+
 def test_a_resume_keeps_the_count_of_updates_without_values() -> None:
     # forget_after counts the updates a name went without values: a resumed run forgets it at the same
     # update as the uninterrupted one (it started every count at 1 again)
