@@ -54,15 +54,19 @@ class HookBase(Callback):
     this package read from it only: ``global_step``, the iteration count behind ``self.iter``,
     ``is_last_batch``, ``loggers``, ``callback_metrics``, ``callbacks``, ``global_rank``,
     ``world_size``, ``is_global_zero``, ``train_dataloader``, ``strategy.batch_to_device(batch)``,
-    ``strategy.precision_plugin.forward_context()`` and, when there are, ``strategy.model`` (the
-    wrapped model: ``IterationTimer`` looks for DDP in it) and ``progress_bar_callback``;
+    ``strategy.precision_plugin.forward_context()`` and ``convert_input(batch)``, and, when there
+    are, ``max_steps``, ``max_epochs`` and ``current_epoch`` (``PreciseBN``'s last iteration),
+    ``strategy.model`` (the wrapped model: ``IterationTimer`` looks for DDP in it) and
+    ``progress_bar_callback``;
     and ``on_train_batch_end``'s ``outputs`` (the loss). A hook checks what it needs itself, with
     an error that names the fix (``PreciseBN`` a training loader at ``before_train``,
     ``LossMonitor`` the loss at every step): the driver knows no hook class.
 
     Inside the methods: ``self.trainer`` (a :func:`weakref.proxy`), ``self.pl_module``, ``self.iter``
     (the iteration, 0-based like detectron2's ``trainer.iter``, continued on resume),
-    ``self.start_iter`` (``self.iter`` at ``before_train``), and ``self.exception``: in an
+    ``self.start_iter`` (``self.iter`` at the first ``before_step``; at ``before_train`` too, except
+    right after a mid-epoch resume, where Lightning's count is one lower until its epoch loop starts),
+    and ``self.exception``: in an
     ``after_train`` after a failure, the exception (else ``None``), so that a hook can skip work,
     above all collectives that other ranks may never join.
 
@@ -128,7 +132,8 @@ class HookBase(Callback):
         self._in_step = False  # between before_step and after_step
         self._step_global_step = 0  # trainer.global_step when the current iteration began
         self._step_batches = 0  # micro-batches of the current iteration that ended
-        self._steps_done = 0  # iterations done (start_iter at before_train), the periodic hooks' count
+        self._steps_done = 0  # iterations done (from start_iter), the periodic hooks' count
+        self._first_batch = False  # no micro-batch of this run started yet
         self._last_batch_end: float | None = None  # perf_counter at the end of the last micro-batch
         #: seconds the current iteration waited for data (see the class docstring).
         self.data_sec = 0.0
@@ -230,7 +235,7 @@ class HookBase(Callback):
         self._attach(trainer, pl_module)
         self.exception = None
         self.start_iter = self._steps_done = _iterations_done(trainer)
-        self._in_step, self._last_batch_end = False, None
+        self._in_step, self._last_batch_end, self._first_batch = False, None, True
         self._running = True
         self._time_lightnings_broadcast(install=True)
         self._call("before_train")
@@ -253,6 +258,9 @@ class HookBase(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self._first_batch:  # Lightning's count of a mid-epoch resume, corrected after on_train_start
+            self._first_batch, self.start_iter = False, _iterations_done(trainer)
+            self._steps_done = self.start_iter
         synced, self._synced = 0.0 if self._last_batch_end is None else self._synced, 0.0
         wait = 0.0 if self._last_batch_end is None else time.perf_counter() - self._last_batch_end - synced
         if self._in_step:  # a later micro-batch of the same iteration

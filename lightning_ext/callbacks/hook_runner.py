@@ -49,7 +49,7 @@ class HookRunner:
     read: :attr:`global_step`, :attr:`is_last_batch`, :attr:`loggers`, :attr:`callback_metrics`,
     :attr:`train_dataloader`, :attr:`global_rank`, :attr:`world_size`, :attr:`is_global_zero`,
     :attr:`callbacks` (the hooks), ``strategy.batch_to_device(batch)``,
-    and ``strategy.precision_plugin.forward_context()``.
+    ``strategy.precision_plugin.forward_context()`` and ``convert_input(batch)`` (the batch as is).
 
     Errors: as in a Trainer (see :class:`HookBase`): an exception from a hook carries a PEP 678 note
     naming the hook and method; :meth:`after_train` runs each started hook's ``after_train`` once, on
@@ -145,7 +145,9 @@ class HookRunner:
         #: what ``PreciseBN`` reads from ``trainer.strategy``.
         self.strategy = types.SimpleNamespace(
             batch_to_device=self._batch_to_device,
-            precision_plugin=types.SimpleNamespace(forward_context=self._forward_context),
+            precision_plugin=types.SimpleNamespace(
+                forward_context=self._forward_context, convert_input=lambda batch: batch
+            ),
         )
         self._running = False  # before_train ran and after_train has not yet
         self._in_step = False  # between before_step and after_step

@@ -29,12 +29,15 @@ class PreciseBN(HookBase):
 
     When: with ``every_n_train_steps=None`` after the last iteration of each training epoch (before
     the end-of-epoch validation, which thus sees the new statistics); with ``every_n_train_steps=k``
-    after every ``k``-th iteration; and at the end of a successful run if the statistics are older
-    than the last iteration. Never after a failed run: the forwards of synchronized layers are
-    collectives.
+    after every ``k``-th iteration; after the run's last iteration (``max_steps`` reached, or the last
+    batch of the ``max_epochs``-th epoch), as detectron2's final update, before the checkpoint and the
+    validation of that iteration; and at the end of a successful run if the statistics are older than
+    the last iteration (a stop before the end: early stopping). Never after a failed run: the
+    forwards of synchronized layers are collectives.
 
     Data: batches from ``data_loader`` (an iterable, or a zero-argument callable returning one at
     each update; ``None``: ``trainer.train_dataloader`` with its distributed sampler), moved by the
+    precision plugin's ``convert_input`` (``"bf16-true"`` & co.: the dtype training sees) and the
     strategy's ``batch_to_device``, forwarded under the precision plugin's ``forward_context()``.
     With ``every_n_train_steps`` set and ``persistent_workers=True``, pass a separate loader:
     restarting the training loader mid-epoch would reset its workers. Values ``report()``-ed in the
@@ -112,8 +115,8 @@ class PreciseBN(HookBase):
 
     def update_stats(self) -> int:
         """Run the update now on every rank (collectives when distributed); returns the batches used."""
-        strategy = self.trainer.strategy
-        batches = (strategy.batch_to_device(b) for b in itertools.islice(self._loader(), self.num_iter))
+        strategy, loaded = self.trainer.strategy, itertools.islice(self._loader(), self.num_iter)
+        batches = (strategy.batch_to_device(strategy.precision_plugin.convert_input(b)) for b in loaded)
 
         def run(model: nn.Module, batch: Any) -> Any:
             with strategy.precision_plugin.forward_context():
@@ -132,11 +135,21 @@ class PreciseBN(HookBase):
 
     @override
     def after_step(self) -> None:
-        steps = self.every_n_train_steps
-        if self.trainer.is_last_batch if steps is None else self._steps_done % steps == 0:
+        steps, trainer = self.every_n_train_steps, self.trainer
+        if (trainer.is_last_batch if steps is None else self._steps_done % steps == 0) or _final(trainer):
             self.update_stats()
 
     @override
     def after_train(self) -> None:
         if self.exception is None and self._last_update_step != self.trainer.global_step:
             self.update_stats()
+
+
+def _final(trainer: Any) -> bool:
+    """Whether the iteration that just ended is the run's last one: ``max_steps`` reached, or the last
+    batch of the last of ``max_epochs`` (a ``HookRunner`` has neither)."""
+    max_steps, max_epochs = getattr(trainer, "max_steps", -1), getattr(trainer, "max_epochs", None)
+    if max_steps is not None and 0 <= max_steps <= trainer.global_step:
+        return True
+    return max_epochs is not None and max_epochs >= 0 and bool(trainer.is_last_batch) and (
+        trainer.current_epoch + 1 >= max_epochs)

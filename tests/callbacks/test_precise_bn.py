@@ -3,6 +3,7 @@ import re
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
@@ -114,3 +115,62 @@ def test_callable_loader_returning_non_iterable():
         TypeError, match=r"PreciseBN: `data_loader\(\)` must return an iterable of batches, got 3"
     ):
         fit(PreciseBN(every_n_train_steps=2, data_loader=lambda: 3), max_steps=2)
+
+
+@pytest.mark.parametrize("precision", ["64-true", "bf16-true"])
+def test_the_update_forwards_the_batches_in_the_dtype_of_training(precision):
+    # Lightning converts the batches of a "-true" precision: the update did not, and crashed on a
+    # float32 batch into a float64 (bfloat16) model
+    hook, data = PreciseBN(num_iter=5), torch.cat(make_batches([6] * 5, seed=2))
+    module = BNModule()
+    trainer = L.Trainer(
+        accelerator="cpu", max_epochs=1, precision=precision, callbacks=[hook], enable_progress_bar=False,
+        enable_model_summary=False, logger=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(TensorDataset(data), batch_size=6))
+    assert hook.batches_used == [5] and module.bn.running_mean.dtype == module.conv.weight.dtype
+    if precision == "64-true":  # (float64 meets the float32 bounds)
+        assert_population(module.bn, module.conv, list(data.split(6)))
+
+
+class _Updates(PreciseBN):
+    """Records the step of each update."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.at: list[int] = []
+
+    def update_stats(self) -> int:
+        self.at.append(self.trainer.global_step)
+        return super().update_stats()
+
+
+def _fit_with_checkpoints(hook, tmp_path, max_steps, ckpt_path=None):
+    data = torch.cat(make_batches([6] * 5, seed=2))  # 5 batches an epoch
+    module = BNModule()
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=max_steps, enable_progress_bar=False, enable_model_summary=False,
+        logger=False, callbacks=[hook, ModelCheckpoint(tmp_path, "{step}", every_n_train_steps=1,
+                                                       save_top_k=-1, save_last=True)],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(TensorDataset(data), batch_size=6), ckpt_path=ckpt_path)
+    return module
+
+
+def test_a_mid_epoch_resume_keeps_the_period(tmp_path):
+    # Lightning's count of the iterations done is one lower at on_train_start after a mid-epoch resume:
+    # every period was one iteration late (ResourceStats' and LossMonitor's too)
+    whole = _Updates(every_n_train_steps=2, num_iter=2)
+    _fit_with_checkpoints(whole, tmp_path, max_steps=8)
+    resumed = _Updates(every_n_train_steps=2, num_iter=2)
+    _fit_with_checkpoints(resumed, tmp_path / "resumed", max_steps=8, ckpt_path=tmp_path / "step=3.ckpt")
+    assert whole.at == [2, 4, 6, 8] and resumed.at == [4, 6, 8] and resumed.start_iter == 3
+
+
+def test_the_last_iterations_update_is_in_its_checkpoint(tmp_path):
+    # as detectron2's final update: before the last iteration's checkpoint (and validation), not after
+    hook = _Updates(every_n_train_steps=3, num_iter=2)
+    module = _fit_with_checkpoints(hook, tmp_path, max_steps=7)
+    assert hook.at == [3, 6, 7]
+    last = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert torch.equal(last["state_dict"]["bn.running_mean"], module.bn.running_mean)
