@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_ext._compat import batches_that_stepped
+from lightning_ext.distributed import collective_seconds
 
 __all__ = ["HookBase"]
 
@@ -89,10 +90,12 @@ class HookBase(Callback):
     of the previous micro-batch (or the start of the epoch, or the end of a validation run) to the
     start of each of its micro-batches, summed over them; set before ``before_step`` (the one
     measurement of data time, which ``IterationTimer`` and ``LossMonitor`` read), less ``self.sync_sec``:
-    the seconds of those waits spent in Lightning's SIGTERM broadcast (2.5.2+, with several ranks: the
-    epoch loop's ``_broadcast_sigterm_tensor`` before each fetch, which the hook times while it trains),
-    where the fast ranks wait for a rank slow after its last collective of an iteration (in its
-    optimizer step), a synchronization and not data. A micro-batch after
+    the seconds of those waits spent in collectives, where the fast ranks wait for a rank slow after
+    its last collective of an iteration (in its optimizer step), a synchronization and not data:
+    Lightning's SIGTERM broadcast (2.5.2+, with several ranks: the epoch loop's
+    ``_broadcast_sigterm_tensor`` before each fetch, which the hook times while it trains) and the
+    package's (:func:`~lightning_ext.distributed.collective_seconds`: a ``TrainingStats`` flush's
+    all-reduces at a batch's end, ``LossMonitor``'s agreement). A micro-batch after
     a checkpoint's save (which ``ModelCheckpoint`` runs in its ``on_validation_end`` or
     ``on_train_batch_end``, after every other callback's) adds nothing: the save is not data, and the
     time until the batch cannot be split into the save and the loading of the batch fetched then.
@@ -137,9 +140,10 @@ class HookBase(Callback):
         self._last_batch_end: float | None = None  # perf_counter at the end of the last micro-batch
         #: seconds the current iteration waited for data (see the class docstring).
         self.data_sec = 0.0
-        #: seconds the current iteration waited in Lightning's SIGTERM broadcast (class docstring).
+        #: seconds the current iteration's data waits spent in collectives (class docstring).
         self.sync_sec = 0.0
         self._synced = 0.0  # seconds in that broadcast since _last_batch_end
+        self._waited = 0.0  # collective_seconds() at _last_batch_end
         self._key_index: int | None = None  # position among same-class hooks of the trainer
         self._instance_id = next(_instance_ids)
 
@@ -242,11 +246,11 @@ class HookBase(Callback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last_batch_end, self._synced = time.perf_counter(), 0.0  # epoch-boundary work is not data
+        self._open_data_window()  # epoch-boundary work is not data
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last_batch_end, self._synced = time.perf_counter(), 0.0  # nor a validation run between batches
+        self._open_data_window()  # nor is a validation run between batches
 
     @override
     def on_save_checkpoint(
@@ -261,7 +265,7 @@ class HookBase(Callback):
         if self._first_batch:  # Lightning's count of a mid-epoch resume, corrected after on_train_start
             self._first_batch, self.start_iter = False, _iterations_done(trainer)
             self._steps_done = self.start_iter
-        synced, self._synced = 0.0 if self._last_batch_end is None else self._synced, 0.0
+        synced = 0.0 if self._last_batch_end is None else self._synced + collective_seconds() - self._waited
         wait = 0.0 if self._last_batch_end is None else time.perf_counter() - self._last_batch_end - synced
         if self._in_step:  # a later micro-batch of the same iteration
             self.data_sec, self.sync_sec = self.data_sec + wait, self.sync_sec + synced
@@ -282,7 +286,10 @@ class HookBase(Callback):
         if self._in_step and trainer.global_step != self._step_global_step:
             self._in_step, self._steps_done = False, self._steps_done + 1
             self._call("after_step")
-        self._last_batch_end, self._synced = time.perf_counter(), 0.0
+        self._open_data_window()
+
+    def _open_data_window(self) -> None:
+        self._last_batch_end, self._synced, self._waited = time.perf_counter(), 0.0, collective_seconds()
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

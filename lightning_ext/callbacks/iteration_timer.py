@@ -39,10 +39,10 @@ class IterationTimer(HookBase):
       micro-batch to the start of the next, which holds the loading, the batch's transfer and the
       end-of-batch work of the callbacks after this one, a statistics flush included).
     - ``Timing/forward_sec``: from the start of a micro-batch to ``on_before_backward`` (the
-      ``training_step``), and between a backward and the next (manual optimization); and, under a
-      Trainer, Lightning's wait before each batch's fetch in its broadcast of the SIGTERM flag (from
-      Lightning 2.5.2: the epoch loop's ``_broadcast_sigterm_tensor``, timed by this hook while it
-      trains), a synchronization of the ranks that is not data.
+      ``training_step``), and between a backward and the next (manual optimization); and the waits in
+      collectives since the previous micro-batch (``HookBase.sync_sec``: under a Trainer, Lightning's
+      broadcast of the SIGTERM flag before each fetch, from Lightning 2.5.2, and a statistics flush's
+      all-reduces), synchronizations of the ranks that are not data.
     - ``Timing/backward_sec``: from ``on_before_backward`` to ``on_after_backward``.
     - ``Timing/optimizer_sec``: from the last ``on_after_backward`` to the end of the micro-batch
       (gradient clipping, the optimizer step, LR schedulers, the hooks around them).
@@ -50,7 +50,7 @@ class IterationTimer(HookBase):
       package's own (:func:`~lightning_ext.distributed.collective_seconds`: SyncBatchNorm's all-reduce,
       a loss scaler's), DDP's (:class:`~lightning_ext.distributed.DDPSyncTimer`): its buffer
       broadcast before the forward and its gradient all-reduce, from this rank's last bucket launch to
-      the end of its backward, and Lightning's SIGTERM broadcast.
+      the end of its backward, and ``HookBase.sync_sec``.
     - ``Timing/compute_sec``: forward + backward + optimizer less those waits.
 
     So the iteration is the wall time from the end of the previous iteration to the end of this one,

@@ -572,7 +572,7 @@ class _Model(L.LightningModule):
         return DataLoader(_Data(), batch_size=BATCH)
 
 
-def _trainer_job(rank: int, world: int, sync_bn: bool, log_dir: str, slow_in: str) -> list[str]:
+def _trainer_job(rank: int, world: int, sync_bn: bool, log_dir: str, slow_in: str, every: int) -> list[str]:
     """Train ``STEPS`` steps on ``world`` ranks (Lightning's ``"ddp"`` on the harness's workers),
     logging to a CSV file in ``log_dir``; what this rank logged (rank zero's straggler lines)."""
     trainer = ddp_trainer(
@@ -580,7 +580,7 @@ def _trainer_job(rank: int, world: int, sync_bn: bool, log_dir: str, slow_in: st
         world,
         plugins=[SyncBatchNormPlugin()] if sync_bn else None,
         max_steps=STEPS,
-        callbacks=[IterationTimer(warmup_iter=WARMUP), TrainingStats(every_n_train_steps=EVERY)],
+        callbacks=[IterationTimer(warmup_iter=WARMUP), TrainingStats(every_n_train_steps=every)],
         logger=CSVLogger(log_dir, name="csv", version=0),
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -591,10 +591,10 @@ def _trainer_job(rank: int, world: int, sync_bn: bool, log_dir: str, slow_in: st
     return logged
 
 
-def run_job(tmp_path: Path, world: int, sync_bn: bool, slow_in: str = "backward"):
+def run_job(tmp_path: Path, world: int, sync_bn: bool, slow_in: str = "backward", every: int = EVERY):
     """Train ``STEPS`` steps on ``world`` DDP ranks; the steps of the flushes' CSV rows and their
     straggler ranks, and the straggler lines ``(iteration, rank, name)`` printed on rank zero."""
-    logged = run_distributed(_trainer_job, world, sync_bn, str(tmp_path), slow_in, timeout=200)
+    logged = run_distributed(_trainer_job, world, sync_bn, str(tmp_path), slow_in, every, timeout=200)
     assert all(lines == [] for lines in logged[1:])  # rank zero's lines only
     with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
         key = "Timing/compute_sec/straggler_rank"
@@ -617,3 +617,15 @@ def test_a_rank_slow_in_its_backward_is_named_and_a_quiet_job_names_nobody(tmp_p
     assert len(named) == len(lines) and len(named) >= len(slow) - 3, (slow, lines)
     print(f"{world} ranks, SyncBatchNorm {sync_bn}, slow in its {slow_in}: named at {len(named)} of "
           f"{len(slow) - 1} flushes")  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_a_fast_ranks_wait_in_a_flush_after_a_slow_optimizer_step_is_no_data_time(tmp_path):
+    # The fast ranks wait for one slow in its optimizer step in the first collective after the batch's
+    # end: with a flush at that batch, its all-reduce; it was their data time, which named a fast rank
+    # in Timing/data_sec at every flush
+    rows, lines = run_job(tmp_path, 2, False, "optimizer", every=2)
+    slow = [step for step, _ in rows if step >= SLOW_FROM]
+    assert [line for line in lines if line[0] >= SLOW_FROM and line[1] != SLOW_RANK] == [], lines
+    named = [i for i, rank, name in lines if (rank, name) == (SLOW_RANK, "Timing/compute_sec")]
+    assert len(named) >= len(slow) - 3, (slow, lines)
