@@ -8,7 +8,5 @@ from lightning_ext.stats.collector import Collector, Straggler
 from lightning_ext.stats.reporting import clear_statistics, init_multiprocessing, report, report0, set_stage
 from lightning_ext.stats.sketch import LogHistogram
 
-__all__ = [
-    "Collector", "LogHistogram", "Straggler", "clear_statistics", "init_multiprocessing",
-    "report", "report0", "set_stage",
-]  # fmt: skip
+__all__ = ["Collector", "LogHistogram", "Straggler", "clear_statistics", "init_multiprocessing", "report",
+           "report0", "set_stage"]  # fmt: skip

@@ -130,9 +130,8 @@ def init_multiprocessing(
     """
     check_int("init_multiprocessing", "rank", rank, ge=0)
     if sync_device is not None and not isinstance(sync_device, torch.device | str):
-        raise TypeError(
-            f"init_multiprocessing: `sync_device` must be a torch.device, a str or None, got {sync_device!r}"
-        )
+        raise TypeError(f"init_multiprocessing: `sync_device` must be a torch.device, a str or None, "
+                        f"got {sync_device!r}")  # fmt: skip
     device = torch.device(sync_device) if sync_device is not None else None
     _state.settings = _SyncSettings(rank, device, process_group)
 
@@ -216,9 +215,8 @@ def _as_array(name: str, value: Any) -> np.ndarray:
 
 def _is_number(value: Any) -> bool:
     """A Python or NumPy real number (not a tensor or an array)."""
-    return type(value) is float or (
-        not isinstance(value, torch.Tensor | np.ndarray) and isinstance(value, numbers.Real)
-    )
+    return type(value) is float or (not isinstance(value, torch.Tensor | np.ndarray)
+                                    and isinstance(value, numbers.Real))  # fmt: skip
 
 
 def _as_float(name: str, value: Any) -> float:
@@ -226,9 +224,8 @@ def _as_float(name: str, value: Any) -> float:
     try:
         return float(value)
     except OverflowError:
-        raise OverflowError(
-            f"report({name!r}, value): {value!r:.40} is beyond float64's range (about 1.8e308)"
-        ) from None
+        raise OverflowError(f"report({name!r}, value): {value!r:.40} is beyond float64's range "
+                            "(about 1.8e308)") from None  # fmt: skip
 
 
 def _as_tensor(name: str, value: Any) -> torch.Tensor:
