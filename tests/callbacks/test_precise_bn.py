@@ -8,6 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
+from lightning_ext._compat import at_least
 from lightning_ext.callbacks import PreciseBN
 from tests.nn.test_precise_bn import assert_population, make_batches
 
@@ -157,6 +158,11 @@ def _fit_with_checkpoints(hook, tmp_path, max_steps, ckpt_path=None):
     return module
 
 
+@pytest.mark.skipif(
+    not at_least(L.__version__, "2.5"),
+    reason="Lightning 2.4 restores its count of the batches that stepped (its log step) one lower after a "
+    "mid-epoch resume, for the whole run; from 2.5 its epoch loop corrects it",
+)
 def test_a_mid_epoch_resume_keeps_the_period(tmp_path):
     # Lightning's count of the iterations done is one lower at on_train_start after a mid-epoch resume:
     # every period was one iteration late (ResourceStats' and LossMonitor's too)
