@@ -1,7 +1,8 @@
 """Argument checks of the public entry points: one rule, one message format (private; no Lightning import).
 
-The rule: ``TypeError`` for a value of the wrong type — anything but an ``int`` where an int is asked
-(``True`` is an ``int`` to Python, never to these checks), NaN or ±inf where a finite number is asked —
+The rule: ``TypeError`` for a value of the wrong type — anything but an integer (a Python or NumPy
+one) where an int is asked (``True`` is an ``int`` to Python, never to these checks), NaN or ±inf where
+a finite number is asked —
 and ``ValueError`` for a value of the right type outside what is allowed. Every message names the owner
 (the class, function or method the user called), the argument, what is allowed and the value received
 (its type too on a ``TypeError``), then a ``HINT:`` where the caller gives one::
@@ -17,10 +18,14 @@ messages in the same spirit.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 import re
 from collections.abc import Collection
 from typing import Any, NoReturn
+
+import numpy as np
+import torch
 
 __all__ = ["check_bool", "check_choice", "check_int", "check_number", "check_regex"]
 
@@ -62,8 +67,8 @@ def check_int(owner: str, name: str, value: Any, **bounds: Any) -> None:
             ``HINT: ...`` to either error).
 
     Raises:
-        TypeError: ``value`` is not an ``int`` (a ``bool`` or a float with an integral value included),
-            nor ``None`` where ``optional``.
+        TypeError: ``value`` is not an integer (an ``int`` or a NumPy integer; a ``bool`` or a float with
+            an integral value included), nor ``None`` where ``optional``.
         ValueError: ``value`` is outside the bounds.
 
     Example::
@@ -78,7 +83,7 @@ def check_int(owner: str, name: str, value: Any, **bounds: Any) -> None:
         TypeError: LossMonitor: `every_n_train_steps` must be an int >= 1, got True (bool)
     """
 
-    is_int = isinstance(value, int) and not isinstance(value, bool)
+    is_int = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     _check_bounded("an int", is_int, owner, name, value, **bounds)
 
 
@@ -89,8 +94,8 @@ def check_number(owner: str, name: str, value: Any, **bounds: Any) -> None:
         owner, name, value, bounds: as :func:`check_int`'s.
 
     Raises:
-        TypeError: ``value`` is not an ``int``/``float``, is a ``bool``, NaN or ±inf, nor ``None`` where
-            ``optional``.
+        TypeError: ``value`` is not a real number (Python's or NumPy's), is a ``bool``, NaN or ±inf, nor
+            ``None`` where ``optional``.
         ValueError: ``value`` is outside the bounds.
 
     Example::
@@ -106,7 +111,7 @@ def check_number(owner: str, name: str, value: Any, **bounds: Any) -> None:
     """
 
     try:
-        finite = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        finite = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
     except OverflowError:  # an int beyond float64's range
         finite = False
     _check_bounded("a finite number", finite, owner, name, value, **bounds)
@@ -137,6 +142,19 @@ def _check_bounded(
     bounds = {key: bound for key, bound in bounds.items() if bound is not None}
     allowed = f"{kind}{_in_words(bounds)}{' or None' if optional else ''}"
     _fail(ValueError if of_kind else TypeError, owner, name, allowed, value, hint)
+
+
+def as_number(value: Any) -> Any:
+    """A NumPy scalar or a 0-dim tensor as the Python number it holds (the originals of the drop-ins
+    take them: a number read from a config or computed by torch), anything else as it is (then checked).
+
+    Example::
+
+        >>> as_number(np.float32(0.5)), as_number(torch.tensor(3)), as_number("3")
+        (0.5, 3, '3')
+    """
+    scalar = isinstance(value, np.generic) or (isinstance(value, torch.Tensor) and value.ndim == 0)
+    return value.item() if scalar else value
 
 
 def check_bool(owner: str, name: str, value: Any, *, hint: str | None = None) -> None:

@@ -5,6 +5,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 from lightning_ext._checks import check_bool, check_choice, check_int, check_number
 
@@ -20,6 +21,8 @@ from lightning_ext._checks import check_bool, check_choice, check_int, check_num
         (7, {"ge": 1, "le": 7}),
         (3, {"gt": 2, "lt": 4}),
         (None, {"optional": True}),
+        (np.int64(3), {"ge": 1}),  # NumPy's integers are integers (a config's), as numbers.Integral says
+        (np.uint8(3), {"ge": 1}),
     ],
 )
 def test_check_int_accepts(value, kwargs):
@@ -34,7 +37,8 @@ def test_check_int_accepts(value, kwargs):
         (2.0, "2.0 (float)"),  # an integral float too
         ("3", "'3' (str)"),
         (None, "None"),
-        (np.int64(3), f"{np.int64(3)!r} (int64)"),  # numpy's ints are not ints either
+        (np.True_, f"{np.True_!r} (bool)"),  # NumPy's bool is no more an int than Python's
+        (torch.tensor(3), "tensor(3) (Tensor)"),  # (the drop-ins take one: lightning_ext._checks.as_number)
     ],
 )
 def test_check_int_wrong_type_is_a_type_error(value, got):
@@ -80,6 +84,8 @@ def test_check_int_none_needs_optional():
         (0.0, {"ge": 0.0}),
         (1e300, {}),
         (None, {"optional": True}),
+        (np.float32(0.5), {"gt": 0.0}),  # every NumPy width alike (np.float64 is a float)
+        (np.int8(2), {"gt": 0.0}),
     ],
 )
 def test_check_number_accepts(value, kwargs):
@@ -95,6 +101,7 @@ def test_check_number_accepts(value, kwargs):
         (True, "True (bool)"),
         ("1", "'1' (str)"),
         (None, "None"),
+        (np.float32("nan"), "np.float32(nan) (float32)"),
         ([1.0], "[1.0] (list)"),
     ],
 )

@@ -17,14 +17,13 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, get_args
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.amp import GradScaler
 from torch.optim import Optimizer
 
-from lightning_ext._checks import check_bool, check_choice, check_int, check_number
+from lightning_ext._checks import as_number, check_bool, check_choice, check_int, check_number
 from lightning_ext._compat import (
     GradScalerStage,
     new_optimizer_state,
@@ -128,16 +127,10 @@ def _device_type(owner: str, device: Any) -> str:
         raise ValueError(message) from None
 
 
-def _as_python(value: Any) -> Any:
-    """A NumPy scalar as the Python number it holds (GradScaler takes them: a number read from a
-    config), anything else as it is (then checked)."""
-    return value.item() if isinstance(value, np.generic) else value
-
-
 def _as_flag(value: Any) -> Any:
     """``enabled`` given as ``0``/``1`` (an argparse flag) or a NumPy bool, as a bool (GradScaler takes
     any truth value); anything else as it is (then checked)."""
-    value = _as_python(value)
+    value = as_number(value)
     return bool(value) if type(value) is int and value in (0, 1) else value
 
 
@@ -196,7 +189,8 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
             scaler with a warning, as GradScaler does: pass ``"cpu"`` on CPU); a str or a
             ``torch.device``, whose index is ignored (the scale lives on the gradients' device).
         init_scale, growth_factor, backoff_factor, growth_interval, enabled: GradScaler's (NumPy
-            scalars taken as the numbers they hold, ``enabled`` also as ``0``/``1``).
+            scalars and 0-dim tensors taken as the numbers they hold, here and in the options below;
+            ``enabled`` also as ``0``/``1``).
         schedule: ``"exponential"`` (GradScaler) or ``"log2"`` (StyleGAN2-ADA).
         log2_increment, log2_decrement: ``"log2"``: ``log2(scale)`` change per clean step / back-off.
         hysteresis: back off on the ``hysteresis``-th overflow since the last growth (Megatron-LM);
@@ -287,8 +281,11 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
         per_optimizer: bool = False,
     ) -> None:
         device, enabled = _device_type(type(self).__name__, device), _as_flag(enabled)
-        init_scale, growth_factor, backoff_factor, growth_interval = (
-            _as_python(x) for x in (init_scale, growth_factor, backoff_factor, growth_interval)
+        init_scale, growth_factor, backoff_factor, growth_interval = (  # (GradScaler takes NumPy numbers
+            as_number(x) for x in (init_scale, growth_factor, backoff_factor, growth_interval)  # and 0-dim
+        )  # tensors; so do the options of ours)
+        log2_increment, log2_decrement, hysteresis, min_scale, max_scale = (
+            as_number(x) for x in (log2_increment, log2_decrement, hysteresis, min_scale, max_scale)
         )
         owner, arguments = type(self).__name__, locals()
         _check(owner, arguments)  # every argument by the rule of its name, as load_state_dict's entries

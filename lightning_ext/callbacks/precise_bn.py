@@ -73,7 +73,8 @@ class PreciseBN(HookBase):
         steps, per_epoch = every_n_train_steps, "None updates after every epoch."
         check_int("PreciseBN", "every_n_train_steps", steps, ge=1, optional=True, hint=per_epoch)
         check_int("PreciseBN", "num_iter", num_iter, ge=1)
-        if data_loader is not None and not callable(data_loader) and not isinstance(data_loader, Iterable):
+        if data_loader is not None and (isinstance(data_loader, str | bytes) or not (
+            callable(data_loader) or isinstance(data_loader, Iterable))):  # fmt: skip
             raise TypeError(
                 "PreciseBN: `data_loader` must be an iterable of batches, a zero-argument callable "
                 f"returning one, or None (the training loader), got {data_loader!r}"

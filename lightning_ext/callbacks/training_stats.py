@@ -9,7 +9,7 @@ import re
 import socket
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -48,8 +48,9 @@ STAGE_PREFIXES = {"validate": "val/", "test": "test/"}
 
 def _check_stats(stats: Any, quantiles: str | None) -> tuple[str, ...]:
     """``stats`` as a tuple, else the error naming it (see :class:`TrainingStats`)."""
-    if isinstance(stats, str):
-        raise TypeError(f"TrainingStats: `stats` must be a sequence of names, not the str {stats!r}")
+    if isinstance(stats, str) or not isinstance(stats, Iterable):
+        got = f"the str {stats!r}" if isinstance(stats, str) else repr(stats)
+        raise TypeError(f"TrainingStats: `stats` must be a sequence of names, not {got}")
     stats = tuple(stats)
 
     bad = [s for s in stats if s not in _STATS and not (isinstance(s, str) and _PERCENTILE.fullmatch(s))]

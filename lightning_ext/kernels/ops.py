@@ -8,7 +8,7 @@ documents its arguments (:func:`~lightning_ext.kernels.define_op`).
 - :mod:`~lightning_ext.kernels.unscale`: ``unscale_and_check_``, ``check_finite``;
 - :mod:`~lightning_ext.kernels.moments`: ``accumulate_moments_``, ``moments_payload_``,
   ``moments_finish_``;
-- :mod:`~lightning_ext.kernels.histogram`: ``accumulate_histogram_``.
+- :mod:`~lightning_ext.kernels.histogram`: ``accumulate_histogram_``, ``pack_windows_``.
 """
 
 from __future__ import annotations

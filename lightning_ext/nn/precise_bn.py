@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_ext._checks import check_int
 from lightning_ext._compat import BatchNormBase
 from lightning_ext.distributed import all_reduce_, collective_device, get_world_size, is_distributed
 from lightning_ext.kernels import merge_moments
@@ -71,6 +72,9 @@ def update_bn_stats(
     Raises:
         RuntimeError: a BatchNorm layer did not run exactly once in a forward; distributed, on every
             rank at the same batch (the others name the failure as another rank's).
+        TypeError: ``model`` is not a module, ``batches`` not iterable, ``num_iter`` not an int,
+            ``forward_fn`` not callable.
+        ValueError: ``num_iter < 1``.
 
     Example::
 
@@ -81,6 +85,7 @@ def update_bn_stats(
         >>> bn.running_mean, bn.running_var, bn.momentum  # mean and unbiased variance of all four rows
         (tensor([3., 4.]), tensor([6.6667, 6.6667]), 0.1)
     """
+    _check_arguments(model, batches, num_iter, forward_fn)
     layers = [
         m for m in model.modules() if isinstance(m, BatchNormBase) and m.training and m.track_running_stats
     ]
@@ -91,6 +96,17 @@ def update_bn_stats(
         if used:
             _write_population_stats(layers, records)
     return used
+
+
+def _check_arguments(model: Any, batches: Any, num_iter: Any, forward_fn: Any) -> None:
+    check_int("update_bn_stats", "num_iter", num_iter, ge=1)
+    for name, value, ok, kind in (
+        ("model", model, isinstance(model, nn.Module), "a torch.nn.Module"),
+        ("batches", batches, isinstance(batches, Iterable), "an iterable of batches"),
+        ("forward_fn", forward_fn, callable(forward_fn), "callable"),
+    ):
+        if not ok:
+            raise TypeError(f"update_bn_stats: `{name}` must be {kind}, got {value!r:.80}")
 
 
 def _run_batches(

@@ -55,7 +55,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_ext._checks import check_int, check_number
+from lightning_ext._checks import as_number, check_bool, check_int, check_number
 from lightning_ext.distributed import (
     all_reduce_,
     check_process_group,
@@ -249,6 +249,7 @@ class SyncBatchNorm(_BatchNorm):
         backend: str | None = None,
     ) -> None:
         owner = type(self).__name__
+        num_features, eps, momentum = (as_number(x) for x in (num_features, eps, momentum))  # (as torch's)
         check_int(owner, "num_features", num_features, ge=1)
         check_number(owner, "eps", eps, gt=0.0)
         check_number(
@@ -385,12 +386,15 @@ def sync_batch_norm_stats(
         ``(C,)`` sum of squared deviations; NaN mean/m2 when the count is 0. Not differentiable.
 
     Raises:
-        TypeError, ValueError: as the ``batch_norm_moments`` op (:mod:`lightning_ext.kernels.batch_norm`).
+        TypeError, ValueError: as the ``batch_norm_moments`` op (:mod:`lightning_ext.kernels.batch_norm`);
+            ``TypeError``: ``sync`` is not a bool, ``process_group`` not a process group or ``None``.
 
     Synchronizes host and device only when the group's collective device differs from ``x``'s.
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"`x` must be a torch.Tensor of shape (N, C, *), got {type(x).__name__}")
+    check_bool("sync_batch_norm_stats", "sync", sync)
+    check_process_group(process_group, allow_non_member=True)
     if shift is None and x.dim() >= 2:
         shift = torch.zeros(x.shape[1], dtype=torch.float64, device=x.device)
     if isinstance(shift, Tensor) and shift.dtype not in (torch.float32, torch.float64):

@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from lightning_ext._checks import check_int, check_number
+from lightning_ext._checks import check_bool, check_int, check_number
 from lightning_ext._compat import in_backward
 
 __all__ = ["FlopCount", "FlopCounter", "count_flops", "mfu"]
@@ -177,6 +177,7 @@ def count_flops(fn: Callable[..., Any], *inputs: Any, backward: bool = True) -> 
 
     Raises:
         ValueError: ``backward`` and no output requires gradients.
+        TypeError: ``fn`` is not callable, ``backward`` not a bool.
 
     Example::
 
@@ -185,6 +186,9 @@ def count_flops(fn: Callable[..., Any], *inputs: Any, backward: bool = True) -> 
         >>> count.forward, count.backward, count.model  # the first layer's input needs no gradient
         (12288, 16384, 28672)
     """
+    if not callable(fn):
+        raise TypeError(f"count_flops: `fn` must be callable (a module or a function), got {fn!r:.80}")
+    check_bool("count_flops", "backward", backward)
     with FlopCounter() as counter:
         outputs = fn(*inputs)
         if backward:

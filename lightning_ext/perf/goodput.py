@@ -37,6 +37,9 @@ class GoodputLedger:
         clock: seconds since a fixed origin; the first launch is its value at construction (make the
             ledger early in the job: what precedes it is not counted).
 
+    Raises:
+        TypeError: ``clock`` is not callable.
+
     Example::
 
         >>> now = iter([100.0, 130.0, 185.0, 190.0, 200.0]).__next__
@@ -52,6 +55,8 @@ class GoodputLedger:
     """
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        if not callable(clock):
+            raise TypeError(f"GoodputLedger: `clock` must be callable (seconds), got {clock!r}")
         self._clock = clock
         self.first_launch = float(clock())
         self.restarts = 0

@@ -142,6 +142,8 @@ def peak_flops(dtype: torch.dtype | str, device_name: str | None = None) -> floa
     """
     key = _dtype_key(dtype)
     hint = "HINT: give the peak yourself, or measure_peak_flops() for an achievable matmul rate."
+    if device_name is not None and not isinstance(device_name, str):
+        raise TypeError(f"peak_flops: `device_name` must be a str or None, got {device_name!r}")
     if device_name is None:
         if not torch.cuda.is_available():
             raise ValueError(f"peak_flops: no CUDA device and no `device_name`. {hint}")
@@ -195,9 +197,9 @@ def measure_peak_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", 
 
     Raises:
         ValueError: ``size`` < 16 or ``dtype`` not float16, bfloat16, float32 or float64 (float8
-            matmuls need ``torch._scaled_mm``: give the peak yourself); ``device`` neither a CPU nor a
-            CUDA device (an MPS or XPU timing would count the launches, not the work).
-        TypeError: ``size`` not an int.
+            matmuls need ``torch._scaled_mm``: give the peak yourself); ``device`` neither a CPU nor an
+            available CUDA device (an MPS or XPU timing would count the launches, not the work).
+        TypeError: ``size`` not an int; ``device`` not a device (a str or a ``torch.device``).
 
     Example::
 
@@ -209,9 +211,7 @@ def measure_peak_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", 
         raise ValueError(
             f"measure_peak_flops: `dtype` must be one of {_MATMUL_DTYPES} (torch.mm's), got {dtype!r}"
         )
-    where = torch.device(device)
-    if where.type not in ("cpu", "cuda"):
-        raise ValueError(f"measure_peak_flops: `device` must be a CPU or a CUDA device, got {device!r}")
+    where = _timed_device(device)
     key = (str(where), dtype, size)
     if key not in _measured:
         a, b = (torch.randn(size, size, device=where).to(dtype) for _ in range(2))
@@ -219,6 +219,20 @@ def measure_peak_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", 
         best = min(_time_matmuls(a, b, repeats) for _ in range(3))
         _measured[key] = 2.0 * size**3 * repeats / best
     return _measured[key]
+
+
+def _timed_device(device: object) -> torch.device:
+    """``device`` as a CPU or an available CUDA device, else the error naming it."""
+    if not isinstance(device, str | torch.device):
+        raise TypeError(f"measure_peak_flops: `device` must be a str or a torch.device, got {device!r}")
+    try:
+        where = torch.device(device)
+    except RuntimeError:
+        where = None
+    cuda = where is not None and where.type == "cuda" and torch.cuda.is_available()
+    if where is None or not (where.type == "cpu" or cuda):
+        raise ValueError(f"measure_peak_flops: `device` must be a CPU or an available GPU, got {device!r}")
+    return where
 
 
 def clear_peak_cache() -> None:
