@@ -77,19 +77,22 @@ napoleon_use_ivar = True
 napoleon_custom_sections = ["Shape"]  # torch's BatchNorm-style `Shape:` section, rendered as written
 
 # -- doctest (the guides' ``testcode`` blocks; run with ``sphinx-build -b doctest``) --------------
+# The setup leaves no name a reader's copy of a block would lack (a block imports what it uses) but the
+# docs' own helpers, run_script and quiet_lightning.
 doctest_global_setup = """
-import os
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-import torch
-torch.manual_seed(0)
-torch.set_num_threads(1)
-import lightning_ext
-lightning_ext.reset()
+import os as _os
+_os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch as _torch
+_torch.manual_seed(0)
+_torch.set_num_threads(1)
+import lightning_ext as _lightning_ext
+_lightning_ext.reset()
 from docs_helpers import run_script, quiet_lightning
 quiet_lightning()
+del _os, _torch
 """
 doctest_global_cleanup = """
-lightning_ext.reset()
+_lightning_ext.reset()
 """
 doctest_test_doctest_blocks = ""  # the docstrings' ``>>>`` examples run under pytest --doctest-modules
 
