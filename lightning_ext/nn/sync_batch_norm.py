@@ -320,7 +320,7 @@ class SyncBatchNorm(_BatchNorm):
                 x = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
                 dims = [0, *range(2, input.dim())]  # (var_mean's mean of an inf is NaN, not torch's inf)
                 mean, var = x.mean(dims), x.var(dims, correction=1)
-                factor = self.num_batches_tracked.reciprocal().to(self.running_mean.dtype)
+                factor = self.num_batches_tracked.double().reciprocal().to(self.running_mean.dtype)
                 for running, batch in ((self.running_mean, mean), (self.running_var, var)):
                     running.mul_(1 - factor).add_(batch.to(running.dtype) * factor)  # (ATen's order)
         return output
