@@ -51,7 +51,9 @@ def _accumulate_moments_reference(acc: Tensor, x: Tensor, shift: Tensor) -> None
     arithmetic is float64, except that for float16/bfloat16/float32 input a backend may form ``x -
     shift`` and its square in float32 and sum them in runs of at most 32 terms before float64 takes them,
     where no square overflows or underflows (``cpu``: relative error at most ``34 * 2**-24`` of the
-    summed magnitudes; float64 elsewhere, so every finite input gives finite sums).
+    summed magnitudes; float64 elsewhere). The sums are finite while the deviations from the shift stay
+    below about ``1e154`` (their squares, float64's range): beyond, ``S2`` overflows and the variance
+    published from it is NaN (NumPy's is inf), the count, sum, min and max still right.
 
     Args:
         acc: float64 ``(6,)`` on ``x``'s device, updated in place (the layout of the module docstring).
