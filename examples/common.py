@@ -10,6 +10,7 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
 
@@ -42,10 +43,14 @@ def start_run(args: argparse.Namespace) -> Path:
     return run_dir
 
 
-def loggers(run_dir: Path) -> list[Any]:
-    """CSV logs in ``run_dir``; TensorBoard logs in ``run_dir/tensorboard`` when it is installed."""
+def loggers(run_dir: Path, resume: bool = False) -> list[Any]:
+    """CSV logs in ``run_dir``; TensorBoard logs in ``run_dir/tensorboard`` when it is installed.
+
+    Lightning's ``CSVLogger`` deletes the ``metrics.csv`` it finds: a resumed run (``resume``) first
+    keeps the earlier launches' as ``metrics-<k>.csv``, a fresh one drops those (:func:`metrics_files`)."""
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
+    _keep_earlier_launches(run_dir, resume)
     loggers: list[Any] = [CSVLogger(run_dir, name="", version="")]
     try:
         import tensorboard  # noqa: F401
@@ -56,16 +61,35 @@ def loggers(run_dir: Path) -> list[Any]:
     return loggers
 
 
-def read_metrics_csv(path: str | Path) -> dict[str, list[tuple[int, float]]]:
-    """Read a Lightning ``metrics.csv`` into ``{column: [(step, value), ...]}`` (empty cells skipped)."""
+def metrics_files(run_dir: Path) -> list[Path]:
+    """The run's CSV logs in launch order: the earlier launches' ``metrics-<k>.csv`` (kept by a resume),
+    then ``metrics.csv``."""
+    earlier = sorted(run_dir.glob("metrics-*.csv"), key=lambda path: int(path.stem.split("-")[1]))
+    return earlier + [path for path in [run_dir / "metrics.csv"] if path.is_file()]
+
+
+@rank_zero_only
+def _keep_earlier_launches(run_dir: Path, resume: bool) -> None:
+    earlier = [path for path in metrics_files(run_dir) if path.name != "metrics.csv"]
+    if not resume:  # a new run in the directory: no launch of an earlier one in its logs
+        for path in earlier:
+            path.unlink()
+    elif (run_dir / "metrics.csv").is_file():
+        (run_dir / "metrics.csv").rename(run_dir / f"metrics-{len(earlier) + 1}.csv")
+
+
+def read_metrics_csv(*paths: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """Read Lightning ``metrics.csv`` files (one run's launches, in order) into ``{column: [(step,
+    value), ...]}`` (empty cells skipped)."""
     series: dict[str, list[tuple[int, float]]] = {}
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            step = int(float(row.get("step") or 0))
-            for key, value in row.items():
-                if key in ("step", "epoch") or value in (None, ""):
-                    continue
-                series.setdefault(key, []).append((step, float(value)))
+    for path in paths:
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                step = int(float(row.get("step") or 0))
+                for key, value in row.items():
+                    if key in ("step", "epoch") or value in (None, ""):
+                        continue
+                    series.setdefault(key, []).append((step, float(value)))
     return series
 
 

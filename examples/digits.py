@@ -22,9 +22,10 @@ no download) with ``Trainer(accelerator="cpu", devices=2, strategy="ddp")`` and:
 - :class:`~lightning_ext.callbacks.IterationTimer`, :class:`~lightning_ext.callbacks.LossMonitor`
   and :class:`~lightning_ext.callbacks.PreciseBN` (detectron2-style hooks).
 
-It writes CSV (and TensorBoard) logs and checkpoints under ``runs/<name>/``, draws
-``runs/<name>/summary.png`` (loss, accuracy, loss scale, overflow events, the gradient norm,
-throughput, MFU and goodput over steps), prints a table of the collected statistics and the
+It writes CSV (and TensorBoard) logs and checkpoints under ``runs/<name>/`` (a ``--resume`` keeps
+the earlier launches' CSV as ``metrics-<k>.csv``), draws ``runs/<name>/summary.png`` (loss,
+accuracy, loss scale, overflow events, the gradient norm, throughput, MFU and goodput over the
+steps of every launch), prints a table of the collected statistics and the
 job's throughput and goodput, and exits with status 1 when the validation accuracy is below
 ``--min-accuracy`` (0.95).
 """
@@ -51,6 +52,7 @@ from examples.common import (
     add_run_args,
     check_positive,
     loggers,
+    metrics_files,
     read_metrics_csv,
     start_run,
 )
@@ -278,19 +280,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def plot_summary(metrics_csv: str | Path, out_png: str | Path) -> Path:
+def plot_summary(metrics_csv: str | Path | Sequence[str | Path], out_png: str | Path) -> Path:
     """Draw loss, accuracy, gradient health, loss scale, overflows, throughput, MFU and goodput over
     optimizer steps into ``out_png``.
 
-    Reads the CSV written by Lightning's ``CSVLogger`` (``metrics.csv``). Uses matplotlib's
-    non-interactive Agg backend.
+    Reads the CSV written by Lightning's ``CSVLogger`` (``metrics.csv``; or a run's launches, in
+    order: :func:`examples.common.metrics_files`). Uses matplotlib's non-interactive Agg backend.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = read_metrics_csv(metrics_csv)
+    series = read_metrics_csv(*([metrics_csv] if isinstance(metrics_csv, str | Path) else metrics_csv))
     fig, axes = plt.subplots(3, 3, figsize=(15, 10), constrained_layout=True)
 
     def draw(ax: Any, keys: Sequence[str], title: str, **kwargs: Any) -> None:
@@ -377,7 +379,7 @@ def build_trainer(args: argparse.Namespace, run_dir: Path) -> tuple[L.Trainer, d
         max_epochs=args.max_epochs,
         plugins=plugins,
         callbacks=callbacks,
-        logger=loggers(run_dir),
+        logger=loggers(run_dir, resume=args.resume is not None),
         log_every_n_steps=args.stats_every,
         default_root_dir=run_dir,
         deterministic=True,
@@ -430,17 +432,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainer.fit(model, datamodule=datamodule, ckpt_path=args.resume)
     # The last validation ran after PreciseBN's last update (it runs after an epoch's last batch):
     # its accuracy is the final model's. A resumed run that trained nothing validates once.
-    if "val/Accuracy" not in trainer.callback_metrics:
+    trained = "val/Accuracy" in trainer.callback_metrics
+    if not trained:
         trainer.validate(model, datamodule=datamodule, verbose=False)
     accuracy = float(trainer.callback_metrics["val/Accuracy"])
     if trainer.is_global_zero:
         from rich.console import Console
 
         console = Console(soft_wrap=True)  # a line stays one line whatever the width: logs are grepped
-        _print_table(features["stats"], accuracy, console)  # IterationTimer logged its speed summary
+        if trained:  # (else the statistics restored from the checkpoint: an earlier launch's)
+            _print_table(features["stats"], accuracy, console)  # IterationTimer logged its speed summary
+        else:
+            console.print(f"Nothing left to train (the checkpoint is at --max-epochs). Validation accuracy: "
+                          f"[bold]{accuracy:.4f}[/bold]")  # fmt: skip
         _print_performance(trainer.callback_metrics, console)
         if not args.no_plot:
-            png = plot_summary(run_dir / "metrics.csv", run_dir / "summary.png")
+            png = plot_summary(metrics_files(run_dir), run_dir / "summary.png")
             console.print(f"Summary figure: {png}")
         console.print(f"Logs and checkpoints: {run_dir}/")
         if accuracy < args.min_accuracy:

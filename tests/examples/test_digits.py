@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from examples.common import read_metrics_csv
+from examples.common import metrics_files, read_metrics_csv
 from examples.digits import parse_args, plot_summary
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository, whose examples/ the jobs run from
@@ -95,6 +95,12 @@ def test_main_job_trains_on_two_processes_and_resumes(main_job):
     series = read_metrics_csv(run_dir / "metrics.csv")
     steps = [s for s, _ in series["Loss/train"]]
     assert max(steps) > FIRST_EPOCHS * 22, "the resumed run must train past the first run's last step"
+    # The first launch's CSV is kept (Lightning's CSVLogger deletes the metrics.csv it finds): the
+    # summary figure of a resumed run draws every launch's steps.
+    assert metrics_files(run_dir) == [run_dir / "metrics-1.csv", run_dir / "metrics.csv"]
+    assert (run_dir / "metrics-1.csv").read_bytes() == first_metrics.read_bytes()
+    whole = [s for s, _ in read_metrics_csv(*metrics_files(run_dir))["Loss/train"]]
+    assert whole == sorted(whole) and min(whole) < FIRST_EPOCHS * 22 < max(whole)
     # Goodput carries on from the first launch: the resumed run books the time since the checkpoint
     # (the first run's end, the relaunch) as a restart.
     assert series["Goodput/restart_sec"][-1][1] > 0.0
