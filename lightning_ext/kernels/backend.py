@@ -105,7 +105,8 @@ class KernelBackend:
     ``name`` (or a base class's), else the reference one.
 
     Attributes:
-        name: registry name, e.g. ``"reference"``, ``"cpu"``, ``"triton"``.
+        name: registry name, e.g. ``"reference"``, ``"cpu"``, ``"triton"``; the registry sets it on the
+            instance it builds to the name it registered (:meth:`serve_as`).
         devices: device types (``torch.device.type``) the backend runs on, e.g. ``("cuda",)``.
         supports_compile: whether ``torch.compile`` may trace calls of the ops (as custom ops whose
             fakes give the outputs' shapes, dtypes and strides). ``False`` for a backend whose ops
@@ -120,7 +121,14 @@ class KernelBackend:
 
     def __init__(self) -> None:
         self._kernels: dict[str, Callable[..., Any]] = {}  # op -> kernel(op), looked up on first use
-        _LIVE[self.name] = self
+        _LIVE.setdefault(self.name, self)  # (the registry's instance takes it over: serve_as)
+
+    def serve_as(self, name: str) -> None:
+        """Be the backend registered as ``name``: compiled graphs, whose ops name their backend, run this
+        instance's kernels under that name (two registrations of one class stay apart, and a subclass
+        that kept its parent's ``name`` does not take the parent's place)."""
+        self.name = name  # type: ignore[misc]  # (the instance's, over the class's)
+        _LIVE[name] = self
 
     def kernel(self, op: str) -> Callable[..., Any]:
         """The function that runs ``op`` eagerly (looked up once per op); a backend overrides it to
@@ -178,4 +186,5 @@ class ReferenceBackend(KernelBackend):
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda", "mps", "xpu", "meta")
 
     def supports(self, device_type: str) -> bool:
-        return True
+        # any device torch supports; a subclass, the devices it declares
+        return type(self).devices is ReferenceBackend.devices or device_type in self.devices

@@ -167,6 +167,8 @@ def _instantiate(entry: BackendEntry) -> KernelBackend:
                 )
         except Exception as exc:
             backend = exc
+        else:
+            backend.serve_as(entry.name)
         _built[entry.name] = backend
     if isinstance(_built[entry.name], Exception):
         raise _built[entry.name]
@@ -192,12 +194,12 @@ def _explicit(name: str, device: torch.device, source: str) -> KernelBackend:
 
 
 def _automatic(device: torch.device) -> KernelBackend:
-    """The highest-priority backend for ``device`` that loads (``reference`` last); one short warning
-    per process, the cause first, when a preferred one fails to load."""
+    """The highest-priority backend for ``device`` that loads (``reference``, priority 0, always does;
+    it also serves a device no backend names); one short warning per process, the cause first, when a
+    preferred one fails to load."""
     global _fallback_warned
-    candidates = sorted(
-        (e for e in _entries.values() if device.type in e.devices and e.name != "reference"),
-        key=lambda e: (-e.priority, e.name),
+    candidates = sorted(  # (reference at its priority, 0: one below it is never chosen)
+        (e for e in _entries.values() if device.type in e.devices), key=lambda e: (-e.priority, e.name)
     )
     failed = []
     for entry in candidates:

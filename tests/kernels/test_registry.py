@@ -329,3 +329,44 @@ def test_replace_must_be_a_bool():
     with pytest.raises(TypeError, match=r"register_backend: `replace` must be a bool"):
         registry.register_backend("reference", ReferenceBackend, ("cpu",), replace="no")
     assert "cuda" in registry._entries["reference"].devices
+
+
+class _Scaled(ReferenceBackend):
+    """``check_finite``'s reference times ``factor`` (two registrations of one class, two factors)."""
+
+    name, devices = "scaled", ("cpu",)
+
+    def __init__(self, factor: float = 1.0) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def kernel(self, op):
+        reference = super().kernel(op)
+        if op != "check_finite":
+            return reference
+        return lambda tensors, device: reference(tensors, device) * self.factor
+
+
+def test_a_backend_below_reference_is_never_chosen_and_a_subclass_keeps_to_its_devices():
+    register_backend("below", _CpuReference, devices=("cpu", "meta"), priority=-1)
+    assert get_backend(device="meta").name == "reference"  # (it was "below": reference sorted last)
+    register_backend("cpu_only", _Scaled, devices=("cpu",))
+    with pytest.raises(ValueError, match=r"supports devices \('cpu',\), not 'meta'"):
+        get_backend("cpu_only", device="meta")  # (ReferenceBackend's subclasses supported every device)
+
+
+def test_compiled_graphs_run_the_backend_registered_under_the_name_they_use():
+    # The ops under torch.compile found their backend by the class's name: two registrations of one
+    # class ran the last one's kernels, and a subclass that kept "reference" replaced reference
+    scaled = ("scaled1", "scaled2")
+    register_backend("scaled1", lambda: _Scaled(1.0), devices=("cpu",), priority=-1)
+    register_backend("scaled2", lambda: _Scaled(2.0), devices=("cpu",), priority=-1)
+    register_backend("forgot_its_name", lambda: type("Mine", (_Scaled,), {"name": "reference"})(100.0),
+                     devices=("cpu",), priority=-1)  # fmt: skip
+    x = torch.tensor([1.0, float("inf"), 3.0])
+    backends = [get_backend(n, device="cpu") for n in ("scaled1", "scaled2", "forgot_its_name", "reference")]
+    for backend in backends:  # (all built before any graph runs)
+        compiled = torch.compile(lambda t, b=backend: b.run("check_finite", [t], t.device), fullgraph=True)
+        torch.testing.assert_close(compiled(x), backend.run("check_finite", [x], x.device))
+    found = {n: float(get_backend(n, device="cpu").run("check_finite", [x], x.device)) for n in scaled}
+    assert found == {"scaled1": 1.0, "scaled2": 2.0}  # (check_finite: 1.0 where a value is not finite)
