@@ -192,13 +192,15 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
             scalars and 0-dim tensors taken as the numbers they hold, here and in the options below;
             ``enabled`` also as ``0``/``1``).
         schedule: ``"exponential"`` (GradScaler) or ``"log2"`` (StyleGAN2-ADA).
-        log2_increment, log2_decrement: ``"log2"``: ``log2(scale)`` change per clean step / back-off.
+        log2_increment: ``"log2"``: the ``log2(scale)`` increase per clean step.
+        log2_decrement: ``"log2"``: the ``log2(scale)`` decrease per back-off.
         hysteresis: back off on the ``hysteresis``-th overflow since the last growth (Megatron-LM);
             ``1`` backs off on every overflow (GradScaler). Every overflowing step is skipped.
         consecutive_hysteresis: count ``hysteresis`` over consecutive overflows only: every clean
             step restores the tolerance, not only a growth (DeepSpeed's ``consecutive_hysteresis``).
             The ``"log2"`` schedule grows at every clean step, so it behaves so either way.
-        min_scale, max_scale: bounds of the scale; ``None`` (default): unbounded, as GradScaler.
+        min_scale: the scale's lower bound; ``None`` (default): unbounded, as GradScaler.
+        max_scale: the scale's upper bound; ``None`` (default): unbounded, as GradScaler.
         on_min_scale: an overflow that would take the scale below ``min_scale``: ``"clamp"`` (stay at
             the floor), ``"warn"`` (stay and warn, once until the scale rises above the floor again)
             or ``"raise"`` (``FloatingPointError``). The last two read two flags to the host at every

@@ -199,9 +199,9 @@ class Throughput(HookBase):
 
     def __init__(
         self,
-        samples_fn: Callable[[Any], int | Tensor] | None = None,
-        tokens_fn: Callable[[Any], int | Tensor] | None = None,
-        flops_fn: Callable[[Any], float | Tensor] | Literal["count"] | None = "count",
+        samples_fn: Callable[[Any], Any] | None = None,  # (-> int | Tensor: LightningCLI reads a class
+        tokens_fn: Callable[[Any], Any] | None = None,  # in the return type as one to instantiate)
+        flops_fn: Callable[[Any], Any] | Literal["count"] | None = "count",
         peak_flops_per_sec: float | None = None,
         peak_dtype: torch.dtype | str | None = None,
     ) -> None:
@@ -216,8 +216,9 @@ class Throughput(HookBase):
         known = known or any(peak_dtype is d for d in (None, *peaks._MATMUL_DTYPES, *peaks._FP8))
         if not known:  # (else no MFU for the whole run, said once at its start)
             raise ValueError(
-                f"Throughput: `peak_dtype` must be None, a matmul dtype (float16, bfloat16, float32, "
-                f"float64, float8) or one of {peaks._DTYPE_KEYS}, got {peak_dtype!r}"
+                f"Throughput: `peak_dtype` must be None, a matmul dtype (torch.float16, torch.bfloat16, "
+                f"torch.float32, torch.float64, a torch.float8 type) or one of {peaks._DTYPE_KEYS}, "
+                f"got {peak_dtype!r}"
             )
         self.samples_fn, self.tokens_fn, self.flops_fn = samples_fn, tokens_fn, flops_fn
         self.peak_flops_per_sec, self.peak_dtype = peak_flops_per_sec, peak_dtype

@@ -180,7 +180,8 @@ class TrainingStats(Callback):
         on_epoch: flush at the end of validation and training epochs.
         keep_previous: passed to ``Collector``.
         quantiles: names whose percentiles are written (``re.fullmatch``); ``None``: none.
-        relative_accuracy, value_range: the percentiles' sketch (``Collector``).
+        relative_accuracy: the percentiles' sketch's relative accuracy (``Collector``).
+        value_range: the magnitudes the percentiles' sketch covers with it (``Collector``).
         stragglers: names whose straggler is written (``re.fullmatch``); ``None``: none.
         straggler_excess: the fraction of the iteration time (``>= 0``) from which the straggler's
             excess over the median rank counts.

@@ -11,7 +11,7 @@ from lightning.pytorch.cli import LightningCLI
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
-from lightning_ext.callbacks import IterationTimer, LossMonitor, TrainingStats
+from lightning_ext.callbacks import IterationTimer, LossMonitor, Throughput, TrainingStats
 from lightning_ext.plugins import LossScalingPrecision
 
 pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse[signatures] (dev extras)")
@@ -41,6 +41,10 @@ trainer:
     - class_path: lightning_ext.callbacks.IterationTimer
       init_args:
         warmup_iter: 1
+    - class_path: lightning_ext.callbacks.Throughput
+      init_args:
+        samples_fn: tests.plugins.test_lightning_cli.samples_in
+        flops_fn: null
     - class_path: lightning_ext.callbacks.TrainingStats
       init_args:
         every_n_train_steps: 3
@@ -51,6 +55,10 @@ trainer:
 model:
   lr: 0.05
 """
+
+
+def samples_in(batch) -> int:  # (-> int: LightningCLI refused a function typed so for Throughput's)
+    return len(batch[0])
 
 
 class CliModel(LightningModule):
@@ -92,6 +100,8 @@ def test_yaml_with_our_plugins_and_callbacks_trains(tmp_path: Path):
     kinds = {type(c) for c in trainer.callbacks}
     assert {IterationTimer, LossMonitor, TrainingStats} <= kinds
     assert next(c for c in trainer.callbacks if isinstance(c, TrainingStats)).stats == ("mean", "max")
+    throughput = next(c for c in trainer.callbacks if isinstance(c, Throughput))
+    assert throughput.samples_fn is samples_in and throughput.last_metrics["Throughput/samples_per_sec"] > 0
 
 
 def test_a_wrong_value_in_the_yaml_is_a_clear_parser_error(tmp_path: Path, capsys):
