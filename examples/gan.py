@@ -290,7 +290,9 @@ def save_samples(images: torch.Tensor, out_png: str | Path, columns: int = 16) -
 
 
 def plot_loss_scales(metrics_csv: str | Path, out_png: str | Path) -> Path:
-    """Draw both loss scales (log2) and both overflow frequencies over steps from ``metrics.csv``."""
+    """Draw both loss scales (log2) and both overflow frequencies (or the shared scale's,
+    ``--shared-scale``) over the logger's steps (batches: each steps the generator, the discriminator
+    and, every few batches, its R1 penalty) from ``metrics.csv``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -302,12 +304,12 @@ def plot_loss_scales(metrics_csv: str | Path, out_png: str | Path) -> Path:
         (axes[0], "loss_scale_log2", "Loss scale (log2)"),
         (axes[1], "overflow", "Overflow frequency per flush"),
     ):
-        for name in ("G", "D"):
-            if series.get(f"AMP/{name}/{key}"):
-                steps, values = zip(*series[f"AMP/{name}/{key}"])
+        for name, column in (("G", f"AMP/G/{key}"), ("D", f"AMP/D/{key}"), ("shared", f"AMP/{key}")):
+            if series.get(column):
+                steps, values = zip(*series[column])
                 ax.plot(steps, values, label=name, drawstyle="steps-post" if key == "overflow" else "default")
         ax.set_title(title)
-        ax.set_xlabel("optimizer step")
+        ax.set_xlabel("batch (the logger's step)")
         if ax.lines:
             ax.legend()
     out_png = Path(out_png)

@@ -108,3 +108,21 @@ def test_architectures_map_noise_to_digits_and_digits_to_logits(arch):
     images = model.sample(6, torch.Generator().manual_seed(0))
     assert images.shape == (6, 1, 8, 8) and images.abs().max() <= 1
     assert model.D(images).shape == (6, 1)
+
+
+def test_the_loss_scale_figure_draws_a_shared_scale(tmp_path):
+    # --shared-scale logs AMP/loss_scale_log2 and AMP/overflow (no G/ or D/): the figure was empty
+    import matplotlib.image
+
+    from examples.gan import plot_loss_scales
+
+    def ink(columns: list[str]) -> float:
+        path = tmp_path / f"{len(columns)}.csv"
+        with open(path, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["step", *columns])
+            writer.writerows([[step, *[16.0 + step / 10] * len(columns)] for step in range(0, 20, 5)])
+        pixels = matplotlib.image.imread(plot_loss_scales(path, tmp_path / f"{len(columns)}.png"))
+        return float((pixels[..., :3].mean(-1) < 0.5).mean())  # the share of dark pixels
+
+    assert ink(["AMP/loss_scale_log2", "AMP/overflow"]) > ink([]) + 1e-3
