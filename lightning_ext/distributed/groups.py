@@ -108,13 +108,22 @@ def create_process_groups(group_size: int) -> dist.ProcessGroup | None:
 
     Raises:
         TypeError: ``group_size`` is not an ``int``.
-        ValueError: ``group_size < 1``, or it does not divide the world size.
+        ValueError: ``group_size < 1``, or it does not divide the world size; the ranks passed different
+            values (on every rank, naming them: one ``all_gather_object`` first, so that a rank whose
+            value is refused never leaves the others waiting).
 
     Example::
 
         >>> create_process_groups(1) is None  # not distributed: a world of one
         True
     """
+    if is_distributed():
+        passed: list[Any] = [None] * get_world_size()
+        dist.all_gather_object(passed, repr(group_size))
+        if len(set(passed)) > 1:
+            said = "; ".join(f"rank {r}: {v}" for r, v in enumerate(passed))
+            raise ValueError(f"create_process_groups: the ranks passed different `group_size`s ({said}). "
+                             "HINT: pass the same value on every rank")  # fmt: skip
     check_int("create_process_groups", "group_size", group_size, ge=1)
     if not is_distributed():
         return None

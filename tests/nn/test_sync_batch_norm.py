@@ -277,6 +277,10 @@ def _equivalence_worker(rank, world_size, backend="cpu"):
             create_process_groups(2)
         except ValueError as err:
             results["bad_group_size"] = str(err)
+        try:  # the ranks disagree: every rank raises, before any group is made
+            create_process_groups(3 if rank == 0 else 1)
+        except ValueError as err:
+            results["disagreeing_group_sizes"] = str(err)
     if world_size == 2:
         results["checkpoint"] = _checkpoint_worker(rank, world_size)
         results["torch_errors"] = _torch_sync_batch_norm_errors()
@@ -369,6 +373,8 @@ def test_matches_one_process_batch_norm_on_concatenation(world_size, backend):
         _check_case(43, (4, True, torch.float32, 0.1, True), [outs[0]["pair"], outs[2]["pair"]])
         for o in outs:
             assert "must divide the world size 3" in o["bad_group_size"]
+            said = "passed different `group_size`s (rank 0: 3; rank 1: 1; rank 2: 1)"
+            assert said in o["disagreeing_group_sizes"]
 
 
 def test_checkpoint_recomputation_single_process():
