@@ -37,7 +37,7 @@ def test_check_int_accepts(value, kwargs):
         (2.0, "2.0 (float)"),  # an integral float too
         ("3", "'3' (str)"),
         (None, "None"),
-        (np.True_, f"{np.True_!r} (bool)"),  # NumPy's bool is no more an int than Python's
+        (np.True_, f"{np.True_!r} ({type(np.True_).__name__})"),  # NumPy's bool is no int either
         (torch.tensor(3), "tensor(3) (Tensor)"),  # (the drop-ins take one: lightning_ext._checks.as_number)
     ],
 )
@@ -101,7 +101,7 @@ def test_check_number_accepts(value, kwargs):
         (True, "True (bool)"),
         ("1", "'1' (str)"),
         (None, "None"),
-        (np.float32("nan"), "np.float32(nan) (float32)"),
+        (np.float32("nan"), f"{np.float32('nan')!r} (float32)"),
         ([1.0], "[1.0] (list)"),
     ],
 )
