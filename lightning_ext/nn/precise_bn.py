@@ -50,15 +50,13 @@ def update_bn_stats(
     fails (an exception from ``forward_fn``, an interrupt, the error below).
 
     Source: fvcore ``nn/precise_bn.py`` (``update_bn_stats``), which also weighs batches by elements
-    per channel but writes the biased variance and leaves modes to its caller; every difference is
-    listed in the documentation's "coming from detectron2" page.
+    per channel but writes the biased variance and leaves modes to its caller (every difference:
+    the "coming from detectron2" page).
 
-    Distributed: ``SyncBatchNorm`` layers (ours or torch's) give batch statistics over their group,
-    and their element counts are summed likewise (one all_reduce per group at the end): each rank
-    gets the statistics of the union of the group's batches (fvcore weighs them by the rank's own
-    counts, so ranks with uneven batches may disagree); plain BatchNorm layers get their rank's own.
-    Before each batch the ranks agree that all have one (one all_reduce, a host–device sync), so
-    synchronized layers never hang on uneven loaders.
+    Distributed: ``SyncBatchNorm`` layers (ours or torch's) give statistics over their group, counts
+    summed (one all_reduce per group at the end): each rank gets the union's (fvcore weighs by the
+    rank's own counts: uneven ranks disagree); plain BatchNorm layers get their rank's own. Before
+    each batch the ranks agree that all have one (one all_reduce, a host–device sync): no hang.
 
     Args:
         model: the module whose BatchNorm layers to update.
@@ -72,9 +70,8 @@ def update_bn_stats(
     Raises:
         RuntimeError: a BatchNorm layer did not run exactly once in a forward; distributed, on every
             rank at the same batch (the others name the failure as another rank's).
-        TypeError: ``model`` is not a module, ``batches`` not iterable, ``num_iter`` not an int,
-            ``forward_fn`` not callable.
-        ValueError: ``num_iter < 1``.
+        TypeError: ``model`` not a module, ``batches`` not iterable, ``num_iter`` not an int, ``forward_fn``
+            not callable. ValueError: ``num_iter < 1``.
 
     Example::
 
