@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 
 from lightning_ext._checks import check_int
 from lightning_ext._compat import BatchNormBase
@@ -39,7 +40,8 @@ def update_bn_stats(
     """Set the running statistics of ``model``'s BatchNorm layers to population statistics.
 
     Updated: ``_BatchNorm`` layers in training mode with ``track_running_stats`` (eval-mode ones stay
-    frozen). With them at ``momentum=1`` and every other module put in training mode,
+    frozen, as do other norm layers with running statistics in eval mode, e.g. ``InstanceNorm``). With
+    them at ``momentum=1`` and every other module put in training mode,
     ``forward_fn(model, batch)`` runs under ``torch.no_grad()`` on up to ``num_iter`` batches; each
     layer's batch statistics are merged in float64 (Chan, Golub & LeVeque's update), weighted by
     elements per channel (``N·H·W…``), into the exact mean and UNBIASED variance (what
@@ -157,7 +159,7 @@ def _population_mode(model: nn.Module, layers: list[BatchNormBase]) -> Iterator[
             bn.momentum = 1.0
         model.train()
         for module, flag in flags.items():
-            if isinstance(module, BatchNormBase) and not flag:
+            if isinstance(module, _NormBase) and not flag:  # BatchNorm, InstanceNorm: frozen ones stay
                 module.eval()
         yield records
     except BaseException:  # a failed update (an error, an interrupt) leaves the statistics it found

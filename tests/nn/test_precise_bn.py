@@ -93,11 +93,14 @@ def forward_first(model, batch):
 def test_update_bn_stats_gives_population_statistics_and_restores_state():
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3, momentum=0.3), nn.Dropout(0.5), nn.BatchNorm2d(3)
+        nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3, momentum=0.3), nn.Dropout(0.5), nn.BatchNorm2d(3),
+        nn.InstanceNorm2d(3, track_running_stats=True),
     )
     frozen = model[3].eval()  # eval-mode BatchNorm: not updated (as fvcore), stays in eval
     model[2].eval()
-    frozen_stats = (frozen.running_mean.clone(), frozen.running_var.clone())
+    model[4].eval()  # another norm layer with running statistics, frozen: stays so
+    model[4].running_mean.uniform_()
+    frozen_stats = [(m.running_mean.clone(), m.running_var.clone()) for m in (frozen, model[4])]
     batches = make_batches([5, 7, 3, 9, 4], seed=1)
     used = update_bn_stats(model, batches, num_iter=4, forward_fn=forward_first)
     assert used == 4
@@ -108,8 +111,8 @@ def test_update_bn_stats_gives_population_statistics_and_restores_state():
     naive_var = torch.stack([population(model[0], [b])[1] for b in batches[:4]]).mean(0)
     assert ((naive_var - var).abs() > 10 * float32_bounds(model[0], batches[:4])[1]).all()
     assert bn.momentum == 0.3 and int(bn.num_batches_tracked) == 0
-    assert [m.training for m in model] == [True, True, False, False] and model.training
-    torch.testing.assert_close((frozen.running_mean, frozen.running_var), frozen_stats)
+    assert [m.training for m in model] == [True, True, False, False, False] and model.training
+    torch.testing.assert_close([(m.running_mean, m.running_var) for m in (frozen, model[4])], frozen_stats)
 
 
 def test_running_statistics_a_diverged_run_left_nan_are_recomputed():
