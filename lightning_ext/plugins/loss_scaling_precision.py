@@ -158,7 +158,8 @@ class LossScalingPrecision(Precision):
             check_bool(type(self).__name__, name, value)
         if scaler is not None and not isinstance(scaler, DynamicLossScaler):
             raise TypeError(
-                f"`scaler` must be a lightning_ext.amp.DynamicLossScaler, got {type(scaler).__name__}. "
+                f"{type(self).__name__}: `scaler` must be a lightning_ext.amp.DynamicLossScaler, got "
+                f"{type(scaler).__name__}. "
                 "HINT: torch.amp.GradScaler works with Lightning's own MixedPrecision plugin."
             )
         if optimizer_names is not None and (
@@ -166,7 +167,10 @@ class LossScalingPrecision(Precision):
             or not all(isinstance(n, str) and n for n in optimizer_names)
             or len(set(optimizer_names)) != len(optimizer_names)
         ):
-            raise TypeError(f"`optimizer_names` must be distinct non-empty strings, got {optimizer_names!r}")
+            raise TypeError(
+                f"{type(self).__name__}: `optimizer_names` must be distinct non-empty strings, got "
+                f"{optimizer_names!r}"
+            )
         self.precision = precision  # type: ignore[assignment]
         self.scaler = _default_scaler(precision, scaler, device, skip_nonfinite)
         self.device = device
@@ -184,6 +188,13 @@ class LossScalingPrecision(Precision):
         # this step's); None outside optimizer_step (while it runs, clipping finds them unscaled)
         self._unscaled: dict[int, Any] | None = {}
 
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(precision={self.precision!r}, scaler={self.scaler!r}, "
+            f"device={self.device!r}, optimizer_names={self.optimizer_names!r}, grad_norm={self.grad_norm}, "
+            f"update_ratio={self.update_ratio})"
+        )
+
     # ----------------------------------------------------------------------------------- setup
     @override
     def connect(
@@ -198,7 +209,8 @@ class LossScalingPrecision(Precision):
             names = self._names()
             if len(names) != len(optimizers):
                 raise ValueError(
-                    f"`optimizer_names` names {len(names)} optimizers, configure_optimizers gave "
+                    f"{type(self).__name__}: `optimizer_names` names {len(names)} optimizers, "
+                    "configure_optimizers gave "
                     f"{len(optimizers)}: {names!r}"
                 )
             for optimizer, name in zip(optimizers, names):
@@ -263,7 +275,10 @@ class LossScalingPrecision(Precision):
         """
         optimizer = unwrapped_optimizer(optimizer)  # (self.optimizers() gives Lightning's wrappers)
         if self._optimizers and not any(optimizer is o for o in self._optimizers):
-            raise TypeError(f"`optimizer` must be one of the trainer's optimizers, got {optimizer!r:.80}")
+            raise TypeError(
+                f"{type(self).__name__}.backward_for: `optimizer` must be one of the trainer's optimizers, "
+                f"got {optimizer!r:.80}"
+            )
         previous, self._backward_optimizer = self._backward_optimizer, optimizer
         try:
             yield

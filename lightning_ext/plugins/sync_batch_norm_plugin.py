@@ -82,16 +82,19 @@ class SyncBatchNormPlugin(LayerSync):
     ) -> None:
         if process_group is not None and group_size is not None:
             raise ValueError(
-                "pass either `process_group` or `group_size`, not both "
+                "SyncBatchNormPlugin: pass either `process_group` or `group_size`, not both "
                 f"(got process_group={process_group!r}, group_size={group_size!r})"
             )
         check_process_group(process_group, allow_non_member=True)
         check_int("SyncBatchNormPlugin", "group_size", group_size, ge=1, optional=True)
         if backend is not None and not isinstance(backend, str):
-            raise TypeError(f"`backend` must be a kernel backend name (str) or None, got {backend!r}")
+            raise TypeError(
+                f"SyncBatchNormPlugin: `backend` must be a kernel backend name (str) or None, got {backend!r}"
+            )
         if backend is not None and backend not in available_backends():
             raise ValueError(
-                f"`backend` must be a registered kernel backend {sorted(available_backends())} or None "
+                f"SyncBatchNormPlugin: `backend` must be a registered kernel backend "
+                f"{sorted(available_backends())} or None "
                 f"(automatic selection), got {backend!r}. HINT: pass None, not 'auto', for automatic "
                 "selection; register other backends with lightning_ext.kernels.register_backend."
             )

@@ -771,3 +771,16 @@ def test_two_optimizers_report_under_their_names():
     assert collector.num("Grad/0/norm") == 0 and "Grad/norm" not in collector.names()
     with pytest.raises(TypeError, match=r"LossScalingPrecision: `update_ratio` must be a bool, got 'yes'"):
         LossScalingPrecision("16-mixed", update_ratio="yes")
+
+
+def test_repr_names_every_setting_and_errors_name_the_plugin():
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**10, schedule="log2", hysteresis=2)
+    plugin = LossScalingPrecision(scaler=scaler, optimizer_names=["g", "d"], update_ratio=True)
+    assert repr(plugin) == (
+        f"LossScalingPrecision(precision='16-mixed', scaler={scaler!r}, device=None, "
+        "optimizer_names=['g', 'd'], grad_norm=True, update_ratio=True)"
+    )
+    with pytest.raises(TypeError, match=r"^LossScalingPrecision: `optimizer_names` must be distinct"):
+        LossScalingPrecision(optimizer_names=["g", "g"])
+    with pytest.raises(TypeError, match=r"^LossScalingPrecision: `scaler` must be"):
+        LossScalingPrecision(scaler=torch.amp.GradScaler("cpu"))
