@@ -211,7 +211,8 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
             must pass a disabled scaler's steps through as GradScaler does.
         process_group: the group whose ranks hold shards of the same gradients (FSDP, ZeRO):
             ``found_inf`` is MAX-reduced over it at every ``unscale_`` (one small all_reduce).
-            ``None`` for replicated gradients (DDP).
+            ``None`` for replicated gradients (DDP; but gradients that a hook or callback changes on
+            some ranks after DDP's all-reduce need the group too).
         telemetry: :func:`~lightning_ext.stats.report` at every update ``AMP/loss_scale_log2``,
             ``AMP/overflow`` (0/1; its mean is the overflow frequency) and ``AMP/skipped_steps``
             (running total); with ``per_optimizer``, ``AMP/<name>/...`` per optimizer.
@@ -321,6 +322,25 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
     growth_factor = property(GradScaler.get_growth_factor, doc="GradScaler's growth factor.")
     backoff_factor = property(GradScaler.get_backoff_factor, doc="GradScaler's backoff factor.")
     growth_interval = property(GradScaler.get_growth_interval, doc="GradScaler's growth interval.")
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """GradScaler's, checked as the constructor's ``growth_factor`` (``ValueError``/``TypeError``)."""
+        super().set_growth_factor(self._checked("set_growth_factor", "growth_factor", new_factor))
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """GradScaler's, checked as the constructor's ``backoff_factor`` (``ValueError``/``TypeError``)."""
+        super().set_backoff_factor(self._checked("set_backoff_factor", "backoff_factor", new_factor))
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """GradScaler's, checked as the constructor's ``growth_interval`` (``ValueError``/``TypeError``)."""
+        super().set_growth_interval(self._checked("set_growth_interval", "growth_interval", new_interval))
+
+    def _checked(self, method: str, key: str, value: Any) -> Any:
+        """``value`` for the setting ``key`` (a NumPy scalar or 0-dim tensor as its number), checked by
+        its rule: a value the scaler would refuse to load from its own checkpoint is refused here."""
+        value = as_number(value)
+        _check(f"{type(self).__name__}.{method}", {key: value})
+        return value
 
     def __repr__(self) -> str:
         return (
@@ -531,7 +551,8 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
                 :class:`~lightning_ext.amp.PerOptimizerLossScaler`).
 
         Raises:
-            AssertionError: no optimizer step was recorded since the last update (GradScaler's).
+            AssertionError: no optimizer step was recorded since the last update, or a ``new_scale``
+                came before the scaler's first use (GradScaler's errors).
             TypeError: ``new_scale`` neither a tensor nor a finite number.
             ValueError: a number ``new_scale`` not ``> 0`` or outside ``[min_scale, max_scale]``.
             FloatingPointError: ``on_min_scale="raise"`` and an overflow hit the floor.
@@ -542,6 +563,9 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
         self._per_optimizer_states = defaultdict(new_optimizer_state)
         if new_scale is None and not found_infs:
             raise AssertionError("No inf checks were recorded prior to update.")
+        if self._scale is None and not found_infs:  # update(new_scale) before any step: GradScaler's
+            raise AssertionError("Attempted update but _scale is None. This may indicate your script did not "
+                                 "use scaler.scale(loss or outputs) earlier in the iteration.")  # fmt: skip
         if self._scale is None:
             self._lazy_init_scale_growth_tracker(found_infs[0].device)
         device = self._scale.device

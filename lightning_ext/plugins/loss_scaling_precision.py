@@ -103,6 +103,14 @@ class LossScalingPrecision(Precision):
     ``all_reduce`` per step); under DDP every rank has the whole gradient. Without a scaler
     (``skip_nonfinite=False`` in bf16/fp32) nothing is reported.
 
+    Under DDP every rank skips the same steps without a collective (as with ``torch.amp.GradScaler``):
+    DDP's all-reduce leaves every rank the same gradients. Gradients that differ by rank after it (a
+    hook or callback writing into ``.grad`` on some ranks, parameters DDP ignores) would let the ranks
+    skip different steps and their replicas part: give the scaler the group, e.g.
+    ``self.trainer.precision_plugin.scaler.process_group = torch.distributed.group.WORLD`` in
+    ``LightningModule.setup``, and ``found_inf`` is agreed by one ``all_reduce`` (MAX) per step, as
+    ``LossScalingFSDPPrecision`` does for its shards.
+
     Host syncs: the skip decision reads ``found_inf`` once per optimizer step, except for fused
     optimizers (``Adam(fused=True)``), which skip on the device; for those, holding step-interval LR
     schedulers reads the flag once per step (only when such a scheduler exists).

@@ -1628,3 +1628,31 @@ def test_a_scale_float32_cannot_hold_is_refused_at_construction(kwargs, name):
     # an int beyond float64 raised OverflowError from the check itself.
     with pytest.raises((ValueError, TypeError), match=rf"`{name}` must be a finite number"):
         DynamicLossScaler("cpu", **kwargs)
+
+
+@pytest.mark.parametrize("per_optimizer", [False, True])
+@pytest.mark.parametrize(
+    ("setter", "bad", "error"),
+    [("set_growth_factor", 1.0, ValueError), ("set_growth_factor", 0.5, ValueError),
+     ("set_backoff_factor", 1.0, ValueError), ("set_backoff_factor", 2.0, ValueError),
+     ("set_growth_interval", 0, ValueError), ("set_growth_interval", 2.5, TypeError)],
+)  # fmt: skip
+def test_setters_refuse_what_the_scaler_would_refuse_to_load(setter, bad, error, per_optimizer):
+    # GradScaler's setters take anything: a run then saved a checkpoint its own scaler refused at resume
+    scaler = DynamicLossScaler("cpu", per_optimizer=per_optimizer)
+    before = scaler.state_dict()
+    with pytest.raises(error, match=rf"^{type(scaler).__name__}\.{setter}: `\w+` must be"):
+        getattr(scaler, setter)(bad)
+    assert scaler.state_dict() == before
+    good = {"set_growth_factor": np.float64(3.0), "set_backoff_factor": np.float32(0.25)}
+    good = good.get(setter, np.int64(7))
+    getattr(scaler, setter)(good)  # a NumPy number, as GradScaler's setters take it
+    DynamicLossScaler("cpu", per_optimizer=per_optimizer).load_state_dict(scaler.state_dict())
+
+
+def test_update_with_new_scale_before_first_use_raises_grad_scalers_assertion():
+    with pytest.raises(AssertionError) as theirs:
+        torch.amp.GradScaler("cpu").update(8.0)
+    with pytest.raises(AssertionError) as ours:
+        DynamicLossScaler("cpu").update(8.0)
+    assert str(ours.value).split() == str(theirs.value).split()

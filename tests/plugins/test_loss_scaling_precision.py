@@ -633,6 +633,47 @@ def test_ddp_one_poisoned_rank_skips_on_both(tmp_path: Path):
         assert torch.equal(p, q) and torch.isfinite(p).all()
 
 
+class _PoisonedAfterReduction(_Regression):
+    """Rank 1 writes inf into its gradient AFTER DDP's all-reduce (a callback editing ``.grad``): the ranks'
+    gradients differ; with ``agree`` the scaler is given the group in ``setup``, as the plugin's docstring
+    says."""
+
+    def __init__(self, agree: bool):
+        super().__init__()
+        self.agree = agree
+
+    @override
+    def setup(self, stage):
+        if self.agree:
+            self.trainer.precision_plugin.scaler.process_group = torch.distributed.group.WORLD
+
+    @override
+    def on_after_backward(self):
+        if self.global_rank == 1 and self.global_step == 1:
+            self.net[0].weight.grad[0, 0] = float("inf")
+
+
+def _fit_poisoned_after_reduction(rank: int, world: int, out_dir: str, agree: bool) -> None:
+    plugin = LossScalingPrecision("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
+    trainer = ddp_trainer(
+        rank, world, plugins=[plugin], callbacks=[_RankResults(out_dir)], max_steps=3, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(_PoisonedAfterReduction(agree), _data(n=64))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("agree", [False, True])
+def test_ddp_gradients_that_differ_after_the_reduction_need_the_scalers_group(tmp_path: Path, agree):
+    # DDP leaves every rank the same gradients, so no collective decides the skip (GradScaler's way);
+    # a rank-local edit after the reduction parts the replicas unless the scaler agrees over the group
+    run_distributed(_fit_poisoned_after_reduction, 2, str(tmp_path), agree, timeout=200)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    assert r1["skipped"] == [False, True, False]
+    assert (r0["skipped"] == r1["skipped"]) == agree
+    assert all(torch.equal(p, q) for p, q in zip(r0["weights"], r1["weights"])) == agree
+
+
 def test_scaler_drops_into_lightnings_own_mixed_precision_plugin():
     from lightning.pytorch.plugins import MixedPrecision
 
