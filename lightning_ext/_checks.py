@@ -199,6 +199,21 @@ def check_regex(owner: str, name: str, value: Any) -> re.Pattern[str]:
         raise ValueError(f"{owner}: `{name}` must be a regular expression, got {value!r} ({err})") from None
 
 
+def check_device(owner: str, name: str, value: Any, *, optional: bool = False) -> torch.device | None:
+    """``value``, a ``torch.device`` or a str torch reads as one (``"cuda:1"``, ``"cpu"``), as a
+    ``torch.device`` (``None`` stays ``None`` when ``optional``); else ``TypeError`` (another type) or
+    ``ValueError`` (a str that names no device), naming ``owner`` and ``name``."""
+    if value is None and optional:
+        return None
+    allowed = f"a torch.device or a device str such as 'cpu' or 'cuda:0'{' or None' if optional else ''}"
+    if not isinstance(value, str | torch.device):
+        _fail(TypeError, owner, name, allowed, value, None)
+    try:
+        return torch.device(value)
+    except RuntimeError:
+        _fail(ValueError, owner, name, allowed, value, None)
+
+
 def check_label(owner: str, arg: str, value: Any) -> None:
     """``TypeError``/``ValueError`` naming ``owner`` and ``arg`` unless ``value`` is a non-empty str of
     printable characters (a statistic's name, a stage): no control character such as ``"\\n"``."""

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
-from lightning_ext._checks import check_int
+from lightning_ext._checks import check_device, check_int
 
 __all__ = ["DEVICE_PEAKS", "DevicePeak", "clear_peak_cache", "measure_peak_flops", "peak_flops"]
 
@@ -223,14 +223,8 @@ def measure_peak_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", 
 
 def _timed_device(device: object) -> torch.device:
     """``device`` as a CPU or an available CUDA device, else the error naming it."""
-    if not isinstance(device, str | torch.device):
-        raise TypeError(f"measure_peak_flops: `device` must be a str or a torch.device, got {device!r}")
-    try:
-        where = torch.device(device)
-    except RuntimeError:
-        where = None
-    cuda = where is not None and where.type == "cuda" and torch.cuda.is_available()
-    if where is None or not (where.type == "cpu" or cuda):
+    where = check_device("measure_peak_flops", "device", device)
+    if not (where.type == "cpu" or (where.type == "cuda" and torch.cuda.is_available())):
         raise ValueError(f"measure_peak_flops: `device` must be a CPU or an available GPU, got {device!r}")
     return where
 

@@ -95,10 +95,8 @@ class Store:
         sketch: the sketch it keeps (``None``: none).
     """
 
-    def __init__(
-        self, stage: str | None, wants: Callable[[str], bool], sketched: Callable[[str], bool],
-        sketch: LogHistogram | None,
-    ) -> None:  # fmt: skip
+    def __init__(self, stage: str | None, wants: Callable[[str], bool], sketched: Callable[[str], bool],
+                 sketch: LogHistogram | None) -> None:  # fmt: skip
         self.stage, self._wants, self.sketch = stage, wants, sketch
         self.is_sketched = sketched if sketch is not None else lambda name: False
         self.slabs: dict[torch.device, Slab] = {}

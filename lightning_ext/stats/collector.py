@@ -181,7 +181,7 @@ class Collector:
         self.quantiles, self.stragglers, self.forget_after = quantiles, stragglers, forget_after
         self._index, self._row = {}, {}  # (what _layout carries over: nothing yet)
         self._layout([], _CPU, 1)
-        self._agreed_in: Any = None  # the settings in which the ranks agreed on the configuration
+        self._agreed_in: Any = None  # the (device, group) in which the ranks agreed on the configuration
         self._step: int | None = None  # of the last update
         self._fingerprint = _fingerprint(repr(self))
         self._attach()
@@ -295,20 +295,22 @@ class Collector:
                 others' k-th, whatever step they are at.
 
         Raises:
-            RuntimeError: the ranks' collectors differ in their arguments or step (on every rank,
-                naming the ranks and their arguments and steps); nothing is published and the values
-                received stay for the next update.
+            RuntimeError: the ranks' collectors differ in their arguments or step, or
+                :func:`~lightning_ext.stats.init_multiprocessing` gave a rank another rank than its own
+                in its ``process_group`` (on every rank, naming the ranks and their arguments, steps or
+                wrong ranks); nothing is published and the values received stay for the next update.
             TypeError, ValueError: ``step`` is not an int ``>= 0`` or ``None``.
-            ValueError: :func:`~lightning_ext.stats.init_multiprocessing`'s ``rank`` is not this
-                process's in its ``process_group``, or the process is outside that group.
+            ValueError: :func:`~lightning_ext.stats.init_multiprocessing` was given a
+                ``process_group`` this process is outside of.
         """
         if not (step is None or (type(step) is int and step >= 0)):  # (the check's cost, in every flush)
             check_int("Collector.update", "step", step, ge=0, optional=True)
         rank, device, group = settings = self._store.settings()
         world = dist.get_world_size(group=group) if device is not None and is_distributed() else 1
-        if world != 1 and rank != dist.get_rank(group):  # (-1 for both outside the group)
-            raise ValueError(f"Collector.update: init_multiprocessing(rank={rank}), but this process is "
-                             f"rank {dist.get_rank(group)} of the group (-1: outside it): pass that rank")
+        self._said = None if world == 1 or rank == (true := dist.get_rank(group)) else (rank, true)
+        if self._said and true < 0:  # outside the group: no collective to join (inside: every rank raises)
+            raise ValueError(f"Collector.update: init_multiprocessing(rank={rank}) in a process outside "
+                             "its process_group: pass the group this process belongs to")
         if device is None:  # single process: where the values are
             device = next(iter(self._store.slabs)) if len(self._store.slabs) == 1 else _CPU
         if device != self._device or world != self._world:
@@ -329,7 +331,7 @@ class Collector:
         extra, local = store.extra(), store.local(self._device)
         names = sorted({*self._names, *extra}) if extra else self._names
         self._write(local, self._next_shift, rank, _fingerprint(names) if extra else self._names_fp, step)
-        together = not self._row and self._agreed_in == settings
+        together = not self._row and self._agreed_in == settings[1:]  # (not the rank: it may be wrong)
         works = [_all_reduce(self._max, dist.ReduceOp.MAX, group, world, True)]
         works += [_all_reduce(self._moments, dist.ReduceOp.SUM, group, world, True)] if together else []
         for work in filter(None, works):
@@ -337,7 +339,7 @@ class Collector:
         head = self._host("max")[:_HEAD].tolist()  # pairs [x, -x], alike on all ranks iff max(x) == -max(-x)
         if head[0] != -head[1] or head[4] != -head[5]:  # the configuration or the step
             self._disagree(group, world, step)
-        self._agreed_in, center, bound = settings, self._next_shift, head[-1]
+        self._agreed_in, center, bound = settings[1:], self._next_shift, head[-1]
         if extra or head[2] != -head[3]:  # the names: the same decision on every rank
             if head[2] != -head[3]:
                 gathered: list[Any] = [None] * world
@@ -369,7 +371,8 @@ class Collector:
         """Both payloads from this process's rows ``local`` (``Store.local``), about ``center``; the MAX's
         head holds the pairs of the configuration's fingerprint, ``names_fp`` and ``step``, and the
         largest count of a name with values sketched here."""
-        head = [self._fingerprint, -self._fingerprint, names_fp, -names_fp, step, -step]
+        fp = -1.0 - self._said[1] if self._said else self._fingerprint  # a wrong rank: what no rank shares
+        head = [fp, -fp, names_fp, -names_fp, step, -step]
         args = (*local[:2], center, head, self._counted, rank, _rank_bits(self._world))
         self._store.backend(self._device).run("moments_payload_", self._max, self._moments, *args)
 
@@ -416,14 +419,16 @@ class Collector:
         """The rare round: every rank (each saw the same MAX) gathers each rank's configuration and step,
         then raises naming them; nothing was published."""
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (repr(self), None if step < 0 else int(step)), group=group)
+        said = f"init_multiprocessing(rank={self._said[0]}) on rank {self._said[1]}" if self._said else None
+        dist.all_gather_object(gathered, (said or repr(self), None if step < 0 else int(step)), group=group)
         said = "; ".join(  # each distinct (configuration, step) with its first ranks
             f"ranks {[r for r, v in enumerate(gathered) if v == (c, at)][:16]}: {c} at step={at}"
             for c, at in dict.fromkeys(gathered))  # fmt: skip
         raise RuntimeError(
             f"Collector.update: the ranks disagree ({said}); nothing was published, the values stay for "
             "the next update. HINT: create the Collector (or TrainingStats) with the same arguments on "
-            "every rank, and update it at the same steps (a rank that skipped or added an update?)"
+            "every rank, give init_multiprocessing each process's own rank, and update at the same steps "
+            "(a rank that skipped or added an update?)"
         )
 
     # ------------------------------------------------------------------ queries
@@ -609,11 +614,12 @@ class Collector:
                 "idle": dict(zip(self._names, self._host("idle").tolist()))}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (the same checkpoint must be loaded on every rank). Rows of five
+        """Restore :meth:`state_dict` (the same checkpoint must be loaded on every rank), of the names
+        ``regex`` matches (a narrower ``regex`` on resume drops the others). Rows of five
         values (no non-finite count) load with a count of 0; sketches saved in another layout or with
         another ``relative_accuracy`` or ``value_range`` (their buckets are others) are not restored; a
         name without its count of updates without values (an older checkpoint) gets 1."""
-        names, values = sorted(state["names"]), state["values"]
+        names, values = sorted(n for n in state["names"] if self._pattern.fullmatch(n)), state["values"]
         rows = [[*values[n], 0.0][:6] if n in values else _UNPUBLISHED for n in names]
         self._index = {n: i for i, n in enumerate(names)}
         self._published = published = torch.tensor(rows, dtype=torch.float64).reshape(-1, 6)

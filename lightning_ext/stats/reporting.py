@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from lightning_ext import distributed
-from lightning_ext._checks import check_int, check_label
+from lightning_ext._checks import check_device, check_int, check_label
 from lightning_ext.stats._wire import Accumulator, Store
 
 __all__ = ["clear_statistics", "init_multiprocessing", "report", "report0", "set_stage"]
@@ -126,13 +126,10 @@ def init_multiprocessing(
 
     Raises:
         TypeError: ``rank`` is not an int or ``sync_device`` is not a device, string or ``None``.
-        ValueError: ``rank`` is negative.
+        ValueError: ``rank`` is negative, or ``sync_device`` a string that names no device.
     """
     check_int("init_multiprocessing", "rank", rank, ge=0)
-    if sync_device is not None and not isinstance(sync_device, torch.device | str):
-        raise TypeError(f"init_multiprocessing: `sync_device` must be a torch.device, a str or None, "
-                        f"got {sync_device!r}")  # fmt: skip
-    device = torch.device(sync_device) if sync_device is not None else None
+    device = check_device("init_multiprocessing", "sync_device", sync_device, optional=True)
     _state.settings = _SyncSettings(rank, device, process_group)
 
 

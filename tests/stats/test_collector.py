@@ -218,13 +218,14 @@ def _distributed_schedule(rank: int, world_size: int) -> dict:
             report0("Sub/r0", float(rank + 10))  # rank 0 of the subgroup (global rank 0) only
             sub.update()
             out["subgroup"] = sub.as_dict()
-        if rank:  # a rank that is not init_multiprocessing's (rank 2 is 1 there; rank 1 is outside):
-            clear_statistics()  # it raises before any collective (else: report0's values lost, or
-            init_multiprocessing(rank=rank, sync_device="cpu", process_group=group)  # its own alone)
-            report("Sub/x", 1.0)
-            said = rf"init_multiprocessing\(rank={rank}\), but this process is rank {(-1, 1)[rank - 1]} of"
-            with pytest.raises(ValueError, match=said):
-                Collector(regex="Sub/.*").update()
+        clear_statistics()  # rank 1, outside the group, raises before any collective; rank 2 says 2
+        init_multiprocessing(rank=rank, sync_device="cpu", process_group=group)  # (it is 1 there): both
+        report("Sub/x", 1.0)  # ranks of the group raise (else: report0's values lost, or a hang)
+        error, said = (ValueError, r"init_multiprocessing\(rank=1\) in a process outside its process_group")
+        if rank != 1:
+            error, said = RuntimeError, r"ranks \[1\]: init_multiprocessing\(rank=2\) on rank 1 at step=None"
+        with pytest.raises(error, match=said):
+            Collector(regex="Sub/.*").update()
         dist.barrier()
     return out
 
@@ -387,6 +388,51 @@ def test_ranks_whose_collectors_differ_all_raise_naming_the_ranks(
             ), f"{where}: {message}"
             assert elapsed < 30.0, f"{where}: raised after {elapsed:.1f} s"
             assert names == (["L/x"] if restored else []), f"{where}: published {names}"
+            assert (num, mean) == (2, rank + 0.5), f"{where}: the values received were lost"
+
+
+def _wrong_rank(rank: int, world_size: int, shared_memory: bool) -> list:
+    """The last rank tells init_multiprocessing it is rank 0, before the ranks ever agreed and after."""
+    if not shared_memory:
+        os.environ[SHM_ENV_VAR] = "0"
+    out = []
+    for agreed_before in (False, True):
+        clear_statistics()
+        c = Collector(regex="L/.*")
+        if agreed_before:
+            report("L/x", 1.0)
+            c.update(step=1)
+        init_multiprocessing(0 if rank == world_size - 1 else rank, "cpu")
+        report("L/x", [rank, rank + 1.0])
+        start = time.monotonic()
+        with pytest.raises(RuntimeError) as info:
+            c.update(step=2)
+        elapsed = time.monotonic() - start
+        init_multiprocessing(rank, None)  # alone now: the values received before the error remain
+        c.update()
+        out.append((agreed_before, str(info.value), elapsed, c.num("L/x"), c.mean("L/x")))
+    return out
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "gloo"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_wrong_rank_in_init_multiprocessing_raises_on_every_rank(
+    world_size: int, shared_memory: bool
+) -> None:
+    # It raised on the wrong rank alone, before any collective: the others waited out the group's timeout
+    outputs = run_distributed(_wrong_rank, world_size, shared_memory, timeout=120)
+    last = world_size - 1
+    for rank, out in enumerate(outputs):
+        assert len(out) == 2
+        for agreed_before, message, elapsed, num, mean in out:
+            where = f"rank {rank}, {'after an agreement' if agreed_before else 'fresh'}"
+            assert re.match(
+                rf"Collector.update: the ranks disagree \({_ranks(list(range(last)))}: Collector\(.*\) at "
+                rf"step=2; {_ranks([last])}: init_multiprocessing\(rank=0\) on rank {last} at step=2\); "
+                r"nothing was published",
+                message,
+            ), f"{where}: {message}"
+            assert elapsed < 30.0, f"{where}: raised after {elapsed:.1f} s"
             assert (num, mean) == (2, rank + 0.5), f"{where}: the values received were lost"
 
 
@@ -636,6 +682,19 @@ def test_state_dict_and_pickle_round_trip() -> None:
     clone.update()
     assert clone.mean("Loss") == 5.0 and clone.regex == "L.*"
     assert clone.updated() == ["Loss"]  # the views follow the unpickled buffers, not pickled copies
+
+
+def test_a_resume_with_a_narrower_regex_loads_only_the_names_it_collects() -> None:
+    c = Collector(quantiles=".*")
+    report("Loss/a", [1.0, 3.0]), report("Time/b", 2.0)
+    c.update()
+    narrow = Collector(regex="Loss/.*", quantiles=".*", forget_after=None)
+    narrow.load_state_dict(c.state_dict())
+    narrow.update()
+    assert narrow.names() == ["Loss/a"] and narrow.as_dict() == {"Loss/a": c.as_dict()["Loss/a"]}
+    assert narrow.quantile("Loss/a", 0.5) == c.quantile("Loss/a", 0.5)
+    with pytest.raises(KeyError, match="is not collected by"):  # not a stale value, published forever
+        narrow.mean("Time/b")
 
 
 def test_an_update_at_the_step_of_the_previous_one_is_not_counted_by_forget_after() -> None:

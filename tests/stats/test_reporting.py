@@ -355,10 +355,11 @@ def test_init_multiprocessing_validates_arguments() -> None:
         init_multiprocessing(True, None)
     with pytest.raises(ValueError, match=r"^init_multiprocessing: `rank` must be an int >= 0, got -1$"):
         init_multiprocessing(-1, None)
-    with pytest.raises(
-        TypeError, match=r"processing: `sync_device` must be a torch.device, a str or None, got 3"
-    ):
+    allowed = r"must be a torch.device or a device str such as 'cpu' or 'cuda:0' or None, got"
+    with pytest.raises(TypeError, match=rf"^init_multiprocessing: `sync_device` {allowed} 3 \(int\)$"):
         init_multiprocessing(0, 3)
+    with pytest.raises(ValueError, match=rf"^init_multiprocessing: `sync_device` {allowed} 'gpu0'$"):
+        init_multiprocessing(0, "gpu0")  # (torch's own RuntimeError before)
     init_multiprocessing(0, "cpu")  # a world of one: update() still works without collectives
     c = Collector()
     report("A", 1.0)
