@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -16,6 +17,10 @@ from lightning_ext._checks import check_bool, check_int
 from lightning_ext.callbacks.hook_base import HookBase
 from lightning_ext.distributed import get_rank, get_world_size
 from lightning_ext.stats import Collector, report, set_stage
+
+# The runs of every LossMonitor of this process, in the order they start: each run's own stage (two
+# monitors driven side by side saw each other's losses on a stage named by their state_key alone)
+_RUNS = itertools.count()
 
 __all__ = ["LossMonitor"]
 
@@ -178,7 +183,9 @@ class LossMonitor(HookBase):
     @override
     def before_train(self) -> None:
         self._reset_run()
-        self._stage = self.state_key  # the same on every rank; apart from other collectors' values
+        # the same on every rank (each starts the same runs in the same order; else the collectors' own
+        # agreement names the ranks); apart from other collectors' values and other monitors' losses
+        self._stage = f"{self.state_key}#{next(_RUNS)}"
         self._collector = Collector(keep_previous=False, stage=self._stage)
         if self.async_write and self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="LossMonitor-writer")
@@ -238,7 +245,7 @@ class LossMonitor(HookBase):
                 failed = self.exception is not None
                 self._executor.shutdown(wait=not failed, cancel_futures=failed)
                 self._executor = None
-            self._pending = None
+            self._pending, self._collector = None, None  # (a finished run's collector takes no values)
 
     def _agree(self, final: bool = False) -> None:
         """Update the collector (its all-reduces), gather the ranks' rows if something went wrong,

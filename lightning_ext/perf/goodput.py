@@ -110,7 +110,8 @@ class GoodputLedger:
         that ``lost`` lacks (a state saved before the cause existed) starts at 0.
 
         Raises:
-            ValueError: a key missing, or a ``lost`` cause unknown.
+            ValueError: a key missing, a ``lost`` cause unknown, or ``productive``, a ``lost`` value or
+                ``restarts`` negative.
             TypeError: ``lost`` not a mapping, a value not a finite number (``restarts``: not an int).
         """
         missing = [key for key in _STATE_KEYS if key not in state_dict]
@@ -123,8 +124,9 @@ class GoodputLedger:
                 f"{owner}: `state_dict` must have the keys {_STATE_KEYS} and `lost` causes of "
                 f"{LOST_TIME_CAUSES}, got {sorted(state_dict)} (missing {missing}) and the causes {unknown}"
             )
-        for key in ("first_launch", "saved_at", "productive"):
+        for key in ("first_launch", "saved_at"):
             check_number(owner, key, state_dict[key])
+        check_number(owner, "productive", state_dict["productive"], ge=0.0)  # (seconds, as every cause's)
         for cause, seconds in lost.items():
             check_number(owner, f"lost[{cause!r}]", seconds, ge=0.0)
         check_int(owner, "restarts", state_dict["restarts"], ge=0)

@@ -327,3 +327,19 @@ def test_nan_on_rank1_raises_on_every_rank_at_the_same_step():
     assert results[0][2:] == [(disk_full, 8), (disk_full, 9), (disk_full, 4), (disk_full, 4)]
     failed = "RuntimeError: LossMonitor: the writer failed on rank(s) [0]; see that rank's error"
     assert results[1][2:] == [(failed, 8), (failed, 9), (failed, 4), (failed, 4)]
+
+
+def test_two_monitors_driven_side_by_side_each_publish_their_own_losses():
+    # Each run's stage was its state_key alone, LossMonitor{'index': 0} for both: each published the
+    # mean of both models' losses (50.5 here)
+    from lightning_ext.callbacks import HookRunner
+
+    monitors = [LossMonitor(every_n_train_steps=2), LossMonitor(every_n_train_steps=2)]
+    runners = [HookRunner([monitor], nn.Linear(4, 1)) for monitor in monitors]
+    with runners[0], runners[1]:
+        for step in range(4):
+            for runner, loss in zip(runners, (1.0, 100.0)):
+                runner.before_step()
+                runner.after_step(torch.tensor(loss if step != 3 else 2 * loss))
+    assert [r.callback_metrics["LossMonitor/loss"].item() for r in runners] == [1.5, 150.0]
+    assert [m._collector for m in monitors] == [None, None]  # finished runs take no more values

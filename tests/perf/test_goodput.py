@@ -107,6 +107,8 @@ def test_bad_input_is_refused_with_the_argument_named():
         ledger.load_state_dict({**state, "lost": [1.0]})
     with pytest.raises(TypeError, match=r"load_state_dict: `restarts` must be an int >= 0, got 1.5"):
         ledger.load_state_dict({**state, "restarts": 1.5})
+    with pytest.raises(ValueError, match=r"`productive` must be a finite number >= 0.0, got -5"):
+        ledger.load_state_dict({**state, "productive": -5.0})  # (a goodput of -72067 before)
     assert ledger.state_dict()["restarts"] == 0  # nothing was loaded
 
 
