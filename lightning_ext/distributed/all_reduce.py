@@ -140,9 +140,10 @@ def all_reduce_(
     checking that every rank reduces alike.
 
     Same contract as ``torch.distributed.all_reduce`` (same order, element count, dtype and ``op`` on
-    every rank); a disagreement raises on every rank, before anything is reduced, instead of aborting
-    or hanging. A tensor off the collective device, or not contiguous (gloo mis-reduces a strided one),
-    is reduced through a contiguous copy there. Transports (the same for the same call on every rank):
+    every rank; a tensor that requires grad is reduced in place outside autograd, as c10d does); a
+    disagreement raises on every rank, before anything is reduced, instead of aborting or hanging. A
+    tensor off the collective device, or not contiguous (gloo mis-reduces a strided one), is reduced
+    through a contiguous copy there. Transports (the same for the same call on every rank):
 
     - shared memory, between the CPU ranks of one host of a gloo group (``_route``): every call checks
       a descriptor (op, dtype, layout, element count) in the segment's header; at most 128 KiB reduced
@@ -160,7 +161,7 @@ def all_reduce_(
 
     Args:
         tensor: any shape and dtype; reduced in place.
-        op: ``torch.distributed.ReduceOp``.
+        op: ``torch.distributed.ReduceOp`` (``ReduceOp.MAX`` or an instance ``ReduceOp(ReduceOp.MAX)``).
         group: process group (default: WORLD); on a rank outside it
             (``torch.distributed.GroupMember.NON_GROUP_MEMBER``), nothing is done, as by torch.
         async_op: return a handle with ``wait()`` (completed, but for a tensor beyond a shm slot).
@@ -185,6 +186,9 @@ def all_reduce_(
     if torch.compiler.is_compiling():
         dist.all_reduce(tensor, op=op, group=group)  # traced as a functional collective
         return _Done() if async_op else None
+    if type(op) is dist.ReduceOp and op.op != dist.ReduceOp.PREMUL_SUM:  # ReduceOp(MAX): compares
+        op = op.op  # unequal to ReduceOp.MAX, the op type every check and table here knows
+    tensor = tensor.detach() if tensor.requires_grad else tensor  # (in place through the same storage)
     start = time.perf_counter()
     try:
         return _all_reduce(tensor, op, group, async_op)
@@ -250,12 +254,13 @@ def _keeping_nans(tensor: torch.Tensor, op: Any, reduce: Any) -> None:
 
 def shm_available(group: dist.ProcessGroup | None = None) -> bool:
     """Whether :func:`all_reduce_` of a small float tensor over ``group`` takes the shared-memory path
-    (``False`` when not distributed). Like :func:`all_reduce_`, the first call on a group is a
-    collective, which raises its ``ValueError`` for a switch's value. No host sync."""
+    (``False`` when not distributed, or on a rank outside ``group``). Like :func:`all_reduce_`, the
+    first call on a group is a collective, which raises its ``ValueError`` for a switch's value. No
+    host sync."""
     if not (dist.is_available() and dist.is_initialized()):
         return False
     group = group if group is not None else dist.group.WORLD
-    return _route(group).segment is not None
+    return group is not dist.GroupMember.NON_GROUP_MEMBER and _route(group).segment is not None
 
 
 def close_shared_memory() -> None:

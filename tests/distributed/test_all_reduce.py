@@ -205,8 +205,8 @@ def test_close_shared_memory_sets_the_segment_up_again_on_the_next_reduction() -
 def _subgroup(rank: int, world_size: int) -> list[float]:
     group = dist.new_group([0, 2])
     sums = []
+    assert shm_available(group) == (rank != 1)  # (rank 1: False, not a TypeError)
     if rank in (0, 2):
-        assert shm_available(group)
         for _ in range(20):
             x = torch.tensor([float(rank + 1)], dtype=torch.float64)
             all_reduce_(x, group=group)
@@ -361,7 +361,7 @@ def _nans(rank: int, world_size: int) -> list[tuple]:
     result, and the expected one (``torch.maximum``/``torch.minimum`` over the ranks' tensors)."""
     out = []
     for n in (5, shm._SLOT_BYTES // 4 + 3):
-        ops = (dist.ReduceOp.MAX, dist.ReduceOp.MIN)
+        ops = (dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp(dist.ReduceOp.MAX))  # (an instance too)
         for dtype, op, at in itertools.product((torch.float32, torch.float64), ops, range(world_size)):
             tensors = [torch.arange(n, dtype=dtype) * (1 + r) - 2 * r for r in range(world_size)]
             tensors[at][1] = tensors[(at + 1) % world_size][3] = math.nan
@@ -386,6 +386,37 @@ def test_a_nan_on_any_rank_survives_max_and_min_on_both_transports(shm_env: str)
     finally:
         os.environ.pop(SHM_ENV_VAR)
     assert all(all(a and b for a, b in rank) for rank in results), results
+
+
+def _instances_and_grads(rank: int, world_size: int) -> tuple[list, str]:
+    """Ops given as ``ReduceOp`` instances and tensors that require grad, as torch takes them: each
+    result against ``dist.all_reduce``'s of a plain copy; then ranks passing different instances."""
+    results = []
+    for op in (dist.ReduceOp(dist.ReduceOp.SUM), dist.ReduceOp(dist.ReduceOp.MAX), dist.ReduceOp.MIN):
+        for n in (3, shm._SLOT_BYTES // 4 + 3):
+            x = torch.arange(n, dtype=torch.float32) * (rank + 1) - rank
+            leaf = x.clone().requires_grad_()
+            dist.all_reduce(want := x.clone(), op=op)
+            all_reduce_(leaf, op=op)
+            all_reduce_(view := x.clone().requires_grad_()[1:] * 1.0, op=op)  # a non-leaf
+            results.append(torch.equal(leaf.detach(), want) and torch.equal(view.detach(), want[1:]))
+    op = dist.ReduceOp(dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX)
+    with pytest.raises(RuntimeError) as info:  # (SUM and MAX both read as "another op" before: half of each)
+        all_reduce_(torch.ones(4), op=op)
+    return results, str(info.value)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shm_env", ["1", "0"])
+def test_reduce_op_instances_and_tensors_that_require_grad_as_torch_takes_them(shm_env: str) -> None:
+    os.environ[SHM_ENV_VAR] = shm_env
+    try:
+        outputs = run_distributed(_instances_and_grads, 2, timeout=90)
+    finally:
+        os.environ.pop(SHM_ENV_VAR)
+    for rank, (results, message) in enumerate(outputs):
+        assert all(results), (rank, results)
+        assert "rank 0: SUM of 4 float32" in message and "rank 1: MAX of 4 float32" in message, message
 
 
 # ------------------------------------------------------------------ the process-group path's results
