@@ -65,9 +65,12 @@ def _batch_norm_moments_reference(x: Tensor, shift: Tensor) -> Tensor:
 
     ATen's fused ``batch_norm_update_stats`` (mean, biased variance), re-expressed about ``shift``;
     low-precision input passes float32 scratch running buffers so that ATen accumulates and returns
-    float32 without copying ``x``. On the CPU, a non-contiguous (channels-last) float32 or narrower
-    ``x`` goes through a contiguous copy: ATen's channels-last statistics keep float32 running sums
-    there, whose error grows with the element count (the variance of 2M values at ``1e3 ± 1`` off 92x).
+    float32 without copying ``x``. On the CPU, ATen's statistics are exact to float32 only for float32
+    NCHW input with a spatial size above 1; elsewhere they keep running sums whose error grows with the
+    element count: float32 in its channels-last kernel, which also serves ``(N, C)`` input (BatchNorm1d's
+    shape; the variance of 2M values at ``1e3 ± 1`` off 15-92x), narrower for float16/bfloat16 (the
+    variance off 350x, the mean by 16). So every other CPU input goes through a float32 NCHW copy,
+    ``(N, C)`` as ``(1, C, N)``.
     """
     c = x.shape[1]
     payload = torch.zeros(2 * c + 1, dtype=torch.float64, device=x.device)
@@ -75,8 +78,9 @@ def _batch_norm_moments_reference(x: Tensor, shift: Tensor) -> Tensor:
     payload[:1].fill_(n)  # a kernel with the count as its argument: no host-to-device copy (CUDA graphs)
     if n == 0:
         return payload
-    if x.device.type == "cpu" and x.dtype != torch.float64 and not x.is_contiguous():
-        x = x.contiguous()  # ATen's CPU channels-last statistics sum in float32: 92x the variance at 1e3 ± 1
+    if x.device.type == "cpu" and x.dtype != torch.float64:  # float32 NCHW with spatial size > 1 (docstring)
+        x = x.reshape(n, c).t().unsqueeze(0) if n == x.shape[0] else x  # (N, C), (N, C, 1, ...): (1, C, N)
+        x = x.to(torch.float32, memory_format=torch.contiguous_format)  # (no copy when it is that already)
     if x.dtype in (torch.float32, torch.float64):
         mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
     else:
@@ -147,6 +151,7 @@ def _batch_norm_elemt_reference(
     """
     if x.numel() == 0:
         return torch.empty_like(x)
+    x = x.contiguous(memory_format=_memory_format(x))  # (the output's memory format: _output's)
     dtype = _stat_dtype(x)
     scale = invstd.to(dtype) if weight is None else invstd.to(dtype) * weight.to(dtype)
     bias = bias.to(dtype) if bias is not None else None
@@ -168,12 +173,15 @@ def _batch_norm_backward_reduce_reference(dy: Tensor, x: Tensor, mean: Tensor) -
 
     ATen's fused ``native_batch_norm_backward`` asked for ``(grad_weight, grad_bias)`` with
     ``weight = save_invstd = 1`` returns exactly the two sums. Its CPU kernel accumulates in float32
-    only when ``dy`` and ``x`` are dense in one layout, so both are made so.
+    only when ``dy`` and ``x`` are dense in one layout, so both are made so; ``(N, C)`` input (running
+    float32 sums in its channels-last path) goes as ``(1, C, N)``.
     """
     c, dtype = x.shape[1], _stat_dtype(x)
     if x.numel() == 0:
         return torch.zeros(2 * c, dtype=dtype, device=x.device)
     ones = x.new_ones(c, dtype=dtype)
+    if x.device.type == "cpu" and x.numel() == x.shape[0] * c:  # (N, C), (N, C, 1, ...): as (1, C, N)
+        x, dy = (t.reshape(-1, c).t().unsqueeze(0) for t in (x, dy))  # (ATen's channels-last path there)
     fmt = _memory_format(x)
     x, dy = x.contiguous(memory_format=fmt), dy.contiguous(memory_format=fmt)
     _, sum_dy_xmu, sum_dy = torch.ops.aten.native_batch_norm_backward(
@@ -205,6 +213,7 @@ def _batch_norm_backward_elemt_reference(
     """
     if x.numel() == 0:
         return torch.empty_like(x)
+    x = x.contiguous(memory_format=_memory_format(x))  # (the output's memory format: _output's)
     c, dtype = x.shape[1], _stat_dtype(x)
     invstd = invstd.to(dtype)
     s = invstd if weight is None else invstd * weight.to(dtype)

@@ -57,8 +57,9 @@ def _accumulate_moments_reference(acc: Tensor, x: Tensor, shift: Tensor) -> None
 
     Args:
         acc: float64 ``(6,)`` on ``x``'s device, updated in place (the layout of the module docstring).
-        x: real tensor of any shape and dtype (bool and complex excluded); empty adds nothing (a tensor
-            that requires grad is read as it is, nothing recorded).
+        x: real tensor of any shape and dtype but bool, uint16/32/64 and float8 (``report()`` converts
+            those first); empty adds nothing (a tensor that requires grad is read as it is, nothing
+            recorded).
         shift: float64 0-dim tensor on ``x``'s device, finite, or NaN for a row without values yet:
             then set in place to the first finite element of ``x`` first (NaN without one).
 

@@ -49,7 +49,7 @@ def _check_finite_reference(tensors: list[Tensor], device: torch.device) -> Tens
     need (they unscale inside their own step).
 
     Args:
-        tensors: floating point tensors of any dtypes, on ``device``.
+        tensors: float16, bfloat16, float32 or float64 tensors (gradients), on ``device``.
         device: the tensors' device (needed when ``tensors`` is empty).
 
     Returns:

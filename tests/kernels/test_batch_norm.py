@@ -454,3 +454,44 @@ def test_the_large_normalize_of_the_cpu_kernels_is_the_reference_ops(reference, 
     assert y.dtype == dtype and y.is_contiguous(memory_format=fmt)
     tol = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-6}[dtype]  # one rounding
     torch.testing.assert_close(y.float(), expected.float(), rtol=tol, atol=tol * 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(400003, 3), (400003, 3, 1), (31250, 3, 64)])
+def test_moments_of_many_samples_per_channel(backend, shape, dtype):
+    """(N, C) input (BatchNorm1d's shape) and float16/bfloat16 input with many elements per channel: the
+    reference backend's ATen statistics kept float32 (narrower) running sums there, the variance off
+    15x (350x) and the mean by 16 at 1e3 +- 1 over 1M elements."""
+    if backend.name == "triton" and len(shape) > 2 and shape[2] > 1 and not torch.cuda.is_available():
+        pytest.skip("interpreted Triton takes minutes per case at this size (smaller ones: above)")
+    gen = torch.Generator().manual_seed(3)
+    x = (1e3 + torch.randn(shape, generator=gen, dtype=torch.float64)).to(dtype)
+    xd, dims = x.double(), [0, *range(2, x.dim())]
+    t_mean = xd.mean(dims)
+    t_m2 = ((xd - _bc(t_mean, x.dim())) ** 2).sum(dims)
+    shift, device = torch.zeros_like(t_mean), backend_device(backend)
+    payload = backend.run("batch_norm_moments", x.to(device), shift.to(device)).cpu()
+    mean, m2 = _moments_to_stats(payload, shift)
+    assert_close_scaled(mean, t_mean, t_mean.abs(), 0.0, 1e-6, "mean")
+    assert_close_scaled(m2, t_m2, t_m2, 0.0, 2e-5, "m2")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "channels_last chunk", "sliced"])
+def test_the_elementwise_ops_give_the_strides_their_fakes_say(backend, layout):
+    """``torch.compile`` checks a custom op's output strides against its fake's (``_output``): the
+    reference's ATen ops gave a channel chunk of a channels-last tensor channels-last strides where
+    the fake says contiguous (an AssertionError inside a compiled SyncBatchNorm)."""
+    from lightning_ext.kernels.batch_norm import _output
+
+    device = backend_device(backend)
+    gen = torch.Generator().manual_seed(5)
+    full = torch.randn(2, 8, 6, 6, generator=gen).to(device)
+    x = {"contiguous": full, "channels_last": full.contiguous(memory_format=torch.channels_last),
+         "channels_last chunk": full.contiguous(memory_format=torch.channels_last).chunk(2, dim=1)[0],
+         "sliced": full[:, :4, ::2]}[layout]  # fmt: skip
+    c = x.shape[1]
+    mean, invstd = torch.randn(c, generator=gen).to(device), (torch.rand(c, generator=gen) + 0.5).to(device)
+    sums, count = torch.randn(2 * c, generator=gen).to(device), torch.tensor(x.numel() / c, device=device)
+    y = backend.run("batch_norm_elemt", x, mean, invstd, None, None)
+    dx = backend.run("batch_norm_backward_elemt", torch.randn_like(x), x, mean, invstd, None, sums, count)
+    assert y.stride() == dx.stride() == _output(x).stride(), (layout, y.stride(), dx.stride())
