@@ -60,6 +60,8 @@ KEPT = {
     ("lightning_ext.kernels.backend", "_LIVE"): "the latest instance of each backend, which the custom ops "
     "run: a graph traced before a reset still runs; a backend built again replaces it",
     ("lightning_ext.callbacks.hook_base", "_instance_ids"): "hooks alive across a reset keep distinct ids",
+    ("lightning_ext.callbacks.loss_monitor", "_RUNS"): "a LossMonitor run alive across a reset keeps a stage "
+    "no later run takes (every rank counts the same runs)",
     ("lightning_ext.nn.sync_batch_norm", "_untraced_warned"): "weak: holds no backend a reset dropped; a "
     "backend built after a reset warns again",
 }
