@@ -334,9 +334,9 @@ def _iterations_done(trainer: pl.Trainer) -> int:
     With a Lightning ``Trainer``, its count of training batches that stepped the optimizers
     (``trainer.global_step`` in automatic optimization, restored on resume). Lightning advances it
     after a batch's ``on_train_batch_end`` and validation, before it fetches the next batch, and
-    writes a batch's ``self.log`` values at it: batch ``i``'s at step ``i``, and those of the
-    epoch end, after the last batch, at the number of iterations. Every row this package writes to
-    a logger uses this step, so the steps of one logger never go backwards.
+    writes a batch's ``self.log`` values at it: batch ``i``'s at step ``i`` (and those of a
+    training epoch's end at the step of its last batch, one below the count). Every row this package
+    writes to a logger uses Lightning's step for it, so the steps of one logger never go backwards.
 
     Under a :class:`~lightning_ext.callbacks.HookRunner`: its
     :attr:`~lightning_ext.callbacks.HookRunner.iter`, the same count kept by the runner.

@@ -87,8 +87,8 @@ class TrainingStats(Callback):
     end of each training epoch when ``on_epoch``. A flush writes at the step at which Lightning logs
     the ``self.log`` values of the same batch: the flush after ``every_n_train_steps`` iterations at
     step ``every_n_train_steps - 1``, as Lightning's ``log_every_n_steps`` row of that batch; the
-    epoch-end flush at the number of iterations done (one past the epoch's last iteration), where
-    Lightning writes the ``self.log(on_epoch=True)`` values of that epoch.
+    epoch-end flush at the step of the epoch's last iteration, where Lightning writes the
+    ``self.log(on_epoch=True)`` values of that epoch.
 
     Stages. While Lightning runs validation, test or predict, the callback sets that stage
     (:func:`~lightning_ext.stats.set_stage`): a ``report()`` in a ``forward`` that serves every loop
@@ -447,8 +447,10 @@ class TrainingStats(Callback):
             self._warn_unmatched()
 
     def _flush_epoch(self, trainer: pl.Trainer, stage: str | None) -> None:
-        """The epoch-end flush of ``stage``; what is reported after it is written at ``_leave``."""
-        step = _iterations_done(trainer)
+        """The epoch-end flush of ``stage``; what is reported after it is written at ``_leave``. At
+        Lightning's step for that epoch's ``on_epoch`` values: a validation's, or the training epoch's
+        last iteration (Lightning writes the training epoch's one step below the iterations done)."""
+        step = max(_iterations_done(trainer) - (stage is None), 0)
         self.flush(trainer, step, stage)
         self._late = (stage, step)
 

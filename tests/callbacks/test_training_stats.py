@@ -374,7 +374,7 @@ def test_a_value_reported_in_a_later_callbacks_on_train_end_is_written() -> None
     )  # fmt: skip
     trainer.fit(_Spread())
     rows = [(step, row["Eval/final"]) for step, row in logger.logged if "Eval/final" in row]
-    assert rows == [(4, 7.0)], logger.logged  # at the epoch-end flush's step, after the last one
+    assert rows == [(3, 7.0)], logger.logged  # at the epoch-end flush's step (the last iteration's)
 
 
 def _batch_flushes(stats: TrainingStats, model: pl.LightningModule) -> list[tuple[int, dict]]:
@@ -440,6 +440,7 @@ class _LoggingModule(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         self.log("lightning/iteration", float(self.iteration))
+        self.log("lightning/epoch_mean", float(self.iteration), on_step=False, on_epoch=True)
         report("Batch/iteration", float(self.iteration))
         self.iteration += 1
         return torch.nn.functional.mse_loss(self.lin(x - 1e4), y)
@@ -490,8 +491,11 @@ def test_rows_of_every_callback_follow_lightning_steps() -> None:
         (i, float(i)) for i in (1, 3, 5, 7, 9, 11)
     ]
     assert [s for s, _ in rows("lightning/val_loss")] == [2, 5, 8, 11]
+    # and each training epoch's on_epoch values at the step of its last batch (the epoch-end flush
+    # wrote at the iteration count before them: a step back, W&B drops Lightning's row)
+    assert [s for s, _ in rows("lightning/epoch_mean")] == [5, 11]
     # TrainingStats: after every 3rd iteration at that iteration's step, after each validation
-    # at the validation's step, at each epoch end at the iterations done; it writes what
+    # at the validation's step, at each epoch end at its last iteration's step; it writes what
     # IterationTimer and ResourceStats report.
     flushes = [(s, m["Batch/iteration/max"]) for s, m in rows("Batch/iteration/max")]
     assert all(maximum <= step for step, maximum in flushes) and {(i, i) for i in (2, 5, 8, 11)} <= {
@@ -507,7 +511,7 @@ def test_rows_of_every_callback_follow_lightning_steps() -> None:
     # The last epoch end writes only what is new since the flush after iteration 12 (step 11): the
     # flush times of that flush and of the validation after it.
     assert max(s for s, _ in rows("Timing/iteration_sec")) == 11
-    assert max(s for s, _ in rows("Timing/stats_flush_sec")) == 12 and not rows("val/Timing/stats_flush_sec")
+    assert max(s for s, _ in rows("Timing/stats_flush_sec")) == 11 and not rows("val/Timing/stats_flush_sec")
     # LossMonitor: after iterations 4 and 9, and the rest at the end of training (on_train_end),
     # which is the last row.
     assert [s for s, _ in rows("LossMonitor/loss")] == [4, 9, 12]
@@ -615,7 +619,7 @@ def test_values_of_the_modules_end_hooks_are_written_at_their_step_with_two_call
     assert rows("Input/x") == [(5 * k + 4, 20, 20 * (k % 2) + 9.5) for k in range(4)]
     assert rows("val/Input/x") == [(5 * k + 4, 12, 1005.5) for k in range(4)]
     assert rows("val/Val/run") == rows("val/Val/end") == [(5 * k + 4, 1, float(k)) for k in range(4)]
-    assert rows("Epoch/metric") == [(10, 1, 0.0), (20, 1, 1.0)]
+    assert rows("Epoch/metric") == [(9, 1, 0.0), (19, 1, 1.0)]  # (Lightning's step of the epoch's end)
     assert "Val/end" not in stats.collector.names()  # (never a training value)
     steps = [s for s, _ in logger.logged]
     assert steps == sorted(steps)
