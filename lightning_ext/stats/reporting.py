@@ -31,13 +31,14 @@ __all__ = ["clear_statistics", "init_multiprocessing", "report", "report0", "set
 T = TypeVar("T")
 _CPU = torch.device("cpu")
 _STRIDED = torch.strided
-_UNCOUNTABLE = frozenset((torch.complex32, torch.complex64, torch.complex128, torch.qint8, torch.quint8,
-                          torch.qint32, torch.quint4x2, torch.quint2x4))  # (no real numbers) # fmt: skip
 _CONVERTED = {  # dtypes the kernels do not read, and what report() converts them to (exactly)
     torch.bool: torch.uint8,
     **{getattr(torch, f"uint{b}"): torch.float64 for b in (16, 32, 64)},  # (uint64 above 2^53: rounded)
     **{getattr(torch, d): torch.float32 for d in dir(torch) if d.startswith("float8_")},
 }
+# Neither read nor converted: complex, quantized, sub-byte (float4, int1-7, uint1-7), bits
+_UNCOUNTABLE = frozenset({d for d in vars(torch).values() if isinstance(d, torch.dtype)} - {*_CONVERTED, *(
+    getattr(torch, n) for n in "float16 bfloat16 float32 float64 int8 int16 int32 int64 uint8".split())})
 _SCRATCH = torch.zeros((), dtype=torch.float64)  # a Python number's tensor on its way into the rows,
 _SCRATCH_VALUE = _SCRATCH.numpy()  # written through NumPy (cheaper than a tensor op)
 
@@ -183,9 +184,9 @@ def _check_tensor(name: str, value: torch.Tensor) -> None:
             raise TypeError(f"report({name!r}, value): complex tensors are not supported, got {value.dtype}")
         kind = " nested" if value.is_nested else " quantized" if value.is_quantized else ""
         raise TypeError(
-            f"report({name!r}, value): value must be a tensor with real strided storage, got a{kind} "
-            f"tensor on device {value.device} with layout {value.layout}. HINT: report a dense copy "
-            "(`value.to_dense()`, `value.dequantize()`, ...) or a tensor that holds data (not on 'meta')"
+            f"report({name!r}, value): value must be a tensor of real numbers in strided storage, got "
+            f"a{kind} {value.dtype} tensor on device {value.device} with layout {value.layout}. HINT: report "
+            "a dense copy (`value.to_dense()`, `value.dequantize()`, `value.float()`, ...) or one with data"
         )
 
 
@@ -269,7 +270,8 @@ def report(name: str, value: T) -> T:
 
     Raises:
         TypeError: ``name`` is not a str, or ``value`` is not numeric (str, object, complex, ...), or a
-            tensor without real strided storage (sparse, nested, quantized, MKL-DNN, on ``meta``).
+            tensor without real strided storage (sparse, nested, quantized, sub-byte, MKL-DNN, on
+            ``meta``).
         ValueError: ``name`` is empty or holds a control character (``"\\n"``, ``"\\x1f"``, ...).
         OverflowError: ``value`` is a Python int beyond float64's range. Nothing is accumulated then.
 
