@@ -38,7 +38,12 @@ a graph break, with one warning.
 
 Checkpointing: a forward that runs while an autograd graph task is executing
 (``torch.utils.checkpoint``'s recomputation, reentrant or not) still joins the collective (every rank
-recomputes alike) but does not touch ``running_mean``, ``running_var`` or ``num_batches_tracked``.
+recomputes alike) but does not touch ``running_mean``, ``running_var`` or ``num_batches_tracked``,
+when the layer runs eagerly. Under ``torch.compile`` the recomputation replays a traced graph, the
+update traced in: a checkpoint around a layer compiled on its own moves the statistics twice a step
+(as ``torch.nn.BatchNorm2d``'s under any checkpoint); a compiled function that holds the checkpoint
+moves them once with torch 2.13 and 2.14, twice with torch 2.5 (the guide's "What every rank must
+call").
 """
 
 from __future__ import annotations
