@@ -358,8 +358,6 @@ class TrainingStats(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._leave(trainer)
         self._global_step = trainer.global_step
-        if self._iterations is None:  # (automatic optimization: Lightning's count, restored on resume)
-            self._iterations = _iterations_done(trainer)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -370,6 +368,8 @@ class TrainingStats(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._leave(trainer)
+        if self._iterations is None:  # Lightning's count, restored on resume: read at the first batch
+            self._iterations = _iterations_done(trainer)  # (a mid-epoch resume's after on_train_start)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
