@@ -127,6 +127,12 @@ class LossMonitor(HookBase):
     raised there on every rank (the failing rank re-raises it, the others a ``RuntimeError`` naming it);
     after the last one, training's successful end asks every rank (one ``all_gather_object``).
 
+    Checkpoints: the monitor keeps no state. A non-finite loss is acted on at the next agreement point,
+    not when a checkpoint is saved: a run resumed from a checkpoint saved in between does not raise for
+    it (its weights are those the checkpoint holds: finite when a loss scaler skipped that step, as
+    :class:`~lightning_ext.plugins.LossScalingPrecision` does). Save checkpoints at agreement points
+    (``every_n_train_steps`` dividing ``ModelCheckpoint``'s interval) to keep the alarm.
+
     Source: detectron2's ``SimpleTrainer._write_metrics`` (``engine/train_loop.py``), which checks
     on rank 0 only (the other ranks hang in the next collective) and drops writer exceptions.
 
