@@ -11,6 +11,7 @@ state and hooks: those listed in ``lightning_ext._compat`` (``GRAD_SCALER_*``), 
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from collections import defaultdict
@@ -77,6 +78,10 @@ _RULES: dict[str, tuple[Callable[..., None], dict[str, Any]]] = {
 }  # fmt: skip
 # The keys of our state dict (GradScaler's come with them when enabled): all are needed to load one.
 _STATE_KEYS = (*_CONFIG, "log2_scale", "_hysteresis_tracker", *_COUNTERS, "last_step_skipped")
+# GradScaler's update() errors: before the scale exists, and without a step since the last update
+_NO_SCALE = ("Attempted update but _scale is None.  This may indicate your script did not use "
+             "scaler.scale(loss or outputs) earlier in the iteration.")  # fmt: skip
+_NO_STEP = "No inf checks were recorded prior to update."
 _GRAD_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
@@ -323,6 +328,18 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
     backoff_factor = property(GradScaler.get_backoff_factor, doc="GradScaler's backoff factor.")
     growth_interval = property(GradScaler.get_growth_interval, doc="GradScaler's growth interval.")
 
+    def __setattr__(self, key: str, value: Any) -> None:
+        """An option set as an attribute (``scaler.hysteresis = 2``, as the load warning tells to change
+        one on a resume) is checked as the constructor's argument: a value the scaler would refuse to
+        load from its own checkpoint is refused here. A switch to the ``"log2"`` schedule starts from the
+        current scale."""
+        if key in _OPTIONS and key in _RULES:
+            value = as_number(value)
+            _check(f"{type(self).__name__}.{key}", {key: value})
+        super().__setattr__(key, value)
+        if key == "schedule" and self.__dict__.get("_device_state") is not None and self._scale is not None:
+            self._device_state["log2_scale"].copy_(torch.log2(self._scale.double()))  # (exponential: stale)
+
     def set_growth_factor(self, new_factor: float) -> None:
         """GradScaler's, checked as the constructor's ``growth_factor`` (``ValueError``/``TypeError``)."""
         super().set_growth_factor(self._checked("set_growth_factor", "growth_factor", new_factor))
@@ -561,11 +578,10 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
             return
         found_infs = [_combined(s) for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
         self._per_optimizer_states = defaultdict(new_optimizer_state)
+        if self._scale is None and not found_infs:  # before any step: GradScaler's
+            raise AssertionError(_NO_SCALE)
         if new_scale is None and not found_infs:
-            raise AssertionError("No inf checks were recorded prior to update.")
-        if self._scale is None and not found_infs:  # update(new_scale) before any step: GradScaler's
-            raise AssertionError("Attempted update but _scale is None. This may indicate your script did not "
-                                 "use scaler.scale(loss or outputs) earlier in the iteration.")  # fmt: skip
+            raise AssertionError(_NO_STEP)
         if self._scale is None:
             self._lazy_init_scale_growth_tracker(found_infs[0].device)
         device = self._scale.device
@@ -847,9 +863,21 @@ class PerOptimizerLossScaler(DynamicLossScaler):
         optimizer = _check_optimizer(optimizer)
         if not isinstance(name, str) or not name:
             raise TypeError(f"`name` must be a non-empty str, got {name!r}")
-        if name in self._names.values() and self._names.get(id(optimizer)) != name:
+        old = self._names.get(id(optimizer))
+        if name in self._names.values() and old != name:
             raise ValueError(f"`name` {name!r} already names another optimizer's scale")
+        if old in self._children and old != name:  # named after its first use: its scale moves along
+            if name in self._children:
+                raise ValueError(f"`name` {name!r} already names a scale; {old!r} names this optimizer's")
+            self._children[name] = self._children.pop(old)
+            self._children[name]._name = name
         self._names[id(optimizer)] = name
+
+    def unregister_optimizer(self, optimizer: Optimizer) -> None:
+        """Release ``optimizer``'s name: its scale stays under that name, for the optimizer registered
+        under it next (a new fit's optimizers, made again by ``configure_optimizers``, carry the scales
+        on). Nothing for an optimizer without a name."""
+        self._names.pop(id(_check_optimizer(optimizer)), None)
 
     def optimizer_scaler(self, optimizer: Optimizer) -> DynamicLossScaler:
         """The scaler holding ``optimizer``'s own scale, created (and given its loaded state) at first use.
@@ -858,7 +886,10 @@ class PerOptimizerLossScaler(DynamicLossScaler):
             TypeError: ``optimizer`` is not an optimizer.
         """
         optimizer = _check_optimizer(optimizer)
-        name = self._names.setdefault(id(optimizer), str(len(self._names)))
+        if id(optimizer) not in self._names:  # the first default name no optimizer holds
+            taken = set(self._names.values())
+            self._names[id(optimizer)] = next(str(i) for i in itertools.count() if str(i) not in taken)
+        name = self._names[id(optimizer)]
         child = self._children.get(name)
         if child is None:
             child = self._children[name] = DynamicLossScaler(
@@ -924,6 +955,8 @@ class PerOptimizerLossScaler(DynamicLossScaler):
             stepped = [self.optimizer_scaler(optimizer)]
         else:
             stepped = [c for c in self._children.values() if c._has_steps()]
+        if not stepped and new_scale is None:  # (DynamicLossScaler's, GradScaler's)
+            raise AssertionError(_NO_STEP if self._children else _NO_SCALE)
         for child in stepped:
             child.update(new_scale)
 

@@ -210,7 +210,7 @@ class LossScalingPrecision(Precision):
     ) -> tuple[torch.nn.Module, list[Optimizer], list[Any]]:
         if self.device is None:
             self.device = next((p.device.type for p in model.parameters()), "cpu")
-        self._optimizers, self._unscaled = list(optimizers), {}
+        previous, self._optimizers, self._unscaled = self._optimizers, list(optimizers), {}
         if self.scaler is None:
             return model, optimizers, lr_schedulers
         if self.scaler.per_optimizer:
@@ -221,6 +221,8 @@ class LossScalingPrecision(Precision):
                     "configure_optimizers gave "
                     f"{len(optimizers)}: {names!r}"
                 )
+            for optimizer in previous:  # a new fit's optimizers (made again) carry their scales on
+                self.scaler.unregister_optimizer(optimizer)
             for optimizer, name in zip(optimizers, names):
                 self.scaler.register_optimizer(optimizer, name)
         lr_schedulers = [

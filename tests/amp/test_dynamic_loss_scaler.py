@@ -1656,3 +1656,69 @@ def test_update_with_new_scale_before_first_use_raises_grad_scalers_assertion():
     with pytest.raises(AssertionError) as ours:
         DynamicLossScaler("cpu").update(8.0)
     assert str(ours.value).split() == str(theirs.value).split()
+
+
+def _overflowing_step(scaler, optimizer, module):
+    scaler.scale(module(torch.ones(1, 2)).sum(), optimizer=optimizer).backward()
+    module.weight.grad.fill_(float("inf"))
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def test_per_optimizer_names_default_to_free_ones_and_a_late_name_keeps_the_scale():
+    # str(len(names)) as the default could be a name already given: two optimizers shared one scale;
+    # a name given after the first use started a fresh scale and orphaned the trained one
+    g, d = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    opt_g, opt_d = torch.optim.SGD(g.parameters(), lr=0.1), torch.optim.SGD(d.parameters(), lr=0.1)
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**10, per_optimizer=True, telemetry=False)
+    scaler.register_optimizer(opt_d, "1")
+    assert scaler.optimizer_scaler(opt_g) is not scaler.optimizer_scaler(opt_d)
+    _overflowing_step(scaler, opt_d, d)
+    assert (scaler.get_scale(opt_g), scaler.get_scale(opt_d)) == (2.0**10, 2.0**9)
+    assert sorted(scaler.state_dict()["per_optimizer"]) == ["0", "1"]
+    scaler.register_optimizer(opt_d, "D")  # after its first use: its scale moves along
+    assert scaler.get_scale(opt_d) == 2.0**9 and scaler.optimizer_scaler(opt_d).skipped_steps == 1
+    assert sorted(scaler.state_dict()["per_optimizer"]) == ["0", "D"]
+    scaler.unregister_optimizer(opt_d)  # released: the next optimizer named "D" carries its scale on
+    opt_d2 = torch.optim.SGD(d.parameters(), lr=0.1)
+    scaler.register_optimizer(opt_d2, "D")
+    assert scaler.get_scale(opt_d2) == 2.0**9
+
+
+@pytest.mark.parametrize("per_optimizer", [False, True])
+def test_options_set_as_attributes_are_checked_and_a_switch_to_log2_starts_at_the_scale(per_optimizer):
+    # The load warning tells to change settings as attributes: a typo ran the exponential schedule and
+    # saved a checkpoint the scaler refused to load; a switch to log2 started from its initial log2
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**8, per_optimizer=per_optimizer, telemetry=False)
+    for key, bad, error in (("schedule", "Log2", ValueError), ("hysteresis", 0, ValueError),
+                            ("min_scale", -5.0, ValueError), ("telemetry", "yes", TypeError)):  # fmt: skip
+        with pytest.raises(error, match=rf"^\w+LossScaler\.{key}: `{key}` must be"):
+            setattr(scaler, key, bad)
+    scaler.hysteresis = np.int64(2)  # a NumPy number: taken, as the constructor takes it
+    assert scaler.hysteresis == 2 and type(scaler.hysteresis) is int
+    module = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**8, growth_interval=1, telemetry=False)
+    for _ in range(3):
+        _overflowing_step(scaler, optimizer, module)
+    assert scaler.get_scale() == 2.0**5
+    scaler.schedule, scaler.log2_increment = "log2", 0.25
+    optimizer.zero_grad()
+    scaler.scale(module(torch.ones(1, 2)).sum()).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    assert scaler.get_scale() == pytest.approx(2.0**5.25, rel=1e-6)  # (2**8.25 before: the stale log2)
+    DynamicLossScaler("cpu").load_state_dict(scaler.state_dict())
+
+
+def test_per_optimizer_update_without_a_step_raises_grad_scalers_assertion():
+    scaler = DynamicLossScaler("cpu", per_optimizer=True, telemetry=False)
+    with pytest.raises(AssertionError, match="Attempted update but _scale is None"):
+        scaler.update()
+    module = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    scaler.scale(module(torch.ones(1, 2)).sum(), optimizer=optimizer).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    with pytest.raises(AssertionError, match="No inf checks were recorded prior to update"):
+        scaler.update()  # (it did nothing, silently)

@@ -825,3 +825,45 @@ def test_repr_names_every_setting_and_errors_name_the_plugin():
         LossScalingPrecision(optimizer_names=["g", "g"])
     with pytest.raises(TypeError, match=r"^LossScalingPrecision: `scaler` must be"):
         LossScalingPrecision(scaler=torch.amp.GradScaler("cpu"))
+
+
+class _Players(LightningModule):
+    """Two optimizers, each backward scaled by its own scale (a GAN's pattern, manual optimization)."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(0)
+        self.g, self.d = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    @override
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        opt_g, opt_d = self.optimizers()
+        self.toggle_optimizer(opt_d)
+        opt_d.zero_grad()
+        self.manual_backward(self.d(x).mean() - self.d(self.g(x)).mean())
+        opt_d.step()
+        self.untoggle_optimizer(opt_d)
+        opt_g.zero_grad()
+        with self.trainer.precision_plugin.backward_for(opt_g):
+            self.manual_backward(self.d(self.g(x)).mean())
+        opt_g.step()
+
+    @override
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.g.parameters(), lr=0.01), torch.optim.SGD(self.d.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("names", [None, ["G", "D"]])
+def test_per_optimizer_scales_carry_on_into_a_second_fit(names):
+    # configure_optimizers makes new optimizers for every fit: connect() registered their names again
+    # and register_optimizer refused them ("already names another optimizer's scale")
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**10, per_optimizer=True, telemetry=False)
+    trainer = _trainer(LossScalingPrecision(scaler=scaler, optimizer_names=names), max_steps=-1, max_epochs=1)
+    model = _Players()
+    trainer.fit(model, _data(n=32))
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(model, _data(n=32))
+    assert sorted(scaler.state_dict()["per_optimizer"]) == sorted(names or ["0", "1"])
+    assert [scaler.optimizer_scaler(o).steps for o in trainer.optimizers] == [4, 4]  # 2 steps per fit each
