@@ -395,6 +395,9 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
         (what a loaded state dict or unpickling gives)."""
         return {**dict.fromkeys(_DEVICE_STATE, 0), "log2_scale": _log2(self._init_scale), **self._start}
 
+    # Eager under torch.compile (a graph break, as at GradScaler's host reads): inductor drops in-place
+    # updates of 0-dim float64 CPU tensors held outside the graph (torch 2.13), which the device state is
+    @torch.compiler.disable
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
         self._device_state = {
@@ -555,6 +558,7 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
         return retval
 
     # ------------------------------------------------------------------ update
+    @torch.compiler.disable  # (see _lazy_init_scale_growth_tracker)
     def update(self, new_scale: float | Tensor | None = None, *, optimizer: Optimizer | None = None) -> None:
         """Count the optimizer steps since the last update (taken or skipped) and move the scale once,
         with their combined ``found_inf``: GradScaler's, with this scaler's schedule, bounds, counters

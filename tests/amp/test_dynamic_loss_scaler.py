@@ -1722,3 +1722,29 @@ def test_per_optimizer_update_without_a_step_raises_grad_scalers_assertion():
     scaler.update()
     with pytest.raises(AssertionError, match="No inf checks were recorded prior to update"):
         scaler.update()  # (it did nothing, silently)
+
+
+@pytest.mark.parametrize("schedule", ["exponential", "log2"])
+def test_a_compiled_training_step_moves_the_scale_and_counts_as_eager(schedule):
+    # Inductor dropped the in-place updates of the scaler's 0-dim float64 device state (torch 2.13):
+    # compiled, the counters stayed 0 and the log2 schedule's scale fell to 1.0
+    def train(compiled: bool) -> tuple:
+        torch.manual_seed(0)
+        net = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        scaler = DynamicLossScaler("cpu", init_scale=2.0**10, growth_interval=2, schedule=schedule)
+
+        def step(x, factor):
+            scaler.scale(net(x).pow(2).mean() * factor).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+
+        run = torch.compile(step) if compiled else step
+        for i in range(6):  # step 3 overflows
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(i))
+            run(x, torch.tensor(math.inf if i == 3 else 1.0))
+        return scaler.get_scale(), scaler.steps, scaler.skipped_steps, scaler.state_dict()["log2_scale"]
+
+    torch._dynamo.reset()
+    assert train(True) == train(False)
