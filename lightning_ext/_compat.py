@@ -13,9 +13,10 @@ Lightning is never imported here: the core below the adapters (``stats``, ``amp`
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,22 +91,30 @@ from torch.nn.modules.batchnorm import _BatchNorm  # noqa: E402
 BUILD_LOCK_FILE = "lock"
 
 
+@contextlib.contextmanager
+def owner_writable() -> Iterator[None]:
+    """Files and directories created inside are writable by their owner only: umask 022 added (a group's
+    member must not write what a build compiles or links: ``lightning_ext.kernels.cpu``)."""
+    umask = os.umask(0o022)
+    os.umask(umask | 0o022)
+    try:
+        yield
+    finally:
+        os.umask(umask)
+
+
 def extension_build_directory(name: str) -> Path:
     """Where ``torch.utils.cpp_extension.load`` builds and caches the extension ``name``: torch's private
     ``_get_build_directory`` (``$TORCH_EXTENSIONS_DIR/<name>`` or its default), which creates the
-    directories that are missing, here writable by their owner only (umask 022 added for the call).
+    directories that are missing, here writable by their owner only (:func:`owner_writable`).
 
     Raises:
         OSError: a missing directory cannot be created (e.g. a read-only file system).
     """
     from torch.utils.cpp_extension import _get_build_directory
 
-    umask = os.umask(0o022)
-    os.umask(umask | 0o022)
-    try:
+    with owner_writable():
         return Path(_get_build_directory(name, verbose=False))
-    finally:
-        os.umask(umask)
 
 
 def group_timeout(group: Any, device: torch.device) -> float:

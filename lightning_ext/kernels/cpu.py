@@ -36,7 +36,10 @@ kills the process with ``SIGBUS``: it is rebuilt where the directory can be writ
 runs, else refused with one line that names the file and why. Trust, as ssh's for ``~/.ssh``: before
 anything is read, the cache directory, the build directory and the files read must belong to the
 current user or root and be writable by their owner only; else one line names the path, its owner and
-mode, with a HINT. Directories created here and the files of a build are made so (``go-w``).
+mode, with a HINT. Directories created here and the files of a build are made so (``go-w``: the build
+runs under umask 022), and a build starts from the source alone: every earlier file of its directory
+(an object file, ninja's records) is removed first, so nothing another user could have written is
+linked.
 
 Builds take turns: a process builds under an advisory lock on ``lightning_ext.lock`` in the build
 directory, which the kernel releases when its holder dies (a killed build leaves no stale lock; torch's
@@ -58,6 +61,7 @@ import os
 import re
 import shutil
 import stat
+import subprocess
 import sys
 import sysconfig
 import threading
@@ -68,7 +72,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from lightning_ext._compat import BUILD_LOCK_FILE, extension_build_directory
+from lightning_ext._compat import extension_build_directory, owner_writable
 from lightning_ext.kernels.backend import ReferenceBackend
 
 __all__ = ["CpuBackend"]
@@ -269,10 +273,11 @@ def _build(name: str, library: Path, verbose: bool) -> ModuleType:
     from torch.utils.cpp_extension import load as build
 
     directory = library.parent
-    for stale in (library.with_name(_MANIFEST), library, directory / BUILD_LOCK_FILE):
-        stale.unlink(missing_ok=True)  # ninja would keep a truncated library; torch waits on its lock
+    for stale in directory.iterdir():  # every earlier file, ours or not (a group member's object file
+        if stale.name != _LOCK and not stale.is_dir():  # relinked, ninja's records, a truncated
+            stale.unlink(missing_ok=True)  # library, torch's lock): a whole build, from the source only
     try:
-        with _announced_if_slow(directory):
+        with _announced_if_slow(directory), owner_writable():  # (every file it writes: go-w)
             module = build(
                 name=name,
                 sources=[str(_SOURCE)],
@@ -281,10 +286,12 @@ def _build(name: str, library: Path, verbose: bool) -> ModuleType:
                 build_directory=str(directory),
                 verbose=verbose,
             )
-    except (RuntimeError, OSError) as error:
-        log.debug("lightning_ext: building the cpu kernels in %s failed:\n%s", directory, error)
-        raise RuntimeError(f"building the cpu kernels failed: {_short_cause(str(error))}") from None
-    library.chmod(library.stat().st_mode & ~0o022)  # the linker applied the umask
+    except (RuntimeError, OSError, subprocess.SubprocessError) as error:  # (torch's compiler check)
+        output = getattr(error, "output", None)
+        cause = output.decode(errors="replace") if isinstance(output, bytes) else output or str(error)
+        log.debug("lightning_ext: building the cpu kernels in %s failed:\n%s", directory, cause)
+        raise RuntimeError(f"building the cpu kernels failed: {_short_cause(cause)}") from None
+    library.chmod(library.stat().st_mode & ~0o022)  # (owner_writable's already)
     data = library.read_bytes()
     record = {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     temporary = directory / f".{_MANIFEST}.{os.getpid()}"  # renamed into place: never half written

@@ -642,6 +642,54 @@ def test_a_failed_compilation_is_one_line_and_the_output_is_logged_at_debug(monk
     assert output.strip() in caplog.text
 
 
+def test_a_compiler_that_runs_but_fails_its_check_is_one_line(monkeypatch, tmp_path, caplog):
+    """torch's compiler check raises CalledProcessError (a shim with no compiler selected): it escaped as
+    that, with a traceback, where a failed build is one RuntimeError line."""
+    import subprocess
+
+    import torch.utils.cpp_extension
+
+    def failing(**kwargs):
+        output = b"mise ERROR: no c++ selected\n"
+        raise subprocess.CalledProcessError(126, ["c++", "--version"], output=output)
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu, "_module", None)
+    monkeypatch.setattr(cpu, "_cannot_build", lambda directory: None)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", failing)
+    with caplog.at_level(logging.DEBUG, logger=cpu.__name__), pytest.raises(RuntimeError) as info:
+        cpu._load()
+    assert str(info.value) == "building the cpu kernels failed: mise ERROR: no c++ selected"
+
+
+def test_a_build_writes_nothing_a_group_member_may_change_and_relinks_nothing_earlier(monkeypatch, tmp_path):
+    """Under umask 002 torch's build left its object file and ninja's records group-writable: a group's
+    member replaced the object file, and the next (re)build linked it, vouched for by the manifest."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu, "_module", None)
+    name = cpu._extension_name()
+    directory = tmp_path / name
+    directory.mkdir(mode=0o755)
+    for planted in ("kernels_cpu.o", ".ninja_deps", ".ninja_log", "build.ninja"):
+        (directory / planted).write_bytes(b"a group member's")
+    _mock_build(monkeypatch)
+    seen = []
+
+    def build(load=torch.utils.cpp_extension.load, **kwargs):
+        umask = os.umask(0)
+        os.umask(umask)
+        seen.append((umask & 0o022, sorted(p.name for p in directory.iterdir())))
+        return load(**kwargs)
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", build)
+    previous = os.umask(0o002)
+    try:
+        cpu._load()
+    finally:
+        os.umask(previous)
+    assert seen == [(0o022, ["lightning_ext.lock"])]  # the build under umask 022, from the source alone
+
+
 def test_a_failed_build_falls_back_to_reference_with_one_warning(monkeypatch, tmp_path):
     """Automatic selection on CPU takes ``reference`` when the build fails (one warning, not retried);
     asking for ``cpu`` by name raises."""
