@@ -408,13 +408,11 @@ def _instances_and_grads(rank: int, world_size: int) -> tuple[list, str]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("shm_env", ["1", "0"])
-def test_reduce_op_instances_and_tensors_that_require_grad_as_torch_takes_them(shm_env: str) -> None:
-    os.environ[SHM_ENV_VAR] = shm_env
-    try:
-        outputs = run_distributed(_instances_and_grads, 2, timeout=90)
-    finally:
-        os.environ.pop(SHM_ENV_VAR)
-    for rank, (results, message) in enumerate(outputs):
+def test_reduce_op_instances_and_tensors_that_require_grad_as_torch_takes_them(
+    shm_env: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(SHM_ENV_VAR, shm_env)  # (the spawned ranks inherit it)
+    for rank, (results, message) in enumerate(run_distributed(_instances_and_grads, 2, timeout=90)):
         assert all(results), (rank, results)
         assert "rank 0: SUM of 4 float32" in message and "rank 1: MAX of 4 float32" in message, message
 

@@ -623,8 +623,6 @@ def test_a_missing_compiler_is_one_short_warning_with_the_cause_first(tmp_path, 
 
 def test_a_failed_compilation_is_one_line_and_the_output_is_logged_at_debug(monkeypatch, tmp_path, caplog):
     """A compiler error: the error line in the exception, the whole output at DEBUG."""
-    import torch.utils.cpp_extension
-
     output = (
         "[1/2] c++ -MMD " + "-isystem /long/include " * 40 + "\nkernels_cpu.cpp:7:1: error: expected ';'\n"
     )
@@ -632,14 +630,22 @@ def test_a_failed_compilation_is_one_line_and_the_output_is_logged_at_debug(monk
     def failing(**kwargs):
         raise RuntimeError(f"Error building extension '{kwargs['name']}': {output}ninja: build stopped")
 
+    message = _failed_build(monkeypatch, tmp_path, caplog, failing)
+    assert message == "building the cpu kernels failed: kernels_cpu.cpp:7:1: error: expected ';'"
+    assert output.strip() in caplog.text
+
+
+def _failed_build(monkeypatch, tmp_path, caplog, failing) -> str:
+    """The error of ``cpu._load()`` when torch's build is ``failing`` (its output logged at DEBUG)."""
+    import torch.utils.cpp_extension
+
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(cpu, "_module", None)
     monkeypatch.setattr(cpu, "_cannot_build", lambda directory: None)
     monkeypatch.setattr(torch.utils.cpp_extension, "load", failing)
     with caplog.at_level(logging.DEBUG, logger=cpu.__name__), pytest.raises(RuntimeError) as info:
         cpu._load()
-    assert str(info.value) == "building the cpu kernels failed: kernels_cpu.cpp:7:1: error: expected ';'"
-    assert output.strip() in caplog.text
+    return str(info.value)
 
 
 def test_a_compiler_that_runs_but_fails_its_check_is_one_line(monkeypatch, tmp_path, caplog):
@@ -647,19 +653,12 @@ def test_a_compiler_that_runs_but_fails_its_check_is_one_line(monkeypatch, tmp_p
     that, with a traceback, where a failed build is one RuntimeError line."""
     import subprocess
 
-    import torch.utils.cpp_extension
-
     def failing(**kwargs):
         output = b"mise ERROR: no c++ selected\n"
         raise subprocess.CalledProcessError(126, ["c++", "--version"], output=output)
 
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu, "_module", None)
-    monkeypatch.setattr(cpu, "_cannot_build", lambda directory: None)
-    monkeypatch.setattr(torch.utils.cpp_extension, "load", failing)
-    with caplog.at_level(logging.DEBUG, logger=cpu.__name__), pytest.raises(RuntimeError) as info:
-        cpu._load()
-    assert str(info.value) == "building the cpu kernels failed: mise ERROR: no c++ selected"
+    message = _failed_build(monkeypatch, tmp_path, caplog, failing)
+    assert message == "building the cpu kernels failed: mise ERROR: no c++ selected"
 
 
 def test_a_build_writes_nothing_a_group_member_may_change_and_relinks_nothing_earlier(monkeypatch, tmp_path):
