@@ -336,8 +336,9 @@ class DynamicLossScaler(_PerOptimizerNew, GradScaler):
         if key in _OPTIONS and key in _RULES:
             value = as_number(value)
             _check(f"{type(self).__name__}.{key}", {key: value})
+        switch = key == "schedule" and value == "log2" and self.__dict__.get("schedule") not in (None, "log2")
         super().__setattr__(key, value)
-        if key == "schedule" and self.__dict__.get("_device_state") is not None and self._scale is not None:
+        if switch and self.__dict__.get("_device_state") is not None and self._scale is not None:
             self._device_state["log2_scale"].copy_(torch.log2(self._scale.double()))  # (exponential: stale)
 
     def set_growth_factor(self, new_factor: float) -> None:
