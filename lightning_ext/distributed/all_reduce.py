@@ -186,9 +186,6 @@ def all_reduce_(
     if torch.compiler.is_compiling():
         dist.all_reduce(tensor, op=op, group=group)  # traced as a functional collective
         return _Done() if async_op else None
-    if type(op) is dist.ReduceOp and op.op != dist.ReduceOp.PREMUL_SUM:  # ReduceOp(MAX): compares
-        op = op.op  # unequal to ReduceOp.MAX, the op type every check and table here knows
-    tensor = tensor.detach() if tensor.requires_grad else tensor  # (in place through the same storage)
     start = time.perf_counter()
     try:
         return _all_reduce(tensor, op, group, async_op)
@@ -198,6 +195,9 @@ def all_reduce_(
 
 def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool) -> Any:
     """:func:`all_reduce_` outside ``torch.compile`` tracing."""
+    if type(op) is dist.ReduceOp and op.op != dist.ReduceOp.PREMUL_SUM:  # ReduceOp(MAX): compares
+        op = op.op  # unequal to ReduceOp.MAX, the op type every check and table here knows
+    tensor = tensor.detach() if tensor.requires_grad else tensor  # (in place through the same storage)
     route = _route(group)
     strided = tensor.layout == torch.strided and not tensor.is_contiguous()  # (gloo mis-reduces one)
     if tensor.device != route.device or strided:  # through a contiguous copy there, written back
