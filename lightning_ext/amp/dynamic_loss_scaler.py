@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.amp import GradScaler
 from torch.optim import Optimizer
 
-from lightning_ext._checks import as_number, check_bool, check_choice, check_int, check_number
+from lightning_ext._checks import as_number, check_bool, check_choice, check_device, check_int, check_number
 from lightning_ext._compat import (
     GradScalerStage,
     new_optimizer_state,
@@ -120,16 +120,7 @@ def _check(owner: str, values: Mapping[str, Any]) -> None:
 def _device_type(owner: str, device: Any) -> str:
     """The device type of ``device``, a str or a ``torch.device`` (``"cuda:1"``: ``"cuda"``; GradScaler
     takes both, and its scale lives on the gradients' device whatever the index)."""
-    if not isinstance(device, str | torch.device):
-        raise TypeError(
-            f"{owner}: `device` must be a device type such as 'cuda' or 'cpu' (a str or a torch.device), "
-            f"got {device!r}"
-        )
-    try:
-        return torch.device(device).type
-    except RuntimeError:
-        message = f"{owner}: `device` must be a device type such as 'cuda' or 'cpu', got {device!r}"
-        raise ValueError(message) from None
+    return check_device(owner, "device", device).type
 
 
 def _as_flag(value: Any) -> Any:

@@ -73,7 +73,8 @@ def update_bn_stats(
         RuntimeError: a BatchNorm layer did not run exactly once in a forward; distributed, on every
             rank at the same batch (the others name the failure as another rank's).
         TypeError: ``model`` not a module, ``batches`` not iterable, ``num_iter`` not an int, ``forward_fn``
-            not callable. ValueError: ``num_iter < 1``.
+            not callable.
+        ValueError: ``num_iter < 1``.
 
     Example::
 

@@ -638,9 +638,9 @@ def test_skip_only_protocol_misuse_raises_grad_scalers_errors():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        (dict(device=0), TypeError, r"`device` must be a device type such as 'cuda' or 'cpu' \(a str or a "
-         r"torch.device\), got 0"),
-        (dict(device="gpu"), ValueError, r"`device` must be a device type .*got 'gpu'"),
+        (dict(device=0), TypeError, r"`device` must be a torch.device or a device str such as 'cpu' or "
+         r"'cuda:0', got 0 \(int\)"),
+        (dict(device="gpu"), ValueError, r"`device` must be a torch.device or a device str .*got 'gpu'"),
         (dict(enabled=2), TypeError, r"`enabled` must be a bool, got 2"),
         (dict(init_scale="1"), TypeError,
          r"^DynamicLossScaler: `init_scale` must be a finite number > 0\.0, got '1' \(str\)$"),
